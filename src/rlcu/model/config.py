@@ -1,0 +1,126 @@
+"""Qwen3 model configuration, read from and written to HF's config.json.
+
+Two forms of the rotary base exist in the wild: a top-level `rope_theta` (the published
+checkpoints) and `rope_parameters: {rope_theta, rope_type}` (transformers 5). Both are
+read; the published form is written. A missing `tie_word_embeddings` means untied (HF's
+default for Qwen3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+@dataclasses.dataclass
+class Qwen3Config:
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40960
+    bos_token_id: int | None = 151643
+    eos_token_id: int | list[int] | None = 151645
+
+    def __post_init__(self):
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            val = getattr(self, f)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"Qwen3Config.{f} must be a positive integer, got {val!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Qwen3Config.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3Config.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"Qwen3Config.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}")
+
+    # derived sizes
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config.json") -> "Qwen3Config":
+        archs = d.get("architectures") or []
+        mt = d.get("model_type")
+        if not (any(a in SUPPORTED_ARCHITECTURES for a in archs) or (not archs and mt == "qwen3")):
+            raise ValueError(
+                f"{source}: unsupported architecture {archs or mt!r}; rlcu supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'qwen3')")
+        theta = d.get("rope_theta")
+        rp = d.get("rope_parameters") or {}
+        if theta is None:
+            theta = rp.get("rope_theta")
+        rtype = rp.get("rope_type", "default") if rp else (d.get("rope_scaling") or {}).get("rope_type", "default")
+        if rtype not in ("default", None):
+            raise ValueError(f"{source}: rope_type {rtype!r} is not supported (only 'default')")
+        required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing required field(s) {', '.join(missing)}")
+        nh = d["num_attention_heads"]
+        kw = dict(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=nh, num_key_value_heads=d.get("num_key_value_heads", nh),
+            head_dim=d.get("head_dim") or d["hidden_size"] // nh,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta if theta is not None else 10000.0),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+        )
+        try:
+            return cls(**kw)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Qwen3Config":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: config.json not found") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        return cls.from_hf_dict(d, source=str(path))
+
+    def to_hf_dict(self) -> dict:
+        return {
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": None, "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_hidden_layers, "sliding_window": None,
+            "use_sliding_window": False, "use_cache": True, "initializer_range": 0.02,
+            "torch_dtype": "bfloat16",
+        }

@@ -1,0 +1,300 @@
+"""Qwen3 (dense) with a hand-written backward over packed sequences.
+
+Forward and backward mirror each other op by op (llm.c style): `_layer_fwd` returns the
+activations a layer's backward needs, `_layer_bwd` walks them in reverse. With gradient
+checkpointing (the default) the forward keeps only each layer's input and the backward
+recomputes the layer before differentiating it; the recompute runs the same ops on the
+same inputs, so gradients are bit-identical either way.
+
+Weights are views into one flat buffer (see layout.py); gradients accumulate into a flat
+fp32 buffer of the same layout. The LM head never materialises [tokens, vocab] logits in
+training: `forward` goes through the fused logprob op.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from rlcu.model import io
+from rlcu.model.config import Qwen3Config
+from rlcu.model.layout import ParamLayout
+from rlcu.ops.attention import attention_bwd, attention_fwd
+from rlcu.ops.embedding import embedding_bwd, embedding_fwd
+from rlcu.ops.logprob import logprob_bwd, logprob_fwd
+from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
+from rlcu.ops.rope import positions_from_cu_seqlens, rope_bwd, rope_fwd
+from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
+
+# files copied along when a model loaded from a folder is saved to another
+_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def _acc_wgrad(g: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """g += dy^T x  (the weight gradient of y = x W^T), accumulated in g's dtype."""
+    if g.dtype == dy.dtype:
+        g.addmm_(dy.t(), x)
+    else:
+        g.add_(dy.t() @ x)
+
+
+class Qwen3:
+    """A Qwen3 causal LM whose weights live in one flat buffer (`self.flat`)."""
+
+    def __init__(self, cfg: Qwen3Config, flat: torch.Tensor):
+        self.cfg = cfg
+        self.layout = ParamLayout(cfg)
+        self.flat = flat
+        self.w = self.layout.views(flat)  # slot name -> view
+        self.params = self.layout.hf_views(flat)  # HF name -> view
+        self.grad_flat: torch.Tensor | None = None
+        self.grads: dict[str, torch.Tensor] = {}
+        self._g: dict[str, torch.Tensor] = {}
+        self.gradient_checkpointing = True
+        self.source: Path | None = None
+        self._ctx: dict | None = None
+
+    # ---------------------------------------------------------------- construction / I/O
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flat.dtype
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.w["embed"] if self.cfg.tie_word_embeddings else self.w["lm_head"]
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Qwen3":
+        path = Path(path)
+        cfg = io.read_config(path)
+        layout = ParamLayout(cfg)
+        flat = layout.empty(device, dtype)
+        flat.zero_()  # alignment padding stays zero
+        io.load_into(path, layout, flat)
+        m = cls(cfg, flat)
+        m.source = path
+        return m
+
+    @classmethod
+    def from_config(cls, cfg: Qwen3Config, device="cpu", dtype=torch.float32, seed: int = 0,
+                    init_std: float = 0.02) -> "Qwen3":
+        """Random initialisation as HF does it: N(0, init_std) matrices, unit norms."""
+        layout = ParamLayout(cfg)
+        flat = torch.zeros(layout.numel, device=device, dtype=torch.float32)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        views = layout.views(flat)
+        for name, v in views.items():
+            if name.endswith("norm"):
+                v.fill_(1.0)
+            else:
+                v.copy_(torch.randn(v.shape, generator=gen) * init_std)
+        return cls(cfg, flat.to(dtype))
+
+    def save_pretrained(self, path, dtype: torch.dtype | None = None) -> None:
+        """Write an HF-loadable folder (atomically: temp folder, fsync, rename)."""
+        io.save_folder(path, self.layout, self.flat, dtype=dtype)
+        if self.source is not None and Path(self.source).resolve() != Path(path).resolve():
+            for name in _SIDE_FILES:
+                if (Path(self.source) / name).exists():
+                    shutil.copy2(Path(self.source) / name, Path(path) / name)
+
+    def num_params(self) -> int:
+        return sum(v.numel() for v in self.params.values())
+
+    # ---------------------------------------------------------------- gradients
+    def _ensure_grads(self):
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.layout.numel, device=self.device, dtype=torch.float32)
+            self._g = self.layout.views(self.grad_flat)
+            self.grads = self.layout.hf_views(self.grad_flat)
+
+    def zero_grad(self) -> None:
+        self._ensure_grads()
+        self.grad_flat.zero_()
+
+    # ---------------------------------------------------------------- input checks
+    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{what} must be an integer tensor, got {ids.dtype}")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{what} contains token id {bad}, outside the vocabulary [0, {self.cfg.vocab_size})")
+
+    def _check_cu(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> int:
+        if tokens.dim() != 1:
+            raise ValueError(f"tokens must be 1-D (packed), got shape {list(tokens.shape)}")
+        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of S+1 offsets, got "
+                             f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
+        cu = cu_seqlens.tolist()
+        N = tokens.numel()
+        if cu[0] != 0 or cu[-1] != N:
+            raise ValueError(f"cu_seqlens must start at 0 and end at the number of tokens ({N}), "
+                             f"got {cu[0]} ... {cu[-1]}")
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        if min(lens) < 1:
+            i = min(range(len(lens)), key=lambda j: lens[j])
+            raise ValueError(f"cu_seqlens must be strictly increasing: sequence {i} has length {lens[i]}")
+        if cu_seqlens.device != tokens.device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, tokens on {tokens.device}")
+        mx = max(lens)
+        if mx > self.cfg.max_position_embeddings:
+            raise ValueError(f"a sequence of {mx} tokens exceeds max_position_embeddings "
+                             f"({self.cfg.max_position_embeddings})")
+        return mx
+
+    # ---------------------------------------------------------------- one layer
+    def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int):
+        c, w = self.cfg, self.w
+        p = f"layers.{i}."
+        N, Hq, Hk, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps = c.rms_norm_eps
+        h1, r1 = rmsnorm_fwd(x, w[p + "input_norm"], eps)
+        qkv = h1 @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
+        q0 = qkv[:, : c.q_size].reshape(N * Hq, D)
+        k0 = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(N * Hk, D)
+        v = qkv[:, c.q_size + c.kv_size :].reshape(N, Hk, D)
+        qn, rq = rmsnorm_fwd(q0, w[p + "q_norm"], eps)
+        kn, rk = rmsnorm_fwd(k0, w[p + "k_norm"], eps)
+        q = rope_fwd(qn.view(N, Hq, D), pos, c.rope_theta)
+        k = rope_fwd(kn.view(N, Hk, D), pos, c.rope_theta)
+        o, lse = attention_fwd(q, k, v, cu, max_seqlen, D**-0.5)
+        x2 = x + o.view(N, c.q_size) @ w[p + "o"].t()
+        h2, r2 = rmsnorm_fwd(x2, w[p + "post_norm"], eps)
+        gu = h2 @ w[p + "gate_up"].t()  # [N, 2I]
+        a = swiglu_fwd(gu)
+        y = x2 + a @ w[p + "down"].t()
+        acts = dict(x=x, h1=h1, r1=r1, q0=q0, k0=k0, v=v, rq=rq, rk=rk, q=q, k=k, o=o, lse=lse,
+                    x2=x2, h2=h2, r2=r2, gu=gu, a=a)
+        return y, acts
+
+    def _layer_bwd(self, i: int, dy: torch.Tensor, s: dict, pos, cu, max_seqlen: int):
+        c, w, g = self.cfg, self.w, self._g
+        p = f"layers.{i}."
+        N, Hq, Hk, D = dy.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        # MLP: y = x2 + swiglu(h2 Wgu^T) Wd^T
+        _acc_wgrad(g[p + "down"], dy, s["a"])
+        da = dy @ w[p + "down"]
+        dgu = swiglu_bwd(da, s["gu"])
+        _acc_wgrad(g[p + "gate_up"], dgu, s["h2"])
+        dh2 = dgu @ w[p + "gate_up"]
+        dx2, dw = rmsnorm_bwd(dh2, s["x2"], w[p + "post_norm"], s["r2"])
+        g[p + "post_norm"] += dw
+        dx2 = dx2 + dy
+        # attention: x2 = x + attn(rope(norm(q)), rope(norm(k)), v) Wo^T
+        _acc_wgrad(g[p + "o"], dx2, s["o"].view(N, c.q_size))
+        do = (dx2 @ w[p + "o"]).view(N, Hq, D)
+        dq, dk, dv = attention_bwd(do, s["q"], s["k"], s["v"], s["o"], s["lse"], cu, max_seqlen, D**-0.5)
+        dqn = rope_bwd(dq, pos, c.rope_theta).reshape(N * Hq, D)
+        dkn = rope_bwd(dk, pos, c.rope_theta).reshape(N * Hk, D)
+        dq0, dw = rmsnorm_bwd(dqn, s["q0"], w[p + "q_norm"], s["rq"])
+        g[p + "q_norm"] += dw
+        dk0, dw = rmsnorm_bwd(dkn, s["k0"], w[p + "k_norm"], s["rk"])
+        g[p + "k_norm"] += dw
+        dqkv = torch.cat([dq0.view(N, c.q_size), dk0.view(N, c.kv_size), dv.reshape(N, c.kv_size)], 1)
+        _acc_wgrad(g[p + "qkv"], dqkv, s["h1"])
+        dh1 = dqkv @ w[p + "qkv"]
+        dx, dw = rmsnorm_bwd(dh1, s["x"], w[p + "input_norm"], s["r1"])
+        g[p + "input_norm"] += dw
+        return dx + dx2
+
+    # ---------------------------------------------------------------- trunk
+    def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str):
+        """Embedding + layers. keep: 'none' | 'inputs' (checkpointing) | 'all'."""
+        pos = positions_from_cu_seqlens(cu_seqlens, tokens.numel())
+        x = embedding_fwd(tokens, self.w["embed"])
+        saved = []
+        for i in range(self.cfg.num_hidden_layers):
+            x_in = x
+            x, acts = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen)
+            if keep == "inputs":
+                saved.append(x_in)
+            elif keep == "all":
+                saved.append(acts)
+        return x, pos, saved
+
+    # ---------------------------------------------------------------- public API
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """LongTensor[B, T] -> FloatTensor[B, T, V]: logits[b, t] scores token t+1."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {list(input_ids.shape)}")
+        self._check_ids(input_ids, "input_ids")
+        B, T = input_ids.shape
+        tokens = input_ids.reshape(-1).to(self.device)
+        cu = torch.arange(0, (B + 1) * T, T, device=self.device, dtype=torch.int32)
+        x, _, _ = self._trunk_fwd(tokens, cu, T, keep="none")
+        h, _ = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps)
+        return (h @ self.lm_head.t()).float().view(B, T, -1)
+
+    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *, temperature: float = 1.0,
+                return_entropy: bool = False, grad: bool = True):
+        """Packed log-probabilities.
+
+        tokens: LongTensor[N], cu_seqlens: IntTensor[S+1] (int32 offsets into tokens).
+        Returns lp: FloatTensor[N] with lp[i] = log p(tokens[i] | earlier tokens of its own
+        sequence) at `temperature`, 0 at each sequence's first token; with
+        `return_entropy=True`, (lp, ent) where ent[i] is the entropy of the same
+        distribution. With grad=True the activations `backward` needs are kept.
+        """
+        max_seqlen = self._check_cu(tokens, cu_seqlens)
+        self._check_ids(tokens, "tokens")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        keep = ("inputs" if self.gradient_checkpointing else "all") if grad else "none"
+        x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep)
+        h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps)
+        N = tokens.numel()
+        has_prev = torch.ones(N, dtype=torch.bool, device=tokens.device)
+        has_prev[cu_seqlens[:-1].long()] = False
+        tgt = has_prev.nonzero()[:, 0]  # positions with a predicted token
+        rows = tgt - 1  # the hidden row that predicts it
+        hs = h.index_select(0, rows)
+        targets = tokens.index_select(0, tgt)
+        lp_r, ent_r, lse = logprob_fwd(hs, self.lm_head, targets, temperature, return_entropy)
+        lp = torch.zeros(N, device=tokens.device, dtype=torch.float32).index_copy_(0, tgt, lp_r)
+        ent = None
+        if return_entropy:
+            ent = torch.zeros(N, device=tokens.device, dtype=torch.float32).index_copy_(0, tgt, ent_r)
+        self._ctx = (dict(tokens=tokens, cu=cu_seqlens, max_seqlen=max_seqlen, pos=pos, saved=saved,
+                          x=x, rstd=rstd, hs=hs, rows=rows, tgt=tgt, targets=targets, lse=lse,
+                          temperature=temperature) if grad else None)
+        return (lp, ent) if return_entropy else lp
+
+    def backward(self, dlp: torch.Tensor, dentropy: torch.Tensor | None = None) -> None:
+        """Accumulate d(sum(dlp * lp) + sum(dentropy * ent))/dθ into `self.grads`, for the
+        lp (and ent) of the last `forward`. Frees the saved activations."""
+        if self._ctx is None:
+            raise RuntimeError("backward() needs a preceding forward(..., grad=True)")
+        s, self._ctx = self._ctx, None
+        N = s["tokens"].numel()
+        if dlp.shape != (N,) or (dentropy is not None and dentropy.shape != (N,)):
+            raise ValueError(f"dlp (and dentropy) must have shape [{N}], got {list(dlp.shape)}")
+        self._ensure_grads()
+        c, g = self.cfg, self._g
+        tgt = s["tgt"]
+        dlp_r = dlp.float().index_select(0, tgt)
+        dent_r = None if dentropy is None else dentropy.float().index_select(0, tgt)
+        dW_head = g["embed"] if c.tie_word_embeddings else g["lm_head"]
+        dhs = logprob_bwd(dlp_r, dent_r, s["hs"], self.lm_head, s["targets"], s["lse"], dW_head,
+                          s["temperature"])
+        dh = torch.zeros(N, c.hidden_size, device=dhs.device, dtype=dhs.dtype).index_copy_(0, s["rows"], dhs)
+        dx, dw = rmsnorm_bwd(dh, s["x"], self.w["final_norm"], s["rstd"])
+        g["final_norm"] += dw
+        pos, cu, ms = s["pos"], s["cu"], s["max_seqlen"]
+        for i in reversed(range(c.num_hidden_layers)):
+            acts = s["saved"][i]
+            if self.gradient_checkpointing and not isinstance(acts, dict):
+                _, acts = self._layer_fwd(i, acts, pos, cu, ms)  # recompute from the layer input
+            s["saved"][i] = None
+            dx = self._layer_bwd(i, dx, acts, pos, cu, ms)
+        embedding_bwd(dx, s["tokens"], g["embed"])

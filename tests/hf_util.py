@@ -1,0 +1,40 @@
+"""Helpers shared by tests: tiny random Qwen3 checkpoints made with transformers (the oracle)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_hf_config(tied: bool = False, **kw):
+    from transformers import Qwen3Config as HFConfig
+
+    d = dict(vocab_size=333, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+             num_attention_heads=6, num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-6,
+             rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=tied,
+             attn_implementation="eager")
+    d.update(kw)
+    return HFConfig(**d)
+
+
+def make_hf_model(tmp_path, tied=False, seed=0, **kw):
+    """A tiny random HF Qwen3ForCausalLM saved under tmp_path; returns (model, folder).
+    Norm weights are randomised too so that every parameter matters."""
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(tied, **kw)
+    m = Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    folder = tmp_path / ("hf_tied" if tied else "hf_untied")
+    m.save_pretrained(folder)
+    return m, folder
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
