@@ -33,12 +33,25 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.jso
                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
+_MIXED_ADDMM = [True]  # cuBLAS bf16 x bf16 -> fp32 accumulate-in-place; probed on first use
+
+
 def _acc_wgrad(g: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
-    """g += dy^T x  (the weight gradient of y = x W^T), accumulated in g's dtype."""
+    """g += dy^T x  (the weight gradient of y = x W^T), accumulated in g's dtype (fp32).
+
+    On CUDA the bf16 product is accumulated by cuBLAS straight into the fp32 gradient
+    (beta = 1, no bf16 rounding of the product, no temporary); elsewhere, or where that
+    overload is missing, the product is formed and added."""
     if g.dtype == dy.dtype:
         g.addmm_(dy.t(), x)
-    else:
-        g.add_(dy.t() @ x)
+        return
+    if g.is_cuda and _MIXED_ADDMM[0]:
+        try:
+            torch.addmm(g, dy.t(), x, out_dtype=g.dtype, out=g)
+            return
+        except (RuntimeError, TypeError):
+            _MIXED_ADDMM[0] = False
+    g.add_(dy.t() @ x)
 
 
 class Qwen3:

@@ -1,8 +1,98 @@
-"""Token embedding lookup; the backward scatter-adds rows into the (flat) gradient buffer."""
+"""Token embedding lookup; the backward scatter-adds rows into the (flat) gradient buffer.
+
+Forward: x[i] = W[ids[i]], a row gather. Backward: dW[ids[i]] += dx[i]. A token id can repeat
+within a batch, so the kernel adds with fp32 atomics (relaxed order: only the sum matters);
+the Triton backward therefore needs an fp32 dW (the flat gradient buffer is fp32), and
+repeated ids make the last bits of dW depend on the order the adds land in.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from rlcu.ops._backend import use_triton
+
+_TILE = 4096  # elements a program handles: BN rows of BD columns
+_MAX_BD = 1024
+_INTS = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _embedding_fwd_kernel(IDS, W, X, N, D, stride_w, stride_x, BN: tl.constexpr, BD: tl.constexpr):
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1).to(tl.int64)
+    rows = pid_n * BN + tl.arange(0, BN)
+    cols = pid_d * BD + tl.arange(0, BD)
+    rmask = rows < N
+    mask = rmask[:, None] & (cols < D)[None, :]
+    ids = tl.load(IDS + rows, mask=rmask, other=0).to(tl.int64)  # [BN]
+    x = tl.load(W + ids[:, None] * stride_w + cols[None, :], mask=mask, other=0.0)
+    tl.store(X + rows[:, None] * stride_x + cols[None, :], x, mask=mask)
+
+
+@triton.jit
+def _embedding_bwd_kernel(DX, IDS, DW, N, D, stride_dx, stride_dw, BN: tl.constexpr, BD: tl.constexpr):
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1).to(tl.int64)
+    rows = pid_n * BN + tl.arange(0, BN)
+    cols = pid_d * BD + tl.arange(0, BD)
+    rmask = rows < N
+    mask = rmask[:, None] & (cols < D)[None, :]
+    ids = tl.load(IDS + rows, mask=rmask, other=0).to(tl.int64)
+    dx = tl.load(DX + rows[:, None] * stride_dx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.atomic_add(DW + ids[:, None] * stride_dw + cols[None, :], dx, mask=mask, sem="relaxed")
+
+
+def _grid(N: int, D: int):
+    BD = min(triton.next_power_of_2(D), _MAX_BD)
+    BN = max(1, _TILE // BD)
+    num_warps = 4 if BN * BD <= 2048 else 8
+    return (triton.cdiv(N, BN), triton.cdiv(D, BD)), BN, BD, num_warps
+
+
+def _check(ids: torch.Tensor, M: torch.Tensor, name: str):
+    if ids.dim() != 1 or ids.dtype not in _INTS:
+        raise ValueError(f"embedding: ids must be a 1-D int32/int64 tensor, got {ids.dtype} "
+                         f"{list(ids.shape)}")
+    if M.dim() != 2:
+        raise ValueError(f"embedding: {name} must be [V, D], got shape {list(M.shape)}")
+    if M.stride(1) != 1:
+        raise ValueError(f"embedding: {name} must have unit column stride, got strides {M.stride()}")
+    if ids.device != M.device:
+        raise ValueError(f"embedding: ids is on {ids.device}, {name} on {M.device}")
+
+
+def embedding_fwd_triton(ids: torch.Tensor, W: torch.Tensor):
+    _check(ids, W, "W")
+    ids = ids.contiguous()
+    N, D = ids.shape[0], W.shape[1]
+    x = torch.empty(N, D, device=W.device, dtype=W.dtype)
+    if x.numel() == 0:
+        return x
+    grid, BN, BD, num_warps = _grid(N, D)
+    _embedding_fwd_kernel[grid](ids, W, x, N, D, W.stride(0), x.stride(0), BN=BN, BD=BD,
+                                num_warps=num_warps)
+    return x
+
+
+def embedding_bwd_triton(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):
+    _check(ids, dW, "dW")
+    if dW.dtype != torch.float32:
+        raise TypeError(f"embedding: the Triton backward accumulates in fp32; dW is {dW.dtype}")
+    N, D = ids.shape[0], dW.shape[1]
+    if dx.shape != (N, D):
+        raise ValueError(f"embedding: dx must have shape [{N}, {D}], got {list(dx.shape)}")
+    if dx.device != dW.device:
+        raise ValueError(f"embedding: dx is on {dx.device}, dW on {dW.device}")
+    if dx.numel() == 0:
+        return
+    dx = dx if dx.stride(1) == 1 else dx.contiguous()
+    ids = ids.contiguous()
+    grid, BN, BD, num_warps = _grid(N, D)
+    _embedding_bwd_kernel[grid](dx, ids, dW, N, D, dx.stride(0), dW.stride(0), BN=BN, BD=BD,
+                                num_warps=num_warps)
 
 
 def embedding_fwd_ref(ids: torch.Tensor, W: torch.Tensor):
@@ -15,9 +105,14 @@ def embedding_bwd_ref(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):
 
 def embedding_fwd(ids: torch.Tensor, W: torch.Tensor):
     """ids: [N] int, W: [V, D] -> x [N, D]."""
+    if use_triton(W):
+        return embedding_fwd_triton(ids, W)
     return embedding_fwd_ref(ids, W)
 
 
 def embedding_bwd(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):
     """dW[ids[i]] += dx[i], in place. dx: [N, D], dW: [V, D]."""
-    embedding_bwd_ref(dx, ids, dW)
+    if use_triton(dW) and dW.dtype == torch.float32:
+        embedding_bwd_triton(dx, ids, dW)
+    else:
+        embedding_bwd_ref(dx, ids, dW)

@@ -7,13 +7,182 @@ With z = (h W^T) / T, lse = logsumexp(z), p = softmax(z):
 Backward, for upstream dlp and dent:
     dz_j = dlp (1[j = target] - p_j) - dent p_j (z_j - lse + ent)
     dlogits = dz / T;   dh = dlogits W;   dW += dlogits^T h
+
+The GPU path goes `CHUNK_ROWS` rows at a time through one reusable [C, V] buffer in the
+input dtype: cuBLAS writes the logits tile, one Triton pass over it does the online
+log-sum-exp (base 2), the target gather and the entropy sum in fp32. The backward
+recomputes the tile (logits are never stored between forward and backward), turns it into
+dlogits in place with a second Triton pass, then cuBLAS does dh = dlogits W and
+dW += dlogits^T h (fp32 accumulation straight into an fp32 dW when torch's cuBLAS binding
+offers `out_dtype`). The working set is the one tile: C * V elements (1.2 GB in bf16 for
+C = 4096 and Qwen3's V = 151936) whatever N is.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlcu.ops._backend import HAS_TRITON, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+CHUNK_ROWS = 4096  # rows of logits held at once by the GPU path
+BV_MAX = 8192  # vocabulary tile of one kernel iteration
 _CHUNK = 1024  # rows of logits held at once by the twin
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _logprob_fwd_kernel(Z, Tgt, Lp, Ent, Lse, V, stride_z, scale2,
+                            WITH_ENT: tl.constexpr, BV: tl.constexpr):
+        # One program per row of the chunk. Base-2 online softmax over V tiles, with
+        # x = z log2(e):  m = max x,  s = sum 2^(x - m),  t = sum 2^(x - m) x, so that
+        # lse = ln2 (m + log2 s)  and  sum_j p_j z_j = ln2 t / s.
+        row = tl.program_id(0).to(tl.int64)
+        Z += row * stride_z
+        m = float("-inf")
+        s = 0.0
+        t = 0.0
+        for v0 in range(0, V, BV):
+            offs = v0 + tl.arange(0, BV)
+            mask = offs < V
+            x = tl.load(Z + offs, mask=mask, other=float("-inf")).to(tl.float32) * scale2
+            m_new = tl.maximum(m, tl.max(x, 0))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(x - m_new)
+            s = s * alpha + tl.sum(p, 0)
+            if WITH_ENT:
+                t = t * alpha + tl.sum(tl.where(mask, p * x, 0.0), 0)
+            m = m_new
+        lse = (m + tl.log2(s)) * 0.6931471805599453
+        tgt = tl.load(Tgt + row)
+        zt = tl.load(Z + tgt).to(tl.float32) * scale2 * 0.6931471805599453
+        tl.store(Lp + row, zt - lse)
+        tl.store(Lse + row, lse)
+        if WITH_ENT:
+            tl.store(Ent + row, lse - t / s * 0.6931471805599453)
+
+    @triton.jit
+    def _logprob_bwd_kernel(Z, Tgt, Dlp, Dent, Lse, V, stride_z, inv_t,
+                            HAS_DLP: tl.constexpr, HAS_DENT: tl.constexpr, BV: tl.constexpr):
+        # In place: the logits row becomes dlogits = dz / T with
+        #   dz_j = dlp (1[j = tgt] - p_j) - dent p_j (z_j - lse + ent),  p_j = exp(z_j - lse).
+        # The entropy is not saved by the forward, so with dent a first pass re-sums p z.
+        row = tl.program_id(0).to(tl.int64)
+        Z += row * stride_z
+        lse = tl.load(Lse + row)
+        scale2 = inv_t * 1.4426950408889634
+        lse2 = lse * 1.4426950408889634
+        dlp = 0.0
+        if HAS_DLP:
+            dlp = tl.load(Dlp + row)
+        dent = 0.0
+        ent = 0.0
+        if HAS_DENT:
+            dent = tl.load(Dent + row)
+            t = 0.0
+            for v0 in range(0, V, BV):
+                offs = v0 + tl.arange(0, BV)
+                mask = offs < V
+                x = tl.load(Z + offs, mask=mask, other=float("-inf")).to(tl.float32) * scale2
+                p = tl.exp2(x - lse2)
+                t += tl.sum(tl.where(mask, p * x, 0.0), 0)
+            ent = lse - t * 0.6931471805599453
+        tgt = tl.load(Tgt + row)
+        for v0 in range(0, V, BV):
+            offs = v0 + tl.arange(0, BV)
+            mask = offs < V
+            x = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32) * scale2
+            p = tl.exp2(x - lse2)
+            dz = -dlp * p
+            if HAS_DENT:
+                dz -= dent * p * (x * 0.6931471805599453 - lse + ent)
+            dz = tl.where(offs == tgt, dz + dlp, dz)
+            tl.store(Z + offs, (dz * inv_t).to(Z.dtype.element_ty), mask=mask)
+
+
+def _check(h, W, targets):
+    if h.dim() != 2 or W.dim() != 2 or h.shape[1] != W.shape[1]:
+        raise ValueError(f"h must be [N, D] and W [V, D], got {list(h.shape)} and {list(W.shape)}")
+    if h.dtype != W.dtype:
+        raise TypeError(f"h and W must share a dtype, got {h.dtype} and {W.dtype}")
+    if targets.shape != (h.shape[0],):
+        raise ValueError(f"targets must have shape [{h.shape[0]}], got {list(targets.shape)}")
+
+
+def _tiles(V: int):
+    BV = min(BV_MAX, triton.next_power_of_2(V))
+    return BV, (8 if BV >= 4096 else 4)
+
+
+_ADDMM_OUT_DTYPE = True  # torch's addmm(..., out_dtype=) works here; cleared on first failure
+
+
+def _wgrad_acc(dW, dz, hs):
+    """dW += dz^T hs, accumulating in dW's dtype (fp32 dW from bf16 operands through
+    cuBLAS's fp32 C when torch offers it, else through a low-precision product)."""
+    global _ADDMM_OUT_DTYPE
+    if dW.dtype == dz.dtype:
+        dW.addmm_(dz.t(), hs)
+        return
+    if dW.is_cuda and _ADDMM_OUT_DTYPE:
+        try:
+            torch.addmm(dW, dz.t(), hs, out_dtype=dW.dtype, out=dW)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE = False
+    dW += (dz.t() @ hs).to(dW.dtype)
+
+
+def _logprob_fwd_triton(h, W, targets, temperature, with_entropy):
+    N, V = h.shape[0], W.shape[0]
+    lp = torch.empty(N, device=h.device, dtype=torch.float32)
+    lse = torch.empty(N, device=h.device, dtype=torch.float32)
+    ent = torch.empty(N, device=h.device, dtype=torch.float32) if with_entropy else None
+    if N == 0:
+        return lp, ent, lse
+    targets = targets.contiguous()
+    C = min(N, CHUNK_ROWS)
+    buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits tile
+    BV, warps = _tiles(V)
+    for s in range(0, N, C):
+        n = min(C, N - s)
+        z = buf[:n]
+        torch.mm(h[s : s + n], W.t(), out=z)
+        _logprob_fwd_kernel[(n,)](
+            z, targets[s:], lp[s:], ent[s:] if with_entropy else lp, lse[s:], V, z.stride(0),
+            _LOG2E / temperature, WITH_ENT=with_entropy, BV=BV, num_warps=warps)
+    return lp, ent, lse
+
+
+def _logprob_bwd_triton(dlp, dent, h, W, targets, lse, dW, temperature):
+    N, V = h.shape[0], W.shape[0]
+    dh = torch.empty_like(h)
+    if N == 0:
+        return dh
+    targets, lse = targets.contiguous(), lse.contiguous()
+    dlp = dlp.float().contiguous() if dlp is not None else None
+    dent = dent.float().contiguous() if dent is not None else None
+    C = min(N, CHUNK_ROWS)
+    buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits, then dlogits
+    BV, warps = _tiles(V)
+    for s in range(0, N, C):
+        n = min(C, N - s)
+        z, hs = buf[:n], h[s : s + n]
+        torch.mm(hs, W.t(), out=z)  # recomputed: the forward keeps only lse
+        _logprob_bwd_kernel[(n,)](
+            z, targets[s:], dlp[s:] if dlp is not None else lse, dent[s:] if dent is not None else lse,
+            lse[s:], V, z.stride(0), 1.0 / temperature,
+            HAS_DLP=dlp is not None, HAS_DENT=dent is not None, BV=BV, num_warps=warps)
+        torch.mm(z, W, out=dh[s : s + n])
+        if dW is not None:
+            _wgrad_acc(dW, z, hs)
+    return dh
 
 
 def logprob_fwd_ref(h, W, targets, temperature=1.0, with_entropy=False, chunk=_CHUNK):
@@ -40,8 +209,10 @@ def logprob_bwd_ref(dlp, dent, h, W, targets, lse, dW, temperature=1.0, chunk=_C
         z = (hs @ W.t()).float() / temperature
         m = lse[s : s + chunk, None]
         p = torch.exp(z - m)
-        dz = -p * dlp[s : s + chunk, None]
-        dz.scatter_add_(1, targets[s : s + chunk].long()[:, None], dlp[s : s + chunk, None].float())
+        dz = torch.zeros_like(z)
+        if dlp is not None:
+            dz -= p * dlp[s : s + chunk, None]
+            dz.scatter_add_(1, targets[s : s + chunk].long()[:, None], dlp[s : s + chunk, None].float())
         if dent is not None:
             ent = m[:, 0] - (p * z).sum(-1)
             dz -= dent[s : s + chunk, None] * p * (z - m + ent[:, None])
@@ -54,9 +225,18 @@ def logprob_bwd_ref(dlp, dent, h, W, targets, lse, dW, temperature=1.0, chunk=_C
 
 def logprob_fwd(h, W, targets, temperature: float = 1.0, with_entropy: bool = False):
     """h: [N, D], W: [V, D], targets: [N] int -> (lp [N], ent [N] | None, lse [N]), fp32."""
+    _check(h, W, targets)
+    if use_triton(h):
+        return _logprob_fwd_triton(h, W, targets, temperature, with_entropy)
     return logprob_fwd_ref(h, W, targets, temperature, with_entropy)
 
 
 def logprob_bwd(dlp, dent, h, W, targets, lse, dW, temperature: float = 1.0):
-    """dlp, dent (or None): [N] fp32 -> dh [N, D]; dW [V, D] += the weight's gradient."""
+    """dlp, dent (either may be None): [N] fp32 -> dh [N, D] in h.dtype; dW [V, D] (any
+    float dtype, e.g. fp32 beside bf16 h and W, or None) += the weight's gradient."""
+    _check(h, W, targets)
+    if dW is not None and dW.shape != W.shape:
+        raise ValueError(f"dW must have W's shape {list(W.shape)}, got {list(dW.shape)}")
+    if use_triton(h):
+        return _logprob_bwd_triton(dlp, dent, h, W, targets, lse, dW, temperature)
     return logprob_bwd_ref(dlp, dent, h, W, targets, lse, dW, temperature)

@@ -6,11 +6,139 @@ Statistics are fp32 whatever the input dtype; `rstd` is saved for the backward.
 Backward, with xhat = x * rstd and g = dy * w:
     dx = rstd * (g - xhat * mean(g * xhat))
     dw = sum_rows(dy * xhat)
+
+The kernels hold whole rows (D <= 8192) and pack several short rows into one program so
+that the per-head norm (D = 128, millions of rows) moves as much data per program as the
+hidden norm. The backward's dw is a column sum over all rows: each program of a fixed-size
+grid sums its own contiguous run of rows into one row of an fp32 [P, D] buffer, which is
+then summed in a fixed order, so dw is deterministic (no atomics).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from rlcu.ops._backend import use_triton
+
+MAX_D = 8192  # a row lives in one block
+_TILE = 4096  # elements a program handles at once: BN rows of BD columns
+_BWD_PROGRAMS_PER_SM = 8  # fixed backward grid: enough warps in flight per SM to hide latency
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rmsnorm_fwd_kernel(X, W, Y, RSTD, N, D, stride_x, stride_y, eps,
+                        BN: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BN + tl.arange(0, BN)  # [BN]
+    cols = tl.arange(0, BD)
+    rmask = rows < N
+    cmask = cols < D
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)  # [BN]
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    # as the twin (and HF): the normalised x is rounded to x's dtype before the scale by w
+    xhat = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    y = xhat * w[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, N, D, stride_dy, stride_x, stride_dx,
+                        tiles_per_program, BN: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BD)
+    cmask = cols < D
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BD], dtype=tl.float32)
+    for t in range(0, tiles_per_program):
+        rows = (pid * tiles_per_program + t) * BN + tl.arange(0, BN)  # [BN]
+        rmask = rows < N
+        mask = rmask[:, None] & cmask[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = x * rstd[:, None]
+        g = dy * w[None, :]
+        # d/dx of x * rstd(x): rstd * (g - xhat * mean(g * xhat)); padded rows give 0
+        c = tl.sum(g * xhat, 1) / D  # [BN]
+        dx = rstd[:, None] * (g - xhat * c[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, 0)
+    tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
+
+
+def _blocks(D: int):
+    """Block shape [BN, BD] and warps for rows of length D."""
+    BD = triton.next_power_of_2(D)
+    BN = max(1, _TILE // BD)
+    num_warps = 4 if BN * BD <= 4096 else 8 if BN * BD <= 8192 else 16
+    return BN, BD, num_warps
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A 2-D view with unit column stride (any row stride); copies only when needed."""
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [N, D], got shape {list(t.shape)}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    return t if (t.stride(1) == 1 or t.shape[1] <= 1) else t.contiguous()
+
+
+def _check(x: torch.Tensor, w: torch.Tensor):
+    N, D = x.shape
+    if not 0 < D <= MAX_D:
+        raise ValueError(f"rmsnorm: row length D={D} must be in [1, {MAX_D}]")
+    if w.shape != (D,):
+        raise ValueError(f"rmsnorm: w must have shape [{D}], got {list(w.shape)}")
+    if w.device != x.device:
+        raise ValueError(f"rmsnorm: w is on {w.device}, x on {x.device}")
+    return N, D
+
+
+def _num_programs(device: torch.device, n_tiles: int) -> int:
+    per = _BWD_PROGRAMS_PER_SM * (torch.cuda.get_device_properties(device).multi_processor_count
+                                  if device.type == "cuda" else 1)
+    return max(1, min(n_tiles, per))
+
+
+def rmsnorm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
+    x = _rows(x, "x")
+    N, D = _check(x, w)
+    w = w.contiguous()
+    y = torch.empty(N, D, device=x.device, dtype=x.dtype)
+    rstd = torch.empty(N, device=x.device, dtype=torch.float32)
+    if N == 0:
+        return y, rstd
+    BN, BD, num_warps = _blocks(D)
+    _rmsnorm_fwd_kernel[(triton.cdiv(N, BN),)](x, w, y, rstd, N, D, x.stride(0), y.stride(0), eps,
+                                               BN=BN, BD=BD, num_warps=num_warps)
+    return y, rstd
+
+
+def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
+    x, dy = _rows(x, "x"), _rows(dy, "dy")
+    N, D = _check(x, w)
+    if dy.shape != x.shape:
+        raise ValueError(f"rmsnorm: dy has shape {list(dy.shape)}, x has {list(x.shape)}")
+    if rstd.shape != (N,) or rstd.dtype != torch.float32:
+        raise ValueError(f"rmsnorm: rstd must be fp32 [{N}], got {rstd.dtype} {list(rstd.shape)}")
+    w, rstd = w.contiguous(), rstd.contiguous()
+    dx = torch.empty(N, D, device=x.device, dtype=x.dtype)
+    if N == 0:
+        return dx, torch.zeros(D, device=x.device, dtype=torch.float32)
+    BN, BD, num_warps = _blocks(D)
+    n_tiles = triton.cdiv(N, BN)
+    tiles_per_program = triton.cdiv(n_tiles, _num_programs(x.device, n_tiles))
+    P = triton.cdiv(n_tiles, tiles_per_program)
+    dw_part = torch.empty(P, D, device=x.device, dtype=torch.float32)  # [P, D]
+    _rmsnorm_bwd_kernel[(P,)](dy, x, w, rstd, dx, dw_part, N, D, dy.stride(0), x.stride(0),
+                              dx.stride(0), tiles_per_program, BN=BN, BD=BD, num_warps=num_warps)
+    return dx, dw_part.sum(0)
 
 
 def rmsnorm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
@@ -30,9 +158,13 @@ def rmsnorm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: to
 
 def rmsnorm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
     """x: [N, D], w: [D] -> (y [N, D] in x.dtype, rstd [N] fp32)."""
+    if use_triton(x):
+        return rmsnorm_fwd_triton(x, w, eps)
     return rmsnorm_fwd_ref(x, w, eps)
 
 
 def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
     """dy, x: [N, D], w: [D], rstd: [N] -> (dx [N, D] in x.dtype, dw [D] fp32)."""
+    if use_triton(x):
+        return rmsnorm_bwd_triton(dy, x, w, rstd)
     return rmsnorm_bwd_ref(dy, x, w, rstd)

@@ -5,11 +5,86 @@ For position p and frequency i < D/2: a = p * theta^(-2i/D),
     y[i+D/2]   = x[i+D/2] cos a + x[i] sin a
 The map is a rotation, so the backward is the rotation by -a. Angles are computed in fp32.
 Positions restart at 0 at each sequence start of a packed batch (`positions_from_cu_seqlens`).
+
+The kernel needs no cos/sin cache: it forms theta^(-2i/D) = exp2(-2i/D * log2 theta) and the
+angles in fp32 registers, once per (token, frequency), and shares them across the H heads
+of the token that the program holds.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import triton
+import triton.language as tl
+
+from rlcu.ops._backend import use_triton
+
+_TILE = 4096  # elements a program handles: BT tokens x BH heads x D
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rope_kernel(X, POS, Y, N, H, D2, stride_xn, stride_xh, stride_yn, stride_yh, freq_scale,
+                 SIGN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BD2: tl.constexpr):
+    # freq_scale = -2 log2(theta) / D, so that theta^(-2i/D) = exp2(i * freq_scale)
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid * BT + tl.arange(0, BT)  # [BT] tokens
+    h = tl.arange(0, BH)
+    i = tl.arange(0, BD2)
+    tmask = t < N
+    pos = tl.load(POS + t, mask=tmask, other=0).to(tl.float32)
+    inv_freq = tl.exp2(i.to(tl.float32) * freq_scale)  # [BD2]
+    ang = pos[:, None] * inv_freq[None, :]  # [BT, BD2]
+    cos = tl.cos(ang)[:, None, :]  # [BT, 1, BD2]
+    sin = (SIGN * tl.sin(ang))[:, None, :]
+    mask = tmask[:, None, None] & (h < H)[None, :, None] & (i < D2)[None, None, :]
+    x_off = t[:, None, None] * stride_xn + h[None, :, None] * stride_xh + i[None, None, :]
+    y_off = t[:, None, None] * stride_yn + h[None, :, None] * stride_yh + i[None, None, :]
+    x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)  # [BT, BH, BD2]
+    x2 = tl.load(X + x_off + D2, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + y_off, (x1 * cos - x2 * sin).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + y_off + D2, (x2 * cos + x1 * sin).to(Y.dtype.element_ty), mask=mask)
+
+
+def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, sign: float):
+    if x.dim() != 3:
+        raise ValueError(f"rope: x must be [N, H, D], got shape {list(x.shape)}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"rope: x must be float32, bfloat16 or float16, got {x.dtype}")
+    N, H, D = x.shape
+    if D % 2:
+        raise ValueError(f"rope: head_dim D={D} must be even")
+    if positions.shape != (N,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rope: positions must be an int32 [{N}] tensor, got {positions.dtype} "
+                         f"{list(positions.shape)}")
+    if positions.device != x.device:
+        raise ValueError(f"rope: positions is on {positions.device}, x on {x.device}")
+    if not theta > 0:
+        raise ValueError(f"rope: theta must be > 0, got {theta}")
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    positions = positions.contiguous()
+    y = torch.empty(N, H, D, device=x.device, dtype=x.dtype)
+    if y.numel() == 0:
+        return y
+    D2 = D // 2
+    BD2, BH = triton.next_power_of_2(D2), triton.next_power_of_2(H)
+    BT = max(1, _TILE // (2 * BD2 * BH))
+    num_warps = 4 if BT * BH * BD2 <= 2048 else 8
+    _rope_kernel[(triton.cdiv(N, BT),)](x, positions, y, N, H, D2, x.stride(0), x.stride(1),
+                                        y.stride(0), y.stride(1), -2.0 * math.log2(theta) / D,
+                                        SIGN=sign, BT=BT, BH=BH, BD2=BD2, num_warps=num_warps)
+    return y
+
+
+def rope_fwd_triton(x: torch.Tensor, positions: torch.Tensor, theta: float):
+    return _rope_triton(x, positions, theta, 1.0)
+
+
+def rope_bwd_triton(dy: torch.Tensor, positions: torch.Tensor, theta: float):
+    return _rope_triton(dy, positions, theta, -1.0)
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -40,9 +115,13 @@ def rope_bwd_ref(dy: torch.Tensor, positions: torch.Tensor, theta: float):
 
 def rope_fwd(x: torch.Tensor, positions: torch.Tensor, theta: float):
     """x: [N, H, D], positions: [N] int32 -> y [N, H, D]."""
+    if use_triton(x):
+        return rope_fwd_triton(x, positions, theta)
     return rope_fwd_ref(x, positions, theta)
 
 
 def rope_bwd(dy: torch.Tensor, positions: torch.Tensor, theta: float):
     """dy: [N, H, D], positions: [N] int32 -> dx [N, H, D]."""
+    if use_triton(dy):
+        return rope_bwd_triton(dy, positions, theta)
     return rope_bwd_ref(dy, positions, theta)

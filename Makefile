@@ -1,0 +1,25 @@
+# rlcu developer commands. `make demo` and `make test` work on a fresh machine.
+PY ?= python3
+# a CPU build of torch when none is installed (a GPU machine brings its own)
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.6.0
+
+.PHONY: install install-test demo test test-fast gpu-check bench
+
+install:
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e .
+
+install-test: install
+	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q "$(TRITON_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+
+demo: install
+	rlcu demo --out runs/demo
+
+test: install-test
+	$(PY) -m pytest -q
+
+# On the device machine: GPU-marked tests, then the benchmarks, a table last, JSON under $$OUT.
+gpu-check:
+	bash bench/gpu_check.sh

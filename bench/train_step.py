@@ -1,0 +1,157 @@
+"""Training-step benchmark (BENCHMARKS.md section 2): batch 32 x 1024 tokens, next-token loss
+on all tokens, AdamW step, Qwen3-0.6B shape with random bf16 weights.
+
+rlcu: bf16 weights, fp32 master + moments, gradient checkpointing by layer, the fused
+logprob head, Triton kernels. Peer (same run): HF transformers Qwen3ForCausalLM in bf16,
+SDPA attention, torch.optim.AdamW(fused=True), no checkpointing.
+MFU = 3 x forward FLOPs x tokens / time / 989e12.
+
+    python bench/train_step.py [--batch 32 --seqlen 1024 --steps 6 --no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import qwen3_06b_config, write_json  # noqa: E402
+
+PEAK_FLOPS = 989e12
+
+
+def fwd_flops_per_token(cfg, T: int) -> float:
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    per_layer = H * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * H + 2 * I * H + I * H
+    matmul_params = cfg.num_hidden_layers * per_layer + V * H
+    # causal attention: QK^T and PV, 2 FLOPs per MAC, half the T x T square on average
+    attn = cfg.num_hidden_layers * 2 * 2 * cfg.q_size * T / 2
+    return 2 * matmul_params + attn
+
+
+def timed(step, steps, warmup):
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        step()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_rlcu(cfg, B, T, steps, warmup):
+    import rlcu
+    from rlcu.ops.adamw import adamw_step
+
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    m = rlcu.Qwen3.from_config(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
+    master = m.flat.float()
+    mom = torch.zeros_like(master)
+    var = torch.zeros_like(master)
+    m.zero_grad()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (B * T,), generator=g).cuda()
+    cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device="cuda")
+    N = B * T
+    dlp = torch.full((N,), -1.0 / (N - B), device="cuda")  # d(mean NLL)/d lp
+    state = {"step": 0, "loss": None}
+
+    def step():
+        m.zero_grad()
+        lp = m.forward(tokens, cu)
+        m.backward(dlp)
+        state["step"] += 1
+        adamw_step(master, m.grad_flat, mom, var, m.flat, lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8,
+                   weight_decay=0.0, step=state["step"], grad_scale=1.0)
+        state["loss"] = lp
+
+    ms = timed(step, steps, warmup)
+    loss = float(-state["loss"].sum() / (N - B))
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    del m, master, mom, var
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"ms": ms, "peak_GiB": peak, "loss": loss}
+
+
+def bench_hf(cfg, B, T, steps, warmup):
+    from transformers import Qwen3Config as HFConfig
+    from transformers import Qwen3ForCausalLM
+
+    hcfg = HFConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type", "torch_dtype")})
+    hcfg._attn_implementation = "sdpa"
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = Qwen3ForCausalLM(hcfg).to("cuda", torch.bfloat16)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=True)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+
+    try:
+        ms = timed(step, steps, warmup)
+        res = {"ms": ms, "peak_GiB": (torch.cuda.max_memory_allocated() - base) / 2**30}
+    except torch.OutOfMemoryError as e:
+        res = {"error": f"out of memory: {str(e)[:200]}"}
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    cfg = qwen3_06b_config()
+    B, T = args.batch, args.seqlen
+    flops = 3 * fwd_flops_per_token(cfg, T) * B * T
+    t0 = time.time()
+    ours = bench_rlcu(cfg, B, T, args.steps, args.warmup)
+    ours.update(tok_s=B * T / ours["ms"] * 1e3, mfu=flops / (ours["ms"] * 1e-3) / PEAK_FLOPS)
+    res = {"protocol": f"{B} x {T} tokens, next-token loss on all tokens, AdamW step, Qwen3-0.6B shape, random bf16 weights",
+           "rlcu": ours}
+    if not args.no_hf:
+        hf = bench_hf(cfg, B, T, args.steps, args.warmup)
+        if "ms" in hf:
+            hf.update(tok_s=B * T / hf["ms"] * 1e3, mfu=flops / (hf["ms"] * 1e-3) / PEAK_FLOPS)
+            res["speedup_vs_hf"] = hf["ms"] / ours["ms"]
+            res["memory_ratio_vs_hf"] = ours["peak_GiB"] / hf["peak_GiB"]
+        res["hf"] = hf
+    res["wall_s"] = time.time() - t0
+    write_json("train_step.json", res)
+    print(f"\n{'train step':<12} {'ms':>8} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9}")
+    for k in ("rlcu", "hf"):
+        r = res.get(k)
+        if r and "ms" in r:
+            print(f"{k:<12} {r['ms']:>8.1f} {r['tok_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_GiB']:>9.1f}")
+        elif r:
+            print(f"{k:<12} {r['error']}")
+    if "speedup_vs_hf" in res:
+        print(f"speedup vs HF {res['speedup_vs_hf']:.2f}x, memory {res['memory_ratio_vs_hf']:.2f} of HF's")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The `rlcu` command: `rlcu info`, and the subcommands of the engine, trainers and scheduler.
+
+Each subcommand lives with its subsystem as a `main(argv) -> int` function; this file only
+dispatches, so `rlcu --help` stays fast (nothing heavy is imported until a command runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module with main(argv), one-line help)
+COMMANDS = {
+    "info": ("rlcu.cli", "version, torch, triton, device and the op backend in use"),
+    "demo": ("rlcu.train.demo", "train a tiny Qwen3 from scratch: SFT warm-up, then GRPO (the built-in demo)"),
+    "generate": ("rlcu.engine.cli", "prompts JSONL in, completions JSONL out"),
+    "sft": ("rlcu.train.cli", "supervised fine-tuning from a YAML config"),
+    "grpo": ("rlcu.train.cli", "GRPO from a YAML config"),
+    "ppo": ("rlcu.train.cli", "PPO (actor + critic) from a YAML config"),
+}
+
+
+def info_main(argv: list[str]) -> int:
+    import platform
+
+    import torch
+
+    import rlcu
+    from rlcu.ops._backend import HAS_TRITON, backend_name
+
+    p = argparse.ArgumentParser(prog="rlcu info", description=COMMANDS["info"][1])
+    p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dev = torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA device)"
+    tri = "not installed"
+    if HAS_TRITON:
+        import triton
+
+        tri = triton.__version__
+    rows = [
+        ("rlcu", rlcu.__version__), ("python", platform.python_version()), ("torch", torch.__version__),
+        ("triton", tri), ("device", dev),
+        ("op backend", backend_name("cuda" if cuda else "cpu")),
+    ]
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: rlcu COMMAND [options]\n\nLLM RL post-training for Qwen3 with hand-written kernels.\n\ncommands:")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:<10} {text}")
+        print("\n`rlcu COMMAND --help` lists a command's options.")
+        return 0
+    if argv[0] in ("-V", "--version"):
+        import rlcu
+
+        print(rlcu.__version__)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in COMMANDS:
+        print(f"rlcu: unknown command {cmd!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    if cmd == "info":
+        return info_main(rest)
+    mod = importlib.import_module(COMMANDS[cmd][0])
+    return int(mod.main([cmd] + rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""Data: the tokenizer and chat template, prompt sets, the built-in synthetic tasks."""
+
+from rlcu.data.tokenizer import ChatTemplateError, Tokenizer, make_word_tokenizer  # noqa: F401
