@@ -237,18 +237,22 @@ class Tokenizer:
         for tok in to_add:
             (backend.add_special_tokens if tok.special else backend.add_tokens)([tok])
         backend.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
-        self._clean_up = bool(cfg.get("clean_up_tokenization_spaces", False)) and not isinstance(backend.model, models.BPE)
+        # transformers skips this WordPiece-era cleanup for BPE models, where it corrupts text
+        self._clean_up = bool(cfg.get("clean_up_tokenization_spaces")) and not isinstance(backend.model, models.BPE)
 
     # --- files
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> Tokenizer:
         """Read tokenizer.json, tokenizer_config.json (optional) and chat_template.jinja /
-        chat_templates/*.jinja (optional; they win over the config's template)."""
+        chat_templates/*.jinja (optional; they win over the config's template). `folder` may also
+        be the path of a tokenizer .json file; the other files are then looked for beside it."""
         folder = Path(folder)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
         tok_file = folder / "tokenizer.json"
+        if folder.is_file() and folder.suffix == ".json":
+            folder, tok_file = folder.parent, folder
+        elif not folder.is_dir():
+            raise FileNotFoundError(f"tokenizer folder {folder} does not exist")
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {folder} (rlcu reads fast-tokenizer files only)")
         try:
@@ -336,10 +340,6 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self._special_id("pad_token")
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        return sorted(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
     # --- text <-> ids
 
