@@ -8,10 +8,10 @@ TRITON_SPEC ?= triton==3.6.0
 
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q "$(TRITON_SPEC)"
 	$(PY) -m pip install -q -e .
 
 install-test: install
-	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q "$(TRITON_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
 
 demo: install

@@ -181,11 +181,11 @@ class Qwen3:
         q = rope_fwd(qn.view(N, Hq, D), pos, c.rope_theta)
         k = rope_fwd(kn.view(N, Hk, D), pos, c.rope_theta)
         o, lse = attention_fwd(q, k, v, cu, max_seqlen, D**-0.5)
-        x2 = x + o.view(N, c.q_size) @ w[p + "o"].t()
+        x2 = torch.addmm(x, o.view(N, c.q_size), w[p + "o"].t())  # residual add in the GEMM epilogue
         h2, r2 = rmsnorm_fwd(x2, w[p + "post_norm"], eps)
         gu = h2 @ w[p + "gate_up"].t()  # [N, 2I]
         a = swiglu_fwd(gu)
-        y = x2 + a @ w[p + "down"].t()
+        y = torch.addmm(x2, a, w[p + "down"].t())
         acts = dict(x=x, h1=h1, r1=r1, q0=q0, k0=k0, v=v, rq=rq, rk=rk, q=q, k=k, o=o, lse=lse,
                     x2=x2, h2=h2, r2=r2, gu=gu, a=a)
         return y, acts

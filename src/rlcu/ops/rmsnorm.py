@@ -24,8 +24,10 @@ from rlcu.ops._backend import use_triton
 
 MAX_D = 8192  # a row lives in one block
 _TILE = 4096  # elements a program handles at once: BN rows of BD columns
-_BWD_PROGRAMS_PER_SM = 8  # fixed backward grid: enough warps in flight per SM to hide latency
+_BWD_PROGRAMS_PER_SM = 8  # at most, in the backward's fixed grid (as many as fit on an SM)
+_CPU_PROGRAMS = 3  # under the interpreter: few programs, so that each loops over several tiles
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_RESIDENT: dict = {}  # (device, dtypes, blocks) -> backward programs that fit on one SM
 
 
 @triton.jit
@@ -100,10 +102,31 @@ def _check(x: torch.Tensor, w: torch.Tensor):
     return N, D
 
 
-def _num_programs(device: torch.device, n_tiles: int) -> int:
-    per = _BWD_PROGRAMS_PER_SM * (torch.cuda.get_device_properties(device).multi_processor_count
-                                  if device.type == "cuda" else 1)
-    return max(1, min(n_tiles, per))
+def _resident_per_sm(device: torch.device, warm, num_warps: int) -> int:
+    """How many programs of the kernel that `warm()` compiles fit on one SM at once
+    (registers, threads, shared memory), so that the backward's fixed grid runs in whole waves."""
+    try:
+        compiled = warm()
+        compiled._init_handles()
+        p = torch.cuda.get_device_properties(device)
+        threads = 32 * num_warps
+        fit = min(getattr(p, "regs_per_multiprocessor", 65536) // max(1, compiled.n_regs * threads),
+                  getattr(p, "max_threads_per_multi_processor", 2048) // threads)
+        if compiled.metadata.shared:
+            fit = min(fit, getattr(p, "shared_memory_per_multiprocessor", 228 * 1024) // compiled.metadata.shared)
+        return max(1, min(fit, _BWD_PROGRAMS_PER_SM))
+    except Exception:  # a Triton without these fields: only the wave shape suffers
+        return 4
+
+
+def _bwd_programs(device: torch.device, n_tiles: int, key, warm) -> int:
+    """The backward's grid size; `warm()` compiles the kernel without launching it."""
+    if device.type != "cuda":
+        return min(n_tiles, _CPU_PROGRAMS)
+    if key not in _RESIDENT:
+        _RESIDENT[key] = _resident_per_sm(device, warm, key[-1])
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_tiles, sms * _RESIDENT[key]))
 
 
 def rmsnorm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
@@ -133,11 +156,22 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd:
         return dx, torch.zeros(D, device=x.device, dtype=torch.float32)
     BN, BD, num_warps = _blocks(D)
     n_tiles = triton.cdiv(N, BN)
-    tiles_per_program = triton.cdiv(n_tiles, _num_programs(x.device, n_tiles))
+
+    def launch(grid, dw_part, tiles_per_program, warmup=False):
+        args = (dy, x, w, rstd, dx, dw_part, N, D, dy.stride(0), x.stride(0), dx.stride(0),
+                tiles_per_program)
+        kw = dict(BN=BN, BD=BD, num_warps=num_warps)
+        if warmup:
+            return _rmsnorm_bwd_kernel.warmup(*args, grid=grid, **kw)
+        _rmsnorm_bwd_kernel[grid](*args, **kw)
+
+    key = (x.device, dy.dtype, x.dtype, w.dtype, BN, BD, num_warps)
+    # rstd stands in for the fp32 partial buffer; any tiles_per_program >= 2 compiles the same
+    P = _bwd_programs(x.device, n_tiles, key, lambda: launch((1,), rstd, 2, warmup=True))
+    tiles_per_program = triton.cdiv(n_tiles, P)
     P = triton.cdiv(n_tiles, tiles_per_program)
     dw_part = torch.empty(P, D, device=x.device, dtype=torch.float32)  # [P, D]
-    _rmsnorm_bwd_kernel[(P,)](dy, x, w, rstd, dx, dw_part, N, D, dy.stride(0), x.stride(0),
-                              dx.stride(0), tiles_per_program, BN=BN, BD=BD, num_warps=num_warps)
+    launch((P,), dw_part, tiles_per_program)
     return dx, dw_part.sum(0)
 
 
