@@ -9,9 +9,11 @@ device that the kernel reads through a pointer, so that the clip factor never ha
 visit the host).
 
 The step is one memory-bound pass: per element it reads p, g, m, v and writes p, m, v and
-the working copy (28-30 bytes). The norm is a deterministic two-stage reduction: a fixed
-grid of programs each sums the squares of one contiguous span, then one program adds the
-partial sums and takes the root.
+the working copy (28-30 bytes). The norm is a deterministic tree reduction, no atomics:
+one program per block writes the block's sum of squares, the partial sums are summed again
+the same way while more than a block of them remain, and one program adds the last ones
+and takes the root. (No kernel loops over a runtime bound: the Triton interpreter with
+numpy >= 2.4 cannot take one.)
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ if HAS_TRITON:
     import triton.language as tl
 
 BLOCK = 4096  # elements per program of the step
-NORM_BLOCK = 4096  # elements per iteration of a norm program
-NORM_PROGRAMS = 1024  # partial sums of the first norm stage (at most)
+NORM_BLOCK = 4096  # elements summed by one program of the norm
 
 
 if HAS_TRITON:
@@ -53,7 +54,7 @@ if HAS_TRITON:
             g = g * scale
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * g * g
-        p = p * decay - step_size * m / (tl.sqrt(v) * inv_bc2_sqrt + eps)
+        p = p * decay - step_size * m / (tl.sqrt_rn(v) * inv_bc2_sqrt + eps)
         tl.store(P + offs, p, mask=mask)
         tl.store(M + offs, m, mask=mask)
         tl.store(V + offs, v, mask=mask)
@@ -61,16 +62,14 @@ if HAS_TRITON:
             tl.store(Pout + offs, p.to(Pout.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _sumsq_partial_kernel(G, Partial, n, span, BLOCK: tl.constexpr):
-        # Partial[i] = sum of g^2 over elements [i span, (i+1) span), span a multiple of BLOCK
+    def _block_sum_kernel(X, Out, n, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
+        # Out[i] = sum over block i of x^2 (SQUARE) or of x, in fp32
         pid = tl.program_id(0).to(tl.int64)
-        start = pid * span
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(0, span, BLOCK):
-            offs = start + k + tl.arange(0, BLOCK)
-            x = tl.load(G + offs, mask=offs < n, other=0.0).to(tl.float32)
-            acc += x * x
-        tl.store(Partial + pid, tl.sum(acc, 0))
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + offs, mask=offs < n, other=0.0).to(tl.float32)
+        if SQUARE:
+            x = x * x
+        tl.store(Out + pid, tl.sum(x, 0))
 
     @triton.jit
     def _sum_sqrt_kernel(Partial, Out, n_part, BLOCK: tl.constexpr):
@@ -96,17 +95,16 @@ def _adamw_step_triton(p, g, m, v, p_out, lr, beta1, beta2, eps, weight_decay, s
 
 
 def _grad_norm_triton(g: torch.Tensor) -> torch.Tensor:
-    n = g.numel()
     out = torch.zeros((), device=g.device, dtype=torch.float32)
-    if n == 0:
+    if g.numel() == 0:
         return out
-    n_blocks = triton.cdiv(n, NORM_BLOCK)
-    n_prog = min(n_blocks, NORM_PROGRAMS)
-    span = triton.cdiv(n_blocks, n_prog) * NORM_BLOCK
-    n_prog = triton.cdiv(n, span)
-    partial = torch.empty(n_prog, device=g.device, dtype=torch.float32)
-    _sumsq_partial_kernel[(n_prog,)](g, partial, n, span, BLOCK=NORM_BLOCK, num_warps=8)
-    _sum_sqrt_kernel[(1,)](partial, out, n_prog, BLOCK=max(16, triton.next_power_of_2(n_prog)))
+    x, square = g, True
+    while square or x.numel() > NORM_BLOCK:  # 596M -> 146k -> 36 partial sums
+        n = x.numel()
+        part = torch.empty(triton.cdiv(n, NORM_BLOCK), device=g.device, dtype=torch.float32)
+        _block_sum_kernel[(part.numel(),)](x, part, n, SQUARE=square, BLOCK=NORM_BLOCK, num_warps=8)
+        x, square = part, False
+    _sum_sqrt_kernel[(1,)](x, out, x.numel(), BLOCK=max(16, triton.next_power_of_2(x.numel())))
     return out
 
 

@@ -32,17 +32,18 @@ CHUNK_ROWS = 4096  # rows of logits held at once by the GPU path
 BV_MAX = 8192  # vocabulary tile of one kernel iteration
 _CHUNK = 1024  # rows of logits held at once by the twin
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _logprob_fwd_kernel(Z, Tgt, Lp, Ent, Lse, V, stride_z, scale2,
+    def _logprob_fwd_kernel(Z, Tgt, Lp, Ent, Lse, stride_z, scale2, V: tl.constexpr,
                             WITH_ENT: tl.constexpr, BV: tl.constexpr):
         # One program per row of the chunk. Base-2 online softmax over V tiles, with
         # x = z log2(e):  m = max x,  s = sum 2^(x - m),  t = sum 2^(x - m) x, so that
         # lse = ln2 (m + log2 s)  and  sum_j p_j z_j = ln2 t / s.
+        # V is constexpr: one compile per vocabulary, and no loop over a runtime bound
+        # (which the Triton interpreter cannot take with numpy >= 2.4).
         row = tl.program_id(0).to(tl.int64)
         Z += row * stride_z
         m = float("-inf")
@@ -57,7 +58,7 @@ if HAS_TRITON:
             p = tl.exp2(x - m_new)
             s = s * alpha + tl.sum(p, 0)
             if WITH_ENT:
-                t = t * alpha + tl.sum(tl.where(mask, p * x, 0.0), 0)
+                t = t * alpha + tl.sum(p * tl.where(mask, x, 0.0), 0)
             m = m_new
         lse = (m + tl.log2(s)) * 0.6931471805599453
         tgt = tl.load(Tgt + row)
@@ -68,7 +69,7 @@ if HAS_TRITON:
             tl.store(Ent + row, lse - t / s * 0.6931471805599453)
 
     @triton.jit
-    def _logprob_bwd_kernel(Z, Tgt, Dlp, Dent, Lse, V, stride_z, inv_t,
+    def _logprob_bwd_kernel(Z, Tgt, Dlp, Dent, Lse, stride_z, inv_t, V: tl.constexpr,
                             HAS_DLP: tl.constexpr, HAS_DENT: tl.constexpr, BV: tl.constexpr):
         # In place: the logits row becomes dlogits = dz / T with
         #   dz_j = dlp (1[j = tgt] - p_j) - dent p_j (z_j - lse + ent),  p_j = exp(z_j - lse).
@@ -89,9 +90,9 @@ if HAS_TRITON:
             for v0 in range(0, V, BV):
                 offs = v0 + tl.arange(0, BV)
                 mask = offs < V
-                x = tl.load(Z + offs, mask=mask, other=float("-inf")).to(tl.float32) * scale2
-                p = tl.exp2(x - lse2)
-                t += tl.sum(tl.where(mask, p * x, 0.0), 0)
+                x = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32) * scale2
+                p = tl.where(mask, tl.exp2(x - lse2), 0.0)
+                t += tl.sum(p * x, 0)
             ent = lse - t * 0.6931471805599453
         tgt = tl.load(Tgt + row)
         for v0 in range(0, V, BV):
@@ -155,8 +156,8 @@ def _logprob_fwd_triton(h, W, targets, temperature, with_entropy):
         z = buf[:n]
         torch.mm(h[s : s + n], W.t(), out=z)
         _logprob_fwd_kernel[(n,)](
-            z, targets[s:], lp[s:], ent[s:] if with_entropy else lp, lse[s:], V, z.stride(0),
-            _LOG2E / temperature, WITH_ENT=with_entropy, BV=BV, num_warps=warps)
+            z, targets[s:], lp[s:], ent[s:] if with_entropy else lp, lse[s:], z.stride(0),
+            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, num_warps=warps)
     return lp, ent, lse
 
 
@@ -176,8 +177,8 @@ def _logprob_bwd_triton(dlp, dent, h, W, targets, lse, dW, temperature):
         z, hs = buf[:n], h[s : s + n]
         torch.mm(hs, W.t(), out=z)  # recomputed: the forward keeps only lse
         _logprob_bwd_kernel[(n,)](
-            z, targets[s:], dlp[s:] if dlp is not None else lse, dent[s:] if dent is not None else lse,
-            lse[s:], V, z.stride(0), 1.0 / temperature,
+            z, targets[s:], lse if dlp is None else dlp[s:], lse if dent is None else dent[s:],
+            lse[s:], z.stride(0), 1.0 / temperature, V=V,
             HAS_DLP=dlp is not None, HAS_DENT=dent is not None, BV=BV, num_warps=warps)
         torch.mm(z, W, out=dh[s : s + n])
         if dW is not None:
