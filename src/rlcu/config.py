@@ -1,0 +1,487 @@
+"""Run configuration: plain dataclasses, YAML files and `--set a.b=c` overrides.
+
+Every option is a dataclass field made with `opt(default, help, ...)`: the help string,
+the allowed values (`choices`) and numeric bounds (`gt`, `ge`, `lt`, `le`) live in the
+field's metadata, so that one generic `__post_init__` coerces and checks every field and
+`config_help` lists every option with its default. Sections nest (a field whose type is a
+`Section` takes a section instance or a plain dict), and errors carry the dotted path of
+the offending field, e.g. `optim.lr must be > 0, got -1 (in run.yaml)`.
+
+YAML scalars are parsed by PyYAML (YAML 1.1), which reads `1e-4` as a string: float fields
+accept such strings. Trainer-specific RL sections (GRPO, PPO, the critic) live in
+rlcu/train/rl_config.py and are built from the sections defined here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_MISSING = dataclasses.MISSING
+
+
+class ConfigError(ValueError):
+    """A bad config value. `path` is the dotted field path, `detail` the complaint."""
+
+    def __init__(self, path: str, detail: str, source: str | None = None):
+        self.path, self.detail, self.source = path, detail, source
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        s = f"{self.path} {self.detail}" if self.path else self.detail
+        return s + (f" (in {self.source})" if self.source else "")
+
+    def under(self, prefix: str, source: str | None = None) -> "ConfigError":
+        path = f"{prefix}.{self.path}" if prefix and self.path else (prefix or self.path)
+        return ConfigError(path, self.detail, self.source or source)
+
+
+def opt(default: Any = _MISSING, help: str = "", *, choices: tuple | None = None, gt=None, ge=None,
+        lt=None, le=None):
+    """A documented config field. Mutable defaults (dict, list, a Section class) are
+    wrapped in a default_factory."""
+    md = dict(help=help, choices=choices, gt=gt, ge=ge, lt=lt, le=le)
+    if isinstance(default, type) and issubclass(default, Section):
+        return dataclasses.field(default_factory=default, metadata=md)
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda d=default: _copy(d), metadata=md)
+    return dataclasses.field(default=default, metadata=md)
+
+
+def _copy(x):
+    if isinstance(x, dict):
+        return {k: _copy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_copy(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------- type coercion
+def _hints(cls) -> dict[str, Any]:
+    mod = sys.modules.get(cls.__module__)
+    return typing.get_type_hints(cls, globalns=vars(mod) if mod else None)
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def _type_name(tp) -> str:
+    if _is_union(tp):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    o = typing.get_origin(tp)
+    if o is not None:
+        return getattr(o, "__name__", str(o))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(val, tp, name: str):
+    """Return `val` converted to type `tp` or raise ConfigError(name, ...)."""
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if val is None and type(None) in args:
+            return None
+        errs = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(val, a, name)
+            except ConfigError as e:
+                errs.append(e)
+        raise ConfigError(name, f"must be {_type_name(tp)}, got {val!r}")
+    if tp is Any:
+        return val
+    if isinstance(tp, type) and issubclass(tp, Section):
+        if isinstance(val, tp):
+            return val
+        if isinstance(val, dict):
+            return _build(tp, val, name)
+        raise ConfigError(name, f"must be a mapping of {tp.__name__} options, got {val!r}")
+    if tp is bool:
+        if isinstance(val, bool):
+            return val
+        if isinstance(val, str) and val.lower() in ("true", "false", "yes", "no", "on", "off"):
+            return val.lower() in ("true", "yes", "on")
+        raise ConfigError(name, f"must be true or false, got {val!r}")
+    if tp is int:
+        if isinstance(val, int) and not isinstance(val, bool):
+            return val
+        if isinstance(val, float) and val.is_integer():
+            return int(val)
+        if isinstance(val, str):
+            try:
+                return int(val)
+            except ValueError:
+                pass
+        raise ConfigError(name, f"must be an integer, got {val!r}")
+    if tp is float:
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            return float(val)
+        if isinstance(val, str):
+            try:
+                return float(val)
+            except ValueError:
+                pass
+        raise ConfigError(name, f"must be a number, got {val!r}")
+    if tp is str:
+        if isinstance(val, str):
+            return val
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            return str(val)
+        raise ConfigError(name, f"must be a string, got {val!r}")
+    o, args = typing.get_origin(tp), typing.get_args(tp)
+    if o is tuple:
+        if not isinstance(val, (list, tuple)):
+            raise ConfigError(name, f"must be a list of {len(args)} values, got {val!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(val))
+        if len(val) != len(args):
+            raise ConfigError(name, f"must have {len(args)} values, got {len(val)}: {list(val)!r}")
+        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(val, args)))
+    if o is list or tp is list:
+        if not isinstance(val, (list, tuple)):
+            raise ConfigError(name, f"must be a list, got {val!r}")
+        a = args[0] if args else Any
+        return [_coerce(v, a, f"{name}[{i}]") for i, v in enumerate(val)]
+    if o is dict or tp is dict:
+        if not isinstance(val, dict):
+            raise ConfigError(name, f"must be a mapping, got {val!r}")
+        return dict(val)
+    if isinstance(tp, type) and isinstance(val, tp):
+        return val
+    raise ConfigError(name, f"must be {_type_name(tp)}, got {val!r}")
+
+
+def _check_bounds(val, md: dict, name: str) -> None:
+    ch = md.get("choices")
+    if ch is not None and val not in ch:
+        raise ConfigError(name, f"must be one of {', '.join(repr(c) for c in ch)}; got {val!r}")
+    if val is None or isinstance(val, bool) or not isinstance(val, (int, float)):
+        return
+    for key, ok, word in (("gt", lambda a, b: a > b, ">"), ("ge", lambda a, b: a >= b, ">="),
+                          ("lt", lambda a, b: a < b, "<"), ("le", lambda a, b: a <= b, "<=")):
+        b = md.get(key)
+        if b is not None and not ok(val, b):
+            raise ConfigError(name, f"must be {word} {b}, got {val!r}")
+
+
+class Section:
+    """Base of every config section: coerces and checks each field after __init__,
+    then runs the section's own cross-field `check()`."""
+
+    def __post_init__(self):
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            val = _coerce(getattr(self, f.name), hints[f.name], f.name)
+            if isinstance(val, tuple) and f.metadata.get("choices") is None:
+                for i, v in enumerate(val):
+                    _check_bounds(v, f.metadata, f"{f.name}[{i}]")
+            else:
+                _check_bounds(val, f.metadata, f.name)
+            object.__setattr__(self, f.name, val)
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field validation; raise ConfigError(field, detail)."""
+
+
+def _build(cls, data: dict, prefix: str = "", source: str | None = None):
+    """cls(**data) with unknown keys and bad values reported under `prefix`."""
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"must be a mapping, got {data!r}", source)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in data:
+        if k not in names:
+            raise _unknown(k, names, prefix, source)
+    try:
+        return cls(**data)
+    except ConfigError as e:
+        raise e.under(prefix, source) from None
+
+
+def _unknown(key, names, prefix, source) -> ConfigError:
+    near = difflib.get_close_matches(str(key), names, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    where = f"{prefix}.{key}" if prefix else str(key)
+    return ConfigError("", f"unknown option {where!r}{hint} (known: {', '.join(names)})", source)
+
+
+# ---------------------------------------------------------------- sections
+@dataclasses.dataclass
+class ModelConfig(Section):
+    path: str | None = opt(None, "HF folder of a Qwen3 checkpoint (config.json + safetensors); "
+                                 "null with `tiny` for a model made from scratch")
+    tiny: dict | None = opt(None, "Qwen3Config fields of a model initialised from scratch "
+                                  "(e.g. {vocab_size: 64, hidden_size: 64, ...}); used when path is null")
+    tokenizer: str | None = opt(None, "tokenizer folder or tokenizer.json; null: the model folder")
+    dtype: str = opt("auto", "working precision of the weights; auto: bfloat16 on CUDA, float32 on the CPU",
+                     choices=("auto", "float32", "bfloat16"))
+    device: str = opt("auto", "where the model runs; auto: cuda when available, else cpu",
+                      choices=("auto", "cpu", "cuda"))
+    gradient_checkpointing: bool = opt(True, "keep only layer inputs in the forward and recompute in the "
+                                             "backward (same gradients, less memory)")
+    init_seed: int = opt(0, "seed of the random initialisation of a `tiny` model", ge=0)
+
+    def check(self):
+        if self.path is not None and self.tiny is not None:
+            raise ConfigError("tiny", "must be null when path is set (give one of model.path, model.tiny)")
+
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolve_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolve_device() == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+
+@dataclasses.dataclass
+class DataConfig(Section):
+    path: str | None = opt(None, "training data: a .jsonl, .json or .parquet file, one example per row")
+    prompt_field: str = opt("prompt", "row field holding the prompt (a string or chat messages)")
+    completion_field: str = opt("completion", "row field holding the SFT target completion "
+                                              "(rows may instead hold chat `messages`)")
+    messages_field: str = opt("messages", "row field holding a chat conversation for SFT; the "
+                                          "assistant turns are the completion")
+    max_prompt_tokens: int | None = opt(None, "drop prompts longer than this many tokens (the count is "
+                                              "logged); null: no limit", gt=0)
+    shuffle: bool = opt(True, "shuffle the rows every epoch (seeded, so resumable)")
+    seed: int = opt(0, "seed of the data order", ge=0)
+    eval_path: str | None = opt(None, "held-out data file; null: split eval_size rows off the training data")
+    eval_size: int = opt(0, "rows held out for evaluation when eval_path is null (0: none)", ge=0)
+
+
+@dataclasses.dataclass
+class OptimConfig(Section):
+    lr: float = opt(1e-5, "peak learning rate (after warmup)", gt=0)
+    betas: tuple[float, float] = opt((0.9, 0.999), "AdamW beta1, beta2", ge=0.0, lt=1.0)
+    eps: float = opt(1e-8, "AdamW epsilon", gt=0)
+    weight_decay: float = opt(0.0, "decoupled weight decay (AdamW)", ge=0)
+    max_grad_norm: float = opt(1.0, "clip the global gradient norm to this; 0 disables clipping", ge=0)
+    schedule: str = opt("constant", "learning-rate schedule after warmup", choices=("constant", "cosine"))
+    warmup_steps: int = opt(0, "linear warmup steps from lr/warmup_steps to lr", ge=0)
+    min_lr_ratio: float = opt(0.0, "cosine: the final lr as a fraction of lr", ge=0, le=1)
+    max_nonfinite_in_row: int = opt(5, "abort (after checkpointing the last good state) when this many "
+                                       "steps in a row have a non-finite loss or gradient norm", ge=1)
+
+
+@dataclasses.dataclass
+class CheckpointConfig(Section):
+    dir: str | None = opt(None, "checkpoint root (step-000123/ folders); null: <log.out_dir>/checkpoints")
+    every: int = opt(0, "save every N steps (0: only at the end)", ge=0)
+    keep_last: int = opt(2, "keep the newest K checkpoints (0: keep all)", ge=0)
+    resume: str | None = opt(None, "null: start fresh; 'auto': the newest checkpoint under dir if any; "
+                                   "or a checkpoint folder")
+    save_at_end: bool = opt(True, "save a checkpoint after the last step")
+
+
+@dataclasses.dataclass
+class LogConfig(Section):
+    out_dir: str = opt("runs/rlcu", "run folder: metrics.jsonl, TensorBoard events, plots, log.txt")
+    every: int = opt(1, "write metrics every N steps", ge=1)
+    tensorboard: bool = opt(True, "write a TensorBoard event file (scalars)")
+    plot: bool = opt(True, "write reward_curve.png at the end (needs matplotlib)")
+    progress: bool = opt(True, "show a progress bar (else one line per logged step)")
+    plot_keys: list[str] | None = opt(None, "metrics drawn in the PNG; null: the reward/* means, else loss")
+
+
+@dataclasses.dataclass
+class EngineConfig(Section):
+    max_num_seqs: int = opt(256, "most sequences decoded at once", ge=1)
+    max_num_batched_tokens: int = opt(8192, "token budget of one engine step (prefill chunking)", ge=1)
+    gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory given to the KV pool when "
+                                             "num_kv_blocks is null", gt=0, le=1)
+    block_size: int = opt(16, "tokens per KV-cache block", ge=1)
+    num_kv_blocks: int | None = opt(None, "KV-cache blocks; null: sized from gpu_memory_utilization "
+                                          "(on the CPU: enough for the batch)", ge=1)
+    enforce_eager: bool = opt(False, "never capture CUDA graphs")
+
+
+@dataclasses.dataclass
+class SFTConfig(Section):
+    model: ModelConfig = opt(ModelConfig, "the model")
+    data: DataConfig = opt(DataConfig, "the data")
+    optim: OptimConfig = opt(OptimConfig, "the optimizer and learning-rate schedule")
+    checkpoint: CheckpointConfig = opt(CheckpointConfig, "checkpoints and resume")
+    log: LogConfig = opt(LogConfig, "logging")
+    steps: int = opt(100, "optimizer steps", ge=1)
+    batch_tokens: int = opt(4096, "tokens per packed micro-batch (an example longer than this gets a "
+                                  "micro-batch of its own)", ge=1)
+    grad_accum: int = opt(1, "micro-batches per optimizer step (gradient accumulation)", ge=1)
+    max_seq_len: int = opt(1024, "drop examples longer than this many tokens (the count is logged)", ge=2)
+    eval_every: int = opt(0, "held-out loss (data.eval_path or data.eval_size) every N steps; 0: at the end only",
+                          ge=0)
+    seed: int = opt(0, "global seed", ge=0)
+
+
+# ---------------------------------------------------------------- loading / help
+def _set_path(data: dict, cls, dotted: str, value, source: str) -> None:
+    """data[a][b] = value for dotted 'a.b', walking the fields of `cls` (unknown keys error;
+    inside a dict-typed field any key is accepted)."""
+    keys = dotted.split(".")
+    d, c, prefix = data, cls, ""
+    for i, k in enumerate(keys):
+        last = i == len(keys) - 1
+        if c is not None:
+            names = {f.name: f for f in dataclasses.fields(c)}
+            if k not in names:
+                raise _unknown(k, list(names), prefix, source)
+            tp = _hints(c)[k]
+            sub = [a for a in ((tp,) if not _is_union(tp) else typing.get_args(tp))
+                   if isinstance(a, type) and issubclass(a, Section)]
+            nxt = sub[0] if sub else None
+        else:
+            nxt = None
+        if last:
+            d[k] = value
+            return
+        if not isinstance(d.get(k), dict):
+            if c is not None and nxt is None and not _is_dict_type(_hints(c)[k]):
+                raise ConfigError(f"{prefix}.{k}" if prefix else k, "is not a section; cannot set "
+                                  f"{dotted!r}", source)
+            d[k] = {}
+        d, c, prefix = d[k], nxt, f"{prefix}.{k}" if prefix else k
+
+
+def _is_dict_type(tp) -> bool:
+    args = typing.get_args(tp) if _is_union(tp) else (tp,)
+    return any(a is dict or typing.get_origin(a) is dict for a in args)
+
+
+def parse_override(s: str) -> tuple[str, Any]:
+    """'a.b=c' -> ('a.b', yaml-parsed c)."""
+    if "=" not in s:
+        raise ConfigError("", f"override {s!r} must look like key.path=value")
+    k, v = s.split("=", 1)
+    k = k.strip()
+    if not k:
+        raise ConfigError("", f"override {s!r} has an empty key")
+    try:
+        val = yaml.safe_load(v) if v.strip() else None
+    except yaml.YAMLError:
+        val = v
+    return k, val
+
+
+def load_config(cls, path: str | Path | None = None, overrides: list[str] | None = None):
+    """Build `cls` from a YAML file (or nothing: the defaults) plus `--set key.path=value`
+    overrides (values parsed as YAML). Unknown keys and bad values raise ConfigError naming
+    the dotted key and where it came from."""
+    data: dict = {}
+    src = None
+    if path is not None:
+        src = str(path)
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file {path} not found") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise ConfigError("", f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError("", f"{path}: the top level must be a mapping of options, got {type(data).__name__}")
+    for s in overrides or []:
+        k, v = parse_override(s)
+        _set_path(data, cls, k, v, f"--set {s}")
+    try:
+        return _build(cls, data, "")
+    except ConfigError as e:
+        # name where the bad value came from: the override that set it, else the file
+        for s in reversed(overrides or []):
+            k = s.split("=", 1)[0].strip()
+            if e.path == k or e.path.startswith(k + ".") or e.path.startswith(k + "["):
+                raise ConfigError(e.path, e.detail, f"--set {s}") from None
+        raise ConfigError(e.path, e.detail, e.source or src) from None
+
+
+def config_from_dict(cls, data: dict, source: str | None = None):
+    """cls built from plain data (e.g. parsed YAML), with the same checks and errors as load_config."""
+    return _build(cls, data, "", source)
+
+
+def config_to_dict(cfg) -> dict:
+    """The config as plain YAML-able data (tuples become lists)."""
+    def conv(x):
+        if isinstance(x, Section):
+            return {f.name: conv(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, (list, tuple)):
+            return [conv(v) for v in x]
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+    return conv(cfg)
+
+
+def save_config(cfg, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def _default_repr(f) -> str:
+    if f.default is not _MISSING:
+        d = f.default
+    elif f.default_factory is not _MISSING:
+        d = f.default_factory()
+        if isinstance(d, Section):
+            return ""
+    else:
+        return "(required)"
+    if isinstance(d, tuple):
+        d = list(d)
+    return yaml.safe_dump(d, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def config_help(cls) -> str:
+    """Every option of `cls` as 'dotted.name = default  help [choices]', sections first-level
+    headed by their help."""
+    lines: list[str] = []
+
+    def walk(c, prefix: str):
+        hints = _hints(c)
+        leaf, subs = [], []
+        for f in dataclasses.fields(c):
+            tp = hints[f.name]
+            if isinstance(tp, type) and issubclass(tp, Section):
+                subs.append((f, tp))
+            else:
+                leaf.append(f)
+        for f in leaf:
+            name = f"{prefix}{f.name}"
+            md = f.metadata
+            extra = []
+            if md.get("choices"):
+                extra.append("one of: " + ", ".join(str(x) for x in md["choices"]))
+            for key, word in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+                if md.get(key) is not None:
+                    extra.append(f"{word} {md[key]}")
+            doc = md.get("help", "") + (f" [{'; '.join(extra)}]" if extra else "")
+            lines.append(f"  {name} = {_default_repr(f)}")
+            lines.append(f"      {doc}")
+        for f, tp in subs:
+            lines.append(f"{prefix}{f.name}: {f.metadata.get('help', '')}")
+            walk(tp, f"{prefix}{f.name}.")
+
+    lines.append(f"{cls.__name__} options (YAML keys; override with --set key=value):")
+    walk(cls, "")
+    return "\n".join(lines)

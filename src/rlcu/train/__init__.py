@@ -1,0 +1,23 @@
+"""Trainers (SFT, GRPO, PPO) and their shared pieces: flat AdamW, the lr schedule,
+checkpoints and run logging. Submodules are imported on first use so that
+`import rlcu.train` stays light."""
+
+import importlib
+
+_LAZY = {
+    "SFTTrainer": "rlcu.train.sft",
+    "FlatAdamW": "rlcu.train.optimizer",
+    "RunLogger": "rlcu.train.logging",
+    "lr_at": "rlcu.train.schedule",
+    "save_checkpoint": "rlcu.train.checkpoint",
+    "load_checkpoint": "rlcu.train.checkpoint",
+    "latest_checkpoint": "rlcu.train.checkpoint",
+    "GRPOTrainer": "rlcu.train.grpo",
+    "PPOTrainer": "rlcu.train.ppo",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rlcu.train' has no attribute {name!r}")

@@ -1,0 +1,242 @@
+"""Checkpoints: atomic, resumable, pruned; and building a run's model from its config.
+
+Layout of one checkpoint, `root/step-000123/`:
+    model/              the weights as an HF folder (config.json + safetensors, tokenizer files)
+    optim.pt            optimizer state: step count, m, v (and the fp32 master weights when
+                        the working weights are bf16)
+    <name>.pt           extra state_dict()s (e.g. a critic and its optimizer)
+    rng.pt              Python, NumPy, torch CPU/CUDA and named torch.Generator RNG states
+    trainer_state.json  step, data position, metrics tail, whatever the trainer adds
+
+Atomicity: everything is written into `root/.tmp-step-000123-<pid>/`, every file and folder
+is fsynced, then the folder is renamed to its final name (a rename within one file system is
+atomic) and the root is fsynced. A kill at any moment leaves either no new folder or a
+complete one, so the previous checkpoint stays loadable; stale temp folders are removed by
+the next save. Set RLCU_CHECKPOINT_TEST_SLEEP=<seconds> to sleep between files (tests kill
+a save midway with it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rlcu.model import io
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def _test_sleep() -> None:
+    s = os.environ.get("RLCU_CHECKPOINT_TEST_SLEEP")
+    if s:
+        time.sleep(float(s))
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*"), key=lambda q: -len(q.parts)):
+        if p.is_file():
+            with open(p, "rb") as fh:
+                os.fsync(fh.fileno())
+    for d in [p for p in path.rglob("*") if p.is_dir()] + [path]:
+        _fsync_dir(d)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems do not support fsync on directories
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- RNG states
+def rng_state(generators: dict | None = None) -> dict:
+    d = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        d["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        d["numpy"] = (name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    d["generators"] = {k: g.get_state() for k, g in (generators or {}).items()}
+    return d
+
+
+def set_rng_state(d: dict, generators: dict | None = None) -> None:
+    random.setstate(_tuplify(d["python"]))
+    torch.set_rng_state(d["torch"])
+    if "cuda" in d and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(d["cuda"])
+    if "numpy" in d:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = d["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    for k, g in (generators or {}).items():
+        if k in d.get("generators", {}):
+            g.set_state(d["generators"][k])
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ---------------------------------------------------------------- save / find / load
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / "trainer_state.json").exists():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: int, *,
+                    extra: dict | None = None, generators: dict | None = None, tokenizer=None) -> Path:
+    """Write root/step-{step:06d}/ atomically and keep the newest `keep_last` (0: all).
+    `state` must be JSON-serialisable; `extra` maps names to objects with state_dict();
+    `generators` maps names to torch.Generators whose states are saved; `tokenizer` (with
+    save_pretrained) is written into model/. Returns the folder."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        state_json = json.dumps({**state, "step": int(step)}, indent=1)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint trainer state must be JSON-serialisable: {e}") from None
+    _recover(root)
+    for p in root.glob(".tmp-*"):  # left by a killed save
+        shutil.rmtree(p, ignore_errors=True)
+    name = f"step-{int(step):06d}"
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        model.save_pretrained(tmp / "model")
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp / "model")
+        _test_sleep()
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optim.pt")
+            _test_sleep()
+        for k, obj in (extra or {}).items():
+            torch.save(obj.state_dict(), tmp / f"{k}.pt")
+        torch.save(rng_state(generators), tmp / "rng.pt")
+        _test_sleep()
+        (tmp / "trainer_state.json").write_text(state_json)
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step (e.g. an abort right after a periodic save)
+            old = root / f".tmp-old-{name}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last > 0:
+        for _, p in _step_dirs(root)[:-keep_last]:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def _recover(root: Path) -> None:
+    """A save killed between moving an old step-N aside and renaming the new one in leaves
+    both complete but hidden: put the old one back."""
+    for p in root.glob(".tmp-old-step-*"):
+        name = p.name[len(".tmp-old-"):].rsplit("-", 1)[0]
+        if not (root / name).exists() and (p / "trainer_state.json").exists():
+            p.rename(root / name)
+
+
+def latest_checkpoint(root) -> Path | None:
+    """The complete checkpoint with the highest step under `root`, or None."""
+    dirs = _step_dirs(Path(root))
+    return dirs[-1][1] if dirs else None
+
+
+def resolve_resume(resume: str | None, root) -> Path | None:
+    """checkpoint.resume -> a checkpoint folder or None. 'auto' takes the newest under
+    `root` (None if there is none yet); a path may be a checkpoint or a root of them."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        if Path(root).is_dir():
+            _recover(Path(root))
+        return latest_checkpoint(root)
+    p = Path(resume)
+    if (p / "trainer_state.json").exists():
+        return p
+    if p.is_dir():
+        last = latest_checkpoint(p)
+        if last is not None:
+            return last
+    raise FileNotFoundError(f"checkpoint.resume: {resume} is not a checkpoint folder (no trainer_state.json) "
+                            f"nor a folder of step-* checkpoints")
+
+
+def load_checkpoint(path, model, optimizer, *, extra: dict | None = None, generators: dict | None = None,
+                    restore_rng: bool = True) -> dict:
+    """Load weights into `model.flat`, the optimizer state, extra state_dicts and RNG states
+    from a checkpoint folder; return its trainer state (a dict with at least 'step')."""
+    path = Path(path)
+    if not (path / "trainer_state.json").exists():
+        raise FileNotFoundError(f"{path}: not a checkpoint (no trainer_state.json)")
+    io.load_into(path / "model", model.layout, model.flat)
+    if optimizer is not None:
+        if not (path / "optim.pt").exists():
+            raise FileNotFoundError(f"{path}: no optim.pt to restore the optimizer from")
+        optimizer.load_state_dict(torch.load(path / "optim.pt", map_location="cpu", weights_only=True))
+    for k, obj in (extra or {}).items():
+        f = path / f"{k}.pt"
+        if not f.exists():
+            raise FileNotFoundError(f"{path}: no {k}.pt")
+        obj.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
+    if restore_rng and (path / "rng.pt").exists():
+        set_rng_state(torch.load(path / "rng.pt", map_location="cpu", weights_only=True), generators)
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+# ---------------------------------------------------------------- a run's model
+def build_model(cfg, device: str | None = None, dtype: torch.dtype | None = None):
+    """A Qwen3 from a ModelConfig: loaded from `cfg.path`, or made from scratch from the
+    Qwen3Config fields in `cfg.tiny` (seeded by cfg.init_seed)."""
+    from rlcu.config import ConfigError
+    from rlcu.model.config import Qwen3Config
+    from rlcu.model.qwen3 import Qwen3
+
+    device = device or cfg.resolve_device()
+    dtype = dtype or cfg.resolve_dtype()
+    if cfg.path is not None:
+        model = Qwen3.from_pretrained(cfg.path, device=device, dtype=dtype)
+    elif cfg.tiny is not None:
+        names = set(Qwen3Config.__dataclass_fields__)
+        bad = [k for k in cfg.tiny if k not in names]
+        if bad:
+            raise ConfigError(f"model.tiny.{bad[0]}", f"is not a Qwen3Config field (known: {', '.join(sorted(names))})")
+        try:
+            qc = Qwen3Config(**cfg.tiny)
+        except ValueError as e:
+            raise ConfigError("model.tiny", f"is invalid: {e}") from None
+        model = Qwen3.from_config(qc, device=device, dtype=dtype, seed=cfg.init_seed)
+    else:
+        raise ConfigError("model.path", "must be set (or model.tiny for a model made from scratch)")
+    model.gradient_checkpointing = cfg.gradient_checkpointing
+    return model

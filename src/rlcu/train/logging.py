@@ -1,0 +1,174 @@
+"""Run logging: metrics.jsonl, a TensorBoard event file, a rich progress bar, log.txt and,
+at the end, a reward-curve PNG.
+
+Every `cfg.every` steps (and at the last step) one JSON object per line goes to
+metrics.jsonl ({"step": s, **metrics}, floats written with full precision so runs can be
+compared bit for bit) and the numeric metrics go to TensorBoard. On resume the rows after
+the checkpoint's step are dropped, so the file reads as one uninterrupted run.
+matplotlib is optional: without it the PNG is skipped with a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from rlcu.config import LogConfig
+from rlcu.train.tb_writer import EventWriter
+
+
+def _num(v):
+    """A metric as a JSON/TensorBoard number, or None when it is not numeric."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, (int, float)):
+        return v
+    if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
+        return v.item()
+    return None
+
+
+class RunLogger:
+    def __init__(self, out_dir, cfg: LogConfig | None = None, total_steps: int | None = None, *,
+                 resume_step: int | None = None):
+        self.cfg = cfg or LogConfig()
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.history: list[dict] = []
+        if resume_step is not None and self.metrics_path.exists():
+            for line in self.metrics_path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    if row.get("step", 0) <= resume_step:
+                        self.history.append(row)
+        self._jsonl = open(self.metrics_path, "w")
+        for row in self.history:
+            self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        self._log_txt = open(self.out_dir / "log.txt", "a")
+        self.tb = EventWriter(self.out_dir) if self.cfg.tensorboard else None
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self._progress = None
+        if self.cfg.progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
+                                      console=self.console, transient=False)
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=total_steps, metrics="",
+                                                 completed=resume_step or 0)
+        self._closed = False
+
+    # ---------------------------------------------------------------- messages
+    def _write_txt(self, level: str, msg: str) -> None:
+        self._log_txt.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {level} {msg}\n")
+        self._log_txt.flush()
+
+    def info(self, msg: str) -> None:
+        self._write_txt("INFO", msg)
+        self.console.print(msg, highlight=False, markup=False)
+
+    def warn(self, msg: str) -> None:
+        self._write_txt("WARN", msg)
+        self.console.print(f"warning: {msg}", style="yellow", highlight=False, markup=False)
+
+    # ---------------------------------------------------------------- metrics
+    def log(self, step: int, metrics: dict) -> None:
+        """Record one step's metrics (numbers or 0-d tensors; other values go to JSONL only)."""
+        due = step % self.cfg.every == 0 or (self.total_steps is not None and step >= self.total_steps)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, metrics=self._short(metrics))
+        if not due:
+            return
+        row = {"step": int(step)}
+        for k, v in metrics.items():
+            n = _num(v)
+            row[k] = n if n is not None else v
+        self.history.append(row)
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        if self.tb is not None:
+            self.tb.add_scalars(step, {k: float(v) for k, v in row.items()
+                                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        if self._progress is None:
+            tot = f"/{self.total_steps}" if self.total_steps else ""
+            self.console.print(f"step {step}{tot}  {self._short(metrics)}", highlight=False, markup=False)
+
+    @staticmethod
+    def _short(metrics: dict, n: int = 5) -> str:
+        parts = []
+        for k, v in metrics.items():
+            x = _num(v)
+            if x is None or isinstance(x, bool):
+                continue
+            parts.append(f"{k} {x:.4g}" if isinstance(x, float) else f"{k} {x}")
+            if len(parts) == n:
+                break
+        return "  ".join(parts)
+
+    # ---------------------------------------------------------------- end
+    def _plot_keys(self) -> list[str]:
+        if self.cfg.plot_keys:
+            return list(self.cfg.plot_keys)
+        keys = []
+        for row in self.history:
+            for k in row:
+                if k not in keys and k.startswith("reward") and "std" not in k:
+                    keys.append(k)
+        if not keys and any("loss" in r for r in self.history):
+            keys = ["loss"]
+        return keys
+
+    def plot(self, path=None) -> Path | None:
+        """Write the reward curve (or the loss when there is no reward) to a PNG."""
+        keys = self._plot_keys()
+        if not keys or not self.history:
+            return None
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            self.info("matplotlib is not installed: skipping reward_curve.png (pip install matplotlib)")
+            return None
+        path = Path(path) if path else self.out_dir / "reward_curve.png"
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in self.history
+                   if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=k)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._progress is not None:
+            self._progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+        self._jsonl.close()
+        if self.cfg.plot:
+            self.plot()
+        self._log_txt.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,113 @@
+"""AdamW over flat buffers, with gradient clipping and non-finite step skipping.
+
+The model's weights live in one flat buffer (`model.flat`), its gradients in another
+(`model.grad_flat`, fp32). The optimizer keeps fp32 master weights of the same layout —
+the model's buffer itself when that is fp32, else an fp32 copy whose every update is
+written back to the bf16 working weights in the same kernel — and fp32 moments m, v.
+
+One step: n = ||g||; if the loss or n is not finite the step is skipped (nothing changes,
+a counter of skips in a row grows, and at `max_nonfinite_in_row` the step raises
+NonFiniteError so the trainer can checkpoint the last good state and stop); else
+g is scaled by c = min(1, max_grad_norm / (n + 1e-6)) inside the AdamW kernel. Works for
+any object with `.flat`, `.grad_flat` and `.layout` (the policy, the critic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlcu.config import OptimConfig
+from rlcu.ops.adamw import adamw_step, clip_scale, grad_norm
+
+
+class NonFiniteError(RuntimeError):
+    """Too many steps in a row with a non-finite loss or gradient norm. `info` holds the
+    last step's metrics."""
+
+    def __init__(self, msg: str, info: dict):
+        super().__init__(msg)
+        self.info = info
+
+
+class FlatAdamW:
+    def __init__(self, model, cfg: OptimConfig):
+        self.model = model
+        self.cfg = cfg
+        flat = model.flat
+        self.master = flat if flat.dtype == torch.float32 else flat.detach().float().clone()
+        self.m = torch.zeros_like(self.master)
+        self.v = torch.zeros_like(self.master)
+        self.step_count = 0  # applied updates (the 1-based AdamW step of the next one is +1)
+        self.nonfinite_in_row = 0
+        self.skipped_total = 0
+
+    @property
+    def master_is_model(self) -> bool:
+        return self.master is self.model.flat
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad()
+
+    def step(self, lr: float, loss: float | torch.Tensor | None = None) -> dict:
+        """Apply one update with learning rate `lr` from `model.grad_flat`. Returns
+        {grad_norm, clip_scale, skipped (0/1), nonfinite_in_row, lr}."""
+        g = self.model.grad_flat
+        if g is None:
+            raise RuntimeError("optimizer step without gradients: call model.backward first")
+        gn_t = grad_norm(g)
+        gn = float(gn_t)
+        lossf = None if loss is None else float(loss)
+        finite = math.isfinite(gn) and (lossf is None or math.isfinite(lossf))
+        info = {"grad_norm": gn, "lr": float(lr)}
+        if not finite:
+            self.nonfinite_in_row += 1
+            self.skipped_total += 1
+            info.update(clip_scale=0.0, skipped=1, nonfinite_in_row=self.nonfinite_in_row)
+            if self.nonfinite_in_row >= self.cfg.max_nonfinite_in_row:
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_row} optimizer steps in a row had a non-finite "
+                    f"{'loss' if lossf is not None and not math.isfinite(lossf) else 'gradient norm'} "
+                    f"(loss={lossf}, grad_norm={gn}); aborting (optim.max_nonfinite_in_row="
+                    f"{self.cfg.max_nonfinite_in_row}). Lower optim.lr or check the data.", info)
+            return info
+        self.nonfinite_in_row = 0
+        if self.cfg.max_grad_norm > 0:
+            scale = clip_scale(gn_t, self.cfg.max_grad_norm)
+        else:
+            scale = torch.ones((), device=g.device, dtype=torch.float32)
+        self.step_count += 1
+        b1, b2 = self.cfg.betas
+        adamw_step(self.master, g, self.m, self.v, None if self.master_is_model else self.model.flat,
+                   lr=float(lr), beta1=b1, beta2=b2, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
+                   step=self.step_count, grad_scale=scale)
+        info.update(clip_scale=float(scale), skipped=0, nonfinite_in_row=0)
+        return info
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """CPU copies of the state. The master weights are included only when they are a
+        separate fp32 copy (fp32 models are saved with the model folder)."""
+        d = {"step_count": self.step_count, "nonfinite_in_row": self.nonfinite_in_row,
+             "skipped_total": self.skipped_total, "m": self.m.cpu().clone(), "v": self.v.cpu().clone()}
+        if not self.master_is_model:
+            d["master"] = self.master.cpu().clone()
+        return d
+
+    def load_state_dict(self, d: dict) -> None:
+        for k in ("m", "v"):
+            if d[k].shape != self.m.shape:
+                raise ValueError(f"optimizer state {k} has shape {list(d[k].shape)}, this model's layout "
+                                 f"needs {list(self.m.shape)} (a checkpoint of another model?)")
+        self.m.copy_(d["m"])
+        self.v.copy_(d["v"])
+        if "master" in d:  # the fp32 master of a bf16 run (also the best weights for an fp32 model)
+            self.master.copy_(d["master"])
+            if not self.master_is_model:
+                self.model.flat.copy_(self.master)
+        elif not self.master_is_model:
+            self.master.copy_(self.model.flat)  # a checkpoint of an fp32 run loaded into bf16
+        self.step_count = int(d["step_count"])
+        self.nonfinite_in_row = int(d.get("nonfinite_in_row", 0))
+        self.skipped_total = int(d.get("skipped_total", 0))

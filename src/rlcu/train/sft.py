@@ -1,0 +1,285 @@
+"""Supervised fine-tuning on packed sequences, loss on completion tokens only.
+
+One optimizer step takes `grad_accum` micro-batches from the packed stream. Each
+micro-batch is a packed token stream (examples back to back, `cu_seqlens` marking them, so
+attention never crosses examples) of at most `batch_tokens` tokens. With m the completion
+mask over all tokens of the step and n = sum(m), the loss is
+
+    L = -(1/n) sum_i m_i lp_i,        so  dL/dlp_i = -m_i / n,
+
+and each micro-batch's backward starts from that dlp: the accumulated gradient equals the
+gradient of one big batch. The data order is a seeded permutation per epoch, so the data
+position (epoch, cursor) is the whole data state, and resuming from a checkpoint replays
+the remaining steps bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from rlcu.config import SFTConfig, config_from_dict, load_config, save_config
+from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_rows
+from rlcu.train.checkpoint import build_model, load_checkpoint, resolve_resume, save_checkpoint
+from rlcu.train.logging import RunLogger
+from rlcu.train.optimizer import FlatAdamW, NonFiniteError
+from rlcu.train.schedule import lr_at
+
+
+class PackedStream:
+    """Greedy packing of examples (in a seeded per-epoch order) into micro-batches of at
+    most `batch_tokens` tokens; an example longer than that is a micro-batch alone. A
+    micro-batch never spans two epochs."""
+
+    def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool, seed: int):
+        if not lengths:
+            raise ValueError("no training examples left to pack")
+        self.lengths, self.batch_tokens, self.shuffle, self.seed = lengths, batch_tokens, shuffle, seed
+        self.epoch, self.cursor = 0, 0
+        self._order_epoch, self._order = -1, []
+
+    def order(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            n = len(self.lengths)
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+                self._order = torch.randperm(n, generator=g).tolist()
+            else:
+                self._order = list(range(n))
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_batch(self) -> list[int]:
+        order = self.order()
+        out, tok = [], 0
+        while self.cursor < len(order):
+            i = order[self.cursor]
+            if out and tok + self.lengths[i] > self.batch_tokens:
+                break
+            out.append(i)
+            tok += self.lengths[i]
+            self.cursor += 1
+        if self.cursor >= len(order):
+            self.epoch, self.cursor = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
+
+
+def _load_tokenizer(cfg: SFTConfig):
+    src = cfg.model.tokenizer or cfg.model.path
+    if src is None:
+        raise ValueError("text SFT rows need a tokenizer: pass tokenizer=, or set model.tokenizer / model.path")
+    from rlcu.data.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(src)
+
+
+class SFTTrainer:
+    """`SFTTrainer(config, dataset=None, model=None, tokenizer=None).train()`.
+
+    dataset: a list of rows, a file path, or None for `config.data.path`. model: a Qwen3,
+    or None to build one from `config.model`. tokenizer: needed for text rows (None: loaded
+    from model.tokenizer / model.path when required)."""
+
+    def __init__(self, config: SFTConfig | dict | str | Path | None = None, dataset=None, model=None,
+                 tokenizer=None):
+        if isinstance(config, (str, Path)):
+            config = load_config(SFTConfig, config)
+        elif isinstance(config, dict):
+            config = config_from_dict(SFTConfig, config)
+        elif config is None:
+            config = SFTConfig()
+        self.cfg = cfg = config
+        self.out_dir = Path(cfg.log.out_dir)
+        self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
+        torch.manual_seed(cfg.seed)
+        self.model = model if model is not None else build_model(cfg.model)
+        self.device = self.model.device
+        d = cfg.data
+        fields = dict(prompt_field=d.prompt_field, completion_field=d.completion_field,
+                      messages_field=d.messages_field)
+        if dataset is None:
+            if d.path is None:
+                raise ValueError("SFT needs data: pass dataset= or set data.path")
+            dataset = d.path
+        if isinstance(dataset, (str, Path)):
+            src = str(dataset)
+            rows = load_sft_rows(dataset, **fields)
+        else:
+            src = "dataset"
+            rows = list(dataset)
+            for i, r in enumerate(rows):
+                if not isinstance(r, dict):
+                    raise ValueError(f"dataset[{i}]: a row must be a dict, got {type(r).__name__}")
+                check_sft_row(r, f"dataset[{i}]", **fields)
+        eval_rows: list[dict] = []
+        if d.eval_path is not None:
+            eval_rows = load_sft_rows(d.eval_path, **fields)
+        elif d.eval_size:
+            if d.eval_size >= len(rows):
+                raise ValueError(f"data.eval_size ({d.eval_size}) must be smaller than the {len(rows)} rows of {src}")
+            perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(d.seed)).tolist()
+            held = set(perm[:d.eval_size])
+            eval_rows = [rows[i] for i in sorted(held)]
+            rows = [r for i, r in enumerate(rows) if i not in held]
+        self.tokenizer = tokenizer
+        if self.tokenizer is None and any("prompt_token_ids" not in r for r in rows + eval_rows):
+            self.tokenizer = _load_tokenizer(cfg)
+        self._notes: list[str] = []
+        self.examples = self._encode(rows, src, fields)
+        self.eval_examples = self._encode(eval_rows, d.eval_path or f"{src} (held out)", fields) if eval_rows else []
+        self.stream = PackedStream([len(e[0]) for e in self.examples], cfg.batch_tokens, d.shuffle, d.seed)
+        self.optimizer = FlatAdamW(self.model, cfg.optim)
+        self.step = 0
+        self.logger: RunLogger | None = None
+        self.last_checkpoint: Path | None = None
+
+    def _encode(self, rows: list[dict], src: str, fields: dict) -> list[tuple[list[int], list[int]]]:
+        """Tokenise rows to (ids, mask), dropping (and counting) too long or empty ones."""
+        cfg, V = self.cfg, self.model.cfg.vocab_size
+        out = []
+        n_long = n_empty = 0
+        for i, r in enumerate(rows):
+            try:
+                ids, mask = encode_sft_row(r, self.tokenizer, **fields)
+            except ValueError as e:
+                raise ValueError(f"{src} row {i + 1}: {e}") from None
+            if ids and (min(ids) < 0 or max(ids) >= V):
+                raise ValueError(f"{src} row {i + 1}: token id {max(ids)} outside the model's vocabulary [0, {V})")
+            if len(ids) > cfg.max_seq_len:
+                n_long += 1
+                continue
+            if ids:
+                mask[0] = 0  # a sequence's first token has no prediction
+            if not any(mask):
+                n_empty += 1
+                continue
+            out.append((ids, mask))
+        if n_long:
+            self._notes.append(f"{src}: dropped {n_long} of {len(rows)} examples longer than "
+                               f"max_seq_len={cfg.max_seq_len} tokens")
+        if n_empty:
+            self._notes.append(f"{src}: dropped {n_empty} examples with no completion token to train on")
+        if not out:
+            raise ValueError(f"no SFT examples left from {src} ({len(rows)} rows; {n_long} too long, {n_empty} empty)")
+        return out
+
+    # ---------------------------------------------------------------- batches
+    def _micro_batch(self, idx: list[int] | None = None, examples=None):
+        examples = self.examples if examples is None else examples
+        idx = self.stream.next_batch() if idx is None else idx
+        ids, mask, lens = [], [], []
+        for i in idx:
+            a, m = examples[i]
+            ids += a
+            mask += m
+            lens.append(len(a))
+        dev = self.device
+        tokens = torch.tensor(ids, dtype=torch.long, device=dev)
+        cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+        return tokens, cu, torch.tensor(mask, dtype=torch.float32, device=dev), sum(mask)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _state(self) -> dict:
+        hist = self.logger.history[-20:] if self.logger else []
+        return {"step": self.step, "data": self.stream.state_dict(), "metrics_tail": hist, "trainer": "sft"}
+
+    def save(self) -> Path:
+        self.last_checkpoint = save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, self._state(),
+                                               self.cfg.checkpoint.keep_last, tokenizer=self.tokenizer)
+        if self.logger:
+            self.logger.info(f"checkpoint: {self.last_checkpoint}")
+        return self.last_checkpoint
+
+    def resume(self, path) -> None:
+        state = load_checkpoint(path, self.model, self.optimizer)
+        self.step = int(state["step"])
+        self.stream.load_state_dict(state["data"])
+
+    # ---------------------------------------------------------------- training
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        lr = lr_at(self.step, cfg.optim, cfg.steps)
+        batches = [self._micro_batch() for _ in range(cfg.grad_accum)]
+        n_tok = sum(b[3] for b in batches)
+        self.model.zero_grad()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for tokens, cu, mask, _ in batches:
+            lp = self.model.forward(tokens, cu)
+            loss_sum += -(lp * mask).sum()
+            self.model.backward(mask * (-1.0 / n_tok))
+        loss = float(loss_sum) / n_tok
+        info = self.optimizer.step(lr, loss)  # may raise NonFiniteError
+        dt = time.perf_counter() - t0
+        n_all = sum(b[0].numel() for b in batches)
+        return {"loss": loss, **info, "tokens": n_all, "completion_tokens": n_tok,
+                "sequences": sum(b[1].numel() - 1 for b in batches), "epoch": self.stream.epoch,
+                "tokens_per_s": n_all / dt, "step_seconds": dt}
+
+    def evaluate(self) -> float | None:
+        """Mean completion-token loss over the held-out examples (None when there are none)."""
+        if not self.eval_examples:
+            return None
+        ev = PackedStream([len(e[0]) for e in self.eval_examples], self.cfg.batch_tokens, False, 0)
+        total, n = 0.0, 0
+        while ev.epoch == 0:
+            tokens, cu, mask, n_mask = self._micro_batch(ev.next_batch(), self.eval_examples)
+            lp = self.model.forward(tokens, cu, grad=False)
+            total += float(-(lp * mask).sum())
+            n += n_mask
+        return total / n
+
+    def train(self, until: int | None = None) -> dict:
+        """Run to `config.steps` (or stop after step `until`, checkpointing there). Returns
+        the last step's metrics."""
+        cfg = self.cfg
+        path = resolve_resume(cfg.checkpoint.resume, self.ckpt_root)
+        if path is not None:
+            self.resume(path)
+        self.logger = log = RunLogger(self.out_dir, cfg.log, cfg.steps,
+                                      resume_step=self.step if path is not None else None)
+        save_config(cfg, self.out_dir / "config.yaml")
+        if path is not None:
+            log.info(f"resumed from {path} at step {self.step}")
+        elif cfg.checkpoint.resume == "auto":
+            log.info(f"no checkpoint under {self.ckpt_root}: starting from scratch")
+        for n in self._notes:
+            log.info(n)
+        log.info(f"SFT: {len(self.examples)} examples, {self.model.num_params():,} parameters, "
+                 f"{cfg.steps} steps on {self.device}")
+        end = cfg.steps if until is None else min(until, cfg.steps)
+        metrics: dict = {}
+        saved_at, start = None, self.step
+        try:
+            while self.step < end:
+                try:
+                    metrics = self.train_step()
+                except NonFiniteError as e:
+                    self.step += 1
+                    log.log(self.step, e.info)
+                    ck = self.save()
+                    raise RuntimeError(f"{e} The last good state is saved in {ck}.") from e
+                self.step += 1
+                if metrics["skipped"]:
+                    log.warn(f"step {self.step}: non-finite loss ({metrics['loss']}) or gradient norm "
+                             f"({metrics['grad_norm']}): step skipped ({metrics['nonfinite_in_row']} in a row)")
+                if self.eval_examples and ((cfg.eval_every and self.step % cfg.eval_every == 0)
+                                           or self.step == cfg.steps):
+                    metrics["eval/loss"] = self.evaluate()
+                log.log(self.step, metrics)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save()
+                    saved_at = self.step
+            if saved_at != self.step and (cfg.checkpoint.save_at_end or end < cfg.steps) and self.step > start:
+                self.save()
+        finally:
+            log.close()
+        return metrics
