@@ -1,15 +1,292 @@
-"""Attention of new query tokens over the paged KV cache (chunked prefill and decode).
+"""Attention of new query tokens over the paged KV cache: chunked prefill and decode in one op.
 
-PLACEHOLDER: kernels follow; the twin and the public signature are final.
+The new tokens of S sequences are packed ([N, Hq, D], boundaries in `cu_seqlens_q`); their
+K/V are already in the cache (`kv_write`). Sequence s has L = seq_lens[s] tokens of context,
+the last q_len of which are its queries, so query j sits at position L - q_len + j and
+    o = softmax(q K[0 .. pos]^T * scale) V[0 .. pos],
+with K/V row p of sequence s at cache slot block_tables[s, p // BS] * BS + p % BS. Query head
+h reads KV head h // G (G = Hq / Hk).
+
+Two kernels, both launched on grids that depend only on (S, Hk, max_seqlen_q, max_seqlen_k),
+never on lengths read back from the device, so a decode step can be captured in a CUDA graph
+(capture with max_seqlen_k = the longest context the graph will serve):
+- decode (max_seqlen_q == 1), flash-decoding: program (s, kv head, split) runs an online
+  softmax over one partition of the context for the G query heads of that KV head at once
+  (the G rows are padded to 16 so that Q K^T and P V are tensor-core dots; each K/V tile is
+  loaded once for all G heads). Each split writes its normalised partial output o_j and
+  lse_j = m_j + log2 l_j; the reduce kernel combines them:
+      o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M),   M = max_j lse_j.
+  The number of splits is chosen so that S * Hk * splits fills the SMs a few times over; with
+  one split the kernel writes o directly and the reduce is skipped.
+- prefill (max_seqlen_q > 1), FlashAttention-2 style: program (query tile, s, kv head) holds
+  BM rows = (query token, head of the group) pairs, so the G heads of a KV head share every
+  K/V tile; keys below the tile's first query position need no causal mask (first loop), the
+  few tiles at the diagonal do (second loop).
+Statistics are fp32 in the log2 domain (scores are multiplied by scale * log2 e, exp2 is used).
+
+Block size: the kernels take any power-of-two block_size (a constexpr; each K/V row is
+gathered through the table, so the page size does not change the memory access pattern).
+DEFAULT_BLOCK_SIZE = 16: fine-grained prefix sharing between the G samples of one prompt
+(a fork copies or recomputes at most 15 tokens) and little waste at the end of a sequence,
+at the cost of a longer block table (256 entries for 4k tokens), which is negligible.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from rlcu.ops._backend import use_triton
 
 DEFAULT_BLOCK_SIZE = 16
+_LOG2E = 1.4426950408889634
+_DEC_MIN_PART = 256  # fewest keys per decode split
+_DEC_MAX_SPLITS = 64
+# tile sizes and launch options (bench/kernel_suites/engine_ops.py --sweep times others):
+# decode BN keys a tile; prefill BM rows (query token x group head) and BN keys a tile
+CONFIGS = {
+    "decode": dict(BN=64, num_warps=4, num_stages=3),
+    "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
+}
+
+
+@triton.jit
+def _decode_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART,
+                   stride_qn, stride_qh, stride_cs, stride_ch, stride_bt, stride_on, stride_oh,
+                   Hq, scale_log2, PART,
+                   G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                   BS: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    hk = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(CU_Q + s).to(tl.int64)
+    q_len = tl.load(CU_Q + s + 1).to(tl.int64) - q_start
+    L = tl.load(SEQ_LENS + s).to(tl.int64)
+    n0 = j * PART
+    if q_len == 0:
+        return
+    if NSPLIT > 1:
+        if n0 >= L:  # an empty split: the reduce does not read it
+            return
+    n1 = tl.minimum(n0 + PART, L)
+    g = tl.arange(0, BG)
+    d = tl.arange(0, BD)
+    gmask = g < G
+    dmask = d < D
+    h = hk * G + g  # [BG] query heads of this KV head
+    q = tl.load(Q + q_start * stride_qn + h[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0).to(KC.dtype.element_ty)
+    m = tl.full([BG], float("-inf"), tl.float32)
+    l = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BD], tl.float32)
+    for n in range(n0, n1, BN):
+        pos = n + tl.arange(0, BN)
+        pmask = pos < n1
+        blk = tl.load(BLOCK_TABLES + s * stride_bt + pos // BS, mask=pmask, other=0).to(tl.int64)
+        kv_off = (blk * BS + pos % BS)[:, None] * stride_cs + hk * stride_ch + d[None, :]
+        kvmask = pmask[:, None] & dmask[None, :]
+        k = tl.load(KC + kv_off, mask=kvmask, other=0.0)  # [BN, BD]
+        sc = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN]
+        sc = tl.where(pmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(VC + kv_off, mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    l_safe = tl.where(l > 0, l, 1.0)
+    out = acc / l_safe[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if NSPLIT == 1:
+        tl.store(O + q_start * stride_on + h[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=omask)
+    else:
+        row = (s * Hq + h) * NSPLIT + j  # [BG] rows of the [S, Hq, NSPLIT] partials
+        tl.store(O_PART + row[:, None] * D + d[None, :], out, mask=omask)
+        tl.store(LSE_PART + row, m + tl.log2(l_safe), mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(O_PART, LSE_PART, CU_Q, SEQ_LENS, O, stride_on, stride_oh, Hq, PART,
+                          D: tl.constexpr, BD: tl.constexpr, NSPLIT: tl.constexpr,
+                          BSPLIT: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    q_start = tl.load(CU_Q + s).to(tl.int64)
+    if tl.load(CU_Q + s + 1).to(tl.int64) == q_start:
+        return
+    L = tl.load(SEQ_LENS + s).to(tl.int64)
+    j = tl.arange(0, BSPLIT)
+    d = tl.arange(0, BD)
+    jmask = j < (L + PART - 1) // PART  # splits that saw at least one key
+    row = (s * Hq + h) * NSPLIT + j
+    lse = tl.load(LSE_PART + row, mask=jmask, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(jmask, tl.exp2(lse - mx), 0.0)  # [BSPLIT]
+    o = tl.load(O_PART + row[:, None] * D + d[None, :], mask=jmask[:, None] & (d < D)[None, :],
+                other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(O + q_start * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _prefill_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O,
+                    stride_qn, stride_qh, stride_cs, stride_ch, stride_bt, stride_on, stride_oh,
+                    scale_log2, G: tl.constexpr, BM: tl.constexpr, BMT: tl.constexpr,
+                    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    hk = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(CU_Q + s).to(tl.int64)
+    q_len = tl.load(CU_Q + s + 1).to(tl.int64) - q_start
+    L = tl.load(SEQ_LENS + s).to(tl.int64)
+    t0 = tile * BMT
+    if t0 >= q_len:
+        return
+    r = tl.arange(0, BM)
+    t = t0 + r // G  # [BM] query token of each row
+    h = hk * G + r % G  # [BM] query head of each row
+    d = tl.arange(0, BD)
+    dmask = d < D
+    rmask = (r < BMT * G) & (t < q_len)
+    q_off = (q_start + t)[:, None] * stride_qn + h[:, None] * stride_qh + d[None, :]
+    q = tl.load(Q + q_off, mask=rmask[:, None] & dmask[None, :], other=0.0)
+    q = q.to(KC.dtype.element_ty)  # [BM, BD]
+    pos_q = L - q_len + t  # [BM] absolute positions
+    first = L - q_len + t0
+    last = tl.minimum(first + BMT - 1, L - 1)  # the last key any row of the tile may see
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, BD], tl.float32)
+    bt_row = BLOCK_TABLES + s * stride_bt
+    # keys 0 .. first are visible to every row: no causal mask
+    for n in range(0, ((first + 1) // BN) * BN, BN):
+        pos = n + tl.arange(0, BN)
+        blk = tl.load(bt_row + pos // BS).to(tl.int64)
+        kv_off = (blk * BS + pos % BS)[:, None] * stride_cs + hk * stride_ch + d[None, :]
+        k = tl.load(KC + kv_off, mask=dmask[None, :], other=0.0)  # [BN, BD]
+        sc = tl.dot(q, tl.trans(k)) * scale_log2  # [BM, BN]
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(VC + kv_off, mask=dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    # the diagonal: key p is visible to row i iff p <= pos_q[i]
+    for n in range(tl.maximum(((first + 1) // BN) * BN, 0), last + 1, BN):
+        pos = n + tl.arange(0, BN)
+        pmask = pos <= last
+        blk = tl.load(bt_row + pos // BS, mask=pmask, other=0).to(tl.int64)
+        kv_off = (blk * BS + pos % BS)[:, None] * stride_cs + hk * stride_ch + d[None, :]
+        kvmask = pmask[:, None] & dmask[None, :]
+        k = tl.load(KC + kv_off, mask=kvmask, other=0.0)
+        sc = tl.dot(q, tl.trans(k)) * scale_log2
+        sc = tl.where(pmask[None, :] & (pos[None, :] <= pos_q[:, None]), sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(VC + kv_off, mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_off = (q_start + t)[:, None] * stride_on + h[:, None] * stride_oh + d[None, :]
+    tl.store(O + o_off, out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the H200 the kernels are tuned for; the interpreter only needs a number
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def decode_splits(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132):
+    """(splits, keys per split) for a decode launch: enough programs to fill the SMs about
+    four times over, each split at least _DEC_MIN_PART keys (a multiple of the tile). It
+    depends on sizes only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
+    max_seqlen_k = max(int(max_seqlen_k), 1)
+    want = triton.cdiv(4 * num_sms, max(S * Hk, 1))
+    splits = max(1, min(want, triton.cdiv(max_seqlen_k, _DEC_MIN_PART), _DEC_MAX_SPLITS))
+    BN = CONFIGS["decode"]["BN"]
+    part = triton.cdiv(triton.cdiv(max_seqlen_k, splits), BN) * BN
+    return triton.cdiv(max_seqlen_k, part), part
+
+
+def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens):
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention: q must be [N, Hq, D] and the caches [num_blocks, "
+                         f"block_size, Hk, D], got {list(q.shape)}, {list(k_cache.shape)}, "
+                         f"{list(v_cache.shape)}")
+    N, Hq, D = q.shape
+    BS, Hk = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != D or Hq % Hk:
+        raise ValueError(f"paged_attention: q heads {Hq} x {D} do not fit the cache's "
+                         f"{Hk} x {k_cache.shape[3]} (Hq must be a multiple of Hk)")
+    S = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (S + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != S:
+        raise ValueError(f"paged_attention: with S={S} sequences cu_seqlens_q must be [S+1] and "
+                         f"block_tables [S, max_blocks], got {list(cu_seqlens_q.shape)} and "
+                         f"{list(block_tables.shape)}")
+    if BS & (BS - 1):
+        raise ValueError(f"paged_attention: block_size must be a power of two, got {BS}")
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                           max_seqlen_q, max_seqlen_k, scale):
+    N, Hq, D = q.shape
+    BS, Hk = k_cache.shape[1], k_cache.shape[2]
+    S = seq_lens.shape[0]
+    G = Hq // Hk
+    o = torch.empty(N, Hq, D, device=q.device, dtype=q.dtype)
+    if N == 0 or S == 0:
+        return o
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention: the caches must be contiguous")
+    block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    cu_seqlens_q, seq_lens = cu_seqlens_q.contiguous(), seq_lens.contiguous()
+    BD = triton.next_power_of_2(D)
+    scale_log2 = scale * _LOG2E
+    kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
+    strides = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0),
+               o.stride(0), o.stride(1))
+    if max_seqlen_q <= 1:
+        cfg = CONFIGS["decode"]
+        splits, part = decode_splits(S, Hk, max_seqlen_k, _num_sms(q.device))
+        BG = max(16, triton.next_power_of_2(G))
+        if splits > 1:
+            o_part = torch.empty(S, Hq, splits, D, device=q.device, dtype=torch.float32)
+            lse_part = torch.empty(S, Hq, splits, device=q.device, dtype=torch.float32)
+        else:
+            o_part = lse_part = o  # unused
+        _decode_kernel[(S, Hk, splits)](
+            q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, o_part, lse_part, *strides,
+            Hq, scale_log2, part, G=G, BG=BG, D=D, BD=BD, BS=BS, BN=cfg["BN"], NSPLIT=splits,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if splits > 1:
+            _decode_reduce_kernel[(S, Hq)](
+                o_part, lse_part, cu_seqlens_q, seq_lens, o, o.stride(0), o.stride(1), Hq, part,
+                D=D, BD=BD, NSPLIT=splits, BSPLIT=triton.next_power_of_2(splits), num_warps=4)
+        return o
+    cfg = CONFIGS["prefill"]
+    BM = max(cfg["BM"], triton.next_power_of_2(G))
+    BMT = BM // G  # query tokens a tile
+    _prefill_kernel[(triton.cdiv(max_seqlen_q, BMT), S, Hk)](
+        q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, *strides, scale_log2,
+        G=G, BM=BM, BMT=BMT, D=D, BD=BD, BS=BS, BN=cfg["BN"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return o
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
@@ -41,6 +318,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, m
                     max_seqlen_k: int, scale: float):
     """q: [N, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]; block_tables:
     [S, max_blocks] int32; cu_seqlens_q: [S+1] int32; seq_lens: [S] int32 (context length
-    including the new tokens) -> o [N, Hq, D] in q.dtype."""
+    including the new tokens, whose K/V are already cached); max_seqlen_q, max_seqlen_k: host
+    ints bounding q_len and seq_lens (they size the launch grid) -> o [N, Hq, D] in q.dtype.
+    max_seqlen_q == 1 takes the split-KV decode kernel. A sequence with seq_lens == 0 (a
+    padding entry of a CUDA-graph batch) gets zeros; rows of q past cu_seqlens_q[-1] are
+    left unwritten."""
+    _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    if use_triton(q):
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                      max_seqlen_q, max_seqlen_k, scale)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                max_seqlen_q, max_seqlen_k, scale)
