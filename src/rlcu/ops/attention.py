@@ -32,15 +32,18 @@ import triton.language as tl
 from rlcu.ops._backend import interpreting, use_triton
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+_LOG2E = tl.constexpr(LOG2E)  # the kernels' copies
+_LN2 = tl.constexpr(0.6931471805599453)
 
-# (rows, cols, num_warps, num_stages) per kernel, keyed by the padded head dim BD; for sm_90
-# (H200). fwd and dq: (BM query rows, BN key rows per step); dkdv: (BN key rows, BM query rows
-# per step). bench/kernel_suites/attention.py --sweep measures the alternatives.
+# (rows, cols, num_warps, num_stages) per kernel, keyed by the bytes of a row in bf16 units
+# (the padded head dim BD; twice that for fp32), for sm_90 (H200). fwd and dq: (BM query rows,
+# BN key rows per step); dkdv: (BN key rows, BM query rows per step). Chosen among the configs
+# that compile for sm_90 within shared memory and without register spills (dkdv holds two
+# [BN, BD] fp32 accumulators); `python bench/kernel_suites/attention.py --sweep` times them.
 CONFIGS = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 32, 4, 2)},
-    "dkdv": {64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
-    "dq": {64: (128, 64, 4, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 2)},
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2), 512: (64, 32, 4, 2)},
+    "dkdv": {64: (128, 32, 8, 2), 128: (128, 32, 8, 2), 256: (64, 16, 8, 2), 512: (64, 16, 8, 1)},
+    "dq": {64: (128, 64, 8, 2), 128: (128, 64, 8, 2), 256: (64, 32, 8, 2), 512: (64, 32, 8, 1)},
 }
 _INTERPRET_CONFIG = (32, 16, 4, 1)  # small tiles: several per sequence even at T=63
 _BT_DELTA = 64  # rows per program of the delta kernel
@@ -128,7 +131,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, CU, N, S, qk_scale,
     acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, start_m,
                                     tl.minimum(start_m + BM, T), qk_scale, D, BN, BD, True)
     o = acc / l_i[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    lse = (m_i + tl.log2(l_i)) * _LN2
     tl.store(O + offs_m[:, None] * stride_ot + offs_d[None, :], o.to(O.dtype.element_ty),
              mask=mask_m[:, None] & mask_d[None, :])
     tl.store(LSE + i_h * N + bos + offs_m, lse, mask=mask_m)
@@ -164,7 +167,7 @@ def _attn_bwd_dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot,
                      mask=mask_d[:, None] & mask_m[None, :], other=0.0)  # [BD, BM]
         do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :],
                      mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BM, BD]
-        lse = tl.load(LSE + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
+        lse = tl.load(LSE + offs_m, mask=mask_m, other=0.0) * _LOG2E
         delta = tl.load(DELTA + offs_m, mask=mask_m, other=0.0)
         pt = tl.exp2(tl.dot(k, qt) * qk_scale - lse[None, :])  # [BN, BM] = P^T
         if CAUSAL_MASK:
@@ -277,7 +280,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, N, S, qk_scale, scale,
                 mask=mask, other=0.0)
     do = tl.load(DO + bos * stride_dot + i_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                  mask=mask, other=0.0)
-    lse = tl.load(LSE + i_h * N + bos + offs_m, mask=mask_m, other=0.0) * 1.4426950408889634
+    lse = tl.load(LSE + i_h * N + bos + offs_m, mask=mask_m, other=0.0) * _LOG2E
     delta = tl.load(DELTA + i_h * N + bos + offs_m, mask=mask_m, other=0.0)
     K += bos * stride_kt + (i_h // G) * stride_kh
     V += bos * stride_vt + (i_h // G) * stride_vh
@@ -290,11 +293,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, N, S, qk_scale, scale,
              (dq * scale).to(DQ.dtype.element_ty), mask=mask)
 
 
-def _config(kind: str, BD: int):
+def _config(kind: str, BD: int, dtype: torch.dtype):
     if interpreting():
         return _INTERPRET_CONFIG
     table = CONFIGS[kind]
-    return table[min(d for d in table if d >= BD)]
+    row = BD * dtype.itemsize // 2
+    return table[min((d for d in table if d >= row), default=max(table))]
 
 
 def _heads(t: torch.Tensor, name: str, N: int, D: int) -> torch.Tensor:
@@ -308,8 +312,10 @@ def _check(q, k, v, cu_seqlens):
     N, Hq, D = q.shape
     k, v = _heads(k, "k", N, D), _heads(v, "v", N, D)
     Hk = k.shape[1]
-    if v.shape[1] != Hk or Hq % Hk:
-        raise ValueError(f"attention: Hq={Hq} must be a multiple of Hk={Hk} (k) = {v.shape[1]} (v)")
+    if v.shape[1] != Hk:
+        raise ValueError(f"attention: k has {Hk} heads, v has {v.shape[1]}")
+    if Hq % Hk:
+        raise ValueError(f"attention: query heads Hq={Hq} must be a multiple of KV heads Hk={Hk}")
     if not 0 < D <= MAX_D:
         raise ValueError(f"attention: head dim D={D} must be in [1, {MAX_D}]")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -317,6 +323,8 @@ def _check(q, k, v, cu_seqlens):
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != q.device:
         raise ValueError(f"attention: cu_seqlens must be 1-D int32 on {q.device}, got "
                          f"{cu_seqlens.dtype} {list(cu_seqlens.shape)} on {cu_seqlens.device}")
+    if not 2 <= cu_seqlens.numel() <= 65535:  # S + 1 programs along a grid dimension
+        raise ValueError(f"attention: cu_seqlens has {cu_seqlens.numel()} entries; allowed 2 to 65535")
     return k, v, cu_seqlens.contiguous(), N, Hq, Hk, D
 
 
@@ -329,7 +337,7 @@ def attention_fwd_triton(q, k, v, cu_seqlens, max_seqlen: int, scale: float):
     if N == 0:
         return o, lse
     BD = max(16, triton.next_power_of_2(D))
-    BM, BN, num_warps, num_stages = _config("fwd", BD)
+    BM, BN, num_warps, num_stages = _config("fwd", BD, q.dtype)
     grid = (Hq, S + 1, triton.cdiv(max(max_seqlen, 1), BM))
     _attn_fwd_kernel[grid](q, k, v, o, lse, cu, N, S, scale * LOG2E,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -359,13 +367,13 @@ def attention_bwd_triton(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, scale
                                                      do.stride(0), do.stride(1), D=D, BT=BT, BD=BD)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                do.stride(0), do.stride(1))
-    BN, BM, num_warps, num_stages = _config("dkdv", BD)
+    BN, BM, num_warps, num_stages = _config("dkdv", BD, q.dtype)
     assert BN % BM == 0
     _attn_bwd_dkdv_kernel[(Hk, S + 1, triton.cdiv(T, BN))](
         q, k, v, do, lse, delta, dk, dv, cu, N, S, scale * LOG2E, scale, *strides,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), G=G, D=D, BN=BN, BM=BM, BD=BD,
         num_warps=num_warps, num_stages=num_stages)
-    BM, BN, num_warps, num_stages = _config("dq", BD)
+    BM, BN, num_warps, num_stages = _config("dq", BD, q.dtype)
     assert BM % BN == 0
     _attn_bwd_dq_kernel[(Hq, S + 1, triton.cdiv(T, BM))](
         q, k, v, do, lse, delta, dq, cu, N, S, scale * LOG2E, scale, *strides,
