@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/rlcu-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader || true
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 status=0
-python3 -m pytest -m gpu -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
+timeout ${RLCU_TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider ${RLCU_GPU_TESTS:-tests} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
 for b in ${RLCU_BENCH:-kernels train_step generate}; do
   echo "=== bench/$b.py"
   timeout ${RLCU_BENCH_TIMEOUT:-240} python3 bench/$b.py ${RLCU_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_$b.log" | tail -40 || status=1
