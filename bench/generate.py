@@ -1,0 +1,224 @@
+"""Generation benchmark (BENCHMARKS.md section 1): rlcu's engine, and HF transformers `generate`
+in the same run, on the Qwen3-0.6B shape with random bf16 weights.
+
+Cases:
+- protocol: 256 requests, prompt and output lengths uniform in [100, 1024] (seeded), temperature
+  0.6, EOS ignored, all submitted at once; output tokens / wall seconds;
+- fixed: B = 64 and B = 256 requests of prompt 128 / output 256 (rlcu and HF `generate`).
+
+The bound: a step must read every weight once plus the K/V of every running sequence's context
+(and a prefill step must do its matmul FLOPs), so
+    bound(step) = max((weight bytes + context tokens x KV bytes per token) / bandwidth,
+                      2 x matmul params x tokens / matmul peak)
+and the achieved fraction is sum(bound) / wall. The per-phase host timings (schedule, launch,
+wait for the device, postprocess) and the prefill/decode split say where the rest goes.
+
+    python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import measure_ceilings, qwen3_06b_config, write_json  # noqa: E402
+
+MATMUL_PEAK = 790e12  # bf16 dense, measured on the H200 (BENCHMARKS.md section 4)
+
+
+def random_model(cfg, device, seed=0):
+    """Random bf16 weights straight on the device: N(0, 0.02) matrices, unit norms."""
+    from rlcu.model.layout import ParamLayout
+    from rlcu.model.qwen3 import Qwen3
+
+    layout = ParamLayout(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    flat = torch.zeros(layout.numel, device=device, dtype=torch.bfloat16)
+    for name, v in layout.views(flat).items():
+        if name.endswith("norm"):
+            v.fill_(1.0)
+        else:
+            v.normal_(0.0, 0.02, generator=gen)
+    return Qwen3(cfg, flat)
+
+
+def hf_twin(m):
+    """The same weights in an HF Qwen3ForCausalLM (bf16, SDPA)."""
+    from transformers import Qwen3Config as HFConfig
+    from transformers import Qwen3ForCausalLM
+
+    d = m.cfg.to_hf_dict()
+    d.pop("architectures", None)
+    d.pop("model_type", None)
+    d.pop("torch_dtype", None)
+    with torch.device(m.device):
+        hf = Qwen3ForCausalLM(HFConfig(**d)).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # (a tied lm_head is not listed: it is the embedding)
+            p.copy_(m.params[name])
+    return hf
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bound_seconds(stats, cfg, weight_bytes, bandwidth):
+    kv_tok = 2 * cfg.num_hidden_layers * cfg.kv_size * 2  # bf16 K and V of every layer
+    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
+        + 3 * cfg.intermediate_size * cfg.hidden_size
+    matmul_params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    tot = dec = dec_t = pre_t = 0.0
+    for ntok, nseq, ctx, _graph, dt in stats["step_log"]:
+        b = max((weight_bytes + ctx * kv_tok) / bandwidth, 2 * matmul_params * ntok / MATMUL_PEAK)
+        tot += b
+        if ntok == nseq:
+            dec += b
+            dec_t += dt
+        else:
+            pre_t += dt
+    return tot, dec, dec_t, pre_t
+
+
+def run_rlcu(llm, prompts, params, cfg, weight_bytes, bandwidth, name):
+    sync()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    sync()
+    wall = time.perf_counter() - t
+    st = llm.stats
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    bound, dec_bound, dec_t, pre_t = bound_seconds(st, cfg, weight_bytes, bandwidth)
+    r = {
+        "case": name, "requests": len(prompts), "prompt_tokens": int(sum(map(len, prompts))),
+        "output_tokens": n_out, "wall_s": wall, "tok_per_s": n_out / wall,
+        "steps": st["steps"], "graph_steps": st["graph_steps"], "preemptions": st["preemptions"],
+        "bound_s": bound, "bound_fraction": bound / wall,
+        "decode": {"time_s": dec_t, "bound_s": dec_bound, "bound_fraction": dec_bound / max(dec_t, 1e-9)},
+        "prefill_time_s": pre_t,
+        "host_s": {k[2:]: st[k] for k in ("t_schedule", "t_launch", "t_wait", "t_postprocess")},
+    }
+    h = r["host_s"]
+    print(f"rlcu {name:<22} {n_out:>8} tok {wall:7.2f} s {r['tok_per_s']:>9,.0f} tok/s   bound {bound:6.2f} s "
+          f"({100 * r['bound_fraction']:.0f}%; decode {100 * r['decode']['bound_fraction']:.0f}%)   "
+          f"steps {st['steps']} (graph {st['graph_steps']}), prefill {pre_t:.2f} s, decode {dec_t:.2f} s; "
+          f"host: schedule {h['schedule']:.2f} launch {h['launch']:.2f} wait {h['wait']:.2f} "
+          f"post {h['postprocess']:.2f} s", flush=True)
+    return r
+
+
+def run_hf(hf, B, prompt_len, new, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, prompt_len), generator=g).to(hf.device)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.6, top_p=1.0, top_k=0,
+              max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    with torch.no_grad():
+        hf.generate(ids[:2, :16], **{**kw, "attention_mask": torch.ones_like(ids[:2, :16]),
+                                      "max_new_tokens": 4, "min_new_tokens": 4})
+        sync()
+        t = time.perf_counter()
+        out = hf.generate(ids, **kw)
+        sync()
+    wall = time.perf_counter() - t
+    n = (out.shape[1] - prompt_len) * B
+    print(f"hf   B={B:<4} {prompt_len}/{new}          {n:>8} tok {wall:7.2f} s {n / wall:>9,.0f} tok/s", flush=True)
+    return {"case": f"fixed B={B} prompt {prompt_len} new {new}", "requests": B, "output_tokens": n, "wall_s": wall,
+            "tok_per_s": n / wall}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="a short smoke run (2 layers, few requests)")
+    p.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--bandwidth", type=float, default=4.3e12, help="copy bandwidth ceiling, bytes/s")
+    p.add_argument("--measure", action="store_true", help="measure the copy bandwidth ceiling in this run")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--sync-scheduling", action="store_true", help="no one-step lookahead")
+    args = p.parse_args(argv)
+
+    from rlcu.engine import LLM, SamplingParams
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.quick:
+        print("bench/generate.py: needs a CUDA device (or --quick for a CPU smoke run)", file=sys.stderr)
+        return 2
+    dev = "cuda" if cuda else "cpu"
+    ceil = measure_ceilings() if (args.measure and cuda) else {}
+    bw = ceil["copy_GBps"] * 1e9 if ceil else args.bandwidth
+    if args.quick:
+        cfg = qwen3_06b_config(num_hidden_layers=2) if cuda else qwen3_06b_config(
+            vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, bos_token_id=None, eos_token_id=None)
+        n_req, lo, hi, fixed = min(args.requests, 32 if cuda else 8), 16, 128 if cuda else 48, [(8, 32, 32)]
+    else:
+        cfg = qwen3_06b_config()
+        n_req, lo, hi, fixed = args.requests, 100, 1024, [(64, 128, 256), (256, 128, 256)]
+    m = random_model(cfg, dev)
+    weight_bytes = m.num_params() * 2
+    llm = LLM(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              async_scheduling=not args.sync_scheduling, num_kv_blocks=None if cuda else 4096)
+    print(f"model: {cfg.num_hidden_layers} layers, {m.num_params() / 1e6:.0f}M params; KV pool "
+          f"{llm.runner.num_blocks} blocks x {llm.runner.block_size} tokens; max_model_len {llm.max_model_len}",
+          flush=True)
+
+    # warm-up: compile the kernels, capture the decode graphs (outside the timings)
+    t = time.perf_counter()
+    rng = np.random.default_rng(0)
+    warm = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(lo, hi + 1, 8)]
+    llm.generate([{"prompt_token_ids": w} for w in warm], SamplingParams(temperature=0.6, max_tokens=8,
+                                                                         ignore_eos=True), use_tqdm=False)
+    graphs = llm.capture_graphs(2 * hi + 16)
+    sync()
+    print(f"warm-up {time.perf_counter() - t:.1f} s ({graphs} CUDA graphs)", flush=True)
+
+    results = {"config": {"layers": cfg.num_hidden_layers, "params": m.num_params(), "bandwidth_Bps": bw,
+                          "matmul_peak_flops": MATMUL_PEAK, "max_num_seqs": args.max_num_seqs,
+                          "max_num_batched_tokens": args.max_num_batched_tokens,
+                          "kv_blocks": llm.runner.num_blocks, "block_size": llm.runner.block_size,
+                          "cuda_graphs": llm.runner.use_graphs, "async_scheduling": llm.async_scheduling,
+                          "quick": args.quick}, "ceilings": ceil, "rlcu": [], "hf": []}
+    rng = np.random.default_rng(1234)
+    plens = rng.integers(lo, hi + 1, n_req)
+    olens = rng.integers(lo, hi + 1, n_req)
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in plens]
+    params = [SamplingParams(temperature=0.6, max_tokens=int(o), ignore_eos=True, seed=i) for i, o in enumerate(olens)]
+    results["rlcu"].append(run_rlcu(llm, prompts, params, cfg, weight_bytes, bw,
+                                    f"protocol {n_req} x [{lo},{hi}]"))
+    for B, pl, new in fixed:
+        prompts = [rng.integers(0, cfg.vocab_size, pl).tolist() for _ in range(B)]
+        sp = SamplingParams(temperature=0.6, max_tokens=new, ignore_eos=True, seed=7)
+        results["rlcu"].append(run_rlcu(llm, prompts, sp, cfg, weight_bytes, bw, f"fixed B={B} {pl}/{new}"))
+
+    if not args.no_hf:
+        llm.sleep()  # give the KV pool back for HF's cache
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        hf = hf_twin(m)
+        for B, pl, new in fixed:
+            results["hf"].append(run_hf(hf, B, pl, new, cfg.vocab_size, seed=B))
+        del hf
+        for r, h in zip(results["rlcu"][1:], results["hf"]):
+            r["speedup_vs_hf"] = r["tok_per_s"] / h["tok_per_s"]
+            print(f"{r['case']}: rlcu / hf = {r['speedup_vs_hf']:.2f}x", flush=True)
+    path = write_json("generate_quick.json" if args.quick else "generate.json", results)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

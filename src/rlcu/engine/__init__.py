@@ -1,0 +1,12 @@
+"""The in-process paged inference engine: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+Split as the best small engines are: `Sequence` (state and block table), `BlockManager`
+(CPU bookkeeping: ref-counted blocks, fork, copy-on-write, prefix cache), `Scheduler`
+(policy: continuous batching, chunked prefill, preemption), `ModelRunner` (tensors, the KV
+pool, CUDA graphs), `LLM` (the public API).
+"""
+
+from rlcu.engine.llm import LLM
+from rlcu.engine.params import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "InvalidRequestError"]

@@ -1,0 +1,199 @@
+"""`rlcu generate`: prompts JSONL in, completions JSONL out, with a progress bar in tokens/s.
+
+Each input line is {"prompt": "text"}, {"prompt": [{"role": ..., "content": ...}, ...]} (a
+chat, rendered with the model's chat template) or {"prompt_token_ids": [...]}. Each output
+line is {"index", "prompt", "num_prompt_tokens", "outputs": [{"text", "token_ids",
+"finish_reason", "logprobs"?}]} in input order; a request refused at submission (an empty
+prompt, one too long, an unknown token id) is written as {"index", "error"}, named on stderr
+by file and line, and the command exits with 1 after generating the others. A malformed line
+stops everything before the model is loaded (exit 2).
+
+`--model tiny` (the default) builds a tiny random Qwen3 and a word-level tokenizer: a smoke
+run of the whole path without any download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+_TINY_WORDS = ("the a an and or but if then else of to in on at for with from by is are was were be been "
+               "it this that these those i you he she we they me him her us them my your his its our their "
+               "what which who when where why how all any some no not yes one two three four five six seven "
+               "eight nine ten add sum number answer question think step so because solve find value "
+               "0 1 2 3 4 5 6 7 8 9 . , ? ! : ; = + - * /").split()
+_TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|> {% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+_TINY_PROMPTS = ["what is two add three ?", "the answer is", "think step by step : find the sum of 4 and 5"]
+
+
+def tiny_model_and_tokenizer(device=None, seed: int = 0):
+    """A random 2-layer Qwen3 over a ~100-word vocabulary, and its word tokenizer."""
+    import torch
+
+    from rlcu.data.tokenizer import make_word_tokenizer
+    from rlcu.model.config import Qwen3Config
+    from rlcu.model.qwen3 import Qwen3
+
+    tok = make_word_tokenizer(_TINY_WORDS, _TINY_SPECIALS, chat_template=_TINY_TEMPLATE)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return Qwen3.from_config(cfg, device=dev, dtype=dtype, seed=seed, init_std=0.5), tok
+
+
+def read_prompts(path: str) -> list[tuple[int, object]]:
+    """(line number, prompt) per non-blank line; ValueError naming file and line if malformed."""
+    out = []
+    try:
+        fh = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    with fh:
+        for no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{no}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(rec, dict) or ("prompt" not in rec and "prompt_token_ids" not in rec):
+                raise ValueError(f'{path}:{no}: expected an object with "prompt" (text or chat messages) '
+                                 f'or "prompt_token_ids" (a list of ints)')
+            if "prompt_token_ids" in rec:
+                ids = rec["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError(f'{path}:{no}: "prompt_token_ids" must be a list of integers')
+                out.append((no, {"prompt_token_ids": ids}))
+                continue
+            p = rec["prompt"]
+            chat = isinstance(p, list) and all(isinstance(m, dict) and "role" in m for m in p)
+            if not (isinstance(p, str) or chat):
+                raise ValueError(f'{path}:{no}: "prompt" must be a string or a list of {{"role", "content"}} messages')
+            out.append((no, p))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlcu generate", description="Prompts JSONL in, completions JSONL out.")
+    p.add_argument("--model", default="tiny", help="model folder, or 'tiny' (default) for a random smoke-test model")
+    p.add_argument("--input", help="prompts JSONL ('-' for stdin); default with --model tiny: three built-in prompts")
+    p.add_argument("--output", default="-", help="completions JSONL (default: stdout)")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--n", type=int, default=1)
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--stop-token-ids", default="", help="comma-separated token ids")
+    s.add_argument("--logprobs", action="store_true", help="write the logprob of each sampled token")
+    s.add_argument("--chat-template-kwargs", default=None, help='JSON template variables, e.g. {"enable_thinking": false}')
+    e = p.add_argument_group("engine")
+    e.add_argument("--device", default=None)
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.6)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--enforce-eager", action="store_true")
+    e.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"rlcu generate: {msg}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "generate":
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    tiny = args.model in (None, "", "tiny")
+    try:
+        if args.input is None:
+            if not tiny:
+                return _fail("--input is required with a model folder")
+            lines = list(enumerate(_TINY_PROMPTS, 1))
+        else:
+            lines = read_prompts(args.input)
+        stop = [int(t) for t in args.stop_token_ids.split(",") if t.strip()]
+        kw = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    except ValueError as e:
+        return _fail(str(e))
+
+    from rlcu.engine import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                min_p=args.min_p, max_tokens=args.max_tokens, stop_token_ids=stop,
+                                ignore_eos=args.ignore_eos, seed=args.seed, logprobs=args.logprobs)
+        engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+                      num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
+                      enforce_eager=args.enforce_eager)
+        if tiny:
+            model, tok = tiny_model_and_tokenizer(args.device)
+            llm = LLM(model, tokenizer=tok, **engine)
+        else:
+            if not Path(args.model).is_dir():
+                return _fail(f"--model {args.model}: not a folder")
+            llm = LLM(args.model, device=args.device, dtype=args.dtype, **engine)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+
+    src = args.input or "<built-in prompts>"
+    prompts, chat_errors = [], {}
+    for i, (_, p) in enumerate(lines):
+        if isinstance(p, list):  # a chat: render it here so that a template error names its line
+            try:
+                p = {"prompt_token_ids": list(llm.tokenizer.apply_chat_template(p, add_generation_prompt=True,
+                                                                                tokenize=True, **kw))}
+            except (ValueError, TypeError, KeyError) as e:
+                chat_errors[i] = f"chat template failed: {e}"
+                p = {"prompt_token_ids": []}
+        prompts.append(p)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=not args.no_progress, on_error="return")
+    except ValueError as e:
+        return _fail(str(e))
+
+    n_err = 0
+    out_fh = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    with out_fh if out_fh is not sys.stdout else _nullcontext():
+        for i, ((no, p), o) in enumerate(zip(lines, outs)):
+            err = chat_errors.get(i, o.error)
+            if err is not None:
+                n_err += 1
+                print(f"rlcu generate: {src}:{no}: {err}", file=sys.stderr)
+                out_fh.write(json.dumps({"index": i, "error": err}) + "\n")
+                continue
+            rec = {"index": i, "prompt": p if not isinstance(p, dict) else None,
+                   "num_prompt_tokens": len(o.prompt_token_ids),
+                   "outputs": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                                **({"logprobs": c.logprobs} if c.logprobs is not None else {})} for c in o.outputs]}
+            out_fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    st = llm.stats
+    print(f"rlcu generate: {len(outs) - n_err} requests, {st.get('output_tokens', 0)} tokens in "
+          f"{st.get('wall', 0.0):.2f} s ({st.get('output_tokens', 0) / max(st.get('wall', 0.0), 1e-9):,.0f} tok/s)",
+          file=sys.stderr)
+    return 1 if n_err else 0
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,401 @@
+"""`LLM`: the engine's public face, shaped like vLLM's offline API.
+
+    llm = LLM(model_or_path, device="cuda")
+    outs = llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=256, logprobs=True))
+    outs[i].outputs[j].token_ids / .text / .finish_reason / .logprobs
+
+Given a `Qwen3`, the engine runs on its weight tensors (no copy): after an optimizer step
+updates the model in place, the next `generate` uses the new weights. For the same reason
+the prefix cache lives for one `generate` call (shared prefixes across its requests, and
+recomputation after preemption), never across calls. `sleep()` gives the KV
+pool (and CUDA graphs) back so that training can use the memory; `wake()` takes them back.
+
+Bad requests (an empty prompt, a prompt that leaves no room in the context, a token id
+outside the vocabulary, invalid sampling parameters such as n < 1 or a negative
+temperature) are found at submission, before anything runs. By default (`on_error="raise"`,
+as vLLM does) `generate` raises one `InvalidRequestError`, a ValueError naming every bad
+request's index and problem, and runs nothing, so the engine is untouched; with
+`on_error="return"` the bad requests come back with `.error` set and no outputs, and the
+other requests are generated as if they had been submitted alone. Results are in the
+order of the prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlcu.engine.block_manager import BlockManager
+from rlcu.engine.model_runner import ModelRunner
+from rlcu.engine.params import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from rlcu.engine.scheduler import Scheduler
+from rlcu.engine.sequence import Sequence
+from rlcu.model.qwen3 import Qwen3
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+def _dtype(x) -> torch.dtype | None:
+    if x is None or x == "auto":
+        return None
+    if isinstance(x, torch.dtype):
+        return x
+    if isinstance(x, str) and x.lower() in _DTYPES:
+        return _DTYPES[x.lower()]
+    raise ValueError(f"LLM.dtype must be one of {', '.join(_DTYPES)}, 'auto' or a torch.dtype, got {x!r}")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _check_int(name: str, v, lo: int, allow_none: bool = False):
+    if v is None and allow_none:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"LLM.{name} must be an integer >= {lo}{' or None' if allow_none else ''}, got {v!r}")
+
+
+class _Progress:
+    """A rich progress bar over requests, with the output tokens/s so far (on stderr)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+                            TextColumn("{task.fields[tps]:>10,.0f} tok/s"), TimeElapsedColumn(),
+                            console=Console(stderr=True))
+        self.task = self.bar.add_task("generate", total=total, tps=0.0)
+        self.t0 = time.perf_counter()
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, done: int, tokens: int) -> None:
+        if self.bar is not None:
+            tps = tokens / max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.update(self.task, completed=done, tps=tps)
+
+
+class LLM:
+    """model: a `Qwen3` (shared, not copied; device and dtype are the model's) or a folder
+    with config.json and safetensors. device: default the model's, else "cuda" when there is
+    one. dtype: default bfloat16 on CUDA, float32 on the CPU. max_num_seqs: sequences in one
+    step (also the largest CUDA-graph batch). max_num_batched_tokens: tokens per step (the
+    chunked-prefill budget). gpu_memory_utilization: the fraction of the device's memory that
+    everything in the process, the KV pool included, may use. block_size: tokens per KV
+    block. num_kv_blocks: the pool's size, overriding gpu_memory_utilization (the CPU default
+    holds 4 sequences of max_model_len, at most 1 GiB). max_model_len: the longest sequence (default: the model's
+    max_position_embeddings, lowered to what the pool holds). enforce_eager: no CUDA graphs.
+    async_scheduling: launch step t+1 before reading back step t's tokens, so that the host's
+    scheduling overlaps the device's work (outputs are identical; a sequence that samples a
+    stop token costs one wasted row in the next step).
+    tokenizer: an object with encode/decode/apply_chat_template/eos_token_id; default: loaded
+    from the model's folder the first time a prompt is text (or a chat)."""
+
+    def __init__(self, model: Qwen3 | str | Path, *, device: str | torch.device | None = None, dtype=None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.6,
+                 block_size: int | None = None, num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                 enforce_eager: bool = False, enable_prefix_caching: bool = True, async_scheduling: bool = True,
+                 tokenizer: Any = None):
+        from rlcu.ops.paged_attention import DEFAULT_BLOCK_SIZE
+
+        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        _check_int("max_num_seqs", max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        _check_int("block_size", block_size, 1)
+        if block_size & (block_size - 1):
+            raise ValueError(f"LLM.block_size must be a power of two, got {block_size}")
+        _check_int("num_kv_blocks", num_kv_blocks, 1, allow_none=True)
+        _check_int("max_model_len", max_model_len, 2, allow_none=True)
+        if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"LLM.gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        want_dtype = _dtype(dtype)
+        if isinstance(model, Qwen3):
+            if device is not None and not _same_device(torch.device(device), model.device):
+                raise ValueError(f"LLM.device={device!r} differs from the model's device {model.device}: the engine "
+                                 "shares the model's tensors and never copies them; move the model instead")
+            if want_dtype is not None and want_dtype != model.dtype:
+                raise ValueError(f"LLM.dtype={dtype!r} differs from the model's dtype {model.dtype}: the engine "
+                                 "shares the model's tensors and never copies them")
+            self.model = model
+        elif isinstance(model, (str, Path)):
+            dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+            if want_dtype is None:
+                want_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+            self.model = Qwen3.from_pretrained(model, device=dev, dtype=want_dtype)
+        else:
+            raise TypeError(f"LLM(model) takes an rlcu.Qwen3 or a model folder, got {type(model).__name__}")
+        cfg = self.model.cfg
+        self.source: Path | None = Path(self.model.source) if self.model.source is not None else None
+        self._tokenizer = tokenizer
+        self.runner = ModelRunner(
+            self.model, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings),
+            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.async_scheduling = async_scheduling
+        self.asleep = False
+        self.stats: dict = {}
+
+    # ------------------------------------------------------------------ tokenizer
+    @property
+    def tokenizer(self):
+        """The tokenizer (loaded from the model's folder on first use)."""
+        if self._tokenizer is None:
+            if self.source is None or not (self.source / "tokenizer.json").exists():
+                raise ValueError("text prompts and chat need a tokenizer: pass LLM(..., tokenizer=...) or load the "
+                                 "model from a folder that has tokenizer.json (token-id prompts need none)")
+            from rlcu.data.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_pretrained(self.source)
+        return self._tokenizer
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = set(self.model.cfg.eos_token_ids)
+        if self.source is not None and (self.source / "generation_config.json").exists():
+            try:
+                e = json.loads((self.source / "generation_config.json").read_text()).get("eos_token_id")
+                ids |= set([e] if isinstance(e, int) else (e or []))
+            except (json.JSONDecodeError, AttributeError):
+                pass
+        if self._tokenizer is not None and getattr(self._tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(self._tokenizer.eos_token_id))
+        return ids
+
+    # ------------------------------------------------------------------ sleep / wake
+    def sleep(self) -> None:
+        """Free the KV pool and CUDA graphs (the prefix cache is forgotten)."""
+        if not self.asleep:
+            self.runner.release()
+            self.block_manager.reset()
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Take the KV pool (same size) and the graphs back."""
+        if self.asleep:
+            self.runner.allocate()
+            self.asleep = False
+
+    def capture_graphs(self, max_context: int = 4096) -> int:
+        """Capture the decode CUDA graphs for contexts up to `max_context` now rather than on
+        first use (benchmarks call this before timing). Returns the number of graphs."""
+        if self.asleep:
+            raise RuntimeError("the engine is asleep: call llm.wake() first")
+        return self.runner.capture_graphs(max_context)
+
+    # ------------------------------------------------------------------ submission
+    def _resolve(self, i: int, p) -> tuple[list[int] | None, str | None]:
+        """A prompt -> (token ids, None) or (None, the problem)."""
+        if isinstance(p, str):
+            ids = self.tokenizer.encode(p)
+        elif isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                ids = p["prompt_token_ids"]
+            elif isinstance(p.get("prompt"), str):
+                ids = self.tokenizer.encode(p["prompt"])
+            else:
+                return None, "a dict prompt needs 'prompt_token_ids' (a list of ints) or 'prompt' (a str)"
+        elif isinstance(p, (list, tuple)):
+            ids = p
+        else:
+            return None, f"a prompt is a str, {{'prompt_token_ids': [...]}} or a list of token ids, got {type(p).__name__}"
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                         for t in ids):
+            return None, "prompt_token_ids must be a list of integers"
+        ids = [int(t) for t in ids]
+        V = self.model.cfg.vocab_size
+        if not ids:
+            return None, "empty prompt (it has no tokens)"
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            return None, f"token id {bad} is outside the vocabulary [0, {V})"
+        if len(ids) >= self.max_model_len:
+            return None, (f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                          f"(max_model_len), with room for at least one new token")
+        return ids, None
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompts):
+            return [prompts]  # one prompt of token ids
+        return prompts
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise") -> list[RequestOutput]:
+        """prompts: a str, a {"prompt_token_ids": [...]} (or {"prompt": str}) dict, a list of token
+        ids, or a list of those. sampling_params: one for all, or one per prompt. Returns one
+        RequestOutput per prompt, in order. on_error: "raise" | "return" (see the module docstring)."""
+        items = self._as_list(prompts)
+        if any(isinstance(p, str) or (isinstance(p, dict) and "prompt_token_ids" not in p) for p in items):
+            self.tokenizer  # noqa: B018  (text needs a tokenizer: fail now, for all requests, if there is none)
+        resolved = []
+        for i, p in enumerate(items):
+            try:
+                resolved.append((p, *self._resolve(i, p)))
+            except (ValueError, TypeError) as e:
+                resolved.append((p, None, f"{type(e).__name__}: {e}"))
+        return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise",
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
+        The chat template is applied with add_generation_prompt; chat_template_kwargs are
+        template variables (e.g. enable_thinking=False)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.tokenizer
+        resolved = []
+        for i, conv in enumerate(convs):
+            try:
+                ids = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                              **(chat_template_kwargs or {}))
+                resolved.append((conv, *self._resolve(i, list(ids))))
+            except (ValueError, TypeError, KeyError) as e:
+                resolved.append((conv, None, f"chat template failed: {e}"))
+        return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error)
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self, resolved, sampling_params, show: bool, on_error: str) -> list[RequestOutput]:
+        if on_error not in ("raise", "return"):
+            raise ValueError(f"generate(on_error=...) must be 'raise' or 'return', got {on_error!r}")
+        if self.asleep:
+            raise RuntimeError("the engine is asleep (its KV pool is released): call llm.wake() first")
+        R = len(resolved)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            plist = [sampling_params] * R
+        else:
+            plist = list(sampling_params)
+            if len(plist) != R:
+                raise ValueError(f"got {len(plist)} SamplingParams for {R} prompts: pass one, or one per prompt")
+        errors = {i: err for i, (_, _, err) in enumerate(resolved) if err is not None}
+        checked = {}
+        for i, sp in enumerate(plist):
+            if i in errors:
+                continue
+            if not isinstance(sp, SamplingParams):
+                errors[i] = f"sampling parameters must be a SamplingParams, got {type(sp).__name__}"
+                continue
+            try:  # re-validate: fields may have been changed after construction
+                checked[i] = dataclasses.replace(sp)
+            except ValueError as e:
+                errors[i] = str(e)
+        if errors and on_error == "raise":
+            raise InvalidRequestError(errors, R)
+
+        self.block_manager.drop_cache()  # the weights may have changed since the last call
+        eos = frozenset(self.eos_token_ids)
+        seqs = []
+        for i, (_, ids, _) in enumerate(resolved):
+            if i in errors:
+                continue
+            sp = checked[i]
+            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+            stop = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
+            seqs.append(Sequence(i, ids, sp, seed, num_samples=sp.n, stop_ids=stop))
+        for s in seqs:
+            self.scheduler.add(s)
+
+        done: dict[int, list[Sequence]] = {}
+        need = {i: checked[i].n for i in checked}
+        sch, runner = self.scheduler, self.runner
+        st = dict(steps=0, graph_steps=0, prefill_tokens=0, decode_tokens=0, preemptions=0, cached_tokens=0,
+                  t_schedule=0.0, t_launch=0.0, t_wait=0.0, t_postprocess=0.0, step_log=[])
+        pre0, hit0 = sch.num_preemptions, self.block_manager.hit_tokens
+        t_start = t_last = time.perf_counter()
+        n_done = n_tok = 0
+        prev = None  # the launched step whose samples are not read back yet: (batch, rows, device output)
+        try:
+            with _Progress(len(seqs), show) as bar:
+                while sch.has_unfinished() or prev is not None:
+                    t0 = time.perf_counter()
+                    batch = sch.schedule()
+                    t1 = time.perf_counter()
+                    launched = None
+                    if batch.seqs:
+                        out, graph = runner.launch(batch)
+                        t2 = time.perf_counter()
+                        launched = (batch, sch.advance(batch), out)
+                        ntok = sum(batch.num_tokens)
+                        st["steps"] += 1
+                        st["graph_steps"] += graph
+                        st["decode_tokens" if batch.is_decode else "prefill_tokens"] += ntok
+                        ctx = sum(s.num_computed_tokens for s in batch.seqs)
+                        st["step_log"].append((ntok, len(batch), ctx, bool(graph), t2 - t_last))
+                        t_last = t2
+                        st["t_launch"] += t2 - t1
+                    elif prev is None:
+                        raise RuntimeError("the scheduler made no progress (a bug: please report it)")
+                    st["t_schedule"] += t1 - t0
+                    fin = []
+                    for step in ([prev, launched] if not self.async_scheduling else [prev]):
+                        if step is None:
+                            continue
+                        t3 = time.perf_counter()
+                        toks, lps = runner.collect(step[2])
+                        t4 = time.perf_counter()
+                        fin += sch.resolve(step[0], step[1], toks, lps)
+                        st["t_wait"] += t4 - t3
+                        st["t_postprocess"] += time.perf_counter() - t4
+                        n_tok += len(toks)
+                    prev = launched if self.async_scheduling else None
+                    for s in fin:
+                        done.setdefault(s.request_id, []).append(s)
+                        if len(done[s.request_id]) == need[s.request_id]:
+                            n_done += 1
+                    bar.update(n_done, n_tok)
+        except BaseException:
+            sch.abort_all()
+            raise
+        st["wall"] = time.perf_counter() - t_start
+        st["preemptions"] = sch.num_preemptions - pre0
+        st["cached_tokens"] = self.block_manager.hit_tokens - hit0
+        st["output_tokens"] = sum(len(s.token_ids) - s.num_prompt_tokens for ss in done.values() for s in ss)
+        self.stats = st
+
+        decode = self._tokenizer.decode if self._tokenizer is not None else None
+        outs = []
+        for i, (p, ids, _) in enumerate(resolved):
+            if i in errors:
+                outs.append(RequestOutput(i, p, ids or [], [], True, errors[i]))
+                continue
+            comps = []
+            for s in sorted(done[i], key=lambda s: s.sample_index):
+                tids = s.completion_ids
+                comps.append(CompletionOutput(s.sample_index, tids, decode(tids, skip_special_tokens=True) if decode else "",
+                                              s.finish_reason, list(s.logprobs) if s.params.logprobs else None))
+            outs.append(RequestOutput(i, p, ids, comps))
+        return outs

@@ -1,0 +1,214 @@
+"""Which sequences run in the next step, and how many tokens each computes (policy only).
+
+One step computes a chunk of tokens for each scheduled sequence under a token budget
+(`max_num_batched_tokens`); decode (a 1-token chunk) and chunked prefill mix freely:
+1. running sequences, oldest first, each take min(its uncomputed tokens, the budget left);
+   when the KV pool cannot hold a sequence's chunk, the newest running sequences are
+   preempted (their blocks freed; they go back to the front of the waiting queue and are
+   recomputed later, reusing whatever of their prefix is still cached);
+2. then, if nothing was preempted, waiting sequences in arrival order, while the budget,
+   `max_num_seqs` and the free blocks allow (each starts from its longest cached prefix).
+
+Why it never deadlocks: the oldest running sequence can always take blocks from the newer
+ones, and a single sequence of `max_model_len` tokens fits in the pool (max_model_len is
+capped at the pool's size), so the oldest sequence advances every step until it finishes.
+No request is dropped: a preempted sequence keeps its tokens and its place at the head of
+the queue.
+
+A step's bookkeeping comes in two halves so that the engine can launch step t+1 before it
+reads back step t's tokens (one-step lookahead): `advance` right after the launch (computed
+counts, forks, a placeholder per sampled token, length limits: all known without the
+values) and `resolve` once the values are back (fill the placeholders, stop tokens, prefix
+cache registration, retiring finished sequences). A sequence that samples a stop token at
+step t has already been scheduled for step t+1; that row is wasted and dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from rlcu.engine.block_manager import BlockManager
+from rlcu.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]  # the chunk each sequence computes
+    num_samples: list[int]  # tokens sampled from its last row: 0 (chunk not final), 1, or n (unforked leader)
+    copies: list[tuple[int, int]]  # (src, dst) KV blocks to copy before the step (copy-on-write)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(t == 1 for t in self.num_tokens) and all(s == 1 for s in self.num_samples)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.unresolved: dict[int, Sequence] = {}  # finished by length, their last token not yet read back
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live(self) -> list[Sequence]:
+        """Every sequence that holds or may hold blocks."""
+        return self.running + list(self.waiting) + list(self.unresolved.values())
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        bm, budget = self.bm, self.max_num_batched_tokens
+        seqs, ntok, copies = [], [], []
+        queue, kept = deque(self.running), []
+        preempted = False
+        while queue:
+            seq = queue.popleft()
+            if budget == 0:
+                kept.append(seq)
+                continue
+            take = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            end = seq.num_computed_tokens + take
+            need = bm.blocks_needed(seq, end)
+            while need > bm.num_free and queue:
+                self._preempt(queue.pop())  # the newest first
+                preempted = True
+                need = bm.blocks_needed(seq, end)  # the victim may have shared a block with seq
+            if need > bm.num_free:
+                self._preempt(seq)
+                preempted = True
+                continue
+            if need:
+                copies += bm.reserve(seq, end)
+            seqs.append(seq)
+            ntok.append(take)
+            kept.append(seq)
+            budget -= take
+
+        if not preempted or not seqs:
+            slots = sum(s.num_samples for s in kept)
+            while self.waiting and budget > 0:
+                seq = self.waiting[0]
+                if seq.num_pending or (kept and slots + seq.num_samples > self.max_num_seqs):
+                    break  # (a preempted sequence waits for its last token's value)
+                hits = bm.match_prefix(seq)
+                start = len(hits) * bm.block_size
+                take = min(len(seq) - start, budget)
+                if bm.admission_cost(hits, start + take) > bm.num_free:
+                    break
+                self.waiting.popleft()
+                bm.use_prefix(seq, hits)
+                copies += bm.reserve(seq, start + take)
+                seq.status = Status.RUNNING
+                seqs.append(seq)
+                ntok.append(take)
+                kept.append(seq)
+                slots += seq.num_samples
+                budget -= take
+
+        self.running = kept
+        nsamp = [s.num_samples if s.num_computed_tokens + t == len(s) else 0 for s, t in zip(seqs, ntok)]
+        return ScheduledBatch(seqs, ntok, nsamp, copies)
+
+    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Account for a launched step, before its tokens are known: advance the computed
+        counts, fork the leaders that finished their prompt, append a placeholder for each
+        sampled token, and stop scheduling the sequences that reached their length limit.
+        Returns the sequences owning the step's sample rows, in row order."""
+        rows, forks, finished = [], {}, False
+        for seq, take, ns in zip(batch.seqs, batch.num_tokens, batch.num_samples):
+            seq.num_computed_tokens += take
+            if ns == 0:
+                continue
+            group = [seq]
+            if ns > 1:
+                seq.num_samples = 1
+                group += [seq.fork(j) for j in range(1, ns)]
+                for child in group[1:]:
+                    self.bm.fork(seq, child)
+                    child.status = Status.RUNNING
+                forks[seq.seq_id] = group[1:]
+            for s in group:
+                s.pending_row = len(rows)
+                rows.append(s)
+                s.token_ids.append(-1)
+                s.logprobs.append(0.0)
+                s.num_pending += 1
+                n = len(s.token_ids)
+                if n - s.num_prompt_tokens >= s.params.max_tokens or n >= self.max_model_len:
+                    s.status, s.finish_reason = Status.FINISHED, "length"  # blocks kept until resolved
+                    finished = True
+        if forks or finished:
+            order = []
+            for s in self.running:
+                order.append(s)
+                order += forks.get(s.seq_id, ())
+            self.running = [s for s in order if s.status is Status.RUNNING]
+        self.unresolved.update((s.seq_id, s) for s in rows if s.status is Status.FINISHED)
+        return rows
+
+    def resolve(self, batch: ScheduledBatch, rows: list[Sequence], tokens: list[int],
+                logprobs: list[float]) -> list[Sequence]:
+        """Fill in the step's sampled tokens; retire the sequences that sampled a stop token
+        (dropping a later placeholder, if the next step was already launched) or whose last
+        token this was. Returns the sequences finished now."""
+        finished = []
+        for s, tok, lp in zip(rows, tokens, logprobs):
+            if s.reported:  # it stopped at the previous step; this row was computed in vain
+                continue
+            i = len(s.token_ids) - s.num_pending  # the oldest placeholder
+            j = i - s.num_prompt_tokens
+            s.token_ids[i], s.logprobs[j] = tok, lp
+            s.num_pending -= 1
+            if tok in s.stop_ids:
+                del s.token_ids[i + 1:], s.logprobs[j + 1:]
+                s.num_pending = 0
+                if s.status is Status.WAITING:
+                    self.waiting.remove(s)
+                s.status, s.finish_reason = Status.FINISHED, "stop"
+            if s.status is Status.FINISHED and s.num_pending == 0:
+                s.num_computed_tokens = min(s.num_computed_tokens, len(s.token_ids))
+                self.bm.commit(s)
+                self.bm.free(s)
+                s.reported = True
+                self.unresolved.pop(s.seq_id, None)
+                finished.append(s)
+        for s in (*batch.seqs, *rows):  # computed tokens are all known now: register full blocks
+            if s.status is not Status.FINISHED:
+                self.bm.commit(s)
+        if finished:
+            self.running = [s for s in self.running if s.status is Status.RUNNING]
+        return finished
+
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int], logprobs: list[float]) -> list[Sequence]:
+        """advance + resolve: a step whose tokens are already known (no lookahead)."""
+        return self.resolve(batch, self.advance(batch), tokens, logprobs)
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every sequence (after an error), freeing their blocks."""
+        seqs = self.live()
+        for s in seqs:
+            self.bm.free(s)
+            s.status = Status.FINISHED
+        self.running, self.waiting, self.unresolved = [], deque(), {}
+        return seqs
