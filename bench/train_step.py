@@ -51,13 +51,14 @@ def timed(step, steps, warmup):
     return times[len(times) // 2]
 
 
-def bench_rlcu(cfg, B, T, steps, warmup):
+def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full"):
     import rlcu
     from rlcu.ops.adamw import adamw_step
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     m = rlcu.Qwen3.from_config(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
+    m.gradient_checkpointing = ckpt
     master = m.flat.float()
     mom = torch.zeros_like(master)
     var = torch.zeros_like(master)
@@ -117,40 +118,65 @@ def bench_hf(cfg, B, T, steps, warmup):
     return res
 
 
+SIDES = {"rlcu": "rlcu, full checkpointing", "rlcu_attn": "rlcu, checkpointing that keeps attention outputs",
+         "hf": "HF transformers + PyTorch"}
+
+
+def run_side(side, args):
+    """Each side runs in its own process, so that one's allocator state cannot starve the other."""
+    cfg = qwen3_06b_config()
+    B, T = args.batch, args.seqlen
+    if side == "hf":
+        r = bench_hf(cfg, B, T, args.steps, args.warmup)
+    else:
+        r = bench_rlcu(cfg, B, T, args.steps, args.warmup, ckpt="attention" if side == "rlcu_attn" else "full")
+    if "ms" in r:
+        flops = 3 * fwd_flops_per_token(cfg, T) * B * T
+        r.update(tok_s=B * T / r["ms"] * 1e3, mfu=flops / (r["ms"] * 1e-3) / PEAK_FLOPS)
+    return r
+
+
 def main():
+    import json
+    import subprocess
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--sides", default="rlcu,rlcu_attn,hf")
+    ap.add_argument("--side", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    cfg = qwen3_06b_config()
-    B, T = args.batch, args.seqlen
-    flops = 3 * fwd_flops_per_token(cfg, T) * B * T
+    if args.side:
+        print("RESULT " + json.dumps(run_side(args.side, args)))
+        return
     t0 = time.time()
-    ours = bench_rlcu(cfg, B, T, args.steps, args.warmup)
-    ours.update(tok_s=B * T / ours["ms"] * 1e3, mfu=flops / (ours["ms"] * 1e-3) / PEAK_FLOPS)
-    res = {"protocol": f"{B} x {T} tokens, next-token loss on all tokens, AdamW step, Qwen3-0.6B shape, random bf16 weights",
-           "rlcu": ours}
-    if not args.no_hf:
-        hf = bench_hf(cfg, B, T, args.steps, args.warmup)
-        if "ms" in hf:
-            hf.update(tok_s=B * T / hf["ms"] * 1e3, mfu=flops / (hf["ms"] * 1e-3) / PEAK_FLOPS)
-            res["speedup_vs_hf"] = hf["ms"] / ours["ms"]
-            res["memory_ratio_vs_hf"] = ours["peak_GiB"] / hf["peak_GiB"]
-        res["hf"] = hf
+    res = {"protocol": f"{args.batch} x {args.seqlen} tokens, next-token loss on all tokens, AdamW step, "
+                       "Qwen3-0.6B shape, random bf16 weights; median of timed steps after warm-up; "
+                       "each side in its own process"}
+    for side in args.sides.split(","):
+        cmd = [sys.executable, __file__, "--side", side, "--batch", str(args.batch), "--seqlen", str(args.seqlen),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        res[side] = json.loads(line[-1][7:]) if line else {"error": (p.stderr or p.stdout)[-600:]}
+        res[side]["what"] = SIDES[side]
+    hf = res.get("hf", {})
+    for side in ("rlcu", "rlcu_attn"):
+        if "ms" in res.get(side, {}) and "ms" in hf:
+            res[side]["speedup_vs_hf"] = hf["ms"] / res[side]["ms"]
+            res[side]["memory_ratio_vs_hf"] = res[side]["peak_GiB"] / hf["peak_GiB"]
     res["wall_s"] = time.time() - t0
     write_json("train_step.json", res)
-    print(f"\n{'train step':<12} {'ms':>8} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9}")
-    for k in ("rlcu", "hf"):
+    print(f"\n{'train step':<12} {'ms':>8} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'vs HF':>6}")
+    for k in SIDES:
         r = res.get(k)
         if r and "ms" in r:
-            print(f"{k:<12} {r['ms']:>8.1f} {r['tok_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_GiB']:>9.1f}")
+            sp = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else ""
+            print(f"{k:<12} {r['ms']:>8.1f} {r['tok_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_GiB']:>9.1f} {sp:>6}")
         elif r:
-            print(f"{k:<12} {r['error']}")
-    if "speedup_vs_hf" in res:
-        print(f"speedup vs HF {res['speedup_vs_hf']:.2f}x, memory {res['memory_ratio_vs_hf']:.2f} of HF's")
+            print(f"{k:<12} {r['error'][-300:]}")
 
 
 if __name__ == "__main__":

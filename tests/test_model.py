@@ -74,13 +74,16 @@ def test_checkpointing_gives_identical_grads(tmp_path):
     _, tokens, cu = _packed([13, 40, 7], 333, seed=3)
     dlp = torch.randn(tokens.numel())
     grads = []
-    for ckpt in (True, False):
+    for ckpt in (True, False, "attention"):
         m.gradient_checkpointing = ckpt
         m.zero_grad()
         m.forward(tokens, cu)
         m.backward(dlp)
         grads.append(m.grad_flat.clone())
-    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+    m.gradient_checkpointing = "sometimes"
+    with pytest.raises(ValueError, match="gradient_checkpointing must be one of"):
+        m.forward(tokens, cu)
 
 
 def test_packed_equals_alone(tmp_path):

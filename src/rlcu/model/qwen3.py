@@ -66,9 +66,13 @@ class Qwen3:
         self.grad_flat: torch.Tensor | None = None
         self.grads: dict[str, torch.Tensor] = {}
         self._g: dict[str, torch.Tensor] = {}
-        self.gradient_checkpointing = True
+        # True / "full": keep each layer's input, recompute the layer in backward;
+        # "attention": also keep attention's output and lse (recompute skips the attention
+        # kernel, +4 bytes x q_size per token and layer); False / "none": keep everything
+        self.gradient_checkpointing: bool | str = True
         self.source: Path | None = None
-        self._ctx: dict | None = None
+        self._ctx: dict | None = None  # the LM head's saved tensors
+        self._trunk_ctx: dict | None = None  # the trunk's
 
     # ---------------------------------------------------------------- construction / I/O
     @property
@@ -166,7 +170,9 @@ class Qwen3:
         return mx
 
     # ---------------------------------------------------------------- one layer
-    def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int):
+    def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, attn=None):
+        """One decoder layer. `attn` = (o, lse) saved by a selective-checkpointing forward
+        skips the attention kernel when the layer is recomputed."""
         c, w = self.cfg, self.w
         p = f"layers.{i}."
         N, Hq, Hk, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -180,7 +186,7 @@ class Qwen3:
         kn, rk = rmsnorm_fwd(k0, w[p + "k_norm"], eps)
         q = rope_fwd(qn.view(N, Hq, D), pos, c.rope_theta)
         k = rope_fwd(kn.view(N, Hk, D), pos, c.rope_theta)
-        o, lse = attention_fwd(q, k, v, cu, max_seqlen, D**-0.5)
+        o, lse = attn if attn is not None else attention_fwd(q, k, v, cu, max_seqlen, D**-0.5)
         x2 = torch.addmm(x, o.view(N, c.q_size), w[p + "o"].t())  # residual add in the GEMM epilogue
         h2, r2 = rmsnorm_fwd(x2, w[p + "post_norm"], eps)
         gu = h2 @ w[p + "gate_up"].t()  # [N, 2I]
@@ -222,7 +228,8 @@ class Qwen3:
 
     # ---------------------------------------------------------------- trunk
     def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str):
-        """Embedding + layers. keep: 'none' | 'inputs' (checkpointing) | 'all'."""
+        """Embedding + layers. keep: 'none' | 'inputs' (full checkpointing) | 'attention'
+        (layer input + attention output and lse) | 'all' (every activation)."""
         pos = positions_from_cu_seqlens(cu_seqlens, tokens.numel())
         x = embedding_fwd(tokens, self.w["embed"])
         saved = []
@@ -230,10 +237,21 @@ class Qwen3:
             x_in = x
             x, acts = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen)
             if keep == "inputs":
-                saved.append(x_in)
+                saved.append({"x": x_in})
+            elif keep == "attention":
+                saved.append({"x": x_in, "attn": (acts["o"], acts["lse"])})
             elif keep == "all":
                 saved.append(acts)
         return x, pos, saved
+
+    _CKPT_MODES = {True: "inputs", "full": "inputs", "attention": "attention", False: "all", "none": "all"}
+
+    def _keep_mode(self) -> str:
+        try:
+            return self._CKPT_MODES[self.gradient_checkpointing]
+        except (KeyError, TypeError):
+            raise ValueError(f"gradient_checkpointing must be one of True/'full', 'attention', False/'none'; "
+                             f"got {self.gradient_checkpointing!r}") from None
 
     # ---------------------------------------------------------------- public API
     @torch.no_grad()
@@ -249,6 +267,46 @@ class Qwen3:
         h, _ = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps)
         return (h @ self.lm_head.t()).float().view(B, T, -1)
 
+    def hidden_forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *, grad: bool = True):
+        """The trunk: tokens [N], cu_seqlens [S+1] int32 -> final-normed hidden states h [N, H].
+        With grad=True the activations `hidden_backward` needs are kept (per the
+        checkpointing mode). The critic's value head and the LM head both start here."""
+        max_seqlen = self._check_cu(tokens, cu_seqlens)
+        self._check_ids(tokens, "tokens")
+        keep = self._keep_mode() if grad else "none"
+        x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep)
+        h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps)
+        self._trunk_ctx = (dict(tokens=tokens, cu=cu_seqlens, max_seqlen=max_seqlen, pos=pos, saved=saved,
+                                x=x, rstd=rstd) if grad else None)
+        return h
+
+    def hidden_backward(self, dh: torch.Tensor) -> None:
+        """Accumulate d(sum(dh * h))/dθ into `self.grads` for the h of the last
+        `hidden_forward`. Frees the saved activations."""
+        if self._trunk_ctx is None:
+            raise RuntimeError("backward() needs a preceding forward(..., grad=True)")
+        s, self._trunk_ctx = self._trunk_ctx, None
+        self._ensure_grads()
+        c, g = self.cfg, self._g
+        dx, dw = rmsnorm_bwd(dh, s["x"], self.w["final_norm"], s["rstd"])
+        g["final_norm"] += dw
+        pos, cu, ms = s["pos"], s["cu"], s["max_seqlen"]
+        for i in reversed(range(c.num_hidden_layers)):
+            acts = s["saved"][i]
+            if "h1" not in acts:  # checkpointed: recompute the layer from its input
+                _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, attn=acts.get("attn"))
+            s["saved"][i] = None
+            dx = self._layer_bwd(i, dx, acts, pos, cu, ms)
+        embedding_bwd(dx, s["tokens"], g["embed"])
+
+    def _head_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor):
+        """(tgt, rows): the positions that have a predicted token, and the hidden rows
+        (tgt - 1) that predict them; a sequence's first token has none."""
+        has_prev = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
+        has_prev[cu_seqlens[:-1].long()] = False
+        tgt = has_prev.nonzero()[:, 0]
+        return tgt, tgt - 1
+
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *, temperature: float = 1.0,
                 return_entropy: bool = False, grad: bool = True):
         """Packed log-probabilities.
@@ -259,18 +317,11 @@ class Qwen3:
         `return_entropy=True`, (lp, ent) where ent[i] is the entropy of the same
         distribution. With grad=True the activations `backward` needs are kept.
         """
-        max_seqlen = self._check_cu(tokens, cu_seqlens)
-        self._check_ids(tokens, "tokens")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        keep = ("inputs" if self.gradient_checkpointing else "all") if grad else "none"
-        x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep)
-        h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps)
+        h = self.hidden_forward(tokens, cu_seqlens, grad=grad)
         N = tokens.numel()
-        has_prev = torch.ones(N, dtype=torch.bool, device=tokens.device)
-        has_prev[cu_seqlens[:-1].long()] = False
-        tgt = has_prev.nonzero()[:, 0]  # positions with a predicted token
-        rows = tgt - 1  # the hidden row that predicts it
+        tgt, rows = self._head_rows(tokens, cu_seqlens)
         hs = h.index_select(0, rows)
         targets = tokens.index_select(0, tgt)
         lp_r, ent_r, lse = logprob_fwd(hs, self.lm_head, targets, temperature, return_entropy)
@@ -278,9 +329,8 @@ class Qwen3:
         ent = None
         if return_entropy:
             ent = torch.zeros(N, device=tokens.device, dtype=torch.float32).index_copy_(0, tgt, ent_r)
-        self._ctx = (dict(tokens=tokens, cu=cu_seqlens, max_seqlen=max_seqlen, pos=pos, saved=saved,
-                          x=x, rstd=rstd, hs=hs, rows=rows, tgt=tgt, targets=targets, lse=lse,
-                          temperature=temperature) if grad else None)
+        self._ctx = (dict(N=N, hs=hs, rows=rows, tgt=tgt, targets=targets, lse=lse, temperature=temperature)
+                     if grad else None)
         return (lp, ent) if return_entropy else lp
 
     def backward(self, dlp: torch.Tensor, dentropy: torch.Tensor | None = None) -> None:
@@ -289,25 +339,15 @@ class Qwen3:
         if self._ctx is None:
             raise RuntimeError("backward() needs a preceding forward(..., grad=True)")
         s, self._ctx = self._ctx, None
-        N = s["tokens"].numel()
+        N = s["N"]
         if dlp.shape != (N,) or (dentropy is not None and dentropy.shape != (N,)):
             raise ValueError(f"dlp (and dentropy) must have shape [{N}], got {list(dlp.shape)}")
         self._ensure_grads()
-        c, g = self.cfg, self._g
         tgt = s["tgt"]
         dlp_r = dlp.float().index_select(0, tgt)
         dent_r = None if dentropy is None else dentropy.float().index_select(0, tgt)
-        dW_head = g["embed"] if c.tie_word_embeddings else g["lm_head"]
+        dW_head = self._g["embed"] if self.cfg.tie_word_embeddings else self._g["lm_head"]
         dhs = logprob_bwd(dlp_r, dent_r, s["hs"], self.lm_head, s["targets"], s["lse"], dW_head,
                           s["temperature"])
-        dh = torch.zeros(N, c.hidden_size, device=dhs.device, dtype=dhs.dtype).index_copy_(0, s["rows"], dhs)
-        dx, dw = rmsnorm_bwd(dh, s["x"], self.w["final_norm"], s["rstd"])
-        g["final_norm"] += dw
-        pos, cu, ms = s["pos"], s["cu"], s["max_seqlen"]
-        for i in reversed(range(c.num_hidden_layers)):
-            acts = s["saved"][i]
-            if self.gradient_checkpointing and not isinstance(acts, dict):
-                _, acts = self._layer_fwd(i, acts, pos, cu, ms)  # recompute from the layer input
-            s["saved"][i] = None
-            dx = self._layer_bwd(i, dx, acts, pos, cu, ms)
-        embedding_bwd(dx, s["tokens"], g["embed"])
+        dh = torch.zeros(N, self.cfg.hidden_size, device=dhs.device, dtype=dhs.dtype).index_copy_(0, s["rows"], dhs)
+        self.hidden_backward(dh)
