@@ -3,12 +3,14 @@
 (a) N = 32 x 1024 tokens, D = 1024, V = 151936 (Qwen3-0.6B's head), bf16. The peer is the
 naive path `logits = h @ W.T; logits.float().log_softmax(-1).gather(...)` in eager mode and
 under torch.compile, with its autograd backward; ours is logprob_fwd (+ logprob_bwd with a
-pre-allocated dW, bf16 as autograd's, and fp32 as the trainer's grad buffer). Peak memory is
-the torch.cuda.max_memory_allocated delta over the inputs. The entropy variant (lp and ent,
+pre-allocated dW, bf16 as autograd's, and fp32 as the trainer's grad buffer), and
+logprob_fwd_bwd ("fused": the gradient computed in the forward sweep, from a grad_fn that
+hands back the same upstream dlp/dent chunk by chunk). Peak memory is the
+torch.cuda.max_memory_allocated delta over the inputs. The entropy variant (lp and ent,
 both with upstream gradients) runs at N = 16k to keep the eager peer inside the GPU, and
 against eager only (set RLCU_BENCH_COMPILE=0 to skip torch.compile altogether).
 FLOPs: 2 N D V per logits GEMM; ours does 1 in the forward and 3 in the backward (the
-logits are recomputed), the peer 1 and 2.
+logits are recomputed), 3 in all fused, the peer 1 and 2.
 
 (b) AdamW over the 0.6B parameter count (596,049,920 fp32 master + bf16 working copy; fp32
 grads as the trainer keeps them) against torch.optim.AdamW(fused=True) on one fp32 param,
@@ -68,7 +70,7 @@ def _naive_lp_ent(h, W, tgt):
 
 
 def _logprob_rows(ceil: dict, n: int, entropy: bool) -> list[dict]:
-    from rlcu.ops.logprob import logprob_bwd, logprob_fwd
+    from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
 
     torch.manual_seed(0)
     h = torch.randn(n, D, device="cuda", dtype=torch.bfloat16)
@@ -90,6 +92,14 @@ def _logprob_rows(ceil: dict, n: int, entropy: bool) -> list[dict]:
         def f():
             lp, ent, lse = logprob_fwd(h, W, tgt, 1.0, entropy)
             return logprob_bwd(dlp, dent, h, W, tgt, lse, dW, 1.0)
+        return f
+
+    def grad_fn(lp, ent, rows):  # the upstream gradient the other rows use, chunk by chunk
+        return dlp[rows], (dent[rows] if entropy else None)
+
+    def ours_fused(dW):
+        def f():
+            return logprob_fwd_bwd(h, W, tgt, grad_fn, dW, 1.0, entropy)
         return f
 
     naive = _naive_lp_ent if entropy else _naive_lp
@@ -138,7 +148,9 @@ def _logprob_rows(ceil: dict, n: int, entropy: bool) -> list[dict]:
     rows = []
     for what, mine, kind, flops in (("fwd", ours_fwd, "fwd", gemm),
                                     ("fwd+bwd dW bf16", ours_fwd_bwd(dW16), "fwd_bwd", 4 * gemm),
-                                    ("fwd+bwd dW fp32", ours_fwd_bwd(dW32), "fwd_bwd", 4 * gemm)):
+                                    ("fwd+bwd dW fp32", ours_fwd_bwd(dW32), "fwd_bwd", 4 * gemm),
+                                    ("fused fwd+bwd dW bf16", ours_fused(dW16), "fwd_bwd", 3 * gemm),
+                                    ("fused fwd+bwd dW fp32", ours_fused(dW32), "fwd_bwd", 3 * gemm)):
         row = dict(name=f"logprob {what} {tag}", ms=_ms(mine), peak_GiB=_peak_gib(mine), **errs)
         row["tflops"] = flops / row["ms"] * 1e-9
         if peak:
@@ -152,6 +164,12 @@ def _logprob_rows(ceil: dict, n: int, entropy: bool) -> list[dict]:
             row[f"peak_GiB_{pname}"] = got["peak"]
             row[f"speedup_vs_{pname}"] = got["ms"] / row["ms"]
             row[f"mem_ratio_vs_{pname}"] = got["peak"] / row["peak_GiB"]
+        if what.startswith("fused"):  # against our own separate fwd then bwd, same dW dtype
+            sep = next(r for r in rows if r["name"] == row["name"].replace("fused ", "", 1))
+            row["ms_separate"] = sep["ms"]
+            row["speedup_vs_separate"] = sep["ms"] / row["ms"]
+            with torch.no_grad():
+                row["rel_err_dh_vs_separate"] = _rel(ours_fused(None)()[2], ours_fwd_bwd(None)())
         rows.append(row)
     return rows
 

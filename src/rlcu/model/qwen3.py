@@ -8,7 +8,9 @@ same inputs, so gradients are bit-identical either way.
 
 Weights are views into one flat buffer (see layout.py); gradients accumulate into a flat
 fp32 buffer of the same layout. The LM head never materialises [tokens, vocab] logits in
-training: `forward` goes through the fused logprob op.
+training: `forward` goes through the fused logprob op. When the loss's gradient is an
+elementwise function of each token's lp (and entropy), `forward_backward` does both passes
+in one sweep of the head, which then skips the logits recompute (3 vocabulary GEMMs, not 4).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from rlcu.model.config import Qwen3Config
 from rlcu.model.layout import ParamLayout
 from rlcu.ops.attention import attention_bwd, attention_fwd
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
-from rlcu.ops.logprob import logprob_bwd, logprob_fwd
+from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
 from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from rlcu.ops.rope import positions_from_cu_seqlens, rope_bwd, rope_fwd
 from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
@@ -307,6 +309,23 @@ class Qwen3:
         tgt = has_prev.nonzero()[:, 0]
         return tgt, tgt - 1
 
+    @staticmethod
+    def _per_token(N: int, tgt: torch.Tensor, lp_r: torch.Tensor, ent_r: torch.Tensor | None):
+        """The head's per-row lp (and ent) at token positions, 0 at each sequence's first
+        token: lp, or (lp, ent) when the head computed the entropy."""
+        out = [torch.zeros(N, device=tgt.device, dtype=torch.float32).index_copy_(0, tgt, v)
+               for v in (lp_r, ent_r) if v is not None]
+        return tuple(out) if ent_r is not None else out[0]
+
+    def _head_grad(self) -> torch.Tensor:
+        return self._g["embed"] if self.cfg.tie_word_embeddings else self._g["lm_head"]
+
+    def _rows_backward(self, N: int, rows: torch.Tensor, dhs: torch.Tensor) -> None:
+        """hidden_backward from the head rows' gradient dhs [R, H] (zero on the rows that
+        predict nothing: each sequence's last)."""
+        dh = torch.zeros(N, self.cfg.hidden_size, device=dhs.device, dtype=dhs.dtype)
+        self.hidden_backward(dh.index_copy_(0, rows, dhs))
+
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *, temperature: float = 1.0,
                 return_entropy: bool = False, grad: bool = True):
         """Packed log-probabilities.
@@ -325,13 +344,9 @@ class Qwen3:
         hs = h.index_select(0, rows)
         targets = tokens.index_select(0, tgt)
         lp_r, ent_r, lse = logprob_fwd(hs, self.lm_head, targets, temperature, return_entropy)
-        lp = torch.zeros(N, device=tokens.device, dtype=torch.float32).index_copy_(0, tgt, lp_r)
-        ent = None
-        if return_entropy:
-            ent = torch.zeros(N, device=tokens.device, dtype=torch.float32).index_copy_(0, tgt, ent_r)
         self._ctx = (dict(N=N, hs=hs, rows=rows, tgt=tgt, targets=targets, lse=lse, temperature=temperature)
                      if grad else None)
-        return (lp, ent) if return_entropy else lp
+        return self._per_token(N, tgt, lp_r, ent_r)
 
     def backward(self, dlp: torch.Tensor, dentropy: torch.Tensor | None = None) -> None:
         """Accumulate d(sum(dlp * lp) + sum(dentropy * ent))/dθ into `self.grads`, for the
@@ -346,8 +361,37 @@ class Qwen3:
         tgt = s["tgt"]
         dlp_r = dlp.float().index_select(0, tgt)
         dent_r = None if dentropy is None else dentropy.float().index_select(0, tgt)
-        dW_head = self._g["embed"] if self.cfg.tie_word_embeddings else self._g["lm_head"]
-        dhs = logprob_bwd(dlp_r, dent_r, s["hs"], self.lm_head, s["targets"], s["lse"], dW_head,
+        dhs = logprob_bwd(dlp_r, dent_r, s["hs"], self.lm_head, s["targets"], s["lse"], self._head_grad(),
                           s["temperature"])
-        dh = torch.zeros(N, self.cfg.hidden_size, device=dhs.device, dtype=dhs.dtype).index_copy_(0, s["rows"], dhs)
-        self.hidden_backward(dh)
+        self._rows_backward(N, s["rows"], dhs)
+
+    def forward_backward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, grad_fn, *,
+                         temperature: float = 1.0, return_entropy: bool = False):
+        """`forward` then `backward` with one sweep of the LM head, for a loss whose gradient
+        at each token is a function of that token's own lp (and ent) and fixed per-token data:
+        SFT's weights, the GRPO/PPO clipped surrogate against the rollout's logprobs, a KL to
+        a reference, an entropy bonus. Each chunk's gradient is taken while its logits are in
+        memory (logprob_fwd_bwd), so the head's logits are never recomputed.
+
+        grad_fn(lp_c, ent_c, idx) -> (dlp_c, dent_c) is called once per chunk of the head:
+        idx is a LongTensor[n] of token positions (never a sequence's first token), lp_c and
+        ent_c are FloatTensor[n] at those positions (ent_c None unless return_entropy;
+        read-only), and dlp_c, dent_c are FloatTensor[n] -- what backward's dlp[idx],
+        dentropy[idx] would be -- or None. Gradients accumulate into `self.grads`; returns
+        what `forward` returns.
+        """
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self._ctx = None  # a pending forward's head does not belong to this trunk
+        h = self.hidden_forward(tokens, cu_seqlens, grad=True)
+        N = tokens.numel()
+        tgt, rows = self._head_rows(tokens, cu_seqlens)
+        hs = h.index_select(0, rows)
+        del h
+        self._ensure_grads()
+        lp_r, ent_r, dhs = logprob_fwd_bwd(hs, self.lm_head, tokens.index_select(0, tgt),
+                                           lambda lp_c, ent_c, r: grad_fn(lp_c, ent_c, tgt[r]),
+                                           self._head_grad(), temperature, return_entropy)
+        del hs
+        self._rows_backward(N, rows, dhs)
+        return self._per_token(N, tgt, lp_r, ent_r)

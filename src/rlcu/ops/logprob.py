@@ -16,6 +16,13 @@ dlogits in place with a second Triton pass, then cuBLAS does dh = dlogits W and
 dW += dlogits^T h (fp32 accumulation straight into an fp32 dW when torch's cuBLAS binding
 offers `out_dtype`). The working set is the one tile: C * V elements (1.2 GB in bf16 for
 C = 4096 and Qwen3's V = 151936) whatever N is.
+
+Gradient in the forward (`logprob_fwd_bwd`): when the upstream gradient is an elementwise
+function of the chunk's own lp (and ent) -- SFT's constant weights, the GRPO/PPO clipped
+surrogate of lp, old lp and advantage, an entropy bonus -- a caller-supplied
+`grad_fn(lp_c, ent_c, rows) -> (dlp_c, dent_c)` is evaluated on each chunk while its logits
+are still in the tile, and the chunk goes straight on to dlogits, dh and dW. Three GEMMs
+per chunk instead of four (no recompute), and no lse kept between two calls.
 """
 
 from __future__ import annotations
@@ -69,11 +76,13 @@ if HAS_TRITON:
             tl.store(Ent + row, lse - t / s * 0.6931471805599453)
 
     @triton.jit
-    def _logprob_bwd_kernel(Z, Tgt, Dlp, Dent, Lse, stride_z, inv_t, V: tl.constexpr,
-                            HAS_DLP: tl.constexpr, HAS_DENT: tl.constexpr, BV: tl.constexpr):
+    def _logprob_bwd_kernel(Z, Tgt, Dlp, Dent, Lse, Ent, stride_z, inv_t, V: tl.constexpr,
+                            HAS_DLP: tl.constexpr, HAS_DENT: tl.constexpr, ENT_SAVED: tl.constexpr,
+                            BV: tl.constexpr):
         # In place: the logits row becomes dlogits = dz / T with
         #   dz_j = dlp (1[j = tgt] - p_j) - dent p_j (z_j - lse + ent),  p_j = exp(z_j - lse).
-        # The entropy is not saved by the forward, so with dent a first pass re-sums p z.
+        # The separate backward has no entropy (the forward keeps only lse), so with dent a
+        # first pass re-sums p z; the fused op hands over the ent its forward pass just wrote.
         row = tl.program_id(0).to(tl.int64)
         Z += row * stride_z
         lse = tl.load(Lse + row)
@@ -86,14 +95,17 @@ if HAS_TRITON:
         ent = 0.0
         if HAS_DENT:
             dent = tl.load(Dent + row)
-            t = 0.0
-            for v0 in range(0, V, BV):
-                offs = v0 + tl.arange(0, BV)
-                mask = offs < V
-                x = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32) * scale2
-                p = tl.where(mask, tl.exp2(x - lse2), 0.0)
-                t += tl.sum(p * x, 0)
-            ent = lse - t * 0.6931471805599453
+            if ENT_SAVED:
+                ent = tl.load(Ent + row)
+            else:
+                t = 0.0
+                for v0 in range(0, V, BV):
+                    offs = v0 + tl.arange(0, BV)
+                    mask = offs < V
+                    x = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32) * scale2
+                    p = tl.where(mask, tl.exp2(x - lse2), 0.0)
+                    t += tl.sum(p * x, 0)
+                ent = lse - t * 0.6931471805599453
         tgt = tl.load(Tgt + row)
         for v0 in range(0, V, BV):
             offs = v0 + tl.arange(0, BV)
@@ -114,6 +126,24 @@ def _check(h, W, targets):
         raise TypeError(f"h and W must share a dtype, got {h.dtype} and {W.dtype}")
     if targets.shape != (h.shape[0],):
         raise ValueError(f"targets must have shape [{h.shape[0]}], got {list(targets.shape)}")
+
+
+def _chunk_grads(grad_fn, lp_c, ent_c, rows: slice, device):
+    """grad_fn's (dlp_c, dent_c) for one chunk, checked, as contiguous fp32 (or None)."""
+    out = grad_fn(lp_c, ent_c, rows)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(f"grad_fn must return a pair (dlp, dent), got {type(out).__name__}")
+    n = lp_c.shape[0]
+    got = []
+    for name, g in zip(("dlp", "dent"), out):
+        if g is not None:
+            if not isinstance(g, torch.Tensor) or g.shape != (n,) or g.device != device:
+                what = f"{list(g.shape)} on {g.device}" if isinstance(g, torch.Tensor) else type(g).__name__
+                raise ValueError(f"grad_fn's {name} for rows {rows.start}:{rows.stop} must be a "
+                                 f"[{n}] tensor on {device} (or None), got {what}")
+            g = g.float().contiguous()
+        got.append(g)
+    return got
 
 
 def _tiles(V: int):
@@ -178,12 +208,48 @@ def _logprob_bwd_triton(dlp, dent, h, W, targets, lse, dW, temperature):
         torch.mm(hs, W.t(), out=z)  # recomputed: the forward keeps only lse
         _logprob_bwd_kernel[(n,)](
             z, targets[s:], lse if dlp is None else dlp[s:], lse if dent is None else dent[s:],
-            lse[s:], z.stride(0), 1.0 / temperature, V=V,
-            HAS_DLP=dlp is not None, HAS_DENT=dent is not None, BV=BV, num_warps=warps)
+            lse[s:], lse, z.stride(0), 1.0 / temperature, V=V,
+            HAS_DLP=dlp is not None, HAS_DENT=dent is not None, ENT_SAVED=False, BV=BV,
+            num_warps=warps)
         torch.mm(z, W, out=dh[s : s + n])
         if dW is not None:
             _wgrad_acc(dW, z, hs)
     return dh
+
+
+def _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entropy):
+    N, V = h.shape[0], W.shape[0]
+    lp = torch.empty(N, device=h.device, dtype=torch.float32)
+    lse = torch.empty(N, device=h.device, dtype=torch.float32)
+    ent = torch.empty(N, device=h.device, dtype=torch.float32) if with_entropy else None
+    dh = torch.empty_like(h)
+    if N == 0:
+        return lp, ent, dh
+    targets = targets.contiguous()
+    C = min(N, CHUNK_ROWS)
+    buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits, then dlogits
+    BV, warps = _tiles(V)
+    for s in range(0, N, C):
+        n = min(C, N - s)
+        z, hs, rows = buf[:n], h[s : s + n], slice(s, s + n)
+        torch.mm(hs, W.t(), out=z)
+        _logprob_fwd_kernel[(n,)](
+            z, targets[s:], lp[s:], ent[s:] if with_entropy else lp, lse[s:], z.stride(0),
+            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, num_warps=warps)
+        dlp, dent = _chunk_grads(grad_fn, lp[rows], ent[rows] if with_entropy else None, rows,
+                                 h.device)
+        if dlp is None and dent is None:
+            dh[rows].zero_()
+            continue
+        _logprob_bwd_kernel[(n,)](
+            z, targets[s:], lse[s:] if dlp is None else dlp, lse[s:] if dent is None else dent,
+            lse[s:], ent[s:] if with_entropy else lse[s:], z.stride(0), 1.0 / temperature, V=V,
+            HAS_DLP=dlp is not None, HAS_DENT=dent is not None, ENT_SAVED=with_entropy, BV=BV,
+            num_warps=warps)
+        torch.mm(z, W, out=dh[rows])
+        if dW is not None:
+            _wgrad_acc(dW, z, hs)
+    return lp, ent, dh
 
 
 def logprob_fwd_ref(h, W, targets, temperature=1.0, with_entropy=False, chunk=_CHUNK):
@@ -224,6 +290,25 @@ def logprob_bwd_ref(dlp, dent, h, W, targets, lse, dW, temperature=1.0, chunk=_C
     return dh
 
 
+def logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature=1.0, with_entropy=False,
+                        chunk=_CHUNK):
+    N = h.shape[0]
+    lp = torch.empty(N, device=h.device, dtype=torch.float32)
+    ent = torch.empty(N, device=h.device, dtype=torch.float32) if with_entropy else None
+    dh = torch.empty_like(h)
+    for s in range(0, N, chunk):
+        rows = slice(s, min(s + chunk, N))
+        lp_c, ent_c, lse = logprob_fwd_ref(h[rows], W, targets[rows], temperature, with_entropy, chunk)
+        lp[rows] = lp_c
+        if with_entropy:
+            ent[rows] = ent_c
+        dlp, dent = _chunk_grads(grad_fn, lp[rows], ent[rows] if with_entropy else None, rows,
+                                 h.device)
+        dh[rows] = logprob_bwd_ref(dlp, dent, h[rows], W, targets[rows], lse, dW, temperature,
+                                   chunk)
+    return lp, ent, dh
+
+
 def logprob_fwd(h, W, targets, temperature: float = 1.0, with_entropy: bool = False):
     """h: [N, D], W: [V, D], targets: [N] int -> (lp [N], ent [N] | None, lse [N]), fp32."""
     _check(h, W, targets)
@@ -241,3 +326,24 @@ def logprob_bwd(dlp, dent, h, W, targets, lse, dW, temperature: float = 1.0):
     if use_triton(h):
         return _logprob_bwd_triton(dlp, dent, h, W, targets, lse, dW, temperature)
     return logprob_bwd_ref(dlp, dent, h, W, targets, lse, dW, temperature)
+
+
+def logprob_fwd_bwd(h, W, targets, grad_fn, dW, temperature: float = 1.0,
+                    with_entropy: bool = False):
+    """Forward and backward in one sweep, for an upstream gradient that is elementwise in lp.
+
+    h: [N, D], W: [V, D], targets: [N] int; dW: [V, D] (any float dtype, or None) += the
+    weight's gradient. For each chunk of rows, once its lp (and ent) are known:
+        dlp_c, dent_c = grad_fn(lp_c, ent_c, rows)
+    with lp_c, ent_c: [n] fp32 (ent_c None unless with_entropy; read-only views) and rows the
+    chunk's `slice` of the N rows; dlp_c, dent_c: [n] tensors on h's device, or None for no
+    gradient through that output. Returns (lp [N], ent [N] | None, dh [N, D] in h.dtype),
+    the same as logprob_fwd then logprob_bwd with the concatenated dlp, dent. grad_fn must
+    not depend on other chunks' values (a mean over all lp, say): then use the separate ops.
+    """
+    _check(h, W, targets)
+    if dW is not None and dW.shape != W.shape:
+        raise ValueError(f"dW must have W's shape {list(W.shape)}, got {list(dW.shape)}")
+    if use_triton(h):
+        return _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entropy)
+    return logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature, with_entropy, _CHUNK)
