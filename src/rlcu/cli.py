@@ -18,6 +18,7 @@ COMMANDS = {
     "sft": ("rlcu.train.cli", "supervised fine-tuning from a YAML config"),
     "grpo": ("rlcu.train.cli", "GRPO from a YAML config"),
     "ppo": ("rlcu.train.cli", "PPO (actor + critic) from a YAML config"),
+    "sched": ("rlcu.sched.cli", "phase-aware multi-job GPU scheduler: serve, submit, status, cancel, simulate"),
 }
 
 

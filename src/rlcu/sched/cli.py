@@ -1,0 +1,295 @@
+"""`rlcu sched ...`: serve, submit, status, cancel, simulate, trace, metrics.
+
+    rlcu sched serve --gpus all                      # or --cpu-slots 2 [--mem 64]; --addr 127.0.0.1:7777
+    rlcu sched submit job.yaml                       # a job file, or a GRPO config itself
+    rlcu sched status                                # jobs, phases, devices, memory, waits
+    rlcu sched cancel JOB
+    rlcu sched simulate TRACE.json --policy fifo|phase [--json] [--trace-out chrome.json]
+    rlcu sched trace OUT.json                        # Chrome/Perfetto trace of every lease
+    rlcu sched metrics [--json]
+
+A job file (YAML) for `submit`:
+
+    name: exp-1                   # default: the file's stem
+    grpo: grpo.yaml               # the GRPO config the worker runs (relative to this file)
+    set: [steps=50]               # overrides of that config
+    mem: {rollout: 20, actor_train: 30, resident: 8}   # GiB per device; default: estimates
+    # or, instead of grpo: any command; {addr} and {name} are filled in, and the
+    # environment has RLCU_SCHED_ADDR, RLCU_SCHED_JOB, RLCU_SCHED_TOKEN
+    command: [python, my_job.py, --addr, "{addr}", --name, "{name}"]
+    clusters: {actor: {devices: 1, resident: 8, peak: 30}}    # with command: the job's clusters
+
+`submit` registers the job and starts its worker in the background (log in
+<state>/logs/NAME.log); the worker attaches to the job within the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+SUBCOMMANDS = ("serve", "submit", "status", "cancel", "simulate", "trace", "metrics")
+JOB_KEYS = {"name", "grpo", "set", "mem", "command", "clusters"}
+
+
+def _addr_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", default=None, help="scheduler address: unix:PATH, 127.0.0.1:PORT or ray:NAME "
+                                                "(default $RLCU_SCHED_ADDR or <state>/sched.sock)")
+    p.add_argument("--token", default=None, help="the service's token (default $RLCU_SCHED_TOKEN or <state>/token)")
+
+
+def _client(a):
+    from rlcu.sched.client import SchedClient
+
+    return SchedClient(a.addr, a.token, retry_s=0.5)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlcu sched", description="phase-aware multi-job GPU scheduler")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the scheduler service")
+    _addr_args(s)
+    s.add_argument("--state", default=None, help="state folder: sched.db, token, socket (default $RLCU_SCHED_DIR "
+                                                 "or ~/.rlcu/sched)")
+    s.add_argument("--gpus", default=None, help="GPU indices to schedule, e.g. 0,1, or 'all'")
+    s.add_argument("--cpu-slots", type=int, default=None, help="schedule N CPU slots instead of GPUs (tests)")
+    s.add_argument("--mem", default=None, help="memory per device (GiB; default: each GPU's total, 1 per CPU slot)")
+    s.add_argument("--policy", default="phase", choices=("phase", "fifo"))
+    s.add_argument("--aging-s", type=float, default=60.0, help="seconds of waiting worth one priority level")
+    s.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds of silence before a job's "
+                                                                          "leases are reclaimed")
+    s.add_argument("--ray", action="store_true", help="run the policy as a named Ray actor (multi-node)")
+    s.add_argument("--ray-name", default="rlcu-sched", help="the Ray actor's name")
+    s = sub.add_parser("submit", help="register a job and start its worker")
+    _addr_args(s)
+    s.add_argument("config", help="job file (YAML) or a GRPO config")
+    s.add_argument("--name", default=None)
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override of the GRPO config")
+    s.add_argument("--no-launch", action="store_true", help="only register the job (its worker is started apart)")
+    s = sub.add_parser("status", help="jobs, phases, devices, memory and waits")
+    _addr_args(s)
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("cancel", help="cancel a job (its leases are released; its worker stops)")
+    _addr_args(s)
+    s.add_argument("job")
+    s = sub.add_parser("simulate", help="replay a job-mix trace through the policy in simulated time")
+    s.add_argument("trace", help="trace JSON (see rlcu.sched.simulator)")
+    s.add_argument("--policy", default="phase", choices=("phase", "fifo"))
+    s.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    s.add_argument("--trace-out", default=None, help="write a Chrome/Perfetto trace of the simulated leases")
+    s = sub.add_parser("trace", help="write the Chrome/Perfetto trace of every lease")
+    _addr_args(s)
+    s.add_argument("out")
+    s = sub.add_parser("metrics", help="GPU idle fraction, jobs per hour, latency, memory, fragmentation")
+    _addr_args(s)
+    s.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """argv[0] == "sched"."""
+    from rlcu.sched.client import SchedError
+
+    a = _parser().parse_args(argv[1:])
+    try:
+        return globals()[f"_{a.cmd}"](a)
+    except SchedError as e:
+        print(f"rlcu sched {a.cmd}: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:
+        print(f"rlcu sched {a.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------------- serve
+def _pool(a) -> tuple[list[float], list[str]]:
+    if a.cpu_slots is not None:
+        if a.gpus is not None:
+            raise ValueError("give --gpus or --cpu-slots, not both")
+        if a.cpu_slots < 1:
+            raise ValueError(f"--cpu-slots must be >= 1, got {a.cpu_slots}")
+        mem = float(a.mem) if a.mem not in (None, "auto") else 1.0
+        return [mem] * a.cpu_slots, [f"cpu{i}" for i in range(a.cpu_slots)]
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("no CUDA device here: schedule CPU slots with --cpu-slots N")
+    n = torch.cuda.device_count()
+    idx = list(range(n)) if a.gpus in (None, "all") else [int(x) for x in a.gpus.split(",")]
+    bad = [i for i in idx if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"GPU {bad[0]} is not here (there are {n})")
+    if a.mem not in (None, "auto"):
+        cap = [float(a.mem)] * len(idx)
+    else:
+        cap = [torch.cuda.get_device_properties(i).total_memory / (1 << 30) for i in idx]
+    return cap, [f"cuda:{i}" for i in idx]
+
+
+def _serve(a) -> int:
+    from rlcu.sched.client import default_state_dir
+    from rlcu.sched.core import Core
+    from rlcu.sched.server import SchedServer, load_token
+
+    state = Path(a.state) if a.state else default_state_dir()
+    fresh = not (state / "sched.db").exists()
+    cap, names = _pool(a) if (fresh or a.gpus or a.cpu_slots) else (None, None)
+    if a.ray:
+        from rlcu.sched.ray_backend import serve_ray
+
+        return serve_ray(cap, names, name=a.ray_name, policy=a.policy, aging_s=a.aging_s,
+                         heartbeat_timeout=a.heartbeat_timeout, state=state / "sched.db")
+    core = Core(cap, state=state / "sched.db", policy=a.policy, aging_s=a.aging_s,
+                heartbeat_timeout=a.heartbeat_timeout, device_names=names)
+    token = load_token(state, a.token)
+    srv = SchedServer(core, a.addr or f"unix:{state / 'sched.sock'}", token)
+    signal.signal(signal.SIGTERM, lambda *_: srv._stop.set())
+    pool = ", ".join(f"{n} ({c:.1f})" for n, c in zip(core.pool["names"], core.pool["capacity"]))
+    print(f"rlcu sched: {core.pool['policy']} policy over {pool} on {srv.address}; state {state}", flush=True)
+    if not fresh:
+        live = [j for j in core.jobs.values() if j["state"] in ("queued", "running")]
+        print(f"rlcu sched: recovered {len(live)} live jobs and {len(core.pol.leases)} leases", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# ---------------------------------------------------------------------- submit
+def _job_file(path: Path, overrides: list[str]) -> dict:
+    import yaml
+
+    try:
+        d = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ValueError(f"no file {path}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: a job file is a mapping")
+    if not set(d) <= JOB_KEYS:  # not a job file: the GRPO config itself
+        d = {"grpo": str(path)}
+    elif "grpo" in d:
+        d["grpo"] = str((path.parent / d["grpo"]).resolve())
+    if ("grpo" in d) == ("command" in d):
+        raise ValueError(f"{path}: a job file needs one of grpo (a GRPO config) or command")
+    if "command" in d and not d.get("clusters"):
+        raise ValueError(f"{path}: a command job needs clusters, e.g. {{actor: {{devices: 1}}}}")
+    d["set"] = list(d.get("set") or []) + list(overrides)
+    return d
+
+
+def _submit(a) -> int:
+    from rlcu.sched.client import default_state_dir, find_token, parse_address
+
+    path = Path(a.config)
+    job = _job_file(path, a.overrides)
+    name = a.name or job.get("name") or path.stem
+    client = _client(a)
+    if "grpo" in job:
+        from rlcu.config import load_config
+        from rlcu.sched.job import job_memory
+        from rlcu.train.rl_config import GRPOConfig
+
+        clusters, mem = job_memory(load_config(GRPOConfig, job["grpo"], job["set"]), job.get("mem"))
+        cmd = [sys.executable, "-m", "rlcu.sched.job", "--config", job["grpo"], "--addr", "{addr}", "--name",
+               "{name}", "--attach", *[f"--set={s}" for s in job["set"]], *[f"--mem={k}={v}" for k, v in mem.items()]]
+    else:
+        clusters, cmd = job["clusters"], [str(x) for x in job["command"]]
+    client.submit(name, clusters, {"command": cmd, "file": str(path)})
+    addr = client.addr
+    if a.no_launch:
+        print(f"submitted {name} (not launched)")
+        return 0
+    kind, where = parse_address(addr)
+    logs = (Path(where).parent if kind == "unix" else default_state_dir()) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    env = dict(os.environ, RLCU_SCHED_ADDR=addr, RLCU_SCHED_JOB=name,
+               RLCU_SCHED_TOKEN=find_token(addr, a.token) or "")
+    argv = [x.replace("{addr}", addr).replace("{name}", name) for x in cmd]
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    print(f"submitted {name}: worker pid {proc.pid}, log {log}")
+    return 0
+
+
+# ---------------------------------------------------------------------- status, cancel, metrics, trace
+def _fmt_s(x: float) -> str:
+    return f"{x:.0f}s" if x < 120 else f"{x / 60:.1f}m" if x < 7200 else f"{x / 3600:.1f}h"
+
+
+def _status(a) -> int:
+    st = _client(a).status()
+    if a.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title=f"rlcu sched: {st['policy']} policy")
+    for col in ("job", "state", "phases", "devices", "memory", "waiting", "waited", "age"):
+        t.add_column(col, justify="right" if col in ("memory", "waited", "age") else "left")
+    for j in st["jobs"]:
+        waiting = ", ".join(f"{w['phase']} {_fmt_s(w['for_s'])}" for w in j["waiting"])
+        t.add_row(j["job"], j["state"], ", ".join(j["phases"]) or "-", ", ".join(j["devices"]) or "-",
+                  f"{j['mem']:.1f}" if j["mem"] else "-", waiting or "-", _fmt_s(j["wait_s"]), _fmt_s(j["age_s"]))
+    con.print(t)
+    d = Table(title="devices")
+    for col in ("device", "used / capacity", "leases"):
+        d.add_column(col)
+    for dev in st["devices"]:
+        d.add_row(dev["name"], f"{dev['used']:.1f} / {dev['capacity']:.1f}", ", ".join(dev["leases"]) or "-")
+    con.print(d)
+    m = st["metrics"]
+    con.print(f"idle {m['gpu_idle_frac']:.1%}  jobs/h {m['jobs_per_hour']:.2f}  mean latency "
+              f"{_fmt_s(m['mean_latency_s'])}  memory in use {m['mem_used_frac']:.1%} (avg)  "
+              f"fragmentation {m['frag_now']:.2f} now, {m['frag']:.2f} avg  yields {m['yields']}")
+    return 0
+
+
+def _cancel(a) -> int:
+    v = _client(a).cancel(a.job)
+    print(f"{a.job}: {v['state']}")
+    return 0
+
+
+def _metrics(a) -> int:
+    m = _client(a).metrics()
+    m.pop("ok", None)
+    if a.json:
+        print(json.dumps(m, indent=2))
+    else:
+        for k, v in m.items():
+            print(f"{k:<16} {v if not isinstance(v, float) else f'{v:.4f}'}")
+    return 0
+
+
+def _trace(a) -> int:
+    from rlcu.sched.metrics import write_trace
+
+    p = write_trace(a.out, _client(a).trace())
+    print(f"wrote {p} (open in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def _simulate(a) -> int:
+    from rlcu.sched.metrics import write_trace
+    from rlcu.sched.simulator import TraceError, load_trace, public, report, simulate, trace_of
+
+    try:
+        res = simulate(load_trace(a.trace), a.policy)
+    except TraceError as e:
+        print(f"rlcu sched simulate: {e}", file=sys.stderr)
+        return 2
+    if a.trace_out:
+        write_trace(a.trace_out, trace_of(res))
+    print(json.dumps(public(res), indent=2) if a.json else report(res))
+    return 0

@@ -1,0 +1,325 @@
+"""A GRPO job under the scheduler: every phase of every step runs on a lease.
+
+    python -m rlcu.sched.job --config grpo.yaml --addr unix:~/.rlcu/sched/sched.sock [--set k=v ...]
+    run_grpo("grpo.yaml", addr)                                   # the Python API
+
+`ScheduledGRPO` is the GRPO trainer with hooks at its phase boundaries (it changes nothing
+in the math): building the model, engine and optimizer is `init`; sampling is `rollout`; the
+reference model's forward is `ref_logprobs`; the optimizer updates are `actor_train`. Each
+boundary gives back the lease of the phase before and asks for the next, with the memory
+that phase needs on the job's one cluster, `actor`, whose weights and optimizer state stay
+resident on its device (a `resident` lease) for the job's life.
+
+Preemption. Rollout is the one preemptible phase. Between two engine steps the job checks
+for a yield notice; on one it preempts every live sequence the way the engine's scheduler
+does (its blocks freed, its tokens kept), puts the engine to sleep (the KV pool is freed),
+gives the lease back, and asks again with the work it has left, keeping its age. Once
+granted, the engine wakes, the sequences are recomputed from their tokens and generation
+goes on. Sampling is counter-based per (seed, sample, position), so a preempted rollout
+makes the same tokens as an uninterrupted one: nothing is lost and training ends at the
+same weights.
+
+Memory per phase is estimated from the config (`estimate_memory`, GiB) unless given; on a
+GPU the engine's KV pool is sized from the rollout lease, so several jobs on one device
+never take more than they were leased.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import secrets
+import sys
+from collections import deque
+from pathlib import Path
+
+from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError
+from rlcu.train.grpo import GRPOTrainer, _config
+from rlcu.train.rl_config import GRPOConfig
+
+GiB = float(1 << 30)
+CLUSTER = "actor"
+
+
+def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, float]:
+    """Rough GiB per device: `resident` (weights, fp32 master, grads, Adam m and v, the
+    reference copy), and the transient need of init, rollout (KV pool for one step's
+    sequences + logits), ref_logprobs and actor_train (checkpointed activations of one
+    micro-batch + one layer's recompute + the chunked LM head). Override with measurements."""
+    from rlcu.model.config import Qwen3Config
+    from rlcu.model.layout import ParamLayout
+
+    m = cfg.model
+    if m.tiny is not None:
+        qc = Qwen3Config(**m.tiny)
+    elif m.path is not None:
+        qc = Qwen3Config.from_file(Path(m.path) / "config.json")
+    else:
+        qc = Qwen3Config()
+    P = ParamLayout(qc).numel
+    w = 2 if m.resolve_dtype().itemsize == 2 else 4
+    resident = P * (w + (4 if w != 4 else 0) + 4 + 8) + (P * w if cfg.kl_coef > 0 else 0)
+    H, I, L, V = qc.hidden_size, qc.intermediate_size, qc.num_hidden_layers, qc.vocab_size
+    seq = (cfg.data.max_prompt_tokens or max_prompt_tokens) + cfg.max_new_tokens
+    kv_tok = 2 * L * qc.num_key_value_heads * qc.head_dim * w
+    n_seq = cfg.prompts_per_step * cfg.group_size * (1 + int(getattr(cfg, "dynamic_sampling", False)))
+    rollout = kv_tok * n_seq * seq * 1.1 + min(n_seq, cfg.engine.max_num_seqs) * V * 4 * 2
+    T = cfg.micro_batch_tokens
+    layer = T * (qc.q_size + 2 * qc.kv_size + 4 * H + 6 * I) * w
+    head = min(T, 4096) * V * 4 * 2
+    train = (T * H * w * L + layer * 2 + head) * 1.25
+    ref = (layer + head) * 1.25
+    out = {"resident": resident, "init": P * 4, "rollout": rollout, "ref_logprobs": ref, "actor_train": train}
+    return {k: v / GiB for k, v in out.items()} | {"kv_bytes_per_token": kv_tok}
+
+
+def generate_resumable(llm, prompts, sampling_params, should_yield, pause) -> list:
+    """`llm.generate(prompts, sampling_params)` (one SamplingParams, or one per prompt), with a
+    yield check between engine steps: when should_yield() is true the live sequences are
+    preempted (blocks freed, tokens kept), the engine sleeps, pause(tokens_left) returns when
+    the job may go on, the engine wakes and every sequence is recomputed from its tokens.
+
+    An engine whose generate takes `yield_check` and `on_yield` does this itself; otherwise
+    this drives the engine's parts (scheduler, runner, block manager) the way LLM.generate does."""
+    import inspect
+
+    import torch
+
+    from rlcu.engine.params import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+    from rlcu.engine.sequence import Sequence, Status
+
+    if "yield_check" in inspect.signature(llm.generate).parameters:
+        return llm.generate(prompts, sampling_params, use_tqdm=False, yield_check=should_yield, on_yield=pause)
+    if llm.asleep:
+        raise RuntimeError("the engine is asleep (its KV pool is released): call llm.wake() first")
+    items = llm._as_list(prompts)
+    resolved = [llm._resolve(i, p) for i, p in enumerate(items)]
+    errors = {i: err for i, (_, err) in enumerate(resolved) if err is not None}
+    if errors:
+        raise InvalidRequestError(errors, len(items))
+    sps = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
+    if len(sps) != len(items):
+        raise ValueError(f"got {len(sps)} SamplingParams for {len(items)} prompts: pass one, or one per prompt")
+    sps = [dataclasses.replace(sp or SamplingParams()) for sp in sps]  # re-validated
+    if hasattr(llm.block_manager, "drop_cache"):
+        llm.block_manager.drop_cache()  # the weights changed since the last call
+    eos = frozenset(llm.eos_token_ids)
+    sched, done = llm.scheduler, {}
+    for i, ((ids, _), sp) in enumerate(zip(resolved, sps)):
+        seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        stop = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
+        sched.add(Sequence(i, ids, sp, seed, num_samples=sp.n, stop_ids=stop))
+    try:
+        while sched.has_unfinished():
+            if should_yield():
+                live = sched.live()  # running (oldest first), then waiting: their order is kept
+                for s in live:
+                    llm.block_manager.free(s)
+                    s.num_computed_tokens, s.status = 0, Status.WAITING
+                sched.running, sched.waiting = [], deque()
+                llm.sleep()
+                pause(sum(s.num_samples * (s.params.max_tokens - s.num_generated) for s in live))
+                llm.wake()
+                for s in live:
+                    sched.add(s)
+                continue
+            batch = sched.schedule()
+            toks, lps, _ = llm.runner.run(batch)
+            for s in sched.postprocess(batch, toks, lps):
+                done.setdefault(s.request_id, []).append(s)
+    except BaseException:
+        sched.abort_all()
+        raise
+    dec = llm._tokenizer.decode if getattr(llm, "_tokenizer", None) is not None else None
+    outs = []
+    for i, (p, (ids, _)) in enumerate(zip(items, resolved)):
+        comps = [CompletionOutput(s.sample_index, s.completion_ids,
+                                  dec(s.completion_ids, skip_special_tokens=True) if dec else "", s.finish_reason,
+                                  list(s.logprobs) if sps[i].logprobs else None)
+                 for s in sorted(done[i], key=lambda s: s.sample_index)]
+        outs.append(RequestOutput(i, p, ids, comps))
+    return outs
+
+
+class _PreemptibleEngine:
+    """The trainer's engine, whose generate stops for yield notices (everything else passes through)."""
+
+    def __init__(self, llm, job: "ScheduledGRPO"):
+        self._llm, self._job = llm, job
+
+    def generate(self, prompts, sampling_params=None, **_):
+        return generate_resumable(self._llm, prompts, sampling_params, self._job._check_yield, self._job._yield_rollout)
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+
+class _PhaseModel:
+    """A model whose forward first moves the job into `phase` (the reference model)."""
+
+    def __init__(self, model, job: "ScheduledGRPO", phase: str):
+        self._model, self._job, self._phase = model, job, phase
+
+    def forward(self, *a, **k):
+        self._job._enter(self._phase)
+        return self._model.forward(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class ScheduledGRPO(GRPOTrainer):
+    """GRPOTrainer whose phases run on scheduler leases; `sched` is the job's JobHandle and
+    `mem` the memory per phase (and `resident`) on its device, as registered."""
+
+    def __init__(self, config, dataset=None, reward_fns=None, *, sched: JobHandle, mem: dict | None = None,
+                 cluster: str = CLUSTER, **kw):
+        cfg = _config(GRPOConfig, config)
+        self.sched, self.cluster, self.mem = sched, cluster, dict(mem or {})
+        self._held = None
+        self.yields = 0
+        self.engine_steps = 0
+        self.on_engine_step = None  # called with the step count at each yield check (tests)
+        self._enter("init")
+        try:
+            self._use_device(self._held)
+            if cfg.engine.num_kv_blocks is None and self.mem.get("rollout") and self._on_cuda(cfg):
+                kvb = estimate_memory(cfg)["kv_bytes_per_token"] * cfg.engine.block_size
+                cfg.engine.num_kv_blocks = max(16, int(self.mem["rollout"] * GiB * 0.8 // kvb))
+            super().__init__(cfg, dataset, reward_fns, **kw)
+            self.llm.sleep()
+        finally:
+            self._leave()
+
+    # ------------------------------------------------------------------ leases
+    @staticmethod
+    def _on_cuda(cfg) -> bool:
+        return cfg.model.resolve_device() == "cuda"
+
+    def _use_device(self, lease) -> None:
+        name = lease.names[0].rsplit("/", 1)[-1] if lease.names else ""  # "cuda:K" or "NODE/cuda:K"
+        if name.startswith("cuda:"):
+            import torch
+
+            torch.cuda.set_device(int(name.split(":")[1]))
+
+    def _enter(self, phase: str, work: float | None = None) -> None:
+        if self._held is not None and self._held.phase == phase:
+            return
+        self._leave()
+        self._held = self.sched.acquire(phase, self.cluster, mem=self.mem.get(phase), work=work)
+
+    def _leave(self) -> None:
+        if self._held is not None:
+            lease, self._held = self._held, None
+            self.sched.release(lease)
+
+    def _check_yield(self) -> bool:
+        self.engine_steps += 1
+        if self.on_engine_step is not None:
+            self.on_engine_step(self.engine_steps)
+        return self._held is not None and self._held.phase == "rollout" and self.sched.should_yield(self._held)
+
+    def _yield_rollout(self, tokens_left: int) -> None:
+        self.yields += 1
+        self._leave()
+        self._enter("rollout", work=float(tokens_left))
+
+    # ------------------------------------------------------------------ trainer hooks
+    def _make_engine(self):
+        return _PreemptibleEngine(super()._make_engine(), self)
+
+    def _make_ref(self):
+        return _PhaseModel(super()._make_ref(), self, "ref_logprobs")
+
+    def _engine_phase(self, fn):
+        c = self.cfg
+        self._enter("rollout", work=float(c.prompts_per_step * c.group_size * c.max_new_tokens))
+        try:
+            return super()._engine_phase(fn)
+        finally:
+            self._leave()
+
+    def _policy_update(self, *a, **k):
+        self._enter("actor_train")
+        return super()._policy_update(*a, **k)
+
+    def train_step(self, step: int) -> dict:
+        try:
+            m = super().train_step(step)
+        finally:
+            self._leave()
+        m["sched/yields"] = self.yields
+        return m
+
+
+def job_memory(cfg: GRPOConfig, given: dict | None = None) -> tuple[dict, dict]:
+    """(clusters, mem per phase) to register: the estimates, overridden by `given`."""
+    mem = {k: v for k, v in estimate_memory(cfg).items() if k != "kv_bytes_per_token"}
+    mem.update(given or {})
+    peak = max(v for k, v in mem.items() if k != "resident")
+    return {CLUSTER: {"devices": 1, "resident": mem["resident"], "peak": peak}}, mem
+
+
+def run_grpo(config, addr: str | None = None, name: str | None = None, *, overrides=(), attach: bool = False,
+             mem: dict | None = None, token: str | None = None, client: SchedClient | None = None,
+             heartbeat_s: float = 2.0, poll_s: float = 0.1, trainer_cls=None, **trainer_kw) -> list[dict]:
+    """Register (or attach to) a job, train under the scheduler, finish; returns the metrics.
+    trainer_kw (dataset, reward_fns, tokenizer, ...) go to the trainer, a ScheduledGRPO
+    (or trainer_cls)."""
+    from rlcu.config import load_config
+
+    if isinstance(config, (str, Path)) or config is None:
+        cfg = load_config(GRPOConfig, config, list(overrides))
+    else:
+        cfg = _config(GRPOConfig, config)
+    clusters, mem = job_memory(cfg, mem)
+    client = client or SchedClient(addr, token)
+    name = name or f"grpo-{secrets.token_hex(3)}"
+    handle = client.job(name, clusters, spec={"kind": "grpo", "mem": mem}, attach=attach, heartbeat_s=heartbeat_s,
+                        poll_s=poll_s)
+    ok = False
+    try:
+        hist = (trainer_cls or ScheduledGRPO)(cfg, sched=handle, mem=mem, **trainer_kw).train()
+        ok = True
+        return hist
+    finally:
+        try:
+            handle._call("finish", failed=not ok)
+        except SchedError:
+            pass
+        handle.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlcu.sched.job", description="a GRPO job under the rlcu scheduler")
+    p.add_argument("--config", required=True, help="GRPO YAML config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--addr", default=None, help="scheduler address (default $RLCU_SCHED_ADDR or the local socket)")
+    p.add_argument("--name", default=os.environ.get("RLCU_SCHED_JOB"), help="job name (default: random)")
+    p.add_argument("--attach", action="store_true", help="take over a job registered by `rlcu sched submit`")
+    p.add_argument("--mem", action="append", default=[], metavar="PHASE=GIB",
+                   help="memory of a phase (or resident) per device, overriding the estimate")
+    a = p.parse_args(argv)
+    mem = {}
+    for kv in a.mem:
+        k, _, v = kv.partition("=")
+        try:
+            mem[k] = float(v)
+        except ValueError:
+            p.error(f"--mem takes PHASE=GIB, got {kv!r}")
+    try:
+        run_grpo(a.config, a.addr, a.name, overrides=a.overrides, attach=a.attach, mem=mem)
+    except JobEnded as e:
+        print(f"rlcu sched job: {e}", file=sys.stderr)
+        return 3
+    except SchedError as e:
+        print(f"rlcu sched job: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
