@@ -18,6 +18,17 @@ request's index and problem, and runs nothing, so the engine is untouched; with
 `on_error="return"` the bad requests come back with `.error` set and no outputs, and the
 other requests are generated as if they had been submitted alone. Results are in the
 order of the prompts.
+
+Yielding the device mid-generate (the job scheduler's preemption): with
+`generate(..., yield_check=f, on_yield=g)`, f() is asked between two engine steps (after a
+yield, only once a new token was sampled, so that the recompute makes progress). When it is
+true, the step in flight is finished, every live sequence is preempted for recompute as
+memory pressure does it (its blocks freed, its tokens kept), the engine sleeps (the KV pool
+is released), g(tokens_left) runs (an estimate of the tokens still to generate; it returns
+when the caller may go on), the engine wakes and the sequences are recomputed from their
+tokens. Sampling is counter-based per (seed, sample, tokens generated so far), so the
+outputs are those of an uninterrupted call (logprobs up to the rounding of recomputing K/V
+in other chunks). If g raises, generate raises it with the engine left asleep.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import dataclasses
 import json
 import numbers
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -253,10 +265,13 @@ class LLM:
         return prompts
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise") -> list[RequestOutput]:
+                 use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise",
+                 yield_check: Callable[[], bool] | None = None,
+                 on_yield: Callable[[int], None] | None = None) -> list[RequestOutput]:
         """prompts: a str, a {"prompt_token_ids": [...]} (or {"prompt": str}) dict, a list of token
         ids, or a list of those. sampling_params: one for all, or one per prompt. Returns one
-        RequestOutput per prompt, in order. on_error: "raise" | "return" (see the module docstring)."""
+        RequestOutput per prompt, in order. on_error: "raise" | "return" (see the module docstring).
+        yield_check, on_yield: preemption between engine steps (see the module docstring)."""
         items = self._as_list(prompts)
         if any(isinstance(p, str) or (isinstance(p, dict) and "prompt_token_ids" not in p) for p in items):
             self.tokenizer  # noqa: B018  (text needs a tokenizer: fail now, for all requests, if there is none)
@@ -266,14 +281,17 @@ class LLM:
                 resolved.append((p, *self._resolve(i, p)))
             except (ValueError, TypeError) as e:
                 resolved.append((p, None, f"{type(e).__name__}: {e}"))
-        return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error)
+        return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error,
+                         yield_check, on_yield)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise",
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             yield_check: Callable[[], bool] | None = None,
+             on_yield: Callable[[int], None] | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
         The chat template is applied with add_generation_prompt; chat_template_kwargs are
-        template variables (e.g. enable_thinking=False)."""
+        template variables (e.g. enable_thinking=False). The rest is as in `generate`."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.tokenizer
         resolved = []
@@ -284,12 +302,28 @@ class LLM:
                 resolved.append((conv, *self._resolve(i, list(ids))))
             except (ValueError, TypeError, KeyError) as e:
                 resolved.append((conv, None, f"chat template failed: {e}"))
-        return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error)
+        return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error,
+                         yield_check, on_yield)
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, resolved, sampling_params, show: bool, on_error: str) -> list[RequestOutput]:
+    def _yield(self, on_yield) -> None:
+        """Give the device back between two steps (no step in flight): preempt every live
+        sequence for recompute, sleep, on_yield(tokens left), wake."""
+        live = self.scheduler.preempt_all()
+        left = sum(s.num_samples * max(min(s.params.max_tokens - s.num_generated, self.max_model_len - len(s)), 0)
+                   for s in live)
+        self.sleep()
+        if on_yield is not None:
+            on_yield(left)  # an exception leaves the engine asleep: the pool may no longer be ours
+        self.wake()
+
+    def _run(self, resolved, sampling_params, show: bool, on_error: str, yield_check=None,
+             on_yield=None) -> list[RequestOutput]:
         if on_error not in ("raise", "return"):
             raise ValueError(f"generate(on_error=...) must be 'raise' or 'return', got {on_error!r}")
+        for name, fn in (("yield_check", yield_check), ("on_yield", on_yield)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"generate({name}=...) must be a callable or None, got {type(fn).__name__}")
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is released): call llm.wake() first")
         R = len(resolved)
@@ -333,14 +367,44 @@ class LLM:
         need = {i: checked[i].n for i in checked}
         sch, runner = self.scheduler, self.runner
         st = dict(steps=0, graph_steps=0, prefill_tokens=0, decode_tokens=0, preemptions=0, cached_tokens=0,
-                  t_schedule=0.0, t_launch=0.0, t_wait=0.0, t_postprocess=0.0, step_log=[])
+                  yields=0, t_schedule=0.0, t_launch=0.0, t_wait=0.0, t_postprocess=0.0, t_yield=0.0, step_log=[])
         pre0, hit0 = sch.num_preemptions, self.block_manager.hit_tokens
         t_start = t_last = time.perf_counter()
         n_done = n_tok = 0
+
+        def read_back(step) -> None:
+            """Wait for a launched step's samples and account for them."""
+            nonlocal n_done, n_tok
+            t3 = time.perf_counter()
+            toks, lps = runner.collect(step[2])
+            t4 = time.perf_counter()
+            for s in sch.resolve(step[0], step[1], toks, lps):
+                done.setdefault(s.request_id, []).append(s)
+                if len(done[s.request_id]) == need[s.request_id]:
+                    n_done += 1
+            st["t_wait"] += t4 - t3
+            st["t_postprocess"] += time.perf_counter() - t4
+            n_tok += len(toks)
+
         prev = None  # the launched step whose samples are not read back yet: (batch, rows, device output)
+        tok_at_yield = -1  # n_tok at the last yield: the next waits for a new token, so yields cannot livelock
         try:
             with _Progress(len(seqs), show) as bar:
                 while sch.has_unfinished() or prev is not None:
+                    if (yield_check is not None and n_tok > tok_at_yield and sch.has_unfinished()
+                            and yield_check()):
+                        if prev is not None:  # finish the step in flight: every sampled token is then known
+                            read_back(prev)
+                            prev = None
+                        if sch.has_unfinished():
+                            t_y = time.perf_counter()
+                            self._yield(on_yield)
+                            st["yields"] += 1
+                            t_last = time.perf_counter()
+                            st["t_yield"] += t_last - t_y
+                        tok_at_yield = n_tok
+                        bar.update(n_done, n_tok)
+                        continue
                     t0 = time.perf_counter()
                     batch = sch.schedule()
                     t1 = time.perf_counter()
@@ -360,22 +424,12 @@ class LLM:
                     elif prev is None:
                         raise RuntimeError("the scheduler made no progress (a bug: please report it)")
                     st["t_schedule"] += t1 - t0
-                    fin = []
-                    for step in ([prev, launched] if not self.async_scheduling else [prev]):
-                        if step is None:
-                            continue
-                        t3 = time.perf_counter()
-                        toks, lps = runner.collect(step[2])
-                        t4 = time.perf_counter()
-                        fin += sch.resolve(step[0], step[1], toks, lps)
-                        st["t_wait"] += t4 - t3
-                        st["t_postprocess"] += time.perf_counter() - t4
-                        n_tok += len(toks)
-                    prev = launched if self.async_scheduling else None
-                    for s in fin:
-                        done.setdefault(s.request_id, []).append(s)
-                        if len(done[s.request_id]) == need[s.request_id]:
-                            n_done += 1
+                    if prev is not None:
+                        read_back(prev)
+                    if self.async_scheduling:
+                        prev = launched
+                    elif launched is not None:
+                        read_back(launched)
                     bar.update(n_done, n_tok)
         except BaseException:
             sch.abort_all()

@@ -13,7 +13,8 @@ Why it never deadlocks: the oldest running sequence can always take blocks from 
 ones, and a single sequence of `max_model_len` tokens fits in the pool (max_model_len is
 capped at the pool's size), so the oldest sequence advances every step until it finishes.
 No request is dropped: a preempted sequence keeps its tokens and its place at the head of
-the queue.
+the queue. `preempt_all` does the same to every running sequence at once, so that the engine
+can release its KV pool between two steps (LLM.generate's yield) and recompute afterwards.
 
 A step's bookkeeping comes in two halves so that the engine can launch step t+1 before it
 reads back step t's tokens (one-step lookahead): `advance` right after the launch (computed
@@ -70,12 +71,30 @@ class Scheduler:
         """Every sequence that holds or may hold blocks."""
         return self.running + list(self.waiting) + list(self.unresolved.values())
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _requeue(self, seq: Sequence) -> None:
+        """Preemption for recompute: free seq's blocks, keep its tokens, and put it at the head
+        of the waiting queue (it is recomputed from its tokens when admitted again)."""
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
         self.num_preemptions += 1
+
+    def preempt_all(self) -> list[Sequence]:
+        """Preempt every running sequence for recompute, as memory pressure does, so that no
+        sequence holds a block (the engine can then release the KV pool). The waiting queue
+        becomes the running sequences, oldest first, then those that were waiting. Every
+        sampled token must be known: call it with no step in flight. Returns the live
+        sequences, in queue order. (Not counted in `num_preemptions`.)"""
+        assert not self.unresolved and not any(s.num_pending for s in self.running), \
+            "preempt_all with a step in flight: read its tokens back first"
+        for seq in reversed(self.running):
+            self._requeue(seq)
+        self.running = []
+        return list(self.waiting)
 
     def schedule(self) -> ScheduledBatch:
         bm, budget = self.bm, self.max_num_batched_tokens

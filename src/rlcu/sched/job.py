@@ -10,14 +10,14 @@ boundary gives back the lease of the phase before and asks for the next, with th
 that phase needs on the job's one cluster, `actor`, whose weights and optimizer state stay
 resident on its device (a `resident` lease) for the job's life.
 
-Preemption. Rollout is the one preemptible phase. Between two engine steps the job checks
-for a yield notice; on one it preempts every live sequence the way the engine's scheduler
-does (its blocks freed, its tokens kept), puts the engine to sleep (the KV pool is freed),
-gives the lease back, and asks again with the work it has left, keeping its age. Once
-granted, the engine wakes, the sequences are recomputed from their tokens and generation
-goes on. Sampling is counter-based per (seed, sample, position), so a preempted rollout
-makes the same tokens as an uninterrupted one: nothing is lost and training ends at the
-same weights.
+Preemption. Rollout is the one preemptible phase. Between two engine steps the engine asks
+the job whether to yield (`LLM.generate(yield_check=..., on_yield=...)`); on a yield notice
+the engine preempts every live sequence the way its scheduler does (its blocks freed, its
+tokens kept) and sleeps (the KV pool is freed), and the job gives the lease back and asks
+again with the work it has left, keeping its age. Once granted, the engine wakes, the
+sequences are recomputed from their tokens and generation goes on. Sampling is counter-based
+per (seed, sample, position), so a preempted rollout makes the same tokens as an
+uninterrupted one: nothing is lost and training ends at the same weights.
 
 Memory per phase is estimated from the config (`estimate_memory`, GiB) unless given; on a
 GPU the engine's KV pool is sized from the rollout lease, so several jobs on one device
@@ -27,11 +27,9 @@ never take more than they were leased.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import secrets
 import sys
-from collections import deque
 from pathlib import Path
 
 from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError
@@ -74,72 +72,12 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, 
     return {k: v / GiB for k, v in out.items()} | {"kv_bytes_per_token": kv_tok}
 
 
-def generate_resumable(llm, prompts, sampling_params, should_yield, pause) -> list:
-    """`llm.generate(prompts, sampling_params)` (one SamplingParams, or one per prompt), with a
-    yield check between engine steps: when should_yield() is true the live sequences are
-    preempted (blocks freed, tokens kept), the engine sleeps, pause(tokens_left) returns when
-    the job may go on, the engine wakes and every sequence is recomputed from its tokens.
-
-    An engine whose generate takes `yield_check` and `on_yield` does this itself; otherwise
-    this drives the engine's parts (scheduler, runner, block manager) the way LLM.generate does."""
-    import inspect
-
-    import torch
-
-    from rlcu.engine.params import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
-    from rlcu.engine.sequence import Sequence, Status
-
-    if "yield_check" in inspect.signature(llm.generate).parameters:
-        return llm.generate(prompts, sampling_params, use_tqdm=False, yield_check=should_yield, on_yield=pause)
-    if llm.asleep:
-        raise RuntimeError("the engine is asleep (its KV pool is released): call llm.wake() first")
-    items = llm._as_list(prompts)
-    resolved = [llm._resolve(i, p) for i, p in enumerate(items)]
-    errors = {i: err for i, (_, err) in enumerate(resolved) if err is not None}
-    if errors:
-        raise InvalidRequestError(errors, len(items))
-    sps = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
-    if len(sps) != len(items):
-        raise ValueError(f"got {len(sps)} SamplingParams for {len(items)} prompts: pass one, or one per prompt")
-    sps = [dataclasses.replace(sp or SamplingParams()) for sp in sps]  # re-validated
-    if hasattr(llm.block_manager, "drop_cache"):
-        llm.block_manager.drop_cache()  # the weights changed since the last call
-    eos = frozenset(llm.eos_token_ids)
-    sched, done = llm.scheduler, {}
-    for i, ((ids, _), sp) in enumerate(zip(resolved, sps)):
-        seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        stop = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
-        sched.add(Sequence(i, ids, sp, seed, num_samples=sp.n, stop_ids=stop))
-    try:
-        while sched.has_unfinished():
-            if should_yield():
-                live = sched.live()  # running (oldest first), then waiting: their order is kept
-                for s in live:
-                    llm.block_manager.free(s)
-                    s.num_computed_tokens, s.status = 0, Status.WAITING
-                sched.running, sched.waiting = [], deque()
-                llm.sleep()
-                pause(sum(s.num_samples * (s.params.max_tokens - s.num_generated) for s in live))
-                llm.wake()
-                for s in live:
-                    sched.add(s)
-                continue
-            batch = sched.schedule()
-            toks, lps, _ = llm.runner.run(batch)
-            for s in sched.postprocess(batch, toks, lps):
-                done.setdefault(s.request_id, []).append(s)
-    except BaseException:
-        sched.abort_all()
-        raise
-    dec = llm._tokenizer.decode if getattr(llm, "_tokenizer", None) is not None else None
-    outs = []
-    for i, (p, (ids, _)) in enumerate(zip(items, resolved)):
-        comps = [CompletionOutput(s.sample_index, s.completion_ids,
-                                  dec(s.completion_ids, skip_special_tokens=True) if dec else "", s.finish_reason,
-                                  list(s.logprobs) if sps[i].logprobs else None)
-                 for s in sorted(done[i], key=lambda s: s.sample_index)]
-        outs.append(RequestOutput(i, p, ids, comps))
-    return outs
+def generate_resumable(llm, prompts, sampling_params, should_yield, pause, **kw) -> list:
+    """`llm.generate(prompts, sampling_params)` with a yield check between engine steps: when
+    should_yield() is true the engine preempts its live sequences (tokens kept), sleeps, calls
+    pause(tokens_left), which returns when the job may go on, wakes and goes on (see LLM.generate)."""
+    kw.setdefault("use_tqdm", False)
+    return llm.generate(prompts, sampling_params, yield_check=should_yield, on_yield=pause, **kw)
 
 
 class _PreemptibleEngine:
@@ -148,8 +86,9 @@ class _PreemptibleEngine:
     def __init__(self, llm, job: "ScheduledGRPO"):
         self._llm, self._job = llm, job
 
-    def generate(self, prompts, sampling_params=None, **_):
-        return generate_resumable(self._llm, prompts, sampling_params, self._job._check_yield, self._job._yield_rollout)
+    def generate(self, prompts, sampling_params=None, **kw):
+        return generate_resumable(self._llm, prompts, sampling_params, self._job._check_yield, self._job._yield_rollout,
+                                  **kw)
 
     def __getattr__(self, name):
         return getattr(self._llm, name)
