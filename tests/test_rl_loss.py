@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 from hf_util import rel_err  # noqa: E402
 
 from rlcu.ops import rl_loss  # noqa: E402
-from rlcu.ops.rl_loss import POLICY_STATS, VALUE_STATS, policy_loss, policy_loss_ref, value_loss, value_loss_ref  # noqa: E402
+from rlcu.ops.rl_loss import POLICY_STATS, VALUE_STATS, policy_loss, policy_loss_ref, value_loss_ref  # noqa: E402
 
 
 def _policy_inputs(N=333, seed=0, device="cpu", with_ref=True, with_ent=True):
@@ -156,10 +156,9 @@ def test_shape_errors():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_policy_loss_gpu(dtype):
     lp, old, ref, adv, w, ent = _policy_inputs(N=100_003, device="cuda")
-    lp = lp.to(dtype).float() if dtype == torch.bfloat16 else lp
-    args = (lp, old, ref, adv, w, ent, 0.2, 0.28, 0.05, 0.01)
-    a = rl_loss.policy_loss_triton(*args)
-    b = policy_loss_ref(*args)
+    lp = lp.to(dtype)  # a bf16 input is read as fp32 in registers
+    a = rl_loss.policy_loss_triton(lp, old, ref, adv, w, ent, 0.2, 0.28, 0.05, 0.01)
+    b = policy_loss_ref(lp.float(), old, ref, adv, w, ent, 0.2, 0.28, 0.05, 0.01)
     for x, y in zip(a, b):
         assert rel_err(x, y) < 1e-5
     v, vold, ret, w = _value_inputs(N=100_003, device="cuda")

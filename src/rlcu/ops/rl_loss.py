@@ -10,7 +10,8 @@ log-ratio d = lp - old, ratio r = exp(d), advantage A, k = ref - lp:
     dlp  = w (-r A [clip branch not active] + beta (1 - exp(k)))
     dent = -w c_ent
 The clip branch is active (its gradient is zero) when -clip(r) A > -r A, i.e. r > 1 + eps_high
-with A > 0 ("clip high") or r < 1 - eps_low with A < 0 ("clip low").
+with A > 0 ("clip high") or r < 1 - eps_low with A < 0 ("clip low"). The statistic
+approx_kl = r - 1 - d is the k3 estimate of KL(old || new): how far the updates have moved.
 
 Value loss (PPO), with value v, the rollout's value v_old, return R and clip range c:
     vc   = v_old + clip(v - v_old, -c, c)
@@ -21,6 +22,7 @@ Statistics are w-weighted sums over tokens, one row of partial sums per program 
 the caller: deterministic, no atomics); dividing by the `weight` statistic gives means under
 the chosen aggregation, and sums over micro-batches add up.
 Tokens with w = 0 contribute exactly zero to every output (their logprobs may be anything).
+The public ops are `policy_loss` and `value_loss` (each is forward and backward at once).
 """
 
 from __future__ import annotations

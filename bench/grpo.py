@@ -1,0 +1,257 @@
+"""GRPO-step benchmark (BENCHMARKS.md section 3), rlcu against TRL's GRPOTrainer in the same run.
+
+Protocol A: 8 prompts x 8 completions, prompt 128 tokens, completion 256 tokens (exact: EOS
+ignored), one optimizer step per batch, gradient checkpointing. Protocol B: completion 2048.
+Qwen3-0.6B shape, random bf16 weights. Reported: seconds per step (median of the timed steps
+after warm-up), the phases (generate / logprobs / train), peak GPU memory. Each side runs in
+its own process. Prompts are random token ids; with no real tokenizer, a word-level
+tokenizer over the model's vocabulary (word i = "t{i}") serves both sides, so a prompt of
+128 words is exactly 128 tokens. The reward is a fixed pseudo-random function of the
+completion text, so the advantages (and the backward) are not zero.
+
+    python bench/grpo.py                      # protocols A and B, rlcu and (if installed) TRL
+    python bench/grpo.py --quick              # protocol A, rlcu only, 1 warm-up + 2 timed steps
+    python bench/grpo.py --quick --tiny       # a tiny model on whatever device (a CPU smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import qwen3_06b_config, write_json  # noqa: E402
+
+PROTOCOLS = {"A": dict(prompts=8, group=8, prompt_len=128, completion_len=256),
+             "B": dict(prompts=8, group=8, prompt_len=128, completion_len=2048)}
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+
+
+def hash_reward(prompts, completions, **_):
+    """A fixed pseudo-random reward in [0, 1) of the completion text (both sides use it)."""
+    return [int.from_bytes(hashlib.blake2b(str(c).encode(), digest_size=4).digest(), "little") / 2**32
+            for c in completions]
+
+
+def _model_cfg(tiny: bool):
+    from rlcu.model.config import Qwen3Config
+
+    return Qwen3Config(**TINY, eos_token_id=1, bos_token_id=None) if tiny else qwen3_06b_config()
+
+
+def _word_tokenizer(V: int):
+    """Word i is "t{i}" (i >= 1); id 0 is <unk>. No special tokens: EOS is never produced as text."""
+    from rlcu.data.tokenizer import make_word_tokenizer
+
+    return make_word_tokenizer([f"t{i}" for i in range(1, V)])
+
+
+def _prompts(V: int, n: int, L: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, V, (n, L), generator=g).tolist()
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- rlcu
+def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tokens: int) -> dict:
+    from rlcu.config import _build
+    from rlcu.model.qwen3 import Qwen3
+    from rlcu.train.grpo import GRPOTrainer
+    from rlcu.train.rl_config import GRPOConfig
+
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = _model_cfg(tiny)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    model = Qwen3.from_config(cfg, device=dev, dtype=dtype, seed=0)
+    model.gradient_checkpointing = True
+    tok = _word_tokenizer(cfg.vocab_size)
+    P, G, Lp, Lc = proto["prompts"], proto["group"], proto["prompt_len"], proto["completion_len"]
+    total = warmup + steps
+    rows = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size, P * total, Lp)]
+    block = 16
+    kv_blocks = P * G * (-(-(Lp + Lc + 1) // block)) + 64  # the batch, nothing more (no prefix-sharing credit)
+    gcfg = _build(GRPOConfig, dict(
+        steps=total, prompts_per_step=P, group_size=G, max_new_tokens=Lc, temperature=1.0, stop_at_eos=False,
+        mu=1, micro_batch_tokens=micro_batch_tokens, optim=dict(lr=1e-6), data=dict(shuffle=False),
+        engine=dict(max_num_seqs=P * G, block_size=block, num_kv_blocks=kv_blocks,
+                    max_num_batched_tokens=max(8192, P * Lp)),
+        log=dict(out_dir=tempfile.mkdtemp(prefix="rlcu-bench-grpo-"), progress=False, tensorboard=False, plot=False),
+        checkpoint=dict(save_at_end=False)))
+    tr = GRPOTrainer(gcfg, rows, [hash_reward], model=model, tokenizer=tok)
+    times, phases = [], []
+    for s in range(total):
+        if s == warmup and cuda:
+            torch.cuda.reset_peak_memory_stats()
+        _sync()
+        t0 = time.perf_counter()
+        m = tr.train_step(s)
+        _sync()
+        dt = time.perf_counter() - t0
+        if s >= warmup:
+            times.append(dt)
+            phases.append({k[5:]: m[k] for k in ("time/generate", "time/logprobs", "time/train") if k in m})
+            lens = m.get("completion_len")
+    res = {"s_per_step": statistics.median(times), "steps": times,
+           "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+           "completion_len_mean": lens, "tokens_per_step": P * G * (Lp + Lc)}
+    if cuda:
+        res["peak_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        res["kv_pool_blocks"] = kv_blocks
+    del tr, model
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
+# ---------------------------------------------------------------- TRL
+def bench_trl(proto: dict, steps: int, warmup: int, tiny: bool) -> dict:
+    try:
+        import datasets
+        import trl
+        from transformers import PreTrainedTokenizerFast, TrainerCallback
+        from transformers import Qwen3Config as HFConfig
+        from transformers import Qwen3ForCausalLM
+    except ImportError as e:
+        return {"error": f"TRL side skipped: {e} (install trl, datasets, dill, multiprocess)"}
+    import dataclasses
+
+    cuda = torch.cuda.is_available()
+    cfg = _model_cfg(tiny)
+    skip = ("architectures", "model_type", "torch_dtype")
+    hcfg = HFConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in skip})
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(hcfg).to("cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+    wt = _word_tokenizer(cfg.vocab_size)
+    tok = PreTrainedTokenizerFast(tokenizer_object=wt.backend, unk_token="<unk>", pad_token="<unk>")
+    P, G, Lp, Lc = proto["prompts"], proto["group"], proto["prompt_len"], proto["completion_len"]
+    total = warmup + steps
+    texts = [" ".join(f"t{i}" for i in p) for p in _prompts(cfg.vocab_size, P * total, Lp)]
+    ds = datasets.Dataset.from_list([{"prompt": t} for t in texts])
+    want = dict(output_dir=tempfile.mkdtemp(prefix="trl-bench-grpo-"), per_device_train_batch_size=P * G,
+                gradient_accumulation_steps=1, num_generations=G, max_prompt_length=Lp, max_completion_length=Lc,
+                gradient_checkpointing=True, bf16=cuda, learning_rate=1e-6, beta=0.0, temperature=1.0,
+                num_iterations=1, steps_per_generation=1, max_steps=total, logging_steps=1, report_to=[],
+                save_strategy="no", shuffle_dataset=False, seed=0,
+                generation_kwargs={"min_new_tokens": Lc}, use_cpu=not cuda)
+    names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    dropped = sorted(k for k in want if k not in names)
+    args = trl.GRPOConfig(**{k: v for k, v in want.items() if k in names})
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            _sync()
+            self.t0 = time.perf_counter()
+            if state.global_step == warmup and cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, a, state, control, **kw):
+            _sync()
+            if state.global_step > warmup:
+                times.append(time.perf_counter() - self.t0)
+
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[hash_reward], args=args, train_dataset=ds,
+                              processing_class=tok, callbacks=[Timer()])
+    trainer.train()
+    res = {"s_per_step": statistics.median(times) if times else None, "steps": times, "trl": trl.__version__,
+           "config_fields_not_in_this_trl": dropped}
+    if cuda:
+        res["peak_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return res
+
+
+# ---------------------------------------------------------------- driver
+def run_side(side: str, a) -> dict:
+    proto = dict(PROTOCOLS[a.protocol])
+    if a.tiny:
+        proto.update(prompt_len=16, completion_len=16 if a.protocol == "A" else 64)
+    if side == "rlcu":
+        return bench_rlcu(proto, a.steps, a.warmup, a.tiny, a.micro_batch_tokens)
+    return bench_trl(proto, a.steps, a.warmup, a.tiny)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--protocols", default="A,B")
+    ap.add_argument("--sides", default="rlcu,trl")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--quick", action="store_true", help="protocol A, rlcu only, 1 warm-up + 2 timed steps")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke test)")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds per side and protocol")
+    ap.add_argument("--side", help=argparse.SUPPRESS)
+    ap.add_argument("--protocol", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.quick:
+        a.protocols, a.sides, a.steps, a.warmup = "A", "rlcu", 2, 1
+    if a.side:
+        print("RESULT " + json.dumps(run_side(a.side, a)))
+        return
+    t0 = time.time()
+    res = {"protocol": {k: v for k, v in PROTOCOLS.items() if k in a.protocols.split(",")},
+           "method": "Qwen3-0.6B shape, random bf16 weights, EOS ignored (exact lengths), gradient checkpointing, "
+                     "one optimizer step per batch, no KL; median s/step after warm-up; each side in its own process",
+           "tiny": a.tiny}
+    for p in a.protocols.split(","):
+        res[p] = {}
+        for side in a.sides.split(","):
+            cmd = [sys.executable, __file__, "--side", side, "--protocol", p, "--steps", str(a.steps),
+                   "--warmup", str(a.warmup), "--micro-batch-tokens", str(a.micro_batch_tokens)]
+            if a.tiny:
+                cmd.append("--tiny")
+            try:
+                pr = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
+                                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+                line = [x for x in pr.stdout.splitlines() if x.startswith("RESULT ")]
+                res[p][side] = json.loads(line[-1][7:]) if line else {"error": (pr.stderr or pr.stdout)[-800:]}
+            except subprocess.TimeoutExpired:
+                res[p][side] = {"error": f"timed out after {a.timeout} s"}
+        r, t = res[p].get("rlcu", {}), res[p].get("trl", {})
+        if r.get("s_per_step") and t.get("s_per_step"):
+            res[p]["speedup_vs_trl"] = t["s_per_step"] / r["s_per_step"]
+            if r.get("peak_GiB") and t.get("peak_GiB"):
+                res[p]["memory_ratio_vs_trl"] = r["peak_GiB"] / t["peak_GiB"]
+    res["wall_s"] = time.time() - t0
+    write_json("grpo_tiny.json" if a.tiny else "grpo.json", res)
+    print(f"\n{'GRPO step':<14} {'s/step':>8} {'gen':>7} {'lp':>6} {'train':>7} {'peak GiB':>9} {'vs TRL':>7}")
+    for p in a.protocols.split(","):
+        for side in a.sides.split(","):
+            r = res[p].get(side, {})
+            if r.get("s_per_step"):
+                ph = r.get("phases_s", {})
+                sp = f"{res[p]['speedup_vs_trl']:.1f}x" if side == "rlcu" and "speedup_vs_trl" in res[p] else ""
+                pk = f"{r['peak_GiB']:.1f}" if "peak_GiB" in r else "-"
+                print(f"{p + ' ' + side:<14} {r['s_per_step']:>8.2f} {ph.get('generate', 0):>7.2f} "
+                      f"{ph.get('logprobs', 0):>6.2f} {ph.get('train', 0):>7.2f} {pk:>9} {sp:>7}")
+            else:
+                print(f"{p + ' ' + side:<14} {str(r.get('error', 'no result'))[-300:]}")
+
+
+if __name__ == "__main__":
+    main()

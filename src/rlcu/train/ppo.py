@@ -1,0 +1,163 @@
+"""PPO with a critic: a value head on a Qwen3 trunk (rlcu.train.critic) with its own flat
+buffers and optimizer.
+
+One step: sample completions (the policy's weights, through the engine) -> scores from the
+reward functions, normalised by their running mean/std -> per-token rewards
+    r_t = -beta (old_lp_t - ref_lp_t)  (+ the score on the last token)
+-> the critic's values V_t of the states the tokens were chosen in -> GAE(gamma, lambda)
+advantages and returns (advantages whitened over the batch) -> mu epochs, each one policy
+update (the fused clipped loss, entropy bonus; no KL term: it is in the reward) and one
+critic update (the fused clipped value loss) over the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from rlcu.ops.rl_loss import VALUE_STATS, value_loss
+from rlcu.train import losses
+from rlcu.train import rollout as ro
+from rlcu.train.critic import Critic
+from rlcu.train.grpo import RLTrainer, _mean_update_metrics
+from rlcu.train.rl_config import PPOConfig
+
+
+class PPOTrainer(RLTrainer):
+    """PPOTrainer(config, dataset, reward_fns).train()."""
+
+    config_cls = PPOConfig
+    kind = "ppo"
+
+    def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
+                 critic: Critic | None = None):
+        from rlcu.train.optimizer import FlatAdamW
+
+        super().__init__(config, dataset, reward_fns, model=model, tokenizer=tokenizer, eval_dataset=eval_dataset)
+        cc = self.cfg.critic
+        if critic is None:
+            if cc.path is not None:
+                critic = Critic.from_pretrained(cc.path, device=self.device, dtype=self.model.dtype,
+                                                head_init_std=cc.head_init_std, seed=self.cfg.seed)
+            else:
+                critic = Critic.from_trunk(self.model, cc.head_init_std, seed=self.cfg.seed)
+        critic.gradient_checkpointing = self.model.gradient_checkpointing
+        self.critic = critic
+        self.critic.zero_grad()
+        self.critic_opt = FlatAdamW(self.critic, cc.optim)
+        self.score_stats = losses.RunningMoments()
+
+    def _checkpoint_extra(self) -> dict:
+        return {**super()._checkpoint_extra(), "critic": self.critic, "critic_optim": self.critic_opt,
+                "score_stats": self.score_stats}
+
+    # ---------------------------------------------------------------- the step
+    def _values(self, batch: ro.RolloutBatch) -> torch.Tensor:
+        out = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
+        for a, b in batch.micro_batches(self.cfg.micro_batch_tokens):
+            mb = batch.view(a, b)
+            t0 = int(batch.cu_seqlens[a])
+            out[t0 : t0 + mb.num_tokens] = self.critic.forward(mb.tokens, mb.cu_seqlens, grad=False)
+        return out
+
+    def advantages(self, batch: ro.RolloutBatch, scores: torch.Tensor) -> dict:
+        """Per-token rewards (KL penalty + the score at the last token), GAE advantages and
+        returns into batch.fields; returns metrics. scores: [S] (masked samples: any value)."""
+        c = self.cfg
+        idx = batch.completion_index()  # [C] completion token positions, sequence by sequence
+        r = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
+        kl_tok = torch.zeros_like(r)
+        if self.ref is not None:
+            kl_tok = (batch.old_lp - batch.fields["ref_lp"]) * (batch.mask > 0)
+            r -= c.kl_coef * kl_tok
+        last = batch.cu_seqlens[1:].long() - 1
+        r.index_add_(0, last, torch.nan_to_num(scores.to(r.device).float()))
+        r = r * batch.mask
+        adv_c, ret_c = losses.gae(r[idx], batch.fields["values"][idx], batch.completion_lens, c.gamma, c.lam)
+        adv = torch.zeros_like(r).index_copy_(0, idx, adv_c)
+        ret = torch.zeros_like(r).index_copy_(0, idx, ret_c)
+        if c.whiten_advantages:
+            adv = losses.whiten(adv, batch.mask) * batch.mask
+        batch.fields["adv"] = adv * batch.mask
+        batch.fields["returns"] = ret
+        live = batch.mask > 0
+        n = max(int(live.sum()), 1)
+        v = batch.fields["values"][live]
+        rt = ret[live]
+        ev = 1 - float((rt - v).var() / rt.var().clamp_min(1e-8)) if n > 1 else math.nan
+        return {"kl_penalty": float(kl_tok[live].sum()) / max(batch.num_masked_in_seqs(), 1),
+                "values": float(v.mean()) if n else 0.0, "returns": float(rt.mean()) if n else 0.0,
+                "explained_var": ev}
+
+    def _critic_update(self, batch: ro.RolloutBatch, update: int, total: int) -> dict:
+        c = self.cfg
+        n_tok = float(batch.mask.sum())
+        n_seq = batch.num_masked_in_seqs()
+        clip = c.critic.value_clip if c.critic.value_clip > 0 else math.inf
+        self.critic.zero_grad()
+        stats = torch.zeros(len(VALUE_STATS), dtype=torch.float64)
+        for a, b in batch.micro_batches(c.micro_batch_tokens):
+            mb = batch.view(a, b)
+            w = losses.token_weights(mb.cu_seqlens, mb.mask, c.loss_agg, n_seqs=n_seq, n_tokens=n_tok)
+            v = self.critic.forward(mb.tokens, mb.cu_seqlens)
+            _, dv, st = value_loss(v, mb.fields["values"], mb.fields["returns"], w, clip=clip)
+            self.critic.backward(dv)
+            stats += st.double().cpu()
+        info = self.critic_opt.step(self._lr(update, total, c.critic.optim), loss=float(stats[0]))
+        s = dict(zip(VALUE_STATS, stats.tolist()))
+        wsum = s["weight"] or 1.0
+        return {"vf_loss": s["loss"], "vf_clip_frac": s["clip_frac"] / wsum, "vf_grad_norm": info["grad_norm"],
+                "vf_lr": info["lr"], "vf_skipped": info["skipped"]}
+
+    def train_step(self, step: int) -> dict:
+        c = self.cfg
+        t0 = time.perf_counter()
+
+        def collect():
+            ss = self.rollout(self.sampler.next(c.prompts_per_step), c.group_size, seed=self._step_seed(step))
+            return ss, self.score(ss)
+
+        samples, m = self._engine_phase(collect)
+        t1 = time.perf_counter()
+        m.update(self._length_metrics(samples))
+        scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        if c.overlong == "penalty":
+            L = torch.tensor([len(s.completion_ids) for s in samples])
+            scores = scores + losses.overlong_penalty(L, c.max_new_tokens, c.overlong_buffer)
+        keep = ~torch.isnan(scores)
+        if c.overlong == "mask":
+            keep &= torch.tensor([not s.truncated for s in samples], dtype=torch.bool)
+        ok = ~torch.isnan(scores)
+        m.update({"reward": float(scores[ok].mean()) if ok.any() else math.nan,
+                  "reward_std": float(scores[ok].std()) if ok.sum() > 1 else 0.0,
+                  "masked_frac": float((~keep).float().mean())})
+        if c.reward_norm:
+            self.score_stats.update(scores[keep])
+            scores = self.score_stats.normalise(scores)
+        batch = ro.pack(samples, keep, device=self.device)
+        if self.ref is not None:
+            batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
+        batch.fields["values"] = self._values(batch)
+        m.update(self.advantages(batch, scores))
+        t2 = time.perf_counter()
+        upd = []
+        if float(batch.mask.sum()) == 0:
+            self._warn(f"step {step + 1}: every sample is masked; no update")
+            m["skipped"] = 1
+        else:
+            train_policy = step >= c.critic.warmup_steps
+            for u in range(c.mu):
+                d = {}
+                if train_policy:
+                    d.update(self._policy_update(batch, step * c.mu + u, c.steps * c.mu, c.loss_agg, 0.0))
+                d.update(self._critic_update(batch, step * c.mu + u, c.steps * c.mu))
+                upd.append(d)
+            m.update(_mean_update_metrics(upd))
+        t3 = time.perf_counter()
+        gen_tokens = sum(len(s.completion_ids) for s in samples)
+        m.update({"time/generate": t1 - t0, "time/logprobs": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0,
+                  "time/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9)})
+        return m
+

@@ -1,0 +1,110 @@
+"""RL run configuration: GRPO and PPO (with its critic), built from the shared sections of
+rlcu.config (model, data, optim, checkpoint, log, engine). Every field is documented; the
+YAML keys are the field names and `--set a.b=c` reaches any of them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlcu.config import (CheckpointConfig, ConfigError, DataConfig, EngineConfig, LogConfig, ModelConfig,
+                         OptimConfig, Section, opt)
+
+_REWARD_KEYS = ("name", "fn", "weight", "kwargs")
+
+
+@dataclasses.dataclass
+class RLConfig(Section):
+    """What GRPO and PPO share: the sections, the rollout and the policy loss."""
+
+    model: ModelConfig = opt(ModelConfig, "the policy (and, for KL, its frozen reference copy)")
+    data: DataConfig = opt(DataConfig, "the prompts (fields other than the prompt reach the reward functions)")
+    optim: OptimConfig = opt(OptimConfig, "the policy's optimizer and learning-rate schedule")
+    checkpoint: CheckpointConfig = opt(CheckpointConfig, "checkpoints and resume")
+    log: LogConfig = opt(LogConfig, "logging")
+    engine: EngineConfig = opt(EngineConfig, "the rollout engine (shares the policy's weights)")
+    rewards: list[dict] = opt([{"name": "math", "weight": 1.0}],
+                              "reward functions, summed with weights: each {name: math|format} or "
+                              "{fn: 'module.path:function'}, plus optional weight (1.0) and kwargs ({})")
+    steps: int = opt(100, "training steps (one rollout batch each)", ge=1)
+    prompts_per_step: int = opt(8, "prompts per rollout batch", ge=1)
+    group_size: int = opt(8, "completions sampled per prompt (GRPO's G)", ge=1)
+    max_new_tokens: int = opt(256, "most tokens generated per completion", ge=1)
+    temperature: float = opt(1.0, "sampling temperature of the rollouts (the loss uses the same "
+                                  "temperature-scaled distribution)", gt=0)
+    top_p: float = opt(1.0, "nucleus sampling of the rollouts", gt=0, le=1)
+    top_k: int = opt(-1, "top-k sampling of the rollouts (<= 0: off)")
+    stop_at_eos: bool = opt(True, "end a completion at the tokenizer's / model's EOS")
+    mu: int = opt(1, "optimizer updates per rollout batch, each over the whole batch, with the sampling "
+                     "logprobs as the old logprobs", ge=1)
+    clip_low: float = opt(0.2, "ratio clip below: 1 - clip_low", ge=0, lt=1)
+    clip_high: float = opt(0.2, "ratio clip above: 1 + clip_high (DAPO's clip-higher: e.g. 0.28)", ge=0)
+    entropy_coef: float = opt(0.0, "entropy bonus: loss -= entropy_coef * entropy", ge=0)
+    loss_agg: str = opt("token", "loss aggregation: token (DAPO: mean over all completion tokens of the "
+                                 "batch) or seq_mean (GRPO: mean per sequence, then over sequences)",
+                        choices=("token", "seq_mean"))
+    overlong: str = opt("none", "completions cut at max_new_tokens: none, mask (no loss), or penalty "
+                                "(DAPO's soft penalty over the last overlong_buffer tokens, added to the reward)",
+                        choices=("none", "mask", "penalty"))
+    overlong_buffer: int = opt(0, "penalty: the last tokens before max_new_tokens over which the penalty "
+                                  "falls from 0 to -1 (0: -1 at max_new_tokens only)", ge=0)
+    micro_batch_tokens: int = opt(16384, "tokens per forward/backward micro-batch (a longer sequence gets "
+                                         "one of its own)", ge=1)
+    chat_template: bool = opt(True, "render chat-message prompts with the tokenizer's chat template "
+                                    "(string prompts are used as they are)")
+    seed: int = opt(0, "seed of sampling (per step, so a resumed run samples the same)", ge=0)
+    eval_every: int = opt(0, "evaluate the held-out prompts (greedy) every N steps and after the last (0: only "
+                             "after the last; none without held-out prompts)", ge=0)
+    eval_max_prompts: int = opt(256, "held-out prompts used per evaluation", ge=1)
+
+    def check(self):
+        for i, spec in enumerate(self.rewards):
+            if not isinstance(spec, dict):
+                raise ConfigError(f"rewards[{i}]", f"must be a mapping like {{name: math}}, got {spec!r}")
+            bad = [k for k in spec if k not in _REWARD_KEYS]
+            if bad:
+                raise ConfigError(f"rewards[{i}].{bad[0]}",
+                                  f"is not a reward option (allowed: {', '.join(_REWARD_KEYS)})")
+            if ("name" in spec) == ("fn" in spec):
+                raise ConfigError(f"rewards[{i}]", "needs exactly one of name (a built-in: math, format) or "
+                                                   "fn ('module.path:function')")
+        if self.overlong == "penalty" and self.overlong_buffer > self.max_new_tokens:
+            raise ConfigError("overlong_buffer", f"must be <= max_new_tokens ({self.max_new_tokens}), "
+                                                 f"got {self.overlong_buffer}")
+
+
+@dataclasses.dataclass
+class GRPOConfig(RLConfig):
+    scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (off: Dr. GRPO)")
+    kl_coef: float = opt(0.0, "weight of the k3 KL to the frozen reference model in the loss (0: no "
+                              "reference model is kept)", ge=0)
+    dynamic_sampling: bool = opt(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal "
+                                        "and sample more prompts to refill the batch")
+    dynamic_sampling_max_rounds: int = opt(3, "dynamic sampling: most extra rollout rounds per step", ge=0)
+
+    def check(self):
+        super().check()
+        if self.group_size < 2:
+            raise ConfigError("group_size", f"must be >= 2 for GRPO (advantages are relative to the group), "
+                                            f"got {self.group_size}")
+
+
+@dataclasses.dataclass
+class CriticConfig(Section):
+    path: str | None = opt(None, "HF folder of the critic's trunk; null: a copy of the policy's initial weights")
+    optim: OptimConfig = opt(OptimConfig, "the critic's optimizer and learning-rate schedule")
+    value_clip: float = opt(0.2, "clip the new value to v_old +- value_clip in the value loss (0: no clipping)",
+                            ge=0)
+    head_init_std: float = opt(0.0, "std of the value head's initial weights (0: zeros, so V starts at 0)", ge=0)
+    warmup_steps: int = opt(0, "steps at the start that train only the critic (the policy is frozen)", ge=0)
+
+
+@dataclasses.dataclass
+class PPOConfig(RLConfig):
+    group_size: int = opt(1, "completions sampled per prompt", ge=1)
+    critic: CriticConfig = opt(CriticConfig, "the value model: a value head on a Qwen3 trunk")
+    gamma: float = opt(1.0, "discount of GAE", ge=0, le=1)
+    lam: float = opt(0.95, "lambda of GAE", ge=0, le=1)
+    kl_coef: float = opt(0.05, "per-token KL penalty in the reward: r_t -= kl_coef (old_lp - ref_lp) "
+                               "(0: no reference model is kept)", ge=0)
+    reward_norm: bool = opt(True, "normalise the scores by their running mean and std")
+    whiten_advantages: bool = opt(True, "whiten the advantages over the batch")
