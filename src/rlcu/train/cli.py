@@ -30,6 +30,10 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="DIR|auto",
                    help="continue from a checkpoint folder, or 'auto': the newest under checkpoint.dir")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    if cmd == "grpo":
+        p.add_argument("--scheduler", default=None, metavar="ADDR",
+                       help="run under an `rlcu sched serve` scheduler (unix:PATH, 127.0.0.1:PORT or ray:NAME)")
+        p.add_argument("--job-name", default=None, help="the job's name at the scheduler (default: derived)")
     p.add_argument("-h", "--help", action="store_true", help="show this help, with every option and its default")
     return p
 
@@ -70,6 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        return 0
+    if getattr(args, "scheduler", None):
+        from rlcu.sched.client import JobEnded, SchedError
+        from rlcu.sched.job import run_grpo
+
+        try:
+            run_grpo(cfg, args.scheduler, args.job_name)
+        except JobEnded as e:
+            print(f"rlcu {cmd}: the scheduler ended the job: {e}", file=sys.stderr)
+            return 3
+        except SchedError as e:
+            print(f"rlcu {cmd}: scheduler error: {e}", file=sys.stderr)
+            return 2
         return 0
     import importlib
 
