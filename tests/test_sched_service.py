@@ -265,3 +265,11 @@ def test_cli_submit_launches_a_command_job(service, tmp_path, capsys):
 def test_no_service_is_a_clear_error(tmp_path, capsys):
     assert main(["sched", "status", "--addr", f"unix:{tmp_path / 'none.sock'}", "--token", "x"]) == 1
     assert "no scheduler at" in capsys.readouterr().err
+
+
+def test_grpo_cli_reports_missing_scheduler(tmp_path, capsys):
+    from rlcu.train.cli import main
+
+    rc = main(["grpo", "--set", "steps=1", "--scheduler", f"unix:{tmp_path}/none.sock"])
+    assert rc == 2
+    assert "no scheduler at unix:" in capsys.readouterr().err
