@@ -178,7 +178,10 @@ def main(argv=None) -> int:
     # warm-up: compile the kernels, capture the decode graphs (outside the timings)
     t = time.perf_counter()
     rng = np.random.default_rng(0)
-    warm = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(lo, hi + 1, 8)]
+    # enough prompts that prefill runs full token-budget steps and mixed prefill+decode steps,
+    # so every kernel variant the timed runs use is compiled here
+    n_warm = 8 if args.quick else 64
+    warm = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(lo, hi + 1, n_warm)]
     llm.generate([{"prompt_token_ids": w} for w in warm], SamplingParams(temperature=0.6, max_tokens=8,
                                                                          ignore_eos=True), use_tqdm=False)
     graphs = llm.capture_graphs(2 * hi + 16)

@@ -30,25 +30,35 @@ def _tokens(outs):
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
+def _assert_greedy_within_bf16(hf32, prompt, tokens, n=FEW):
+    """Each greedy token is the fp32 reference's argmax up to bf16 noise: a random model's
+    logits are nearly flat, so bf16 may break near-ties differently; a wrong token from a
+    broken kernel lands far below the max."""
+    ids = torch.tensor([prompt + tokens[:n]], device="cuda")
+    with torch.no_grad():
+        logits = hf32(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n].float()
+    for i, t in enumerate(tokens[:n]):
+        row = logits[i]
+        gap = float(row.max() - row[t])
+        assert gap <= 0.02 * float(row.max() - row.min()), (i, t, int(row.argmax()), gap)
+
+
 def test_greedy_bf16_matches_hf_and_twins(folder, monkeypatch):
     from transformers import Qwen3ForCausalLM
 
-    hf = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    hf32 = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     llm = LLM(folder, device="cuda", dtype="bfloat16", num_kv_blocks=KV, max_num_batched_tokens=32)
     assert llm.model.dtype == torch.bfloat16
     outs = llm.generate(toks(PROMPTS), dataclasses.replace(GREEDY, n=2), use_tqdm=False)
     for p, o in zip(PROMPTS, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=FEW, do_sample=False,
-                              pad_token_id=0)[0, len(p):].tolist()
-        for c in o.outputs:
-            assert c.token_ids[:FEW] == ref
+        assert o.outputs[0].token_ids == o.outputs[1].token_ids  # greedy forks agree
+        _assert_greedy_within_bf16(hf32, p, o.outputs[0].token_ids)
     # the same engine on the reference twins (RLCU_BACKEND=torch), same device and dtype
     monkeypatch.setenv("RLCU_BACKEND", "torch")
     twin = LLM(llm.model, num_kv_blocks=KV, enforce_eager=True).generate(
         toks(PROMPTS), GREEDY, use_tqdm=False)
-    for a, b in zip(outs, twin):
-        assert a.outputs[0].token_ids[:FEW] == b.outputs[0].token_ids[:FEW]
+    for p, b in zip(PROMPTS, twin):
+        _assert_greedy_within_bf16(hf32, p, b.outputs[0].token_ids)
 
 
 def test_fp32_cuda_matches_hf_exactly(folder):

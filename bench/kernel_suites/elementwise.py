@@ -5,6 +5,8 @@ run by torch eager and by torch.compile, and against the copy bandwidth measured
 GB/s counts the minimal traffic: every input read once, every output written once (the
 embedding touches only the rows of the distinct ids: read them in the forward, read and write
 them in fp32 in the backward). Times are medians of `triton.testing.do_bench` after warm-up.
+The embedding backward is timed twice: the default (TMA bulk reductions on Hopper) and the
+per-thread fp32 atomics it replaces ("atomics"), so one run says which one to keep.
 
     python bench/kernels.py --only elementwise
     python bench/kernel_suites/elementwise.py          # this suite alone, a table
@@ -87,8 +89,19 @@ def _cases():
     shape = f"{N}x{HIDDEN} of {VOCAB}"
     cases.append((f"embedding_fwd[{shape}]", embedding.embedding_fwd_triton, embedding.embedding_fwd_ref,
                   (ids, W), N * 8 + U * HIDDEN * e + N * HIDDEN * e))
+    nbytes = N * HIDDEN * e + N * 8 + 2 * U * HIDDEN * 4
     cases.append((f"embedding_bwd[{shape}]", embedding.embedding_bwd_triton, embedding.embedding_bwd_ref,
-                  (dx, ids, dW), N * HIDDEN * e + N * 8 + 2 * U * HIDDEN * 4))
+                  (dx, ids, dW), nbytes))
+
+    def bwd_atomics(*args):  # the per-thread atomic kernel (what Hopper's TMA path replaces)
+        embedding.CONFIGS["bwd_tma"] = False
+        try:
+            embedding.embedding_bwd_triton(*args)
+        finally:
+            embedding.CONFIGS["bwd_tma"] = True
+
+    cases.append((f"embedding_bwd[{shape}] atomics", bwd_atomics, embedding.embedding_bwd_ref,
+                  (dx, ids, dW), nbytes))
     return cases
 
 

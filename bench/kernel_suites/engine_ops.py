@@ -7,13 +7,16 @@
   after a cached 2048-token prefix; TFLOP/s with causal FLOPs (each query position p attends
   to p + 1 keys: 4 * Hq * D * sum(p + 1)) against the bf16 matmul ceiling; peer: SDPA flash
   on the fresh 4k sequence (contiguous K/V).
-- the sampler on [256, 151936] logits (bf16 and fp32): temperature only (one pass), and with
-  top-k 50 + top-p 0.9 on every row (the threshold search); GB/s of one read of the logits;
-  peer: the usual torch eager sampler (softmax, exponential noise, argmax of p / E).
+- the sampler on [256, 151936] logits (bf16 and fp32): temperature only (one pass), with
+  top-k 50 + top-p 0.9 on every row (the threshold search, sparse: ~50 tiles a row), and with
+  top-p 0.95 alone on flat logits (the search reads whole rows); GB/s of one read of the
+  logits; peer: the usual torch eager sampler (softmax, exponential noise, argmax of p / E);
+  and how many of the 256 tokens differ from the twin's (0 or 1: near-ties of the noise).
 
     python bench/kernels.py --only engine_ops
     python bench/kernel_suites/engine_ops.py            # this suite alone
     python bench/kernel_suites/engine_ops.py --sweep    # tiles / warps / stages per kernel
+    python bench/kernel_suites/engine_ops.py --static   # no GPU: registers, spills, shared
 """
 
 from __future__ import annotations
@@ -132,29 +135,41 @@ def _torch_sampler(logits, T):
     return (p / torch.empty_like(p).exponential_()).argmax(-1)
 
 
-def _sample_inputs(B: int, dtype, filtered: bool):
+_SAMPLERS = {  # name: (temperature, top_k, top_p, logits scale)
+    "temperature": (0.7, 0, 1.0, 3.0),
+    "top-k 50 + top-p 0.9": (0.7, 50, 0.9, 3.0),
+    # a flat distribution (randn / 1): the top-p search reads every tile of every row
+    "top-p 0.95 flat": (1.0, 0, 0.95, 1.0),
+}
+
+
+def _sample_inputs(B: int, dtype, what: str):
+    T, k, p, scale = _SAMPLERS[what]
     torch.manual_seed(0)
-    logits = (torch.randn(B, VOCAB, device="cuda") * 3).to(dtype)
-    params = (torch.full((B,), 0.7, device="cuda"),
-              torch.full((B,), 50 if filtered else 0, device="cuda", dtype=torch.int32),
-              torch.full((B,), 0.9 if filtered else 1.0, device="cuda"),
+    logits = (torch.randn(B, VOCAB, device="cuda") * scale).to(dtype)
+    params = (torch.full((B,), T, device="cuda"),
+              torch.full((B,), k, device="cuda", dtype=torch.int32),
+              torch.full((B,), p, device="cuda"),
               torch.zeros(B, device="cuda"), torch.arange(B, device="cuda", dtype=torch.int64),
               torch.zeros(B, device="cuda", dtype=torch.int64))
     return logits, params
 
 
-def _sample_row(dtype, filtered: bool, ceil: dict) -> dict:
-    from rlcu.ops.sampling import sample
+def _sample_row(dtype, what: str, ceil: dict) -> dict:
+    from rlcu.ops.sampling import sample, sample_ref
 
     B = 256
-    logits, params = _sample_inputs(B, dtype, filtered)
+    logits, params = _sample_inputs(B, dtype, what)
     ms = _time(lambda: sample(logits, *params))
-    ms_peer = None if filtered else _time(lambda: _torch_sampler(logits, params[0]))
+    plain = what == "temperature"
+    ms_peer = _time(lambda: _torch_sampler(logits, params[0])) if plain else None
+    # the twin draws the same tokens (the GPU's approximate outer log of the noise aside)
+    mismatches = int((sample(logits, *params)[0] != sample_ref(logits, *params)[0]).sum())
     gbps = logits.numel() * logits.element_size() / ms * 1e-6  # one read of the logits
-    what = "top-k 50 + top-p 0.9" if filtered else "temperature"
     return dict(name=f"sample [{B}, {VOCAB}] {str(dtype)[6:]} {what}", ms=ms, ms_peer=ms_peer,
                 GBps=gbps, frac=gbps / ceil["copy_GBps"] if ceil.get("copy_GBps") else None,
-                peer="torch eager softmax + exponential race" if not filtered else None)
+                peer="torch eager softmax + exponential race" if plain else None,
+                tokens_differing_from_twin=mismatches)
 
 
 def run(ceil: dict) -> list[dict]:
@@ -162,8 +177,8 @@ def run(ceil: dict) -> list[dict]:
     torch.cuda.empty_cache()
     rows += [_prefill_row(q_len, L, ceil) for q_len, L in ((4096, 4096), (2048, 4096))]
     torch.cuda.empty_cache()
-    for dtype, filtered in itertools.product((torch.bfloat16, torch.float32), (False, True)):
-        rows.append(_sample_row(dtype, filtered, ceil))
+    for dtype, what in itertools.product((torch.bfloat16, torch.float32), _SAMPLERS):
+        rows.append(_sample_row(dtype, what, ceil))
     return rows
 
 
@@ -175,25 +190,34 @@ _SPACE = {
                 for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))],
     "pass1": [dict(BV=bv, CHUNK=8192, num_warps=w)
               for bv, w in itertools.product((256, 512, 1024, 2048), (2, 4, 8))],
-    "finish": [dict(BV=bv, num_warps=w) for bv, w in itertools.product((128, 256, 512), (4, 8))],
+    "search": [dict(BT=bt, CHUNK=ch, num_warps=w)
+               for bt, ch, w in itertools.product((128, 256, 512), (16384, 32768, 65536), (4, 8))],
+    "launches": [4, 6, 8, 10, 12],  # _LAUNCHES
 }
 
 
 def _sweep_one(mod, kind, label, fn) -> list[dict]:
-    default = dict(mod.CONFIGS[kind])
+    launches = kind == "launches"  # a module constant rather than a CONFIGS entry
+    default = mod._LAUNCHES if launches else dict(mod.CONFIGS[kind])
     results = []
     for cfg in _SPACE[kind]:
-        mod.CONFIGS[kind] = cfg
+        if launches:
+            mod._LAUNCHES = cfg
+        else:
+            mod.CONFIGS[kind] = cfg
         try:
             ms = _time(fn)
         except Exception as e:  # noqa: BLE001 - out of resources: not a candidate
             print(f"  {kind} {cfg}: {type(e).__name__}", file=sys.stderr)
             continue
         results.append(dict(kind=kind, case=label, config=cfg, ms=ms, default=cfg == default))
-    mod.CONFIGS[kind] = default
+    if launches:
+        mod._LAUNCHES = default
+    else:
+        mod.CONFIGS[kind] = default
     results.sort(key=lambda r: r["ms"])
     for r in results[:5]:
-        print(f"{kind:<8} {label:<14} {str(r['config']):<60} {r['ms']:8.4f} ms"
+        print(f"{kind:<8} {label:<22} {str(r['config']):<60} {r['ms']:8.4f} ms"
               f"{'  (default)' if r['default'] else ''}")
     return results
 
@@ -213,22 +237,103 @@ def sweep(kinds) -> list[dict]:
         args = _paged([4096], [4096])
         out += _sweep_one(pa, "prefill", "q=4096",
                           lambda: pa.paged_attention(*args, 4096, 4096, D**-0.5))
-    for kind in ("pass1", "finish"):
+    for kind, whats in (("pass1", ("temperature",)), ("search", ("top-k 50 + top-p 0.9", "top-p 0.95 flat")),
+                        ("launches", ("temperature", "top-k 50 + top-p 0.9", "top-p 0.95 flat"))):
         if kind in kinds:
-            logits, params = _sample_inputs(256, torch.bfloat16, filtered=kind == "finish")
-            out += _sweep_one(sm, kind, "B=256", lambda x=logits, p=params: sm.sample(x, *p))
+            for what in whats:
+                logits, params = _sample_inputs(256, torch.bfloat16, what)
+                out += _sweep_one(sm, kind, what, lambda x=logits, p=params: sm.sample(x, *p))
     return out
+
+
+# ------------------------------------------------------------------- static (no GPU needed)
+def static_compile(fn, types: dict, consts: dict, num_warps: int, num_stages: int = 3,
+                   arch: int = 90) -> dict:
+    """Compile `fn` for sm_<arch> without a GPU and read the cubin's registers, spill stack and
+    shared memory. `types` maps argument names to Triton types ("*bf16", "fp32", ...; the rest
+    are i32); pointers and strides are taken as 16-byte aligned, as the runtime specialises
+    them for real tensors."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        sig[n] = "constexpr" if n in consts else types.get(n, "i32")
+        if sig[n].startswith("*") or n.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
+    regs = int(m.group(1))
+    fit = min(65536 // (regs * 32 * num_warps), 64 // num_warps, 32,
+              232448 // max(k.metadata.shared + 1024, 1))  # programs an SM (H100/H200)
+    return dict(kernel=fn.__name__, regs=regs, spill_stack=int(m.group(2)),
+                shared=k.metadata.shared, programs_per_sm=fit)
+
+
+def static(dtype: str = "bf16") -> list[dict]:
+    """The engine kernels at their default configs on Qwen3-0.6B shapes."""
+    import triton
+
+    import rlcu.ops.paged_attention as pa
+    import rlcu.ops.sampling as sm
+
+    c = pa.CONFIGS["decode"]
+    ptr = {n: "*i32" for n in ("BLOCK_TABLES", "CU_Q", "SEQ_LENS")}
+    ptr.update(Q=f"*{dtype}", KC=f"*{dtype}", VC=f"*{dtype}", O=f"*{dtype}", O_PART="*fp32",
+               LSE_PART="*fp32", scale_log2="fp32")
+    rows = [static_compile(pa._decode_kernel, ptr, dict(G=Hq // Hk, BG=16, D=D, BD=D, BS=BS,
+                                                        BN=c["BN"], NSPLIT=1),
+                           c["num_warps"], c["num_stages"])]
+    c1, cs, cr = sm.CONFIGS["pass1"], sm.CONFIGS["search"], sm.CONFIGS["row"]
+    TPS = cs["CHUNK"] // cs["BT"]
+    BS_ = triton.next_power_of_2(triton.cdiv(VOCAB, cs["CHUNK"]))
+    NT = triton.cdiv(VOCAB, c1["CHUNK"]) * (c1["CHUNK"] // cs["BT"])
+    ptr = dict(LOGITS=f"*{dtype}", TEMP="*fp32", TOP_K="*i32", TOP_P="*fp32", MIN_P="*fp32",
+               SEEDS="*i64", OFFSETS="*i64", PF="*fp32", PI="*i32", TMAX="*i32", RF="*fp32",
+               RI="*i32", ST="*i64", STF="*fp32", TOKENS="*i64", LOGPROBS="*fp32", PM="*fp32",
+               PK="*i32", RB="*fp32", RW="*i32")
+    search = dict(BT=cs["BT"], TPC=TPS, BC=BS_, NP=sm._NP, NF=sm._NF)
+    rows += [
+        static_compile(sm._pass1_kernel, ptr, dict(BV=c1["BV"], CHUNK=c1["CHUNK"], BT=cs["BT"],
+                                                   FAST=True), c1["num_warps"]),
+        static_compile(sm._prepare_kernel, ptr, dict(BC=triton.next_power_of_2(
+            triton.cdiv(VOCAB, c1["CHUNK"])), BNT=triton.next_power_of_2(NT), NF=sm._NF),
+            cr["num_warps"]),
+        static_compile(sm._search_kernel, ptr, search, cs["num_warps"]),
+        static_compile(sm._race_kernel, ptr, dict(search, FAST=True), cs["num_warps"]),
+        static_compile(sm._finish_kernel, ptr, dict(search, PASSES=sm._PASSES, FAST=True),
+                       cs["num_warps"]),
+    ]
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="time the config candidates")
-    ap.add_argument("--kinds", default="decode,prefill,pass1,finish")
+    ap.add_argument("--static", action="store_true", help="compile for sm_90 (no GPU): registers")
+    ap.add_argument("--dtype", default="bf16", help="--static: bf16 or fp32")
+    ap.add_argument("--kinds", default="decode,prefill,pass1,search,launches")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from bench.common import measure_ceilings, write_json
 
-    if args.sweep:
+    if args.static:
+        for r in static(args.dtype):
+            print(r)
+    elif args.sweep:
         write_json("engine_ops_sweep.json", {"results": sweep(args.kinds.split(","))})
     else:
         ceil = measure_ceilings()
