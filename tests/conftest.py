@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
                 _patch_tensor(tensor, scope)
                 scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
+            _patch_lang_tensor._scalar_index = True
             _interp._patch_lang_tensor = _patch_lang_tensor
     except ImportError:
         pass

@@ -1,37 +1,17 @@
 """Varlen causal GQA attention: Triton kernels vs the twin, and the twin vs autograd of a
 naive attention. CPU runs the kernels through TRITON_INTERPRET=1 at small odd shapes."""
 
-import importlib
 import os
 
+import pytest
 import torch
+from hf_util import rel_err
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
+import rlcu.ops.attention as attn
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import triton.runtime.interpreter as _interp  # noqa: E402
-from hf_util import rel_err  # noqa: E402
-
-import rlcu.ops.attention as attn  # noqa: E402
-
+# conftest.py sets TRITON_INTERPRET=1 without a GPU (before triton is imported) and patches
+# the interpreter for numpy >= 2.4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET and not isinstance(attn._attn_fwd_kernel, _interp.InterpretedFunction):
-    importlib.reload(attn)  # imported before TRITON_INTERPRET was set: decorate again
-
-try:  # numpy >= 2.4 refuses int() of the interpreter's 1-element scalars (runtime loop bounds)
-    int(np.array([1]))
-except TypeError:
-    if not getattr(_interp._patch_lang_tensor, "_scalar_index", False):
-        _patch_tensor = _interp._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor, scope):
-            _patch_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-        _patch_lang_tensor._scalar_index = True
-        _interp._patch_lang_tensor = _patch_lang_tensor
 
 attention_fwd, attention_bwd = attn.attention_fwd, attn.attention_bwd
 attention_fwd_ref, attention_bwd_ref = attn.attention_fwd_ref, attn.attention_bwd_ref

@@ -3,41 +3,18 @@ attention, sampler) equals the engine on the twins: on the CPU through TRITON_IN
 on a GPU natively. Catches what the kernels' own tests cannot: the engine's packed views,
 strided V, int32 buffers at odd offsets, chunked prefill mixed with decode, fork + COW."""
 
-import importlib
 import os
 
+import pytest
 import torch
+from hf_util import make_hf_model
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
+from rlcu import Qwen3
+from rlcu.engine import LLM, SamplingParams
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import triton.runtime.interpreter as _interp  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from hf_util import make_hf_model  # noqa: E402
-from rlcu import Qwen3  # noqa: E402
-from rlcu.engine import LLM, SamplingParams  # noqa: E402
-
+# conftest.py sets TRITON_INTERPRET=1 without a GPU (before triton is imported) and patches
+# the interpreter for numpy >= 2.4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET:  # kernels decorated before TRITON_INTERPRET was set (another test imported them): again
-    for name in ("embedding", "rmsnorm", "rope", "swiglu", "kv_cache", "paged_attention", "sampling"):
-        mod = importlib.import_module(f"rlcu.ops.{name}")
-        if any(type(v) is JITFunction for v in vars(mod).values()):
-            importlib.reload(mod)
-    try:  # numpy >= 2.4 refuses int() of the interpreter's 1-element scalars (runtime loop bounds)
-        int(np.array([1]))
-    except TypeError:
-        if not getattr(_interp._patch_lang_tensor, "_scalar_index", False):
-            _patch_tensor = _interp._patch_lang_tensor
-
-            def _patch_lang_tensor(tensor, scope):
-                _patch_tensor(tensor, scope)
-                scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-            _patch_lang_tensor._scalar_index = True
-            _interp._patch_lang_tensor = _patch_lang_tensor
 
 
 def test_engine_on_kernels_equals_twins(tmp_path, monkeypatch):
