@@ -1,168 +1,32 @@
-"""Tokenizer and chat template: the `tokenizers` library (the Rust tokenizer every HF checkpoint
-ships as tokenizer.json) plus a jinja2 chat-template renderer, with no transformers at run time.
+"""Tokenizer: the `tokenizers` library (the Rust tokenizer every HF checkpoint ships as
+tokenizer.json) plus the chat-template renderer of `rlcu.data.chat_template`, with no
+transformers at run time.
 
-Prompts must match what transformers makes token for token, or a policy is trained on inputs it
-never sees at inference. So the renderer repeats `PreTrainedTokenizerBase.apply_chat_template`:
-
-- a sandboxed environment (templates from the Hub are untrusted code) whose lists and dicts are
-  immutable, with trim_blocks and lstrip_blocks on, the loopcontrols extension ({% break %},
-  {% continue %}) and a pass-through {% generation %} tag (TRL-style assistant-mask templates);
-- globals `raise_exception(msg)` and `strftime_now(fmt)`, and a `tojson` filter that is plain
-  json.dumps with ensure_ascii=False (jinja's own filter escapes <, >, &, ' for HTML, which would
-  change the bytes of every tool schema);
-- variables: messages, tools, documents, add_generation_prompt, each named special token as a
-  string (bos_token, eos_token, ..., plus any other `*_token` of the config), then the caller's
-  kwargs (e.g. enable_thinking), which win over the tokens;
-- messages are cleaned first: keys whose value is None are dropped (templates test for missing
-  keys, not for None), values become plain JSON data, and reasoning given under any of
-  reasoning_content / thinking / reasoning is offered as both `reasoning_content` (what Qwen3
-  reads) and `thinking`.
-
-Loading follows transformers too: chat_template.jinja (and chat_templates/<name>.jinja) win over
+Loading follows transformers: chat_template.jinja (and chat_templates/<name>.jinja) win over
 the template in tokenizer_config.json, named and extra special tokens missing from tokenizer.json
 are added as special tokens, `split_special_tokens` and `clean_up_tokenization_spaces` are honoured.
+`apply_chat_template` passes each named special token as a template variable (bos_token,
+eos_token, ..., plus any other `*_token` of the config), then the caller's kwargs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import traceback
 from collections.abc import Mapping
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-import numpy as np
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
+from rlcu.data.chat_template import (  # noqa: F401
+    UNSUPPORTED_OPTIONS,
+    ChatTemplateError,
+    render_chat,
+    select_template,
+)
+
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-# transformers' apply_chat_template options that rlcu does not implement; refused rather than
-# silently passed to the template as variables.
-_UNSUPPORTED = ("continue_final_message", "return_assistant_tokens_mask", "return_dict", "return_tensors",
-                "padding", "truncation", "max_length", "tokenizer_kwargs", "sanitize_control_tokens")
-
-
-class ChatTemplateError(ValueError):
-    """A chat template failed to compile or render; the message names the template line."""
-
-
-# ----------------------------------------------------------------------------- chat templates
-
-class _GenerationTag(jinja2.ext.Extension):
-    """{% generation %}...{% endgeneration %} marks assistant text in training templates; we render
-    the body unchanged (assistant masks are not computed here)."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller):
-        return caller()
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt):
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=1)
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-def _template_line(exc: BaseException) -> int | None:
-    """The template line an exception came from: jinja rewrites tracebacks so that template code
-    shows up as frames of the file "<template>"."""
-    if getattr(exc, "lineno", None):
-        return exc.lineno
-    line = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if frame.filename == "<template>":
-            line = frame.lineno
-    return line
-
-
-def _template_error(exc: BaseException, when: str) -> ChatTemplateError:
-    line = _template_line(exc)
-    where = f" (template line {line})" if line else ""
-    if type(exc) is jinja2.exceptions.TemplateError:  # raise_exception() inside the template
-        return ChatTemplateError(f"chat template raised an exception{where}: {exc}")
-    return ChatTemplateError(f"chat template failed to {when}{where}: {type(exc).__name__}: {exc}")
-
-
-@lru_cache(maxsize=32)
-def _compile(source: str) -> jinja2.Template:
-    try:
-        return _environment().from_string(source)
-    except jinja2.exceptions.TemplateError as e:
-        raise _template_error(e, "compile") from e
-
-
-def _plain(value: Any) -> Any:
-    """JSON-like data only (rich objects would give the sandbox methods it does not know about);
-    anything else becomes a placeholder naming its type, as transformers does."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):  # pydantic messages (OpenAI SDK)
-        return _plain(value.model_dump())
-    if isinstance(value, np.generic):  # np.bool_(False) must stay falsy
-        return _plain(value.item())
-    return f"<{type(value).__name__}>"
-
-
-def _clean_messages(messages) -> list[dict]:
-    out = []
-    for m in messages:
-        m = _plain(m)
-        if not isinstance(m, dict):
-            raise TypeError(f"chat messages must be dicts with 'role' and 'content', got {m!r}")
-        m = {k: v for k, v in m.items() if v is not None}
-        reasoning = next((m[k] for k in _REASONING_KEYS if k in m), None)
-        if reasoning is not None:
-            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-        out.append(m)
-    return out
-
-
-def _is_batch(messages) -> bool:
-    return isinstance(messages, (list, tuple)) and len(messages) > 0 and isinstance(messages[0], (list, tuple))
 
 
 # ----------------------------------------------------------------------------- files
@@ -362,22 +226,7 @@ class Tokenizer:
 
     def get_chat_template(self, chat_template: str | None = None, tools: list | None = None) -> str:
         """The template source: `chat_template` may name one of several templates or be a template."""
-        own = self.chat_template
-        if isinstance(own, dict):
-            if chat_template is not None:
-                return own.get(chat_template, chat_template)
-            if tools is not None and "tool_use" in own:
-                return own["tool_use"]
-            if "default" in own:
-                return own["default"]
-            raise ValueError(f"this tokenizer has several chat templates and none named 'default'; "
-                             f"pass chat_template= one of {sorted(own)}")
-        if chat_template is not None:
-            return chat_template
-        if own is None:
-            raise ValueError("this tokenizer has no chat template (no chat_template in tokenizer_config.json, "
-                             "no chat_template.jinja); pass chat_template=")
-        return own
+        return select_template(self.chat_template, chat_template, tools)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = False,
                             tools: list[dict] | None = None, *, documents: list[dict] | None = None,
@@ -385,29 +234,14 @@ class Tokenizer:
         """Render `messages` (a list of {"role", "content", ...} dicts, or a list of such lists for a
         batch) with the chat template; extra kwargs (e.g. enable_thinking=False) are template
         variables. Returns the text, or its ids (no special tokens added) when tokenize=True."""
-        refused = [k for k in _UNSUPPORTED if k in kwargs]
+        refused = [k for k in UNSUPPORTED_OPTIONS if k in kwargs]
         if refused:
             raise TypeError(f"apply_chat_template: {', '.join(refused)} not supported by rlcu's tokenizer")
-        if _is_batch(messages):
-            return [self.apply_chat_template(m, add_generation_prompt, tokenize, tools, documents=documents,
-                                             chat_template=chat_template, **kwargs) for m in messages]
-        if len(messages) == 0:
-            raise ValueError("cannot apply a chat template to an empty conversation")
-        for t in tools or []:
-            if not isinstance(t, Mapping):
-                raise TypeError(f"tools must be JSON-schema dicts, got {type(t).__name__}")
-        for d in documents or []:
-            if not isinstance(d, Mapping):
-                raise TypeError(f"documents must be dicts with 'title' and 'text', got {type(d).__name__}")
-        template = _compile(self.get_chat_template(chat_template, tools))
-        variables = _plain({**self.special_tokens, **kwargs})
-        try:
-            text = template.render(messages=_clean_messages(messages), tools=_plain(tools),
-                                   documents=_plain(documents), add_generation_prompt=add_generation_prompt,
-                                   **variables)
-        except Exception as e:
-            raise _template_error(e, "render") from e
-        return self.encode(text) if tokenize else text
+        text = render_chat(self.chat_template, messages, add_generation_prompt, tools, documents=documents,
+                           chat_template=chat_template, variables={**self.special_tokens, **kwargs})
+        if not tokenize:
+            return text
+        return [self.encode(t) for t in text] if isinstance(text, list) else self.encode(text)
 
 
 def make_word_tokenizer(words, special_tokens=(), chat_template: str | dict | None = None, *,

@@ -301,7 +301,7 @@ class Qwen3:
             dx = self._layer_bwd(i, dx, acts, pos, cu, ms)
         embedding_bwd(dx, s["tokens"], g["embed"])
 
-    def _head_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor):
+    def head_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor):
         """(tgt, rows): the positions that have a predicted token, and the hidden rows
         (tgt - 1) that predict them; a sequence's first token has none."""
         has_prev = torch.ones(tokens.numel(), dtype=torch.bool, device=tokens.device)
@@ -340,7 +340,7 @@ class Qwen3:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         h = self.hidden_forward(tokens, cu_seqlens, grad=grad)
         N = tokens.numel()
-        tgt, rows = self._head_rows(tokens, cu_seqlens)
+        tgt, rows = self.head_rows(tokens, cu_seqlens)
         hs = h.index_select(0, rows)
         targets = tokens.index_select(0, tgt)
         lp_r, ent_r, lse = logprob_fwd(hs, self.lm_head, targets, temperature, return_entropy)
@@ -385,7 +385,7 @@ class Qwen3:
         self._ctx = None  # a pending forward's head does not belong to this trunk
         h = self.hidden_forward(tokens, cu_seqlens, grad=True)
         N = tokens.numel()
-        tgt, rows = self._head_rows(tokens, cu_seqlens)
+        tgt, rows = self.head_rows(tokens, cu_seqlens)
         hs = h.index_select(0, rows)
         del h
         self._ensure_grads()

@@ -33,8 +33,9 @@ import sys
 from pathlib import Path
 
 from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError
-from rlcu.train.grpo import GRPOTrainer, _config
+from rlcu.train.grpo import GRPOTrainer
 from rlcu.train.rl_config import GRPOConfig
+from rlcu.train.rl_trainer import _config
 
 GiB = float(1 << 30)
 CLUSTER = "actor"

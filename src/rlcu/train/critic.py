@@ -123,7 +123,7 @@ class Critic:
         """tokens: [N], cu_seqlens: [S+1] int32 -> values [N] fp32 (0 at each sequence's first token)."""
         h = self.trunk.hidden_forward(tokens, cu_seqlens, grad=grad)  # [N, H], final-normed
         N = tokens.numel()
-        tgt, rows = self.trunk._head_rows(tokens, cu_seqlens)
+        tgt, rows = self.trunk.head_rows(tokens, cu_seqlens)
         hs = h.index_select(0, rows).float()  # [n, H]
         v_r = hs @ self.head_w.float() + self.head_b.float()
         v = torch.zeros(N, device=tokens.device, dtype=torch.float32).index_copy_(0, tgt, v_r)

@@ -21,8 +21,8 @@ from rlcu.ops.rl_loss import VALUE_STATS, value_loss
 from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.critic import Critic
-from rlcu.train.grpo import RLTrainer, _mean_update_metrics
 from rlcu.train.rl_config import PPOConfig
+from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
 
 class PPOTrainer(RLTrainer):
