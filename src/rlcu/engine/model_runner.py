@@ -22,6 +22,11 @@ after it) captured, on first use, for the next batch-size bucket (1, 2, 4, 8, th
 multiples of 16) and context bucket (1k, 4k, 16k, ..., max_model_len: the decode kernel's
 split-KV grid is sized by the longest context). Padding rows write nowhere (slot -1) and
 attend to one key. Everything else runs eagerly.
+
+Host side of a decode step (`_decode`, graph or not): one pass over the rows fills a pinned
+staging buffer (fields at fixed offsets), sent with one non-blocking copy together with the
+block-table entries that changed (tables live on the device per sequence slot, see
+`_DecodeState`); prefill and mixed steps pack their arrays in `prepare`.
 """
 
 from __future__ import annotations
@@ -48,6 +53,100 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if b < max_bs} | {max_bs})
 
 
+class _DecodeState:
+    """Host and device buffers of pure decode steps, reused every step.
+
+    Every field of a step (ids, positions, KV slots, context lengths, the sampler's
+    parameters, each row's slot) lives at a fixed offset of one byte buffer on the device;
+    the host fills one of two pinned staging copies (double-buffered: the host runs one step
+    ahead of the device) and sends it with ONE non-blocking copy, followed by the step's
+    variable part (block-table updates, placeholder rows). Block tables are kept on the
+    device per *slot* (a sequence keeps its slot while it decodes), so a step sends only the
+    entries that changed: the blocks appended since the last step, and the last block when
+    copy-on-write replaced it (BlockManager.reserve changes a table only there)."""
+
+    I64 = ("ids", "slots", "seeds", "offsets", "row_slot")
+    VAR_CAP = 1 << 16
+    I32 = ("pos", "lens", "top_k")
+    F32 = ("temp", "top_p", "min_p")
+
+    def __init__(self, rows: int, width: int, device: torch.device):
+        self.rows, self.width, self.device = rows, width, device
+        self.num_slots = 2 * rows  # slot num_slots: a zero row for padding rows
+        self.slot_tables = torch.zeros(self.num_slots + 1, width, device=device, dtype=torch.int32)
+        self.slot_of: dict[int, int] = {}  # seq_id -> slot
+        self.free = list(range(self.num_slots - 1, -1, -1))
+        self.slot_bt: list = [None] * self.num_slots  # the block-table list whose entries the slot holds
+        self.slot_n = [0] * self.num_slots  # entries sent
+        self.slot_last = [0] * self.num_slots  # the value of the last entry sent
+        self.offsets, off = {}, 0
+        for names, size in ((self.I64, 8), (self.I32, 4), (self.F32, 4)):
+            for n in names:
+                self.offsets[n] = (off, size)
+                off += -(-rows * size // 8) * 8
+        self.fixed = off
+        self.var_cap = self.VAR_CAP  # int64 entries of the variable part that travel in the same copy
+        pin = device.type == "cuda"
+        self.dbuf = torch.zeros(off + 8 * self.var_cap, device=device, dtype=torch.uint8)
+        self.hbufs = [torch.zeros(off + 8 * self.var_cap, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.hvar = [h[off:].numpy().view(np.int64) for h in self.hbufs]
+        self.dvar = self.dbuf[off:].view(torch.int64)
+        self.events = [None, None]
+        self.turn = 0
+        self.dev = self._views(self.dbuf)
+        self.host = [self._views(h.numpy()) for h in self.hbufs]
+        for h in self.host:
+            h["lens"][:] = 1
+            h["slots"][:] = -1
+            h["row_slot"][:] = self.num_slots
+        self.dbuf.copy_(self.hbufs[0])
+
+    def send(self, k: int, var: list[int]) -> torch.Tensor:
+        """Copy staging buffer k's fixed fields and `var` (int64) to the device in one
+        non-blocking copy (two when `var` exceeds the pinned room) -> var on the device."""
+        n = len(var)
+        if n <= self.var_cap:
+            if n:
+                self.hvar[k][:n] = var
+            end = self.fixed + 8 * n
+            self.dbuf[:end].copy_(self.hbufs[k][:end], non_blocking=True)
+            out = self.dvar[:n]
+        else:  # a large table refill (many new sequences at once)
+            self.dbuf[:self.fixed].copy_(self.hbufs[k][:self.fixed], non_blocking=True)
+            out = torch.from_numpy(np.array(var, dtype=np.int64)).to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            if self.events[k] is None:
+                self.events[k] = torch.cuda.Event()
+            self.events[k].record()
+        return out
+
+    def _views(self, buf) -> dict:
+        out = {}
+        for n, (o, size) in self.offsets.items():
+            dt = {8: "i8", 4: "i4"}[size] if n not in self.F32 else "f4"
+            v = buf[o:o + self.rows * size]
+            if isinstance(v, torch.Tensor):
+                v = v.view({"i8": torch.int64, "i4": torch.int32, "f4": torch.float32}[dt])
+            else:
+                v = v.view(np.dtype(dt))
+            out[n] = v
+        return out
+
+    def assign(self, seq, live) -> int:
+        """A slot for `seq` (slots of sequences not in this step are reclaimed when none is free)."""
+        if not self.free:
+            keep = {s.seq_id for s in live}
+            for sid, sl in list(self.slot_of.items()):
+                if sid not in keep:
+                    del self.slot_of[sid]
+                    self.slot_bt[sl] = None
+                    self.free.append(sl)
+        sl = self.free.pop()
+        self.slot_of[seq.seq_id] = sl
+        self.slot_bt[sl] = None
+        return sl
+
+
 class ModelRunner:
     def __init__(self, model: Qwen3, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.6,
@@ -69,6 +168,7 @@ class ModelRunner:
         self._pool = None
         self._graph_flat_ptr = model.flat.data_ptr()
         self._last_tokens: torch.Tensor | None = None  # the samples of the last launch (placeholder values)
+        self._dec: _DecodeState | None = None  # decode steps' staging buffers and per-slot block tables
         self.allocate()
 
     # ------------------------------------------------------------------ the forward
@@ -179,16 +279,18 @@ class ModelRunner:
         if batch.copies:
             idx = torch.tensor(batch.copies, dtype=torch.int64).t().to(self.device)
             self.kv[:, :, idx[1]] = self.kv[:, :, idx[0]]
-        a = self.prepare(batch)
-        graph = self.use_graphs and batch.is_decode and len(batch.seqs) <= self.max_num_seqs
-        if graph:
-            h = self._replay(a)
+        if batch.is_decode and len(batch.seqs) <= self.max_num_seqs:
+            graph = self.use_graphs
+            h, samp = self._decode(batch)
         else:
+            graph = False
+            a = self.prepare(batch)
             ids, pos, slots, tables, cu, lens, rows = self._to_device(a)
             h = self._hidden(ids, pos, slots, tables, cu, lens, a["max_q"], a["max_k"], rows)
-        if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
-            return None, graph
-        out = sample(self._logits(h), *self._sampling_tensors(batch))
+            if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
+                return None, graph
+            samp = self._sampling_tensors(batch)
+        out = sample(self._logits(h), *samp)
         self._last_tokens = out[0]
         return out, graph
 
@@ -203,6 +305,104 @@ class ModelRunner:
         """launch + collect."""
         out, graph = self.launch(batch)
         return (*self.collect(out), graph)
+
+    # ------------------------------------------------------------------ decode steps
+    def _dec_state(self) -> _DecodeState:
+        if self._dec is None:
+            self._dec = _DecodeState(self.max_num_seqs, math.ceil(self.max_model_len / self.block_size), self.device)
+        return self._dec
+
+    def _decode(self, batch: ScheduledBatch):
+        """A pure decode step (one token, one sample per sequence): stage, send, run the trunk
+        (a CUDA graph when enabled) -> (final hidden [S, hidden], the sampler's tensors)."""
+        d, bs, seqs = self._dec_state(), self.block_size, batch.seqs
+        S = len(seqs)
+        max_k = max(s.num_computed_tokens for s in seqs) + 1
+        graph = self.use_graphs
+        if graph:
+            if self.model.flat.data_ptr() != self._graph_flat_ptr:  # the weights moved: old graphs are stale
+                self.graphs, self._static, self._pool = {}, None, None
+                self._graph_flat_ptr = self.model.flat.data_ptr()
+            key = self._graph_key(S, max_k)
+            b, W = key[0], math.ceil(key[1] / bs)
+        else:
+            b, W = S, -(-max_k // bs)
+        # the host half: one pass over the rows
+        k = d.turn
+        d.turn ^= 1
+        if d.events[k] is not None:
+            d.events[k].synchronize()  # that staging buffer's last copy has been read
+        h = d.host[k]
+        slot_of, slot_bt, slot_n, slot_last, width = d.slot_of, d.slot_bt, d.slot_n, d.slot_last, d.width
+        ids, kvs, offs, rs, sd = [], [], [], [], []
+        upd_i, upd_v, ph, ph_rows, fl = [], [], [], [], []
+        for i, s in enumerate(seqs):
+            sl = slot_of.get(s.seq_id)
+            if sl is None:
+                sl = d.assign(s, seqs)
+            bt = s.block_table
+            if slot_bt[sl] is bt:
+                n = slot_n[sl]
+                if n > len(bt):
+                    n = 0
+                elif n and bt[n - 1] != slot_last[sl]:
+                    n -= 1  # copy-on-write replaced the last block
+            else:
+                slot_bt[sl], n = bt, 0
+            L = len(bt)
+            if L > n:
+                base = sl * width
+                upd_i.extend(range(base + n, base + L))
+                upd_v.extend(bt[n:])
+                slot_n[sl], slot_last[sl] = L, bt[-1]
+            c = s.num_computed_tokens
+            t = s.token_ids[c]
+            if t < 0:  # a placeholder: the token sampled by the last step, still on the device
+                ph.append(i)
+                ph_rows.append(s.pending_row)
+            ids.append(t)
+            kvs.append(bt[c // bs] * bs + c % bs)
+            offs.append(len(s.token_ids) - s.num_prompt_tokens)
+            rs.append(sl)
+            sp = s.params
+            fl.append((sp.temperature, sp.top_p, sp.min_p))
+            sd.append((sp.top_k, s.own_seed))
+        h["ids"][:S] = ids
+        h["ids"][S:b] = 0
+        h["slots"][:S] = kvs
+        h["slots"][S:b] = -1
+        pos = h["pos"]
+        pos[:S] = [s.num_computed_tokens for s in seqs]
+        pos[S:b] = 0
+        h["lens"][:S] = pos[:S] + 1
+        h["lens"][S:b] = 1
+        h["row_slot"][:S] = rs
+        h["row_slot"][S:b] = d.num_slots
+        f = np.array(fl, dtype=np.float32)
+        h["temp"][:S], h["top_p"][:S], h["min_p"][:S] = f[:, 0], f[:, 1], f[:, 2]
+        si = np.array(sd, dtype=np.int64)
+        h["top_k"][:S], h["seeds"][:S] = si[:, 0], si[:, 1]
+        h["offsets"][:S] = offs
+        # the device half: one copy (fixed fields, then table updates and placeholder rows)
+        K, P = len(upd_i), len(ph)
+        var = d.send(k, upd_i + ph + ph_rows + upd_v)
+        if K:
+            d.slot_tables.view(-1).index_copy_(0, var[:K], var[K + 2 * P:].to(torch.int32))
+        v = d.dev
+        if P:
+            v["ids"].index_copy_(0, var[K:K + P], self._last_tokens.index_select(0, var[K + P:K + 2 * P]))
+        samp = (v["temp"][:S], v["top_k"][:S], v["top_p"][:S], v["min_p"][:S], v["seeds"][:S], v["offsets"][:S])
+        if graph:
+            if key not in self.graphs:
+                self._capture(*key)
+            st = self._static
+            st["tables"][:b, :W] = d.slot_tables[v["row_slot"][:b], :W]
+            replay, out = self.graphs[key]
+            replay()
+            return out[:S], samp
+        tables = d.slot_tables[v["row_slot"][:S], :max(W, 1)]
+        cu = torch.arange(S + 1, device=self.device, dtype=torch.int32)
+        return self._hidden(v["ids"][:S], v["pos"][:S], v["slots"][:S], tables, cu, v["lens"][:S], 1, max_k), samp
 
     # ------------------------------------------------------------------ KV pool, graphs
     def _auto_num_blocks(self, max_model_len: int) -> int:
@@ -258,7 +458,7 @@ class ModelRunner:
 
     def release(self) -> None:
         """Give the KV pool and the graphs back to the allocator (and the device)."""
-        self.graphs, self._static, self._pool = {}, None, None
+        self.graphs, self._static, self._pool, self._dec = {}, None, None, None
         self.kv = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -278,13 +478,11 @@ class ModelRunner:
         d = self.device
         if self._static is None:
             max_bs, W = self.max_num_seqs, math.ceil(self.max_model_len / self.block_size)
+            v = self._dec_state().dev  # ids, pos, slots, lens: filled by the decode step's one copy
             self._static = dict(
-                ids=torch.zeros(max_bs, device=d, dtype=torch.int64),
-                pos=torch.zeros(max_bs, device=d, dtype=torch.int32),
-                slots=torch.full((max_bs,), -1, device=d, dtype=torch.int64),
+                ids=v["ids"], pos=v["pos"], slots=v["slots"], lens=v["lens"],
                 tables=torch.zeros(max_bs, W, device=d, dtype=torch.int32),
                 cu=torch.arange(max_bs + 1, device=d, dtype=torch.int32),
-                lens=torch.ones(max_bs, device=d, dtype=torch.int32),
             )
             self._pool = torch.cuda.graph_pool_handle() if d.type == "cuda" else None
         st = self._static
@@ -318,34 +516,3 @@ class ModelRunner:
                     if (b, kb) not in self.graphs:
                         self._capture(b, kb)
         return len(self.graphs)
-
-    def _replay(self, a) -> torch.Tensor:
-        if self.model.flat.data_ptr() != self._graph_flat_ptr:  # the weights moved: old graphs are stale
-            self.graphs, self._static, self._pool = {}, None, None
-            self._graph_flat_ptr = self.model.flat.data_ptr()
-        S = len(a["lens"])
-        key = self._graph_key(S, a["max_k"])
-        if key not in self.graphs:
-            self._capture(*key)
-        b = key[0]
-        st, W = self._static, a["tables"].shape[1]
-        ids = np.zeros(b, dtype=np.int64)
-        ids[:S] = a["ids"]
-        slots = np.full(b, -1, dtype=np.int64)
-        slots[:S] = a["slots"]
-        pos = np.zeros(b, dtype=np.int32)
-        pos[:S] = a["pos"]
-        lens = np.ones(b, dtype=np.int32)
-        lens[:S] = a["lens"]
-        st["ids"][:b].copy_(torch.from_numpy(ids), non_blocking=True)
-        if len(a["ph"]):
-            ph = torch.from_numpy(np.concatenate([a["ph"], a["ph_rows"]])).to(self.device, non_blocking=True)
-            P = len(a["ph"])
-            st["ids"].index_copy_(0, ph[:P], self._last_tokens.index_select(0, ph[P:]))
-        st["slots"][:b].copy_(torch.from_numpy(slots), non_blocking=True)
-        st["pos"][:b].copy_(torch.from_numpy(pos), non_blocking=True)
-        st["lens"][:b].copy_(torch.from_numpy(lens), non_blocking=True)
-        st["tables"][:S, :W].copy_(torch.from_numpy(a["tables"]), non_blocking=True)
-        replay, out = self.graphs[key]
-        replay()
-        return out[:S]
