@@ -193,12 +193,12 @@ def test_fused_gpu_qwen3_shapes(monkeypatch, with_entropy):
     assert rel_err(dh, dh_s) < 1e-2
     assert rel_err(dW - 0.01, dW_s - 0.01) < 1e-2
 
-    # and against the fp32 twin on the same values (tolerances as logprob's own GPU test)
-    hf, Wf = hb.float(), Wb.float()
-    dW_r = torch.zeros_like(dW)
-    lp_r, ent_r, dh_r = logprob_fwd_bwd_ref(hf, Wf, tgt, loss, dW_r, T, with_entropy)
+    # and against the fp32 twin on the same values. Only lp and ent: the clipped loss is
+    # discontinuous in lp, so bf16 and fp32 lp fall on different sides of the clip for some
+    # tokens and the gradients differ by more than rounding (measured on an H200: 8e-2);
+    # dh and dW are checked above against the separate ops, whose own GPU test compares
+    # them with the twin under a smooth upstream gradient.
+    lp_r, ent_r, _ = logprob_fwd_bwd_ref(hb.float(), Wb.float(), tgt, loss, None, T, with_entropy)
     assert rel_err(lp, lp_r) < 5e-3
     if with_entropy:
         assert rel_err(ent, ent_r) < 1e-2
-    assert rel_err(dh, dh_r) < 3e-2
-    assert rel_err(dW - 0.01, dW_r) < 3e-2
