@@ -147,7 +147,10 @@ def bench_trl(proto: dict, steps: int, warmup: int, tiny: bool) -> dict:
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(hcfg).to("cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     wt = _word_tokenizer(cfg.vocab_size)
-    tok = PreTrainedTokenizerFast(tokenizer_object=wt.backend, unk_token="<unk>", pad_token="<unk>")
+    # the model's EOS id as the tokenizer's eos (transformers' generation needs one for
+    # min_new_tokens); a random model practically never samples it
+    tok = PreTrainedTokenizerFast(tokenizer_object=wt.backend, unk_token="<unk>", pad_token="<unk>",
+                                  eos_token=f"t{cfg.eos_token_ids[0]}")
     P, G, Lp, Lc = proto["prompts"], proto["group"], proto["prompt_len"], proto["completion_len"]
     total = warmup + steps
     texts = [" ".join(f"t{i}" for i in p) for p in _prompts(cfg.vocab_size, P * total, Lp)]

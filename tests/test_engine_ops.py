@@ -308,6 +308,29 @@ def test_sample_kernel_vs_twin(kind, triton_backend):
     assert torch.allclose(lps, rlps, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("launches", [0, 3])
+def test_sample_kernel_split_rows(launches, triton_backend, monkeypatch):
+    """Rows cut into many chunks and tiles (pass-1 chunks of 128, search programs of 64
+    tokens, 16-token tiles: the tile bounds and the skipping of tiles are exercised), with too
+    few search launches for some rows (0: the finish kernel runs every pass of every row)."""
+    monkeypatch.setitem(smp.CONFIGS, "pass1", dict(BV=64, CHUNK=128, num_warps=4))
+    monkeypatch.setitem(smp.CONFIGS, "search", dict(BT=16, CHUNK=64, num_warps=4))
+    monkeypatch.setattr(smp, "_LAUNCHES", launches)
+    rows = SAMPLE_KERNEL_CASES["mixed"] + [(1.0, 0, 0.95, 0.0), (0.8, 7, 1.0, 0.0), (1.0, 0, 0.5, 0.02)]
+    B, V = len(rows), 333
+    g = torch.Generator().manual_seed(launches)
+    logits = torch.randn(B, V, generator=g) * 3
+    logits[1::2] = logits[1::2].bfloat16().float()  # ties
+    logits[3, 100:] = float("-inf")
+    params = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows],
+              dtype=torch.int32), torch.tensor([r[2] for r in rows]),
+              torch.tensor([r[3] for r in rows]), torch.arange(B) * 17 + 3, torch.arange(B) + 2)
+    toks, lps = smp.sample(logits.to(DEV), *(t.to(DEV) for t in params))
+    rtoks, rlps = smp.sample_ref(logits, *params)
+    assert torch.equal(toks.cpu(), rtoks)
+    assert torch.allclose(lps.cpu(), rlps, atol=1e-5, rtol=1e-5)
+
+
 def test_sample_kernel_kept_set(triton_backend):
     """Many seeds of one filtered row through the kernel: exactly the hand-computed set."""
     T, k, p, mp = FILTERS["all"]
@@ -376,3 +399,40 @@ def test_gpu_sample_qwen3_vocab(dtype):
     again, _ = smp.sample(logits[100:101], T[100:101], top_k[100:101], top_p[100:101],
                           min_p[100:101], seeds[100:101], offs[100:101])
     assert int(again) == int(toks[100])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launches", [None, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_sample_filters(dtype, launches, monkeypatch):
+    """Filtered rows of three kinds: the benchmark's (top-k 50 + top-p 0.9: a few tiles a
+    row), top-p alone on flat logits (every tile of the row is read), a few strong tokens over
+    a long tail (top-p, top-k + top-p, min-p); with the default number of search launches and
+    with one (the finish kernel then runs the remaining passes itself)."""
+    if launches is not None:
+        monkeypatch.setattr(smp, "_LAUNCHES", launches)
+    V, n = 151936, 32
+    torch.manual_seed(1)
+    llm = torch.randn(n, V, device="cuda") * 1.5
+    llm[:, torch.randperm(V, device="cuda")[:2000]] += 6
+    logits = torch.cat([torch.randn(n, V, device="cuda") * 3, torch.randn(n, V, device="cuda"),
+                        llm]).to(dtype)
+    B = 3 * n
+
+    def col(*parts):
+        return torch.tensor([v for v, m in parts for _ in range(m)], device="cuda")
+
+    T = col((0.7, n), (1.0, 2 * n)).float()
+    top_k = col((50, n), (0, n + n // 2), (50, n // 2)).int()
+    top_p = col((0.9, n), (0.95, n + n // 2), (0.9, n // 4), (1.0, n // 4)).float()
+    min_p = col((0.0, 2 * n + n // 2), (0.05, n // 2)).float()
+    seeds = torch.randint(0, 2**62, (B,), device="cuda")
+    offs = torch.randint(0, 4096, (B,), device="cuda")
+    toks, lps = smp.sample(logits, T, top_k, top_p, min_p, seeds, offs)
+    rtoks, _ = smp.sample_ref(logits, T, top_k, top_p, min_p, seeds, offs)
+    # the kernel's outer log of the noise is lg2.approx (~1e-6): a near-tie may differ
+    assert int((toks != rtoks).sum()) <= 1
+    ref_lp = torch.log_softmax(logits.float() / T[:, None], -1)
+    assert torch.allclose(lps, ref_lp.gather(1, toks[:, None])[:, 0], atol=2e-5, rtol=1e-5)
+    again, _ = smp.sample(logits, T, top_k, top_p, min_p, seeds, offs)
+    assert torch.equal(again, toks)  # deterministic

@@ -299,15 +299,29 @@ def test_gpu_swiglu():
 
 
 @gpu
-def test_gpu_embedding():
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("D", [1024, 2560, 96])
+def test_gpu_embedding(tma, D, monkeypatch):
+    """The TMA bulk-reduction backward (Hopper; D % 256 == 0) and the per-thread atomics."""
+    monkeypatch.setitem(emb.CONFIGS, "bwd_tma", tma)
     torch.manual_seed(0)
-    V, D = 151936, 1024
+    V = 151936
     W = _bf16(V, D)
     ids = torch.randint(0, V, (N_GPU,), device="cuda")
     ids[:64] = 11  # repeats
+    ids[-1] = V - 1
     assert torch.equal(emb.embedding_fwd(ids, W), W[ids])
     dx = _bf16(N_GPU, D)
-    dW, dW0 = torch.zeros(V, D, device="cuda"), torch.zeros(V, D, device="cuda")
+    dW = torch.randn(V, D, device="cuda")  # accumulates into what is there
+    dW0 = dW.clone()
     emb.embedding_bwd(dx, ids, dW)
     emb.embedding_bwd_ref(dx.float(), ids, dW0)
     assert rel_err(dW, dW0) < 1e-6
+    # a row-strided fp32 view (a slice of the flat gradient buffer)
+    flat = torch.zeros(V * (D + 64) + 4, device="cuda")
+    dWv = flat[4 : 4 + V * (D + 64)].view(V, D + 64)[:, :D]
+    emb.embedding_bwd(dx, ids, dWv)
+    dW0 = torch.zeros(V, D, device="cuda")
+    emb.embedding_bwd_ref(dx.float(), ids, dW0)
+    assert rel_err(dWv, dW0) < 1e-6 and float(flat[:4].abs().sum()) == 0.0
+    assert float(flat[4 : 4 + V * (D + 64)].view(V, D + 64)[:, D:].abs().sum()) == 0.0

@@ -10,6 +10,7 @@ per-thread fp32 atomics it replaces ("atomics"), so one run says which one to ke
 
     python bench/kernels.py --only elementwise
     python bench/kernel_suites/elementwise.py          # this suite alone, a table
+    python bench/kernel_suites/elementwise.py --static # no GPU: registers of the backwards
 """
 
 from __future__ import annotations
@@ -118,8 +119,36 @@ def run(ceil: dict) -> list[dict]:
     return rows
 
 
+def static(dtype: str = "bf16") -> list[dict]:
+    """No GPU needed: registers, spills and shared memory of the backward kernels at the
+    benchmark's shapes, compiled for sm_90 (bench/kernel_suites/engine_ops.py static_compile)."""
+    import triton
+
+    from bench.kernel_suites.engine_ops import static_compile
+    from rlcu.ops import embedding, rmsnorm
+
+    rows = []
+    for D in (HIDDEN, HEAD_DIM):
+        BN, BD, num_warps, stages, maxnreg = rmsnorm._blocks_bwd(D)
+        types = {n: f"*{dtype}" for n in ("DY", "X", "W", "DX")}
+        types.update(RSTD="*fp32", DW_PART="*fp32", D="i32")
+        rows.append(dict(D=D, **static_compile(rmsnorm._rmsnorm_bwd_kernel, types,
+                                               dict(BN=BN, BD=BD, STAGES=stages), num_warps,
+                                               maxnreg=maxnreg, aligned=("D",))))
+    NB = triton.next_power_of_2(HIDDEN // embedding._TMA_BD)
+    types = dict(DX=f"*{dtype}", IDS="*i64", DW_DESC=f"tensordesc<fp32[1, {NB}, {embedding._TMA_BD}]>")
+    rows.append(static_compile(embedding._embedding_bwd_tma_kernel, types,
+                               dict(BR=embedding.CONFIGS["bwd_tma_rows"], NB=NB,
+                                    BD=embedding._TMA_BD), 4, aligned=("D",)))
+    return rows
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    if "--static" in sys.argv:
+        for r in static("fp32" if "fp32" in sys.argv else "bf16"):
+            print(r)
+        sys.exit()
     from bench.common import measure_ceilings
 
     ceil = measure_ceilings()

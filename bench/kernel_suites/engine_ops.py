@@ -248,11 +248,11 @@ def sweep(kinds) -> list[dict]:
 
 # ------------------------------------------------------------------- static (no GPU needed)
 def static_compile(fn, types: dict, consts: dict, num_warps: int, num_stages: int = 3,
-                   arch: int = 90) -> dict:
+                   arch: int = 90, maxnreg: int | None = None, aligned=()) -> dict:
     """Compile `fn` for sm_<arch> without a GPU and read the cubin's registers, spill stack and
     shared memory. `types` maps argument names to Triton types ("*bf16", "fp32", ...; the rest
-    are i32); pointers and strides are taken as 16-byte aligned, as the runtime specialises
-    them for real tensors."""
+    are i32); pointers, strides and the `aligned` ints are taken as multiples of 16, as the
+    runtime specialises them for real tensors."""
     import os
     import re
     import subprocess
@@ -265,11 +265,13 @@ def static_compile(fn, types: dict, consts: dict, num_warps: int, num_stages: in
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         sig[n] = "constexpr" if n in consts else types.get(n, "i32")
-        if sig[n].startswith("*") or n.startswith("stride"):
+        if sig[n].startswith("*") or n.startswith("stride") or n in aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()}, attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
+    opts = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

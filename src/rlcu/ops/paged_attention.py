@@ -16,8 +16,8 @@ never on lengths read back from the device, so a decode step can be captured in 
   loaded once for all G heads). Each split writes its normalised partial output o_j and
   lse_j = m_j + log2 l_j; the reduce kernel combines them:
       o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M),   M = max_j lse_j.
-  The number of splits is chosen so that S * Hk * splits fills the SMs a few times over; with
-  one split the kernel writes o directly and the reduce is skipped.
+  The number of splits is chosen so that S * Hk * splits gives each SM about three programs
+  (`decode_splits`); with one split the kernel writes o directly and the reduce is skipped.
 - prefill (max_seqlen_q > 1), FlashAttention-2 style: program (query tile, s, kv head) holds
   BM rows = (query token, head of the group) pairs, so the G heads of a KV head share every
   K/V tile; keys below the tile's first query position need no causal mask (first loop), the
@@ -43,6 +43,15 @@ DEFAULT_BLOCK_SIZE = 16
 _LOG2E = 1.4426950408889634
 _DEC_MIN_PART = 256  # fewest keys per decode split
 _DEC_MAX_SPLITS = 64
+# Decode programs wanted per SM before the context is split. The kernel (BN=64, 3 stages: 127
+# registers, 39 KB shared) fits 4 programs an SM, and 3 of them already keep ~100 KB of K/V
+# in flight, so a batch with S * Hk >= 3 * SMs (B=64: 512 programs) runs unsplit. It was 4:
+# B=64 x L=512 then ran 2 splits of 4 tiles each plus the reduce launch, and the per-program
+# prologue (cu_seqlens -> block table -> first K/V tile: three dependent loads), the partial
+# write/read and the second launch cost as much as the 134 MB of K/V (43% of copy). Unsplit,
+# 512 programs of 8 tiles run as one wave (expected ~0.073 -> ~0.04 ms there; L=2048 at B=64
+# also runs unsplit: ~0.142 -> ~0.13 ms).
+_DEC_PROGRAMS_PER_SM = 3
 # tile sizes and launch options (bench/kernel_suites/engine_ops.py --sweep times others):
 # decode BN keys a tile; prefill BM rows (query token x group head) and BN keys a tile
 CONFIGS = {
@@ -211,11 +220,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132):
-    """(splits, keys per split) for a decode launch: enough programs to fill the SMs about
-    four times over, each split at least _DEC_MIN_PART keys (a multiple of the tile). It
-    depends on sizes only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
+    """(splits, keys per split) for a decode launch: at least _DEC_PROGRAMS_PER_SM programs
+    an SM, each split at least _DEC_MIN_PART keys (a multiple of the tile). It depends on
+    sizes only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
     max_seqlen_k = max(int(max_seqlen_k), 1)
-    want = triton.cdiv(4 * num_sms, max(S * Hk, 1))
+    want = triton.cdiv(_DEC_PROGRAMS_PER_SM * num_sms, max(S * Hk, 1))
     splits = max(1, min(want, triton.cdiv(max_seqlen_k, _DEC_MIN_PART), _DEC_MAX_SPLITS))
     BN = CONFIGS["decode"]["BN"]
     part = triton.cdiv(triton.cdiv(max_seqlen_k, splits), BN) * BN

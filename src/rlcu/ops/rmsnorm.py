@@ -12,6 +12,19 @@ that the per-head norm (D = 128, millions of rows) moves as much data per progra
 hidden norm. The backward's dw is a column sum over all rows: each program of a fixed-size
 grid sums its own contiguous run of rows into one row of an fp32 [P, D] buffer, which is
 then summed in a fixed order, so dw is deterministic (no atomics).
+
+Backward traffic: one read of dy and x, one write of dx (3 * N * D elements), xhat is
+recomputed from x and rstd in registers; the [P, D] partials add P * D * 8 bytes (P = SMs x
+programs per SM, ~0.5k: 2 MB against 200 MB at [32768, 1024]). The loop over a program's
+tiles is software-pipelined (`tl.range(num_stages=3)`: the loads of the next two tiles are
+in flight, through shared memory, while one is computed) and dw is accumulated element-wise
+in a [BN, BD] register tile, reduced over rows once at the end. The first version (no
+pipelining, a cross-warp reduction of dw every tile, 128-168 registers a thread so 3-4
+programs of 4 warps an SM) had each program wait a full memory latency every tile and
+reached 52% (hidden) / 66% (q-norm) of copy bandwidth; 2048-element tiles on 8 warps take
+~64 registers a thread, 4 programs an SM, i.e. 64 KB of loads in flight per SM, what
+4.3 TB/s needs at ~2 us latency (expected: ~85% of copy, 0.091 -> ~0.06 ms and
+0.144 -> ~0.11 ms; `python bench/kernels.py --only elementwise`).
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from rlcu.ops._backend import use_triton
 
 MAX_D = 8192  # a row lives in one block
 _TILE = 4096  # elements a program handles at once: BN rows of BD columns
+_BWD_TILE = 2048  # the backward's tile (smaller: it also holds dw and pipelined loads)
 _BWD_PROGRAMS_PER_SM = 8  # at most, in the backward's fixed grid (as many as fit on an SM)
 _CPU_PROGRAMS = 3  # under the interpreter: few programs, so that each loops over several tiles
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,13 +65,14 @@ def _rmsnorm_fwd_kernel(X, W, Y, RSTD, N, D, stride_x, stride_y, eps,
 
 @triton.jit
 def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, N, D, stride_dy, stride_x, stride_dx,
-                        tiles_per_program, BN: tl.constexpr, BD: tl.constexpr):
+                        tiles_per_program, BN: tl.constexpr, BD: tl.constexpr,
+                        STAGES: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BD)
     cmask = cols < D
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BD], dtype=tl.float32)
-    for t in range(0, tiles_per_program):
+    dw = tl.zeros([BN, BD], dtype=tl.float32)  # summed over rows after the loop
+    for t in tl.range(0, tiles_per_program, num_stages=STAGES):
         rows = (pid * tiles_per_program + t) * BN + tl.arange(0, BN)  # [BN]
         rmask = rows < N
         mask = rmask[:, None] & cmask[None, :]
@@ -70,8 +85,8 @@ def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, N, D, stride_dy, stride_x, 
         c = tl.sum(g * xhat, 1) / D  # [BN]
         dx = rstd[:, None] * (g - xhat * c[:, None])
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        dw += tl.sum(dy * xhat, 0)
-    tl.store(DW_PART + pid * D + cols, dw, mask=cmask)
+        dw += dy * xhat
+    tl.store(DW_PART + pid * D + cols, tl.sum(dw, 0), mask=cmask)
 
 
 def _blocks(D: int):
@@ -80,6 +95,18 @@ def _blocks(D: int):
     BN = max(1, _TILE // BD)
     num_warps = 4 if BN * BD <= 4096 else 8 if BN * BD <= 8192 else 16
     return BN, BD, num_warps
+
+
+def _blocks_bwd(D: int):
+    """The backward's tile [BN, BD], warps and pipeline stages: ~8 elements a thread, so that
+    with the pipelined loads four programs fit on an SM (see the module docstring)."""
+    BD = triton.next_power_of_2(D)
+    BN = max(1, _BWD_TILE // BD)
+    num_warps = min(16, max(4, BN * BD // 256))
+    # 64 registers: 4 programs of 8 warps an SM (ptxas picks 76 for bf16 [2, 1024], i.e. 3;
+    # no spill at 64 for 16-bit inputs, 8 bytes for fp32 at D = 200)
+    maxnreg = 64 if BN * BD <= _BWD_TILE else None
+    return BN, BD, num_warps, (3 if BN * BD <= 4096 else 2), maxnreg
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -154,18 +181,18 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd:
     dx = torch.empty(N, D, device=x.device, dtype=x.dtype)
     if N == 0:
         return dx, torch.zeros(D, device=x.device, dtype=torch.float32)
-    BN, BD, num_warps = _blocks(D)
+    BN, BD, num_warps, stages, maxnreg = _blocks_bwd(D)
     n_tiles = triton.cdiv(N, BN)
 
     def launch(grid, dw_part, tiles_per_program, warmup=False):
         args = (dy, x, w, rstd, dx, dw_part, N, D, dy.stride(0), x.stride(0), dx.stride(0),
                 tiles_per_program)
-        kw = dict(BN=BN, BD=BD, num_warps=num_warps)
+        kw = dict(BN=BN, BD=BD, STAGES=stages, num_warps=num_warps, maxnreg=maxnreg)
         if warmup:
             return _rmsnorm_bwd_kernel.warmup(*args, grid=grid, **kw)
         _rmsnorm_bwd_kernel[grid](*args, **kw)
 
-    key = (x.device, dy.dtype, x.dtype, w.dtype, BN, BD, num_warps)
+    key = (x.device, dy.dtype, x.dtype, w.dtype, BN, BD, stages, num_warps)
     # rstd stands in for the fp32 partial buffer; any tiles_per_program >= 2 compiles the same
     P = _bwd_programs(x.device, n_tiles, key, lambda: launch((1,), rstd, 2, warmup=True))
     tiles_per_program = triton.cdiv(n_tiles, P)

@@ -14,25 +14,49 @@ batch it sits in, and the twin (int64 torch ops) and the kernels (uint32) draw t
 (On the GPU the outer log of g is lg2.approx, ~1e-6 off: only a near-tie can differ.)
 logprobs = log_softmax(z)[token] on the UNFILTERED distribution, as the trainer recomputes it.
 
-Kernels. Pass 1 splits each row into fixed chunks of the vocabulary (the split depends on V
-only, so a row's sums do not change with the batch) and computes per chunk the online max /
-sum-exp, the argmax and the race winner over all tokens; the finish kernel (one program per
-row) combines them into lse, the greedy token, the unfiltered winner and its logprob. That is
-one read of the logits for temperature-only sampling, the usual case in RL.
+Kernels. Every row is cut into pass-1 chunks (CHUNK tokens), search chunks (SCHUNK) and
+tiles (BT); the cuts depend on V only, so a row's sums never change with the batch. Pass 1
+(program = row x chunk) reads the logits once and keeps per chunk the online max / sum-exp,
+the argmax and the race winner over all tokens, and per tile the largest key (below);
+`_prepare_kernel` (program = row) combines the chunks into lse, the greedy token, the
+unfiltered winner and its logprob. That is the whole job for temperature-only rows, the usual
+case in RL: one read of the logits.
 
-Rows with filters continue in the finish kernel with a threshold search instead of a sort:
-each kept set above is {i : key(z_i) > lo} for the order-preserving int32 key of the float z,
-and "token i fails" is monotone in key(z_i), so lo (the largest failing key) is found by a
-bracket search: a pass reads the row once and evaluates 16 pivot keys at once (the number of
-tokens, their mass exp(z - max), and the smallest key strictly above each pivot); the bracket
-shrinks 15-fold per pass (at most 9 passes for any 32-bit range), and the lowest pivot of the
-next pass is the smallest token key above lo, so the search stops as soon as the threshold
-token is isolated: typically 3-5 passes for top-k (with min-p), 3-5 for top-p (which starts
-above the tokens with p < (1 - top_p) / 2V, which always fail). A sort would cost O(V log V)
-work and a [B, V] buffer; the search keeps no buffer, needs no host sync (the sampler can be
-captured in a CUDA graph) and is exact. Then the unfiltered winner stands if it is kept (a
-race over a subset is won by the overall winner whenever it is in the subset), else one more
-pass races over the kept set.
+Rows with filters: each kept set above is {i : key(z_i) > lo} for the order-preserving int32
+key of the float z, and "token i fails" is monotone in key(z_i), so lo (the largest failing
+key) is found by a bracket search instead of a sort (no [B, V] buffer, no host sync: the
+launch sequence is fixed, so the sampler can be captured in a CUDA graph). A search pass
+evaluates 16 pivot keys at once (the number of tokens above each, or their mass exp(z - m),
+and the smallest key above each), shrinking the bracket 15-fold (<= 9 passes per filter for
+any 32-bit range); the lowest pivot of the next pass is the smallest token key above lo, so
+the search stops as soon as the threshold token is isolated. Passes are split across the row:
+launch `it` of `_search_kernel` has one program per (row, search chunk), each folding the
+previous launch's per-chunk partial sums into the bracket (redundantly and in a fixed order,
+so every program of a row gets the same bracket; the state is double-buffered) and then
+evaluating its new pivots over its chunk. Only tiles whose largest key is above the lowest
+pivot are read, eight tiles ahead of the one evaluated. Pass 1's tile maxima also seed the
+brackets: the k-th largest tile maximum bounds the top-k threshold from below (k tokens are
+at least that large), and so do the tile maxima sorted by value whose masses alone reach
+top_p * sum exp(z - m) (x 1.0001) for top-p. With top-k 50 a pass reads ~50 of a row's 1187
+tiles. Then the unfiltered winner stands if it is kept (a race over a subset is won by the
+overall winner whenever it is in the subset), else `_race_kernel` races over the kept tiles
+and `_finish_kernel` combines the chunks. The launch count is fixed (_LAUNCHES); a row still
+unresolved after it (worst case: 9 passes a filter) is finished by one program in
+`_finish_kernel`, exactly as the launches would have.
+
+Passes a row needs (counted in the interpreter, V = 151936): top-k 50 + top-p 0.9 on the
+benchmark's randn * 3 / 0.7 logits 3-5 (bf16) and 5-6 (fp32); top-p 0.95 over ~2000 strong
+tokens 4-5; top-p 0.95 on flat randn fp32 6-8; min-p alone 0.
+
+Cost, [256, 151936], top-k 50 + top-p 0.9 (bench/kernel_suites/engine_ops.py): the first
+version ran the search in one program per row (256 programs, each reading its whole row
+per pass tile after dependent tile, 8-10 passes): 7.5 ms (bf16) / 4.5 ms (fp32). Now: pass 1
+(~0.19 ms, unchanged but for the tile maxima) + prepare (~0.01 ms: a 2048-key sort a row) +
+~5 search launches of 1280 programs reading ~50 tiles a row (~0.01 ms each) + idle launches
+(~3 us) + race/finish: expected ~0.3 ms. A dense pass (top-p alone on a flat row: every tile)
+is compute-bound at ~57 instructions a token, ~0.1 ms for [256, 151936]. Temperature-only rows
+pay only the idle launches (expected ~0.19 -> ~0.22 ms; fewer _LAUNCHES trade that for the
+one-program fallback on the rows that need more passes).
 """
 
 from __future__ import annotations
@@ -46,13 +70,21 @@ from rlcu.ops._backend import interpreting, use_triton
 
 _M32 = 0xFFFFFFFF
 _NP = 16  # pivots a search pass evaluates
-# pass 1: BV a tile, CHUNK of the vocabulary a program (a constant: sums must not depend on B);
-# finish: BV a tile of the search passes (bench/kernel_suites/engine_ops.py --sweep)
+# pass 1: BV a vector, CHUNK tokens a program (constants: sums must not depend on B); search:
+# BT tokens a tile (the unit of skipping), CHUNK tokens a program (5 a row at V = 151936);
+# row: the one-program-per-row prepare kernel (bench/kernel_suites/engine_ops.py --sweep)
 CONFIGS = {
     "pass1": dict(BV=1024, CHUNK=8192, num_warps=4),
-    "finish": dict(BV=256, num_warps=8),
+    "search": dict(BT=128, CHUNK=32768, num_warps=4),
+    "row": dict(num_warps=8),
 }
-_PASSES = 9  # passes of 15 new pivots that pin any 32-bit key (2^32 -> 1)
+_PASSES = 9  # passes of 15 new pivots that pin any 32-bit key (2^32 -> 1), per filter
+_LAUNCHES = 8  # search launches; a row that needs more is finished by one program
+# a row's search state, int64: stage (0 none or done, 1 top-k, 2 top-p), lo, hi, mk_lo (the
+# smallest token key above lo), base and hip (the pivots of the pass in flight), pend (a pass
+# is in flight), first (the top-p pass in flight is the first), lo1 (top-k's lo), lo_pb (the
+# tile bound of top-p), flt (the row has filters), passes; and the top-p target (fp32)
+_NF = 12
 
 
 @triton.jit
@@ -94,9 +126,16 @@ def _okey(z):
 
 
 @triton.jit
-def _pass1_kernel(LOGITS, TEMP, SEEDS, OFFSETS, PF, PI, stride_b, B, V, NC,
-                  BV: tl.constexpr, CHUNK: tl.constexpr, FAST: tl.constexpr):
-    # per (row, chunk): max m, sum exp(z - m), min z, argmax, race winner (score, index)
+def _zkey(k):
+    # the inverse of _okey (key 0 -> +0.0)
+    return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pass1_kernel(LOGITS, TEMP, SEEDS, OFFSETS, PF, PI, TMAX, stride_b, B, V, NC, NT,
+                  BV: tl.constexpr, CHUNK: tl.constexpr, BT: tl.constexpr, FAST: tl.constexpr):
+    # per (row, chunk): max m, sum exp(z - m), min z, argmax, race winner (score, index);
+    # per tile of BT tokens: the largest key (int32 min for a tile past V)
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     T = tl.load(TEMP + b)
@@ -115,6 +154,9 @@ def _pass1_kernel(LOGITS, TEMP, SEEDS, OFFSETS, PF, PI, stride_b, B, V, NC,
         mask = idx < V
         z = tl.load(LOGITS + b * stride_b + idx, mask=mask, other=float("-inf"))
         z = tl.math.div_rn(z.to(tl.float32), T)
+        t = (c * CHUNK + i) // BT + tl.arange(0, BV // BT)  # [BV // BT] tiles
+        tmax = _okey(tl.max(tl.reshape(z, [BV // BT, BT]), 1))
+        tl.store(TMAX + b * NT + t, tl.where(t * BT < V, tmax, -2147483648))
         m_new = tl.maximum(mv, z)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         sv = sv * tl.exp(mv - m_safe) + tl.exp(z - m_safe)
@@ -144,28 +186,6 @@ def _pass1_kernel(LOGITS, TEMP, SEEDS, OFFSETS, PF, PI, stride_b, B, V, NC,
 
 
 @triton.jit
-def _pivot_pass(LOGITS, stride_b, b, V, T, m, piv, BV: tl.constexpr, NP: tl.constexpr,
-                COUNT: tl.constexpr, MASS: tl.constexpr):
-    # for each pivot key p: #{key > p} (if COUNT), the mass sum_{key > p} exp(z - m) (if MASS)
-    # and the smallest key above p (which tells when the bracket has isolated the threshold)
-    cnt = tl.zeros([BV, NP], tl.int32)
-    mass = tl.zeros([BV, NP], tl.float32)
-    mk = tl.full([BV, NP], 2147483647, tl.int32)
-    for i in range(0, V, BV):
-        idx = i + tl.arange(0, BV)
-        z = tl.load(LOGITS + b * stride_b + idx, mask=idx < V, other=float("-inf"))
-        z = tl.math.div_rn(z.to(tl.float32), T)
-        key = tl.where(idx < V, _okey(z), -2147483648)[:, None]  # [BV, 1]
-        gt = key > piv[None, :]  # [BV, NP]
-        if COUNT:
-            cnt += gt.to(tl.int32)
-        mk = tl.minimum(mk, tl.where(gt, key, 2147483647))
-        if MASS:
-            mass += tl.where(gt, tl.exp(z - m)[:, None], 0.0)
-    return tl.sum(cnt, 0), tl.sum(mass, 0), tl.min(mk, 0)
-
-
-@triton.jit
 def _pick(j, sel, x):
     return tl.sum(tl.where(j == sel, x, 0), 0)
 
@@ -188,9 +208,166 @@ def _narrow(j, piv, fail, mk, base, hi, NP: tl.constexpr):
 
 
 @triton.jit
-def _finish_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, OFFSETS, PF, PI, TOKENS, LOGPROBS,
-                   stride_b, B, V, NC, BC: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr,
-                   PASSES: tl.constexpr, FAST: tl.constexpr):
+def _tiles(TMAX, b, c, NT, above, TPC: tl.constexpr):
+    # the tiles of chunk c whose largest key is above `above`: (count, rank of each or -1, t)
+    t = tl.arange(0, TPC)
+    act = tl.load(TMAX + b * NT + c * TPC + t, mask=c * TPC + t < NT, other=-2147483648) > above
+    return tl.sum(act.to(tl.int32), 0), tl.where(act, tl.cumsum(act.to(tl.int32), 0) - 1, -1), t
+
+
+@triton.jit
+def _tile_ld(LOGITS, stride_b, b, c, rank, t, r, n, V, BT: tl.constexpr, TPC: tl.constexpr):
+    # the logits of the r-th listed tile of chunk c (nothing read when r >= n): (first index, x)
+    i0 = (c * TPC + tl.sum(tl.where(rank == r, t, 0), 0)).to(tl.int32) * BT
+    idx = i0 + tl.arange(0, BT)
+    return i0, tl.load(LOGITS + b * stride_b + idx, mask=(idx < V) & (r < n), other=float("-inf"))
+
+
+@triton.jit
+def _chunk_pass(LOGITS, TMAX, stride_b, b, c, V, NT, T, m, piv, is_p,
+                BT: tl.constexpr, TPC: tl.constexpr, NP: tl.constexpr):
+    # over chunk c, for each pivot p: the weight above p (1 a token, or exp(z - m) when
+    # is_p; counts stay exact in fp32) and the smallest key above p. Only the tiles whose
+    # largest key is above the lowest pivot can add anything, so only those are read, eight
+    # tiles ahead of the one being evaluated (a tile is one token a thread: the loads in
+    # flight are what keeps a pass over a dense row from waiting on memory).
+    # [NP, BT]: the pivots are the slow axis, so each thread holds all of them for its
+    # tokens and computes each token's z, key and weight once.
+    n, rank, t = _tiles(TMAX, b, c, NT, tl.min(piv, 0), TPC)
+    acc = tl.zeros([NP, BT], tl.float32)
+    mk = tl.full([NP, BT], 2147483647, tl.int32)
+    i0, x0 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 0, n, V, BT, TPC)
+    i1, x1 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 1, n, V, BT, TPC)
+    i2, x2 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 2, n, V, BT, TPC)
+    i3, x3 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 3, n, V, BT, TPC)
+    i4, x4 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 4, n, V, BT, TPC)
+    i5, x5 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 5, n, V, BT, TPC)
+    i6, x6 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 6, n, V, BT, TPC)
+    i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 7, n, V, BT, TPC)
+    for r in range(n):
+        idx = i0 + tl.arange(0, BT)
+        z = tl.math.div_rn(x0.to(tl.float32), T)
+        i0, x0, i1, x1, i2, x2, i3, x3 = i1, x1, i2, x2, i3, x3, i4, x4
+        i4, x4, i5, x5, i6, x6 = i5, x5, i6, x6, i7, x7
+        i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, r + 8, n, V, BT, TPC)
+        key = tl.where(idx < V, _okey(z), -2147483648)[None, :]  # [1, BT]
+        wgt = tl.where(is_p, tl.exp(z - m), 1.0)[None, :]
+        gt = key > piv[:, None]  # [NP, BT]
+        acc += tl.where(gt, wgt, 0.0)
+        mk = tl.minimum(mk, tl.where(gt, key, 2147483647))
+    return tl.sum(acc, 1), tl.min(mk, 1)
+
+
+@triton.jit
+def _chunk_race(LOGITS, TMAX, stride_b, b, c, V, NT, T, lo, key, BT: tl.constexpr,
+                TPC: tl.constexpr, FAST: tl.constexpr):
+    # the race over the kept tokens (key > lo) of chunk c: (best score, its smallest index)
+    n, rank, t = _tiles(TMAX, b, c, NT, lo, TPC)
+    bv = tl.full([BT], float("-inf"), tl.float32)
+    bi = tl.zeros([BT], tl.int32)
+    i0, x0 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 0, n, V, BT, TPC)
+    i1, x1 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 1, n, V, BT, TPC)
+    i2, x2 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 2, n, V, BT, TPC)
+    i3, x3 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 3, n, V, BT, TPC)
+    i4, x4 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 4, n, V, BT, TPC)
+    i5, x5 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 5, n, V, BT, TPC)
+    i6, x6 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 6, n, V, BT, TPC)
+    i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 7, n, V, BT, TPC)
+    for r in range(n):  # eight tiles in flight, as in _chunk_pass
+        idx = i0 + tl.arange(0, BT)
+        z = tl.math.div_rn(x0.to(tl.float32), T)
+        i0, x0, i1, x1, i2, x2, i3, x3 = i1, x1, i2, x2, i3, x3, i4, x4
+        i4, x4, i5, x5, i6, x6 = i5, x5, i6, x6, i7, x7
+        i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, r + 8, n, V, BT, TPC)
+        kept = (idx < V) & (_okey(z).to(tl.int64) > lo)
+        sc = tl.where(kept, z + _gumbel(key, idx, FAST), float("-inf"))
+        upd = sc > bv
+        bi = tl.where(upd, idx.to(tl.int32), bi)
+        bv = tl.where(upd, sc, bv)
+    best = tl.max(bv, 0)
+    return best, tl.min(tl.where(bv == best, bi, 2147483647), 0)
+
+
+@triton.jit
+def _settle(stage, lo, hi, mk_lo, done, first, lo1, lo_pb, top_p, m, V):
+    # a finished top-k search (stage 1) starts the top-p search (stage 2) within its kept
+    # set, or ends the row (stage 0); a finished top-p search ends it
+    hi0 = _okey(m).to(tl.int64)
+    # tokens with exp(z - m) <= (1 - top_p) / V fail, as mass(A) >= 1 (halved: margin)
+    lo_p = tl.maximum(tl.maximum(lo, _okey(m + tl.log(0.5 * (1.0 - top_p) / V)).to(tl.int64) - 1),
+                      lo_pb)
+    to_p = (stage == 1) & done & (top_p < 1.0)
+    lo1 = tl.where(to_p, lo, lo1)
+    lo = tl.where(to_p, lo_p, lo)
+    mk_lo = tl.where(to_p, lo_p + 1, mk_lo)
+    hi = tl.where(to_p, hi0, hi)
+    first = tl.where(to_p, 1, first)
+    done = tl.where(to_p, hi0 - lo_p <= 1, done)
+    stage = tl.where(to_p, 2, tl.where((stage == 1) & done, 0, stage))
+    stage = tl.where((stage == 2) & done, 0, stage)
+    return stage, lo, hi, mk_lo, first, lo1
+
+
+@triton.jit
+def _advance(PM, PK, pslot, b, B, NC, stage, base, hip, first, lo1, target, k, top_p, key_tm,
+             BC: tl.constexpr, NP: tl.constexpr):
+    # fold the per-chunk partial sums of the pass run with pivots (base, hip) into the bracket
+    j = tl.arange(0, NP)
+    cc = tl.arange(0, BC)
+    off = ((pslot * B + b) * NC + cc)[:, None] * NP + j[None, :]  # [BC, NP]
+    msk = (cc < NC)[:, None]
+    w = tl.sum(tl.load(PM + off, mask=msk, other=0.0), 0)  # tokens (top-k) or mass (top-p)
+    mk = tl.min(tl.load(PK + off, mask=msk, other=2147483647), 0)
+    piv = _pivots(j, base, hip, NP)
+    p1 = (stage == 2) & (first != 0)  # the first top-p pass: lane 0 (= lo1) measures mass(A)
+    piv = tl.where((j == 0) & p1, lo1, piv)
+    target = tl.where(p1, top_p * _pick(j, 0, w), target)
+    fail = tl.where(stage == 1, (piv < key_tm) | (w >= k.to(tl.float32)), w >= target)
+    lo, mk_lo, hi, done = _narrow(j, piv, fail, mk, base, hip, NP)
+    return lo, mk_lo, hi, done, tl.where(p1, 0, first), target
+
+
+@triton.jit
+def _load_state(ST, STF, slot, b, B, NF: tl.constexpr):
+    p = ST + (slot * B + b) * NF
+    return (tl.load(p + 0), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(p + 4),
+            tl.load(p + 5), tl.load(p + 6), tl.load(p + 7), tl.load(p + 8), tl.load(p + 9),
+            tl.load(p + 10), tl.load(p + 11), tl.load(STF + slot * B + b))
+
+
+@triton.jit
+def _store_state(ST, STF, slot, b, B, stage, lo, hi, mk_lo, base, hip, pend, first, lo1, lo_pb,
+                 flt, npass, target, NF: tl.constexpr):
+    p = ST + (slot * B + b) * NF
+    tl.store(p + 0, stage.to(tl.int64))
+    tl.store(p + 1, lo.to(tl.int64))
+    tl.store(p + 2, hi.to(tl.int64))
+    tl.store(p + 3, mk_lo.to(tl.int64))
+    tl.store(p + 4, base.to(tl.int64))
+    tl.store(p + 5, hip.to(tl.int64))
+    tl.store(p + 6, pend.to(tl.int64))
+    tl.store(p + 7, first.to(tl.int64))
+    tl.store(p + 8, lo1.to(tl.int64))
+    tl.store(p + 9, lo_pb.to(tl.int64))
+    tl.store(p + 10, flt.to(tl.int64))
+    tl.store(p + 11, npass.to(tl.int64))
+    tl.store(STF + slot * B + b, target)
+
+
+@triton.jit
+def _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b):
+    T = tl.load(TEMP + b)
+    T = tl.where(T > 0, T, 1.0)
+    k = tl.load(TOP_K + b)
+    top_p = tl.load(TOP_P + b)
+    key_tm = _okey(m + tl.log(tl.load(MIN_P + b))).to(tl.int64)  # min-p keeps key >= key_tm
+    return T, k, top_p, key_tm
+
+
+@triton.jit
+def _prepare_kernel(TEMP, TOP_K, TOP_P, MIN_P, PF, PI, TMAX, RF, RI, ST, STF, TOKENS, LOGPROBS,
+                    LOGITS, stride_b, B, V, NC, NT, BC: tl.constexpr, BNT: tl.constexpr,
+                    NF: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
     cmask = c < NC
@@ -205,73 +382,166 @@ def _finish_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, OFFSETS, PF, PI, TO
     best = tl.max(best_c, 0)
     w = tl.min(tl.where(best_c == best, tl.load(PI + B * NC + row, mask=cmask, other=0),
                         2147483647), 0)
-    T = tl.load(TEMP + b)
-    race = T > 0
-    T = tl.where(race, T, 1.0)
-    tok = tl.where(race, w, a)
-    k = tl.load(TOP_K + b)
-    top_p = tl.load(TOP_P + b)
-    min_p = tl.load(MIN_P + b)
+    tl.store(RF + 2 * b, m)
+    tl.store(RF + 2 * b + 1, s)
+    tl.store(RI + 2 * b, a)
+    tl.store(RI + 2 * b + 1, w)
+    T, k, top_p, key_tm = _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b)
+    race = tl.load(TEMP + b) > 0
     k_on = (k > 0) & (k < V)
-    if race & (k_on | (top_p < 1.0) | (min_p > 0.0)):
-        # Both searches keep a bracket: every token with key <= lo fails, every token with
-        # key >= hi passes. A pass evaluates 16 pivots, the lowest one just above the
-        # smallest token key above lo (so the pass that isolates the threshold also ends the
-        # search); done once no token lies strictly between lo and hi.
-        j = tl.arange(0, NP)
-        hi0 = _okey(m).to(tl.int64)  # every condition holds at the maximum
-        key_tm = _okey(m + tl.log(min_p)).to(tl.int64)  # min-p keeps key >= key_tm
-        lo = key_tm - 1
-        if k_on:  # top-k and min-p: fail iff key < key_tm or #{key above} >= k
-            lo = tl.maximum(_okey(zmin).to(tl.int64), key_tm) - 1
-            mk_lo = lo + 1
-            hi = hi0
-            done = hi - lo <= 1
-            for _ in range(PASSES):
-                if not done:
-                    base = tl.maximum(mk_lo - 1, lo)  # keys <= base fail
-                    piv = _pivots(j, base, hi, NP)
-                    cnt, mass, mk = _pivot_pass(LOGITS, stride_b, b, V, T, m, piv.to(tl.int32),
-                                                BV, NP, True, False)
-                    lo, mk_lo, hi, done = _narrow(j, piv, (piv < key_tm) | (cnt >= k), mk, base,
-                                                  hi, NP)
-        if top_p < 1.0:  # within A = {key > lo}: fail iff mass above >= top_p * mass(A)
-            lo1 = lo
-            # tokens with exp(z - m) <= (1 - top_p) / V fail, as mass(A) >= 1 (halved: margin)
-            lo = tl.maximum(lo1, _okey(m + tl.log(0.5 * (1.0 - top_p) / V)).to(tl.int64) - 1)
-            mk_lo = lo + 1
-            hi = hi0
-            done = hi - lo <= 1
-            target = 0.0
-            for it in range(PASSES):
-                if not done:
-                    base = tl.maximum(mk_lo - 1, lo)  # keys <= base fail
-                    piv = _pivots(j, base, hi, NP)
-                    if it == 0:
-                        piv = tl.where(j == 0, lo1, piv)  # lane 0 measures mass(A)
-                    cnt, mass, mk = _pivot_pass(LOGITS, stride_b, b, V, T, m, piv.to(tl.int32),
-                                                BV, NP, False, True)
-                    if it == 0:
-                        target = top_p * _pick(j, 0, mass)
-                    lo, mk_lo, hi, done = _narrow(j, piv, mass >= target, mk, base, hi, NP)
+    flt = race & (k_on | (top_p < 1.0) | (tl.load(MIN_P + b) > 0.0))
+    tok = tl.where(race, w, a)
+    if flt == 0:  # done: the unfiltered winner (or the argmax)
+        z_tok = tl.math.div_rn(tl.load(LOGITS + b * stride_b + tok).to(tl.float32), T)
+        tl.store(TOKENS + b, tok.to(tl.int64))
+        tl.store(LOGPROBS + b, (z_tok - m) - tl.log(s))
+    # bounds from the tile maxima (t_1 >= t_2 >= ... the sorted largest key of each tile)
+    hi0 = _okey(m).to(tl.int64)
+    lo_k = tl.maximum(_okey(zmin).to(tl.int64), key_tm) - 1
+    lo_pb = lo_k * 0 - 2147483649
+    if flt & (k_on | (top_p < 1.0)):
+        i = tl.arange(0, BNT)
+        ts = tl.sort(tl.load(TMAX + b * NT + i, mask=i < NT, other=-2147483648), descending=True)
+        if k_on & (k <= NT):  # tiles 1..k hold k tokens with key >= t_k: keys below fail
+            lo_k = tl.maximum(lo_k, _pick(i, k - 1, ts).to(tl.int64) - 1)
+        if top_p < 1.0:  # the tile maxima above z alone hold at least the mass below
+            e = tl.where(ts > -2147483648, tl.exp(_zkey(ts) - m), 0.0)
+            hit = tl.cumsum(e, 0) >= top_p * s * 1.0001  # mass(A) <= s
+            first_hit = tl.min(tl.where(hit, i, BNT), 0)
+            if first_hit < BNT:
+                lo_pb = _pick(i, first_hit, ts).to(tl.int64) - 1
+    lo = tl.where(k_on, lo_k, key_tm - 1)
+    zero = lo * 0
+    stage, lo, hi, mk_lo, first, lo1 = _settle(zero + flt.to(tl.int64), lo, hi0, lo + 1,
+                                               (hi0 - lo <= 1) | ~k_on, zero, zero, lo_pb,
+                                               top_p, m, V)
+    _store_state(ST, STF, 1, b, B, stage, lo, hi, mk_lo, zero, zero, zero, first, lo1, lo_pb,
+                 zero + flt.to(tl.int64), zero, m * 0.0, NF)
+
+
+@triton.jit
+def _search_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, RF, ST, STF, TMAX, PM, PK, stride_b, B, V,
+                   NC, NT, it, BT: tl.constexpr, TPC: tl.constexpr, BC: tl.constexpr,
+                   NP: tl.constexpr, NF: tl.constexpr):
+    # launch `it`: fold the partial sums of launch it - 1 (slot prev) into the bracket, then
+    # evaluate the next pivots over this program's chunk (slot cur)
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    prev = (it + 1) % 2
+    cur = it % 2
+    stage, lo, hi, mk_lo, base, hip, pend, first, lo1, lo_pb, flt, npass, target = _load_state(
+        ST, STF, prev, b, B, NF)
+    if stage != 0:
+        m = tl.load(RF + 2 * b)
+        T, k, top_p, key_tm = _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b)
+        if pend != 0:
+            lo, mk_lo, hi, done, first, target = _advance(PM, PK, prev, b, B, NC, stage, base, hip,
+                                                          first, lo1, target, k, top_p, key_tm,
+                                                          BC, NP)
+            stage, lo, hi, mk_lo, first, lo1 = _settle(stage, lo, hi, mk_lo, done, first, lo1,
+                                                       lo_pb, top_p, m, V)
+        pend = (stage != 0).to(tl.int64)
+        base = tl.maximum(mk_lo - 1, lo)  # keys <= base fail
+        hip = hi
+        if c == 0:
+            _store_state(ST, STF, cur, b, B, stage, lo, hi, mk_lo, base, hip, pend, first, lo1,
+                         lo_pb, flt, npass + pend, target, NF)
+        if stage != 0:
+            j = tl.arange(0, NP)
+            piv = _pivots(j, base, hip, NP)
+            piv = tl.where((j == 0) & (stage == 2) & (first != 0), lo1, piv).to(tl.int32)
+            w, mk = _chunk_pass(LOGITS, TMAX, stride_b, b, c, V, NT, T, m, piv, stage == 2, BT,
+                                TPC, NP)
+            off = ((cur * B + b) * NC + c) * NP + j
+            tl.store(PM + off, w)
+            tl.store(PK + off, mk)
+    elif c == 0:
+        _store_state(ST, STF, cur, b, B, stage, lo, hi, mk_lo, base, hip, pend, first, lo1,
+                     lo_pb, flt, npass, target, NF)
+
+
+@triton.jit
+def _race_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, OFFSETS, RF, RI, ST, STF, TMAX, PM, PK,
+                 RB, RW, stride_b, B, V, NC, NT, slot, BT: tl.constexpr, TPC: tl.constexpr,
+                 BC: tl.constexpr, NP: tl.constexpr, NF: tl.constexpr, FAST: tl.constexpr):
+    # the last fold (slot holds the last launch's state), then, where the unfiltered winner
+    # is filtered out, the race over this chunk's kept tokens; the state goes to slot 1 - slot
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    stage, lo, hi, mk_lo, base, hip, pend, first, lo1, lo_pb, flt, npass, target = _load_state(
+        ST, STF, slot, b, B, NF)
+    m = tl.load(RF + 2 * b)
+    T, k, top_p, key_tm = _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b)
+    if (stage != 0) & (pend != 0):
+        lo, mk_lo, hi, done, first, target = _advance(PM, PK, slot, b, B, NC, stage, base, hip,
+                                                      first, lo1, target, k, top_p, key_tm, BC,
+                                                      NP)
+        stage, lo, hi, mk_lo, first, lo1 = _settle(stage, lo, hi, mk_lo, done, first, lo1, lo_pb,
+                                                   top_p, m, V)
+    if c == 0:
+        _store_state(ST, STF, 1 - slot, b, B, stage, lo, hi, mk_lo, base, hip, pend * 0, first,
+                     lo1, lo_pb, flt, npass, target, NF)
+    if flt != 0:
+        w = tl.load(RI + 2 * b + 1)
         z_w = tl.math.div_rn(tl.load(LOGITS + b * stride_b + w).to(tl.float32), T)
-        if _okey(z_w).to(tl.int64) <= lo:  # the unfiltered winner is filtered out: race again
-            key = _row_key(SEEDS, OFFSETS, b)
-            bv = tl.full([BV], float("-inf"), tl.float32)
-            bi = tl.zeros([BV], tl.int32)
-            for i in range(0, V, BV):
-                idx = i + tl.arange(0, BV)
-                z = tl.load(LOGITS + b * stride_b + idx, mask=idx < V, other=float("-inf"))
-                z = tl.math.div_rn(z.to(tl.float32), T)
-                kept = (idx < V) & (_okey(z).to(tl.int64) > lo)
-                sc = tl.where(kept, z + _gumbel(key, idx, FAST), float("-inf"))
-                upd = sc > bv
-                bi = tl.where(upd, idx.to(tl.int32), bi)
-                bv = tl.where(upd, sc, bv)
-            tok = tl.min(tl.where(bv == tl.max(bv, 0), bi, 2147483647), 0)
-    z_tok = tl.math.div_rn(tl.load(LOGITS + b * stride_b + tok).to(tl.float32), T)
-    tl.store(TOKENS + b, tok.to(tl.int64))
-    tl.store(LOGPROBS + b, (z_tok - m) - tl.log(s))
+        if (stage == 0) & (_okey(z_w).to(tl.int64) <= lo):
+            best, wc = _chunk_race(LOGITS, TMAX, stride_b, b, c, V, NT, T, lo,
+                                   _row_key(SEEDS, OFFSETS, b), BT, TPC, FAST)
+            tl.store(RB + b * NC + c, best)
+            tl.store(RW + b * NC + c, wc)
+
+
+@triton.jit
+def _finish_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, OFFSETS, RF, RI, ST, STF, TMAX, PM,
+                   PK, RB, RW, TOKENS, LOGPROBS, stride_b, B, V, NC, NT, slot, BT: tl.constexpr,
+                   TPC: tl.constexpr, BC: tl.constexpr, NP: tl.constexpr, NF: tl.constexpr,
+                   PASSES: tl.constexpr, FAST: tl.constexpr):
+    # rows with filters: the token (the unfiltered winner, or the best of the chunk races)
+    # and its logprob; a row whose search is unresolved is finished here, by this program
+    b = tl.program_id(0).to(tl.int64)
+    stage, lo, hi, mk_lo, base, hip, pend, first, lo1, lo_pb, flt, npass, target = _load_state(
+        ST, STF, slot, b, B, NF)
+    if flt != 0:
+        m = tl.load(RF + 2 * b)
+        T, k, top_p, key_tm = _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b)
+        tok = tl.load(RI + 2 * b + 1)
+        z_w = tl.math.div_rn(tl.load(LOGITS + b * stride_b + tok).to(tl.float32), T)
+        cc = tl.arange(0, BC)
+        if stage != 0:  # the rest of the search, pass by pass over every chunk
+            j = tl.arange(0, NP)
+            for _ in range(2 * PASSES):
+                if stage != 0:
+                    base = tl.maximum(mk_lo - 1, lo)
+                    piv = _pivots(j, base, hi, NP)
+                    piv = tl.where((j == 0) & (stage == 2) & (first != 0), lo1, piv).to(tl.int32)
+                    for c in range(NC):
+                        w, mk = _chunk_pass(LOGITS, TMAX, stride_b, b, c, V, NT, T, m, piv,
+                                            stage == 2, BT, TPC, NP)
+                        off = ((slot * B + b) * NC + c) * NP + j
+                        tl.store(PM + off, w)
+                        tl.store(PK + off, mk)
+                    tl.debug_barrier()
+                    lo, mk_lo, hi, done, first, target = _advance(PM, PK, slot, b, B, NC, stage,
+                                                                  base, hi, first, lo1, target,
+                                                                  k, top_p, key_tm, BC, NP)
+                    tl.debug_barrier()
+                    stage, lo, hi, mk_lo, first, lo1 = _settle(stage, lo, hi, mk_lo, done, first,
+                                                               lo1, lo_pb, top_p, m, V)
+            if _okey(z_w).to(tl.int64) <= lo:
+                key = _row_key(SEEDS, OFFSETS, b)
+                for c in range(NC):
+                    best, wc = _chunk_race(LOGITS, TMAX, stride_b, b, c, V, NT, T, lo, key, BT,
+                                           TPC, FAST)
+                    tl.store(RB + b * NC + c, best)
+                    tl.store(RW + b * NC + c, wc)
+                tl.debug_barrier()
+        if _okey(z_w).to(tl.int64) <= lo:  # the winner is filtered out: the best chunk race
+            best_c = tl.load(RB + b * NC + cc, mask=cc < NC, other=float("-inf"))
+            wc = tl.load(RW + b * NC + cc, mask=cc < NC, other=2147483647)
+            tok = tl.min(tl.where(best_c == tl.max(best_c, 0), wc, 2147483647), 0)
+        z_tok = tl.math.div_rn(tl.load(LOGITS + b * stride_b + tok).to(tl.float32), T)
+        tl.store(TOKENS + b, tok.to(tl.int64))
+        tl.store(LOGPROBS + b, (z_tok - m) - tl.log(tl.load(RF + 2 * b + 1)))
 
 
 def _check(logits, temperature, top_k, top_p, min_p, seeds, offsets):
@@ -288,12 +558,13 @@ def _check(logits, temperature, top_k, top_p, min_p, seeds, offsets):
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     B, V = logits.shape
-    tokens = torch.empty(B, device=logits.device, dtype=torch.int64)
-    logprobs = torch.empty(B, device=logits.device, dtype=torch.float32)
+    dev = logits.device
+    tokens = torch.empty(B, device=dev, dtype=torch.int64)
+    logprobs = torch.empty(B, device=dev, dtype=torch.float32)
     if B == 0:
         return tokens, logprobs
-    if V >= 2**31:
-        raise ValueError(f"sample: V={V} must be < 2^31")
+    if V >= 2**31 - 2**20:
+        raise ValueError(f"sample: V={V} must be < 2^31 - 2^20")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     temperature = temperature.float().contiguous()
@@ -301,18 +572,41 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     top_p, min_p = top_p.float().contiguous(), min_p.float().contiguous()
     seeds, offsets = seeds.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()
     fast = not interpreting()
-    c1, cf = CONFIGS["pass1"], CONFIGS["finish"]
+    c1, cs, cr = CONFIGS["pass1"], CONFIGS["search"], CONFIGS["row"]
     CHUNK = min(c1["CHUNK"], triton.next_power_of_2(V))  # depends on V only, never on B
-    NC = triton.cdiv(V, CHUNK)
-    pf = torch.empty(4, B, NC, device=logits.device, dtype=torch.float32)
-    pi = torch.empty(2, B, NC, device=logits.device, dtype=torch.int32)
-    _pass1_kernel[(B, NC)](logits, temperature, seeds, offsets, pf, pi, logits.stride(0), B, V,
-                           NC, BV=min(c1["BV"], CHUNK), CHUNK=CHUNK, FAST=fast,
+    BV = min(c1["BV"], CHUNK)
+    BT = min(cs["BT"], BV)
+    NC, NT = triton.cdiv(V, CHUNK), triton.cdiv(V, CHUNK) * (CHUNK // BT)
+    SCHUNK = max(min(cs["CHUNK"], triton.next_power_of_2(V)), BT)  # a search program's tokens
+    NS, TPS = triton.cdiv(V, SCHUNK), SCHUNK // BT
+    BC, BS, BNT = triton.next_power_of_2(NC), triton.next_power_of_2(NS), triton.next_power_of_2(NT)
+    # fp32: pass-1 partials [4, B, NC], row stats [B, 2], chunk races [B, NS], search targets
+    # [2, B], search partials [2, B, NS, NP]; int32: pass-1 indices [2, B, NC], row indices
+    # [B, 2], race indices [B, NS], tile keys [B, NT], search min-keys [2, B, NS, NP]
+    nf = [4 * B * NC, 2 * B, B * NS, 2 * B, 2 * B * NS * _NP]
+    ni = [2 * B * NC, 2 * B, B * NS, B * NT, 2 * B * NS * _NP]
+    pf, rf, rb, stf, pm = torch.empty(sum(nf), device=dev, dtype=torch.float32).split(nf)
+    pi, ri, rw, tmax, pk = torch.empty(sum(ni), device=dev, dtype=torch.int32).split(ni)
+    st = torch.empty(2, B, _NF, device=dev, dtype=torch.int64)
+    rows = (temperature, top_k, top_p, min_p)
+    _pass1_kernel[(B, NC)](logits, temperature, seeds, offsets, pf, pi, tmax, logits.stride(0), B,
+                           V, NC, NT, BV=BV, CHUNK=CHUNK, BT=BT, FAST=fast,
                            num_warps=c1["num_warps"])
-    _finish_kernel[(B,)](logits, temperature, top_k, top_p, min_p, seeds, offsets, pf, pi, tokens,
-                         logprobs, logits.stride(0), B, V, NC, BC=triton.next_power_of_2(NC),
-                         BV=cf["BV"], NP=_NP, PASSES=_PASSES, FAST=fast,
-                         num_warps=cf["num_warps"])
+    _prepare_kernel[(B,)](*rows, pf, pi, tmax, rf, ri, st, stf, tokens, logprobs, logits,
+                          logits.stride(0), B, V, NC, NT, BC=BC, BNT=BNT, NF=_NF,
+                          num_warps=cr["num_warps"])
+    for it in range(_LAUNCHES):
+        _search_kernel[(B, NS)](logits, *rows, rf, st, stf, tmax, pm, pk, logits.stride(0), B, V,
+                                NS, NT, it, BT=BT, TPC=TPS, BC=BS, NP=_NP, NF=_NF,
+                                num_warps=cs["num_warps"])
+    slot = (_LAUNCHES + 1) % 2
+    _race_kernel[(B, NS)](logits, *rows, seeds, offsets, rf, ri, st, stf, tmax, pm, pk, rb, rw,
+                          logits.stride(0), B, V, NS, NT, slot, BT=BT, TPC=TPS, BC=BS, NP=_NP,
+                          NF=_NF, FAST=fast, num_warps=cs["num_warps"])
+    _finish_kernel[(B,)](logits, *rows, seeds, offsets, rf, ri, st, stf, tmax, pm, pk, rb, rw,
+                         tokens, logprobs, logits.stride(0), B, V, NS, NT, 1 - slot, BT=BT,
+                         TPC=TPS, BC=BS, NP=_NP, NF=_NF, PASSES=_PASSES, FAST=fast,
+                         num_warps=cs["num_warps"])
     return tokens, logprobs
 
 
