@@ -91,6 +91,9 @@ def _run_workload(rng, num_blocks, block_size, budget, max_seqs, n_req, prefix_c
 @pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "sync"])
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workload_invariants(seed, lookahead):
+    """Random pools, budgets and requests: `_run_workload` asserts the invariants after every
+    step (ref counts balance, each sequence reads back its own tokens, the budget holds) and at
+    the end (every sample finished for the right reason, no block leaked)."""
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randrange(6, 14) * (8 // bs)
