@@ -2,42 +2,22 @@
 the seeded sampler. Twins are checked against independent dense / hand-written references,
 kernels against the twins (on the CPU through TRITON_INTERPRET=1 at small odd shapes)."""
 
-import importlib
 import math
 import os
 import warnings
 
+import numpy as np
+import pytest
 import torch
+from hf_util import rel_err
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton.jit decorates the kernels
+import rlcu.ops.kv_cache as kvc
+import rlcu.ops.paged_attention as pa
+import rlcu.ops.sampling as smp
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import triton.runtime.interpreter as _interp  # noqa: E402
-from hf_util import rel_err  # noqa: E402
-
-import rlcu.ops.kv_cache as kvc  # noqa: E402
-import rlcu.ops.paged_attention as pa  # noqa: E402
-import rlcu.ops.sampling as smp  # noqa: E402
-
+# conftest.py sets TRITON_INTERPRET=1 without a GPU (before triton is imported) and patches
+# the interpreter for numpy >= 2.4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-for _mod, _fn in ((kvc, "_kv_write_kernel"), (pa, "_decode_kernel"), (smp, "_pass1_kernel")):
-    if INTERPRET and not isinstance(getattr(_mod, _fn), _interp.InterpretedFunction):
-        importlib.reload(_mod)  # imported before TRITON_INTERPRET was set: decorate again
-
-try:  # numpy >= 2.4 refuses int() of the interpreter's 1-element scalars (runtime loop bounds)
-    int(np.array([1]))
-except TypeError:
-    if not getattr(_interp._patch_lang_tensor, "_scalar_index", False):
-        _patch_tensor = _interp._patch_lang_tensor
-
-        def _patch_lang_tensor(tensor, scope):
-            _patch_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-        _patch_lang_tensor._scalar_index = True
-        _interp._patch_lang_tensor = _patch_lang_tensor
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

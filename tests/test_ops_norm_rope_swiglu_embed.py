@@ -5,37 +5,19 @@ On the CPU the kernels run under TRITON_INTERPRET=1 in fp32 at small odd shapes;
 tests run the real Qwen3-0.6B shapes in bf16 against the twins in fp32.
 """
 
-import os
-
+import pytest
 import torch
+import triton.runtime.interpreter as _interp
+from hf_util import rel_err
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
+import rlcu.ops.embedding as emb
+import rlcu.ops.rmsnorm as rms
+import rlcu.ops.rope as rope
+import rlcu.ops.swiglu as swi
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import triton.runtime.interpreter as _interp  # noqa: E402
-from hf_util import rel_err  # noqa: E402
-
-import rlcu.ops.embedding as emb  # noqa: E402
-import rlcu.ops.rmsnorm as rms  # noqa: E402
-import rlcu.ops.rope as rope  # noqa: E402
-import rlcu.ops.swiglu as swi  # noqa: E402
-
-# triton decides at decoration time whether a kernel is interpreted: TRITON_INTERPRET=1 must
-# be set before triton is first imported (tests/conftest.py is the safe place)
+# tests/conftest.py sets TRITON_INTERPRET=1 without a GPU, before triton is first imported (triton
+# decides at decoration time whether a kernel is interpreted), and patches the interpreter
 INTERPRET = isinstance(rms._rmsnorm_fwd_kernel, _interp.InterpretedFunction)
-
-try:  # numpy >= 2.4 refuses int() of the interpreter's 1-element scalars (loop bounds)
-    int(np.array([1]))
-except TypeError:
-    _patch_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
 
 cpu = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set before triton is imported")
 TOL32 = 2e-5  # fp32 kernel vs fp32 twin (rope angles differ in the last bits)

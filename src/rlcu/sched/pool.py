@@ -15,6 +15,8 @@ a service restart; the policies in policy.py decide. `check_invariants` audits t
 
 from __future__ import annotations
 
+import abc
+
 import dataclasses
 import math
 
@@ -90,7 +92,7 @@ def parse_clusters(clusters: dict) -> dict[str, Cluster]:
     return out
 
 
-class _Base:
+class _Base(abc.ABC):
     """Pool and job bookkeeping shared by both policies."""
 
     name = "base"
@@ -284,8 +286,9 @@ class _Base:
     def _key(self, r: Request, now: float):
         return (self.score(r, now), r.since, r.id)
 
+    @abc.abstractmethod
     def schedule(self, now: float) -> Decision:
-        raise NotImplementedError
+        """The subclass's decision for this instant."""
 
 
 def check_invariants(p: _Base) -> None:

@@ -14,6 +14,8 @@ from a checkpoint makes the same rollouts.
 
 from __future__ import annotations
 
+import abc
+
 import inspect
 import math
 import time
@@ -92,7 +94,7 @@ def _reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
     return specs
 
 
-class RLTrainer:
+class RLTrainer(abc.ABC):
     """Setup and loop shared by GRPO and PPO: model, tokenizer, engine, reference model, data,
     rewards, optimizer, logger, checkpoints, evaluation. Subclasses implement `train_step`."""
 
@@ -354,8 +356,9 @@ class RLTrainer:
             lg.close()
         return self.history
 
+    @abc.abstractmethod
     def train_step(self, step: int) -> dict:
-        raise NotImplementedError
+        """One step of the concrete subclass."""
 
     # ---------------------------------------------------------------- shared step pieces
     @staticmethod
