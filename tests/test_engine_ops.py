@@ -288,17 +288,14 @@ def test_sample_kernel_vs_twin(kind, triton_backend):
     assert torch.allclose(lps, rlps, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("launches", [0, 3])
-def test_sample_kernel_split_rows(launches, triton_backend, monkeypatch):
-    """Rows cut into many chunks and tiles (pass-1 chunks of 128, search programs of 64
-    tokens, 16-token tiles: the tile bounds and the skipping of tiles are exercised), with too
-    few search launches for some rows (0: the finish kernel runs every pass of every row)."""
+def test_sample_kernel_split_rows(triton_backend, monkeypatch):
+    """Rows cut into many pass-1 chunks (128 tokens), search chunks (64) and tiles (16): the
+    tile bounds of top-k and top-p, the skipping of tiles and the chunked race are exercised."""
     monkeypatch.setitem(smp.CONFIGS, "pass1", dict(BV=64, CHUNK=128, num_warps=4))
-    monkeypatch.setitem(smp.CONFIGS, "search", dict(BT=16, CHUNK=64, num_warps=4))
-    monkeypatch.setattr(smp, "_LAUNCHES", launches)
+    monkeypatch.setitem(smp.CONFIGS, "row", dict(BT=16, CHUNK=64, num_warps=4))
     rows = SAMPLE_KERNEL_CASES["mixed"] + [(1.0, 0, 0.95, 0.0), (0.8, 7, 1.0, 0.0), (1.0, 0, 0.5, 0.02)]
     B, V = len(rows), 333
-    g = torch.Generator().manual_seed(launches)
+    g = torch.Generator().manual_seed(5)
     logits = torch.randn(B, V, generator=g) * 3
     logits[1::2] = logits[1::2].bfloat16().float()  # ties
     logits[3, 100:] = float("-inf")
@@ -382,15 +379,11 @@ def test_gpu_sample_qwen3_vocab(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launches", [None, 1])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_sample_filters(dtype, launches, monkeypatch):
+def test_gpu_sample_filters(dtype):
     """Filtered rows of three kinds: the benchmark's (top-k 50 + top-p 0.9: a few tiles a
     row), top-p alone on flat logits (every tile of the row is read), a few strong tokens over
-    a long tail (top-p, top-k + top-p, min-p); with the default number of search launches and
-    with one (the finish kernel then runs the remaining passes itself)."""
-    if launches is not None:
-        monkeypatch.setattr(smp, "_LAUNCHES", launches)
+    a long tail (top-p, top-k + top-p, min-p)."""
     V, n = 151936, 32
     torch.manual_seed(1)
     llm = torch.randn(n, V, device="cuda") * 1.5

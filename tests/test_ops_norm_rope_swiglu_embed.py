@@ -281,11 +281,8 @@ def test_gpu_swiglu():
 
 
 @gpu
-@pytest.mark.parametrize("tma", [True, False])
-@pytest.mark.parametrize("D", [1024, 2560, 96])
-def test_gpu_embedding(tma, D, monkeypatch):
-    """The TMA bulk-reduction backward (Hopper; D % 256 == 0) and the per-thread atomics."""
-    monkeypatch.setitem(emb.CONFIGS, "bwd_tma", tma)
+@pytest.mark.parametrize("D", [1024, 96])
+def test_gpu_embedding(D):
     torch.manual_seed(0)
     V = 151936
     W = _bf16(V, D)

@@ -5,12 +5,10 @@ run by torch eager and by torch.compile, and against the copy bandwidth measured
 GB/s counts the minimal traffic: every input read once, every output written once (the
 embedding touches only the rows of the distinct ids: read them in the forward, read and write
 them in fp32 in the backward). Times are medians of `triton.testing.do_bench` after warm-up.
-The embedding backward is timed twice: the default (TMA bulk reductions on Hopper) and the
-per-thread fp32 atomics it replaces ("atomics"), so one run says which one to keep.
 
     python bench/kernels.py --only elementwise
     python bench/kernel_suites/elementwise.py          # this suite alone, a table
-    python bench/kernel_suites/elementwise.py --static # no GPU: registers of the backwards
+    python bench/kernel_suites/elementwise.py --static # no GPU: rmsnorm backward registers
 """
 
 from __future__ import annotations
@@ -90,19 +88,8 @@ def _cases():
     shape = f"{N}x{HIDDEN} of {VOCAB}"
     cases.append((f"embedding_fwd[{shape}]", embedding.embedding_fwd_triton, embedding.embedding_fwd_ref,
                   (ids, W), N * 8 + U * HIDDEN * e + N * HIDDEN * e))
-    nbytes = N * HIDDEN * e + N * 8 + 2 * U * HIDDEN * 4
     cases.append((f"embedding_bwd[{shape}]", embedding.embedding_bwd_triton, embedding.embedding_bwd_ref,
-                  (dx, ids, dW), nbytes))
-
-    def bwd_atomics(*args):  # the per-thread atomic kernel (what Hopper's TMA path replaces)
-        embedding.CONFIGS["bwd_tma"] = False
-        try:
-            embedding.embedding_bwd_triton(*args)
-        finally:
-            embedding.CONFIGS["bwd_tma"] = True
-
-    cases.append((f"embedding_bwd[{shape}] atomics", bwd_atomics, embedding.embedding_bwd_ref,
-                  (dx, ids, dW), nbytes))
+                  (dx, ids, dW), N * HIDDEN * e + N * 8 + 2 * U * HIDDEN * 4))
     return cases
 
 
@@ -120,12 +107,10 @@ def run(ceil: dict) -> list[dict]:
 
 
 def static(dtype: str = "bf16") -> list[dict]:
-    """No GPU needed: registers, spills and shared memory of the backward kernels at the
+    """No GPU needed: registers, spills and shared memory of the RMSNorm backward at the
     benchmark's shapes, compiled for sm_90 (bench/kernel_suites/engine_ops.py static_compile)."""
-    import triton
-
     from bench.kernel_suites.engine_ops import static_compile
-    from rlcu.ops import embedding, rmsnorm
+    from rlcu.ops import rmsnorm
 
     rows = []
     for D in (HIDDEN, HEAD_DIM):
@@ -135,11 +120,6 @@ def static(dtype: str = "bf16") -> list[dict]:
         rows.append(dict(D=D, **static_compile(rmsnorm._rmsnorm_bwd_kernel, types,
                                                dict(BN=BN, BD=BD, STAGES=stages), num_warps,
                                                maxnreg=maxnreg, aligned=("D",))))
-    NB = triton.next_power_of_2(HIDDEN // embedding._TMA_BD)
-    types = dict(DX=f"*{dtype}", IDS="*i64", DW_DESC=f"tensordesc<fp32[1, {NB}, {embedding._TMA_BD}]>")
-    rows.append(static_compile(embedding._embedding_bwd_tma_kernel, types,
-                               dict(BR=embedding.CONFIGS["bwd_tma_rows"], NB=NB,
-                                    BD=embedding._TMA_BD), 4, aligned=("D",)))
     return rows
 
 

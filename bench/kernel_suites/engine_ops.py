@@ -73,7 +73,11 @@ def _rel_err(a, b):
 def _decode_row(B: int, L: int, ceil: dict) -> dict:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from rlcu.ops.paged_attention import decode_splits, paged_attention, paged_attention_ref
+    from rlcu.ops.paged_attention import (
+        decode_splits,
+        paged_attention,
+        paged_attention_ref,
+    )
 
     args = _paged([1] * B, [L] * B)
     scale = D**-0.5
@@ -190,31 +194,26 @@ _SPACE = {
                 for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))],
     "pass1": [dict(BV=bv, CHUNK=8192, num_warps=w)
               for bv, w in itertools.product((256, 512, 1024, 2048), (2, 4, 8))],
-    "search": [dict(BT=bt, CHUNK=ch, num_warps=w)
-               for bt, ch, w in itertools.product((128, 256, 512), (16384, 32768, 65536), (4, 8))],
-    "launches": [4, 6, 8, 10, 12],  # _LAUNCHES
+    "splits": [dict(per_sm=p, min_part=mp, unsplit_keys=1024)
+               for p, mp in itertools.product((2, 4, 8, 16), (64, 128, 256))],
+    "row": [dict(BT=bt, CHUNK=ch, num_warps=w, maxnreg=r)
+            for bt, ch, w, r in itertools.product((128, 256, 512), (16384, 32768), (4, 8, 16),
+                                                  (None, 128))],
 }
 
 
 def _sweep_one(mod, kind, label, fn) -> list[dict]:
-    launches = kind == "launches"  # a module constant rather than a CONFIGS entry
-    default = mod._LAUNCHES if launches else dict(mod.CONFIGS[kind])
+    default = dict(mod.CONFIGS[kind])
     results = []
     for cfg in _SPACE[kind]:
-        if launches:
-            mod._LAUNCHES = cfg
-        else:
-            mod.CONFIGS[kind] = cfg
+        mod.CONFIGS[kind] = cfg
         try:
             ms = _time(fn)
         except Exception as e:  # noqa: BLE001 - out of resources: not a candidate
             print(f"  {kind} {cfg}: {type(e).__name__}", file=sys.stderr)
             continue
         results.append(dict(kind=kind, case=label, config=cfg, ms=ms, default=cfg == default))
-    if launches:
-        mod._LAUNCHES = default
-    else:
-        mod.CONFIGS[kind] = default
+    mod.CONFIGS[kind] = default
     results.sort(key=lambda r: r["ms"])
     for r in results[:5]:
         print(f"{kind:<8} {label:<22} {str(r['config']):<60} {r['ms']:8.4f} ms"
@@ -233,12 +232,16 @@ def sweep(kinds) -> list[dict]:
             args = _paged([1] * B, [L] * B)
             out += _sweep_one(pa, "decode", f"B={B} L={L}",
                               lambda a=args, L=L: pa.paged_attention(*a, 1, L, D**-0.5))
+    if "splits" in kinds:  # short contexts, where the split policy decides (B=64: 2 splits)
+        for B, L in ((64, 512), (16, 512), (64, 1024)):
+            args = _paged([1] * B, [L] * B)
+            out += _sweep_one(pa, "splits", f"B={B} L={L}",
+                              lambda a=args, L=L: pa.paged_attention(*a, 1, L, D**-0.5))
     if "prefill" in kinds:
         args = _paged([4096], [4096])
         out += _sweep_one(pa, "prefill", "q=4096",
                           lambda: pa.paged_attention(*args, 4096, 4096, D**-0.5))
-    for kind, whats in (("pass1", ("temperature",)), ("search", ("top-k 50 + top-p 0.9", "top-p 0.95 flat")),
-                        ("launches", ("temperature", "top-k 50 + top-p 0.9", "top-p 0.95 flat"))):
+    for kind, whats in (("pass1", ("temperature",)), ("row", ("top-k 50 + top-p 0.9", "top-p 0.95 flat"))):
         if kind in kinds:
             for what in whats:
                 logits, params = _sample_inputs(256, torch.bfloat16, what)
@@ -299,25 +302,20 @@ def static(dtype: str = "bf16") -> list[dict]:
     rows = [static_compile(pa._decode_kernel, ptr, dict(G=Hq // Hk, BG=16, D=D, BD=D, BS=BS,
                                                         BN=c["BN"], NSPLIT=1),
                            c["num_warps"], c["num_stages"])]
-    c1, cs, cr = sm.CONFIGS["pass1"], sm.CONFIGS["search"], sm.CONFIGS["row"]
-    TPS = cs["CHUNK"] // cs["BT"]
-    BS_ = triton.next_power_of_2(triton.cdiv(VOCAB, cs["CHUNK"]))
-    NT = triton.cdiv(VOCAB, c1["CHUNK"]) * (c1["CHUNK"] // cs["BT"])
+    c1, cr = sm.CONFIGS["pass1"], sm.CONFIGS["row"]
+    NC = triton.cdiv(VOCAB, c1["CHUNK"])
+    NT = NC * (c1["CHUNK"] // cr["BT"])
     ptr = dict(LOGITS=f"*{dtype}", TEMP="*fp32", TOP_K="*i32", TOP_P="*fp32", MIN_P="*fp32",
-               SEEDS="*i64", OFFSETS="*i64", PF="*fp32", PI="*i32", TMAX="*i32", RF="*fp32",
-               RI="*i32", ST="*i64", STF="*fp32", TOKENS="*i64", LOGPROBS="*fp32", PM="*fp32",
-               PK="*i32", RB="*fp32", RW="*i32")
-    search = dict(BT=cs["BT"], TPC=TPS, BC=BS_, NP=sm._NP, NF=sm._NF)
+               SEEDS="*i64", OFFSETS="*i64", PF="*fp32", PI="*i32", TMAX="*i32", TOKENS="*i64",
+               LOGPROBS="*fp32")
     rows += [
-        static_compile(sm._pass1_kernel, ptr, dict(BV=c1["BV"], CHUNK=c1["CHUNK"], BT=cs["BT"],
+        static_compile(sm._pass1_kernel, ptr, dict(BV=c1["BV"], CHUNK=c1["CHUNK"], BT=cr["BT"],
                                                    FAST=True), c1["num_warps"]),
-        static_compile(sm._prepare_kernel, ptr, dict(BC=triton.next_power_of_2(
-            triton.cdiv(VOCAB, c1["CHUNK"])), BNT=triton.next_power_of_2(NT), NF=sm._NF),
-            cr["num_warps"]),
-        static_compile(sm._search_kernel, ptr, search, cs["num_warps"]),
-        static_compile(sm._race_kernel, ptr, dict(search, FAST=True), cs["num_warps"]),
-        static_compile(sm._finish_kernel, ptr, dict(search, PASSES=sm._PASSES, FAST=True),
-                       cs["num_warps"]),
+        static_compile(sm._row_kernel, ptr, dict(BC=triton.next_power_of_2(NC),
+                                                 BNT=triton.next_power_of_2(NT), BT=cr["BT"],
+                                                 TPC=cr["CHUNK"] // cr["BT"], NP=sm._NP,
+                                                 PASSES=sm._PASSES, FAST=True), cr["num_warps"],
+                       maxnreg=cr.get("maxnreg")),
     ]
     return rows
 
@@ -327,7 +325,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time the config candidates")
     ap.add_argument("--static", action="store_true", help="compile for sm_90 (no GPU): registers")
     ap.add_argument("--dtype", default="bf16", help="--static: bf16 or fp32")
-    ap.add_argument("--kinds", default="decode,prefill,pass1,search,launches")
+    ap.add_argument("--kinds", default="decode,splits,prefill,pass1,row")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from bench.common import measure_ceilings, write_json

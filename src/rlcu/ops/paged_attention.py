@@ -16,7 +16,7 @@ never on lengths read back from the device, so a decode step can be captured in 
   loaded once for all G heads). Each split writes its normalised partial output o_j and
   lse_j = m_j + log2 l_j; the reduce kernel combines them:
       o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M),   M = max_j lse_j.
-  The number of splits is chosen so that S * Hk * splits gives each SM about three programs
+  The number of splits is chosen so that S * Hk * splits fills the SMs a few times over
   (`decode_splits`); with one split the kernel writes o directly and the reduce is skipped.
 - prefill (max_seqlen_q > 1), FlashAttention-2 style: program (query tile, s, kv head) holds
   BM rows = (query token, head of the group) pairs, so the G heads of a KV head share every
@@ -41,22 +41,19 @@ from rlcu.ops._backend import use_triton
 
 DEFAULT_BLOCK_SIZE = 16
 _LOG2E = 1.4426950408889634
-_DEC_MIN_PART = 256  # fewest keys per decode split
 _DEC_MAX_SPLITS = 64
-# Decode programs wanted per SM before the context is split. The kernel (BN=64, 3 stages: 127
-# registers, 39 KB shared) fits 4 programs an SM, and 3 of them already keep ~100 KB of K/V
-# in flight, so a batch with S * Hk >= 3 * SMs (B=64: 512 programs) runs unsplit. It was 4:
-# B=64 x L=512 then ran 2 splits of 4 tiles each plus the reduce launch, and the per-program
-# prologue (cu_seqlens -> block table -> first K/V tile: three dependent loads), the partial
-# write/read and the second launch cost as much as the 134 MB of K/V (43% of copy). Unsplit,
-# 512 programs of 8 tiles run as one wave (expected ~0.073 -> ~0.04 ms there; L=2048 at B=64
-# also runs unsplit: ~0.142 -> ~0.13 ms).
-_DEC_PROGRAMS_PER_SM = 3
 # tile sizes and launch options (bench/kernel_suites/engine_ops.py --sweep times others):
-# decode BN keys a tile; prefill BM rows (query token x group head) and BN keys a tile
+# decode BN keys a tile; prefill BM rows (query token x group head) and BN keys a tile;
+# splits: the decode split policy (`decode_splits`). Measured on the H200 (B = 64, Hk = 8):
+# at L = 512 one split (512 programs of 8 tiles, no reduce) took 0.094 ms and two splits
+# (1024 programs of 4 tiles + the reduce) 0.073 ms; at L = 2048 one split took 0.136 ms and
+# two 0.142 ms. So short contexts are split as before (per_sm programs an SM, min_part keys
+# or more a split) and a batch of at least 3 programs an SM runs unsplit from unsplit_keys
+# keys on (sweep `--kinds splits` to try more splits on short contexts)
 CONFIGS = {
     "decode": dict(BN=64, num_warps=4, num_stages=3),
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
+    "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024),
 }
 
 
@@ -220,13 +217,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132):
-    """(splits, keys per split) for a decode launch: at least _DEC_PROGRAMS_PER_SM programs
-    an SM, each split at least _DEC_MIN_PART keys (a multiple of the tile). It depends on
-    sizes only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
+    """(splits, keys per split) for a decode launch: about CONFIGS["splits"]["per_sm"]
+    programs an SM, each split at least min_part keys (a multiple of the tile); unsplit once
+    S * Hk fills 3 programs an SM and the context reaches unsplit_keys. It depends on sizes
+    only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
+    cfg = CONFIGS["splits"]
     max_seqlen_k = max(int(max_seqlen_k), 1)
-    want = triton.cdiv(_DEC_PROGRAMS_PER_SM * num_sms, max(S * Hk, 1))
-    splits = max(1, min(want, triton.cdiv(max_seqlen_k, _DEC_MIN_PART), _DEC_MAX_SPLITS))
     BN = CONFIGS["decode"]["BN"]
+    if S * Hk >= 3 * num_sms and max_seqlen_k >= cfg["unsplit_keys"]:
+        return 1, triton.cdiv(max_seqlen_k, BN) * BN
+    want = triton.cdiv(cfg["per_sm"] * num_sms, max(S * Hk, 1))
+    splits = max(1, min(want, triton.cdiv(max_seqlen_k, cfg["min_part"]), _DEC_MAX_SPLITS))
     part = triton.cdiv(triton.cdiv(max_seqlen_k, splits), BN) * BN
     return triton.cdiv(max_seqlen_k, part), part
 

@@ -10,21 +10,24 @@ Backward, with xhat = x * rstd and g = dy * w:
 The kernels hold whole rows (D <= 8192) and pack several short rows into one program so
 that the per-head norm (D = 128, millions of rows) moves as much data per program as the
 hidden norm. The backward's dw is a column sum over all rows: each program of a fixed-size
-grid sums its own contiguous run of rows into one row of an fp32 [P, D] buffer, which is
-then summed in a fixed order, so dw is deterministic (no atomics).
+grid sums its own rows (tiles pid, pid + P, pid + 2P, ...) into one row of an fp32 [P, D]
+buffer, which is then summed in a fixed order, so dw is deterministic (no atomics).
 
 Backward traffic: one read of dy and x, one write of dx (3 * N * D elements), xhat is
 recomputed from x and rstd in registers; the [P, D] partials add P * D * 8 bytes (P = SMs x
 programs per SM, ~0.5k: 2 MB against 200 MB at [32768, 1024]). The loop over a program's
 tiles is software-pipelined (`tl.range(num_stages=3)`: the loads of the next two tiles are
-in flight, through shared memory, while one is computed) and dw is accumulated element-wise
-in a [BN, BD] register tile, reduced over rows once at the end. The first version (no
-pipelining, a cross-warp reduction of dw every tile, 128-168 registers a thread so 3-4
-programs of 4 warps an SM) had each program wait a full memory latency every tile and
-reached 52% (hidden) / 66% (q-norm) of copy bandwidth; 2048-element tiles on 8 warps take
-~64 registers a thread, 4 programs an SM, i.e. 64 KB of loads in flight per SM, what
-4.3 TB/s needs at ~2 us latency (expected: ~85% of copy, 0.091 -> ~0.06 ms and
-0.144 -> ~0.11 ms; `python bench/kernels.py --only elementwise`).
+in flight, through shared memory, while one is computed), dw is accumulated element-wise in
+a [BN, BD] register tile and reduced over rows once at the end, and 2048-element tiles on 8
+warps (64 registers) fit 4 programs an SM, 64 KB of loads in flight. Measured on the H200:
+this took the q-norm backward [524288, 128] from 0.144 to 0.124 ms (66% -> 77% of copy), but
+left the hidden one [32768, 1024] at 0.091 ms (52%), as the first version (no pipelining, 3-4
+programs of 4 warps an SM). What the two hidden versions share: each program owned a
+contiguous run of rows, so the 512-1056 programs streamed from addresses 64 or 128 KB apart
+(a power of two: the same DRAM channels, in lock step), while the q-norm runs were 258 KB
+apart and the forward (82%) reads consecutive tiles. Programs now take tiles pid, pid + P,
+... (expected: hidden ~0.06 ms if that was the limit; the host side of the launch, ~2x the
+forward's, is the other suspect, so it was trimmed too).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ _BWD_TILE = 2048  # the backward's tile (smaller: it also holds dw and pipelined
 _BWD_PROGRAMS_PER_SM = 8  # at most, in the backward's fixed grid (as many as fit on an SM)
 _CPU_PROGRAMS = 3  # under the interpreter: few programs, so that each loops over several tiles
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_RESIDENT: dict = {}  # (device, dtypes, blocks) -> backward programs that fit on one SM
+_RESIDENT: dict = {}  # (device, dtypes, blocks) -> backward programs that fit on the GPU
 
 
 @triton.jit
@@ -68,12 +71,15 @@ def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, N, D, stride_dy, stride_x, 
                         tiles_per_program, BN: tl.constexpr, BD: tl.constexpr,
                         STAGES: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    P = tl.num_programs(0).to(tl.int64)
     cols = tl.arange(0, BD)
     cmask = cols < D
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros([BN, BD], dtype=tl.float32)  # summed over rows after the loop
+    # grid-stride: at any moment the P programs read P consecutive tiles (one contiguous
+    # stretch of memory), never P streams a power-of-two apart
     for t in tl.range(0, tiles_per_program, num_stages=STAGES):
-        rows = (pid * tiles_per_program + t) * BN + tl.arange(0, BN)  # [BN]
+        rows = (t * P + pid) * BN + tl.arange(0, BN)  # [BN]
         rmask = rows < N
         mask = rmask[:, None] & cmask[None, :]
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -150,10 +156,11 @@ def _bwd_programs(device: torch.device, n_tiles: int, key, warm) -> int:
     """The backward's grid size; `warm()` compiles the kernel without launching it."""
     if device.type != "cuda":
         return min(n_tiles, _CPU_PROGRAMS)
-    if key not in _RESIDENT:
-        _RESIDENT[key] = _resident_per_sm(device, warm, key[-1])
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_tiles, sms * _RESIDENT[key]))
+    slots = _RESIDENT.get(key)
+    if slots is None:  # programs that fit on the whole GPU at once
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        slots = _RESIDENT[key] = sms * _resident_per_sm(device, warm, key[-1])
+    return max(1, min(n_tiles, slots))
 
 
 def rmsnorm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):

@@ -14,49 +14,43 @@ batch it sits in, and the twin (int64 torch ops) and the kernels (uint32) draw t
 (On the GPU the outer log of g is lg2.approx, ~1e-6 off: only a near-tie can differ.)
 logprobs = log_softmax(z)[token] on the UNFILTERED distribution, as the trainer recomputes it.
 
-Kernels. Every row is cut into pass-1 chunks (CHUNK tokens), search chunks (SCHUNK) and
-tiles (BT); the cuts depend on V only, so a row's sums never change with the batch. Pass 1
-(program = row x chunk) reads the logits once and keeps per chunk the online max / sum-exp,
-the argmax and the race winner over all tokens, and per tile the largest key (below);
-`_prepare_kernel` (program = row) combines the chunks into lse, the greedy token, the
-unfiltered winner and its logprob. That is the whole job for temperature-only rows, the usual
-case in RL: one read of the logits.
+Kernels (two launches). Every row is cut into pass-1 chunks (CHUNK tokens) and tiles (BT); the
+cut depends on V only, so a row's sums never change with the batch. Pass 1 (program = row x
+chunk) reads the logits once and keeps per chunk the online max / sum-exp, the argmax and the
+race winner over all tokens, and per tile the largest key (below). `_row_kernel` (program =
+row) combines the chunks into lse, the greedy token, the unfiltered winner and its logprob:
+the whole job for temperature-only rows, the usual case in RL (one read of the logits).
 
-Rows with filters: each kept set above is {i : key(z_i) > lo} for the order-preserving int32
-key of the float z, and "token i fails" is monotone in key(z_i), so lo (the largest failing
-key) is found by a bracket search instead of a sort (no [B, V] buffer, no host sync: the
-launch sequence is fixed, so the sampler can be captured in a CUDA graph). A search pass
-evaluates 16 pivot keys at once (the number of tokens above each, or their mass exp(z - m),
-and the smallest key above each), shrinking the bracket 15-fold (<= 9 passes per filter for
-any 32-bit range); the lowest pivot of the next pass is the smallest token key above lo, so
-the search stops as soon as the threshold token is isolated. Passes are split across the row:
-launch `it` of `_search_kernel` has one program per (row, search chunk), each folding the
-previous launch's per-chunk partial sums into the bracket (redundantly and in a fixed order,
-so every program of a row gets the same bracket; the state is double-buffered) and then
-evaluating its new pivots over its chunk. Only tiles whose largest key is above the lowest
-pivot are read, eight tiles ahead of the one evaluated. Pass 1's tile maxima also seed the
-brackets: the k-th largest tile maximum bounds the top-k threshold from below (k tokens are
-at least that large), and so do the tile maxima sorted by value whose masses alone reach
-top_p * sum exp(z - m) (x 1.0001) for top-p. With top-k 50 a pass reads ~50 of a row's 1187
-tiles. Then the unfiltered winner stands if it is kept (a race over a subset is won by the
-overall winner whenever it is in the subset), else `_race_kernel` races over the kept tiles
-and `_finish_kernel` combines the chunks. The launch count is fixed (_LAUNCHES); a row still
-unresolved after it (worst case: 9 passes a filter) is finished by one program in
-`_finish_kernel`, exactly as the launches would have.
+Rows with filters continue in `_row_kernel`. Each kept set above is {i : key(z_i) > lo} for
+the order-preserving int32 key of the float z, and "token i fails" is monotone in key(z_i),
+so lo (the largest failing key) is found by a bracket search instead of a sort (no [B, V]
+buffer, no host sync: the sampler can be captured in a CUDA graph). A search pass evaluates 16
+pivot keys at once (the number of tokens above each, or their mass exp(z - m), and the
+smallest key above each), shrinking the bracket 15-fold (<= 9 passes per filter for any
+32-bit range); the lowest pivot of the next pass is the smallest token key above lo, so the
+search stops as soon as the threshold token is isolated. A pass reads only the tiles whose
+largest key is above its lowest pivot, eight tiles ahead of the one it evaluates, and pass 1's
+tile maxima also seed the brackets: the k-th largest tile maximum bounds the top-k threshold
+from below (k tokens are at least that large), and so do the tile maxima sorted by value whose
+masses alone reach top_p * sum exp(z - m) (x 1.0001) for top-p. With top-k 50 a pass reads
+~50 of a row's 594 tiles. Then the unfiltered winner stands if it is kept (a race over a
+subset is won by the overall winner whenever it is in the subset), else the program races
+over the kept tiles.
 
 Passes a row needs (counted in the interpreter, V = 151936): top-k 50 + top-p 0.9 on the
 benchmark's randn * 3 / 0.7 logits 3-5 (bf16) and 5-6 (fp32); top-p 0.95 over ~2000 strong
 tokens 4-5; top-p 0.95 on flat randn fp32 6-8; min-p alone 0.
 
-Cost, [256, 151936], top-k 50 + top-p 0.9 (bench/kernel_suites/engine_ops.py): the first
-version ran the search in one program per row (256 programs, each reading its whole row
-per pass tile after dependent tile, 8-10 passes): 7.5 ms (bf16) / 4.5 ms (fp32). Now: pass 1
-(~0.19 ms, unchanged but for the tile maxima) + prepare (~0.01 ms: a 2048-key sort a row) +
-~5 search launches of 1280 programs reading ~50 tiles a row (~0.01 ms each) + idle launches
-(~3 us) + race/finish: expected ~0.3 ms. A dense pass (top-p alone on a flat row: every tile)
-is compute-bound at ~57 instructions a token, ~0.1 ms for [256, 151936]. Temperature-only rows
-pay only the idle launches (expected ~0.19 -> ~0.22 ms; fewer _LAUNCHES trade that for the
-one-program fallback on the rows that need more passes).
+Cost, [256, 151936] on the H200 (bench/kernel_suites/engine_ops.py). The first version: one
+program a row, reading the whole row every pass tile after dependent tile, with each token's
+z / key / exp computed 16 times over (a [BV, 16] layout with the pivots across threads):
+7.5 ms (bf16) / 4.5 ms (fp32) with top-k 50 + top-p 0.9. A second version split every pass
+across the row (a launch per pass, 12 launches): 0.68 ms filtered, but temperature-only rows
+went from 0.19 to 0.66 ms (the launches) and flat top-p took 2.1 / 2.9 ms. This one keeps
+the two launches: pass 1 (~0.19 ms, compute-bound: the noise hash) + one program a row,
+~10 us a sparse pass (~50 tiles), ~40-80 us a dense one (594 tiles, ~57 instructions a
+token): expected ~0.3 ms with top-k 50 + top-p 0.9, ~0.19 ms temperature-only, ~0.8 ms for
+top-p 0.95 on flat logits (8 dense passes).
 """
 
 from __future__ import annotations
@@ -70,21 +64,15 @@ from rlcu.ops._backend import interpreting, use_triton
 
 _M32 = 0xFFFFFFFF
 _NP = 16  # pivots a search pass evaluates
-# pass 1: BV a vector, CHUNK tokens a program (constants: sums must not depend on B); search:
-# BT tokens a tile (the unit of skipping), CHUNK tokens a program (5 a row at V = 151936);
-# row: the one-program-per-row prepare kernel (bench/kernel_suites/engine_ops.py --sweep)
+# pass 1: BV a vector, CHUNK tokens a program (constants: sums must not depend on B); row
+# (one program a row: the search and the race): BT tokens a tile (the unit of skipping),
+# CHUNK tokens a chunk of tiles (bench/kernel_suites/engine_ops.py --sweep times others)
 CONFIGS = {
     "pass1": dict(BV=1024, CHUNK=8192, num_warps=4),
-    "search": dict(BT=128, CHUNK=32768, num_warps=4),
-    "row": dict(num_warps=8),
+    # 128 registers: two rows an SM (ptxas takes 176 unbounded: one; 8 bytes spill at 128)
+    "row": dict(BT=256, CHUNK=32768, num_warps=8, maxnreg=128),
 }
 _PASSES = 9  # passes of 15 new pivots that pin any 32-bit key (2^32 -> 1), per filter
-_LAUNCHES = 8  # search launches; a row that needs more is finished by one program
-# a row's search state, int64: stage (0 none or done, 1 top-k, 2 top-p), lo, hi, mk_lo (the
-# smallest token key above lo), base and hip (the pivots of the pass in flight), pend (a pass
-# is in flight), first (the top-p pass in flight is the first), lo1 (top-k's lo), lo_pb (the
-# tile bound of top-p), flt (the row has filters), passes; and the top-p target (fp32)
-_NF = 12
 
 
 @triton.jit
@@ -224,37 +212,39 @@ def _tile_ld(LOGITS, stride_b, b, c, rank, t, r, n, V, BT: tl.constexpr, TPC: tl
 
 
 @triton.jit
-def _chunk_pass(LOGITS, TMAX, stride_b, b, c, V, NT, T, m, piv, is_p,
-                BT: tl.constexpr, TPC: tl.constexpr, NP: tl.constexpr):
-    # over chunk c, for each pivot p: the weight above p (1 a token, or exp(z - m) when
-    # is_p; counts stay exact in fp32) and the smallest key above p. Only the tiles whose
-    # largest key is above the lowest pivot can add anything, so only those are read, eight
-    # tiles ahead of the one being evaluated (a tile is one token a thread: the loads in
-    # flight are what keeps a pass over a dense row from waiting on memory).
-    # [NP, BT]: the pivots are the slow axis, so each thread holds all of them for its
-    # tokens and computes each token's z, key and weight once.
-    n, rank, t = _tiles(TMAX, b, c, NT, tl.min(piv, 0), TPC)
+def _row_pass(LOGITS, TMAX, stride_b, b, V, NT, NS, T, m, piv, is_p, BT: tl.constexpr,
+              TPC: tl.constexpr, NP: tl.constexpr):
+    # over the row, for each pivot p: the weight above p (1 a token, or exp(z - m) when is_p;
+    # counts stay exact in fp32) and the smallest key above p. Only the tiles whose largest
+    # key is above the lowest pivot can add anything, so only those are read, chunk by chunk,
+    # eight tiles ahead of the one being evaluated (one token a thread: the loads in flight
+    # are what keeps a pass over a dense row from waiting on memory). [NP, BT]: the pivots
+    # are the slow axis, so each thread holds all of them for its token and computes its z,
+    # key and weight once (the first version's [BT, NP] replicated that work 16 times).
     acc = tl.zeros([NP, BT], tl.float32)
     mk = tl.full([NP, BT], 2147483647, tl.int32)
-    i0, x0 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 0, n, V, BT, TPC)
-    i1, x1 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 1, n, V, BT, TPC)
-    i2, x2 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 2, n, V, BT, TPC)
-    i3, x3 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 3, n, V, BT, TPC)
-    i4, x4 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 4, n, V, BT, TPC)
-    i5, x5 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 5, n, V, BT, TPC)
-    i6, x6 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 6, n, V, BT, TPC)
-    i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 7, n, V, BT, TPC)
-    for r in range(n):
-        idx = i0 + tl.arange(0, BT)
-        z = tl.math.div_rn(x0.to(tl.float32), T)
-        i0, x0, i1, x1, i2, x2, i3, x3 = i1, x1, i2, x2, i3, x3, i4, x4
-        i4, x4, i5, x5, i6, x6 = i5, x5, i6, x6, i7, x7
-        i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, r + 8, n, V, BT, TPC)
-        key = tl.where(idx < V, _okey(z), -2147483648)[None, :]  # [1, BT]
-        wgt = tl.where(is_p, tl.exp(z - m), 1.0)[None, :]
-        gt = key > piv[:, None]  # [NP, BT]
-        acc += tl.where(gt, wgt, 0.0)
-        mk = tl.minimum(mk, tl.where(gt, key, 2147483647))
+    p0 = tl.min(piv, 0)
+    for c in range(NS):
+        n, rank, t = _tiles(TMAX, b, c, NT, p0, TPC)
+        i0, x0 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 0, n, V, BT, TPC)
+        i1, x1 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 1, n, V, BT, TPC)
+        i2, x2 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 2, n, V, BT, TPC)
+        i3, x3 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 3, n, V, BT, TPC)
+        i4, x4 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 4, n, V, BT, TPC)
+        i5, x5 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 5, n, V, BT, TPC)
+        i6, x6 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 6, n, V, BT, TPC)
+        i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 7, n, V, BT, TPC)
+        for r in range(n):
+            idx = i0 + tl.arange(0, BT)
+            z = tl.math.div_rn(x0.to(tl.float32), T)
+            i0, x0, i1, x1, i2, x2, i3, x3 = i1, x1, i2, x2, i3, x3, i4, x4
+            i4, x4, i5, x5, i6, x6 = i5, x5, i6, x6, i7, x7
+            i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, r + 8, n, V, BT, TPC)
+            key = tl.where(idx < V, _okey(z), -2147483648)[None, :]  # [1, BT]
+            wgt = tl.where(is_p, tl.exp(z - m), 1.0)[None, :]
+            gt = key > piv[:, None]  # [NP, BT]
+            acc += tl.where(gt, wgt, 0.0)
+            mk = tl.minimum(mk, tl.where(gt, key, 2147483647))
     return tl.sum(acc, 1), tl.min(mk, 1)
 
 
@@ -269,16 +259,11 @@ def _chunk_race(LOGITS, TMAX, stride_b, b, c, V, NT, T, lo, key, BT: tl.constexp
     i1, x1 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 1, n, V, BT, TPC)
     i2, x2 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 2, n, V, BT, TPC)
     i3, x3 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 3, n, V, BT, TPC)
-    i4, x4 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 4, n, V, BT, TPC)
-    i5, x5 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 5, n, V, BT, TPC)
-    i6, x6 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 6, n, V, BT, TPC)
-    i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, 7, n, V, BT, TPC)
-    for r in range(n):  # eight tiles in flight, as in _chunk_pass
+    for r in range(n):  # four tiles in flight
         idx = i0 + tl.arange(0, BT)
         z = tl.math.div_rn(x0.to(tl.float32), T)
-        i0, x0, i1, x1, i2, x2, i3, x3 = i1, x1, i2, x2, i3, x3, i4, x4
-        i4, x4, i5, x5, i6, x6 = i5, x5, i6, x6, i7, x7
-        i7, x7 = _tile_ld(LOGITS, stride_b, b, c, rank, t, r + 8, n, V, BT, TPC)
+        i0, x0, i1, x1, i2, x2 = i1, x1, i2, x2, i3, x3
+        i3, x3 = _tile_ld(LOGITS, stride_b, b, c, rank, t, r + 4, n, V, BT, TPC)
         kept = (idx < V) & (_okey(z).to(tl.int64) > lo)
         sc = tl.where(kept, z + _gumbel(key, idx, FAST), float("-inf"))
         upd = sc > bv
@@ -309,65 +294,10 @@ def _settle(stage, lo, hi, mk_lo, done, first, lo1, lo_pb, top_p, m, V):
 
 
 @triton.jit
-def _advance(PM, PK, pslot, b, B, NC, stage, base, hip, first, lo1, target, k, top_p, key_tm,
-             BC: tl.constexpr, NP: tl.constexpr):
-    # fold the per-chunk partial sums of the pass run with pivots (base, hip) into the bracket
-    j = tl.arange(0, NP)
-    cc = tl.arange(0, BC)
-    off = ((pslot * B + b) * NC + cc)[:, None] * NP + j[None, :]  # [BC, NP]
-    msk = (cc < NC)[:, None]
-    w = tl.sum(tl.load(PM + off, mask=msk, other=0.0), 0)  # tokens (top-k) or mass (top-p)
-    mk = tl.min(tl.load(PK + off, mask=msk, other=2147483647), 0)
-    piv = _pivots(j, base, hip, NP)
-    p1 = (stage == 2) & (first != 0)  # the first top-p pass: lane 0 (= lo1) measures mass(A)
-    piv = tl.where((j == 0) & p1, lo1, piv)
-    target = tl.where(p1, top_p * _pick(j, 0, w), target)
-    fail = tl.where(stage == 1, (piv < key_tm) | (w >= k.to(tl.float32)), w >= target)
-    lo, mk_lo, hi, done = _narrow(j, piv, fail, mk, base, hip, NP)
-    return lo, mk_lo, hi, done, tl.where(p1, 0, first), target
-
-
-@triton.jit
-def _load_state(ST, STF, slot, b, B, NF: tl.constexpr):
-    p = ST + (slot * B + b) * NF
-    return (tl.load(p + 0), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3), tl.load(p + 4),
-            tl.load(p + 5), tl.load(p + 6), tl.load(p + 7), tl.load(p + 8), tl.load(p + 9),
-            tl.load(p + 10), tl.load(p + 11), tl.load(STF + slot * B + b))
-
-
-@triton.jit
-def _store_state(ST, STF, slot, b, B, stage, lo, hi, mk_lo, base, hip, pend, first, lo1, lo_pb,
-                 flt, npass, target, NF: tl.constexpr):
-    p = ST + (slot * B + b) * NF
-    tl.store(p + 0, stage.to(tl.int64))
-    tl.store(p + 1, lo.to(tl.int64))
-    tl.store(p + 2, hi.to(tl.int64))
-    tl.store(p + 3, mk_lo.to(tl.int64))
-    tl.store(p + 4, base.to(tl.int64))
-    tl.store(p + 5, hip.to(tl.int64))
-    tl.store(p + 6, pend.to(tl.int64))
-    tl.store(p + 7, first.to(tl.int64))
-    tl.store(p + 8, lo1.to(tl.int64))
-    tl.store(p + 9, lo_pb.to(tl.int64))
-    tl.store(p + 10, flt.to(tl.int64))
-    tl.store(p + 11, npass.to(tl.int64))
-    tl.store(STF + slot * B + b, target)
-
-
-@triton.jit
-def _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b):
-    T = tl.load(TEMP + b)
-    T = tl.where(T > 0, T, 1.0)
-    k = tl.load(TOP_K + b)
-    top_p = tl.load(TOP_P + b)
-    key_tm = _okey(m + tl.log(tl.load(MIN_P + b))).to(tl.int64)  # min-p keeps key >= key_tm
-    return T, k, top_p, key_tm
-
-
-@triton.jit
-def _prepare_kernel(TEMP, TOP_K, TOP_P, MIN_P, PF, PI, TMAX, RF, RI, ST, STF, TOKENS, LOGPROBS,
-                    LOGITS, stride_b, B, V, NC, NT, BC: tl.constexpr, BNT: tl.constexpr,
-                    NF: tl.constexpr):
+def _row_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, OFFSETS, PF, PI, TMAX, TOKENS, LOGPROBS,
+                stride_b, B, V, NC, NT, NS, BC: tl.constexpr, BNT: tl.constexpr,
+                BT: tl.constexpr, TPC: tl.constexpr, NP: tl.constexpr, PASSES: tl.constexpr,
+                FAST: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
     cmask = c < NC
@@ -382,166 +312,70 @@ def _prepare_kernel(TEMP, TOP_K, TOP_P, MIN_P, PF, PI, TMAX, RF, RI, ST, STF, TO
     best = tl.max(best_c, 0)
     w = tl.min(tl.where(best_c == best, tl.load(PI + B * NC + row, mask=cmask, other=0),
                         2147483647), 0)
-    tl.store(RF + 2 * b, m)
-    tl.store(RF + 2 * b + 1, s)
-    tl.store(RI + 2 * b, a)
-    tl.store(RI + 2 * b + 1, w)
-    T, k, top_p, key_tm = _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b)
-    race = tl.load(TEMP + b) > 0
-    k_on = (k > 0) & (k < V)
-    flt = race & (k_on | (top_p < 1.0) | (tl.load(MIN_P + b) > 0.0))
+    T = tl.load(TEMP + b)
+    race = T > 0
+    T = tl.where(race, T, 1.0)
     tok = tl.where(race, w, a)
-    if flt == 0:  # done: the unfiltered winner (or the argmax)
-        z_tok = tl.math.div_rn(tl.load(LOGITS + b * stride_b + tok).to(tl.float32), T)
-        tl.store(TOKENS + b, tok.to(tl.int64))
-        tl.store(LOGPROBS + b, (z_tok - m) - tl.log(s))
-    # bounds from the tile maxima (t_1 >= t_2 >= ... the sorted largest key of each tile)
-    hi0 = _okey(m).to(tl.int64)
-    lo_k = tl.maximum(_okey(zmin).to(tl.int64), key_tm) - 1
-    lo_pb = lo_k * 0 - 2147483649
-    if flt & (k_on | (top_p < 1.0)):
-        i = tl.arange(0, BNT)
-        ts = tl.sort(tl.load(TMAX + b * NT + i, mask=i < NT, other=-2147483648), descending=True)
-        if k_on & (k <= NT):  # tiles 1..k hold k tokens with key >= t_k: keys below fail
-            lo_k = tl.maximum(lo_k, _pick(i, k - 1, ts).to(tl.int64) - 1)
-        if top_p < 1.0:  # the tile maxima above z alone hold at least the mass below
-            e = tl.where(ts > -2147483648, tl.exp(_zkey(ts) - m), 0.0)
-            hit = tl.cumsum(e, 0) >= top_p * s * 1.0001  # mass(A) <= s
-            first_hit = tl.min(tl.where(hit, i, BNT), 0)
-            if first_hit < BNT:
-                lo_pb = _pick(i, first_hit, ts).to(tl.int64) - 1
-    lo = tl.where(k_on, lo_k, key_tm - 1)
-    zero = lo * 0
-    stage, lo, hi, mk_lo, first, lo1 = _settle(zero + flt.to(tl.int64), lo, hi0, lo + 1,
-                                               (hi0 - lo <= 1) | ~k_on, zero, zero, lo_pb,
-                                               top_p, m, V)
-    _store_state(ST, STF, 1, b, B, stage, lo, hi, mk_lo, zero, zero, zero, first, lo1, lo_pb,
-                 zero + flt.to(tl.int64), zero, m * 0.0, NF)
-
-
-@triton.jit
-def _search_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, RF, ST, STF, TMAX, PM, PK, stride_b, B, V,
-                   NC, NT, it, BT: tl.constexpr, TPC: tl.constexpr, BC: tl.constexpr,
-                   NP: tl.constexpr, NF: tl.constexpr):
-    # launch `it`: fold the partial sums of launch it - 1 (slot prev) into the bracket, then
-    # evaluate the next pivots over this program's chunk (slot cur)
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    prev = (it + 1) % 2
-    cur = it % 2
-    stage, lo, hi, mk_lo, base, hip, pend, first, lo1, lo_pb, flt, npass, target = _load_state(
-        ST, STF, prev, b, B, NF)
-    if stage != 0:
-        m = tl.load(RF + 2 * b)
-        T, k, top_p, key_tm = _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b)
-        if pend != 0:
-            lo, mk_lo, hi, done, first, target = _advance(PM, PK, prev, b, B, NC, stage, base, hip,
-                                                          first, lo1, target, k, top_p, key_tm,
-                                                          BC, NP)
-            stage, lo, hi, mk_lo, first, lo1 = _settle(stage, lo, hi, mk_lo, done, first, lo1,
-                                                       lo_pb, top_p, m, V)
-        pend = (stage != 0).to(tl.int64)
-        base = tl.maximum(mk_lo - 1, lo)  # keys <= base fail
-        hip = hi
-        if c == 0:
-            _store_state(ST, STF, cur, b, B, stage, lo, hi, mk_lo, base, hip, pend, first, lo1,
-                         lo_pb, flt, npass + pend, target, NF)
-        if stage != 0:
-            j = tl.arange(0, NP)
-            piv = _pivots(j, base, hip, NP)
-            piv = tl.where((j == 0) & (stage == 2) & (first != 0), lo1, piv).to(tl.int32)
-            w, mk = _chunk_pass(LOGITS, TMAX, stride_b, b, c, V, NT, T, m, piv, stage == 2, BT,
-                                TPC, NP)
-            off = ((cur * B + b) * NC + c) * NP + j
-            tl.store(PM + off, w)
-            tl.store(PK + off, mk)
-    elif c == 0:
-        _store_state(ST, STF, cur, b, B, stage, lo, hi, mk_lo, base, hip, pend, first, lo1,
-                     lo_pb, flt, npass, target, NF)
-
-
-@triton.jit
-def _race_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, OFFSETS, RF, RI, ST, STF, TMAX, PM, PK,
-                 RB, RW, stride_b, B, V, NC, NT, slot, BT: tl.constexpr, TPC: tl.constexpr,
-                 BC: tl.constexpr, NP: tl.constexpr, NF: tl.constexpr, FAST: tl.constexpr):
-    # the last fold (slot holds the last launch's state), then, where the unfiltered winner
-    # is filtered out, the race over this chunk's kept tokens; the state goes to slot 1 - slot
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    stage, lo, hi, mk_lo, base, hip, pend, first, lo1, lo_pb, flt, npass, target = _load_state(
-        ST, STF, slot, b, B, NF)
-    m = tl.load(RF + 2 * b)
-    T, k, top_p, key_tm = _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b)
-    if (stage != 0) & (pend != 0):
-        lo, mk_lo, hi, done, first, target = _advance(PM, PK, slot, b, B, NC, stage, base, hip,
-                                                      first, lo1, target, k, top_p, key_tm, BC,
-                                                      NP)
-        stage, lo, hi, mk_lo, first, lo1 = _settle(stage, lo, hi, mk_lo, done, first, lo1, lo_pb,
+    k = tl.load(TOP_K + b)
+    top_p = tl.load(TOP_P + b)
+    min_p = tl.load(MIN_P + b)
+    k_on = (k > 0) & (k < V)
+    if race & (k_on | (top_p < 1.0) | (min_p > 0.0)):
+        # Both searches keep a bracket: every token with key <= lo fails, every token with
+        # key >= hi passes. A pass evaluates 16 pivots, the lowest one just above the
+        # smallest token key above lo (so the pass that isolates the threshold also ends the
+        # search); done once no token lies strictly between lo and hi.
+        hi0 = _okey(m).to(tl.int64)
+        key_tm = _okey(m + tl.log(min_p)).to(tl.int64)  # min-p keeps key >= key_tm
+        lo_k = tl.maximum(_okey(zmin).to(tl.int64), key_tm) - 1
+        lo_pb = lo_k * 0 - 2147483649
+        if k_on | (top_p < 1.0):  # bounds from the tile maxima t_1 >= t_2 >= ...
+            i = tl.arange(0, BNT)
+            ts = tl.sort(tl.load(TMAX + b * NT + i, mask=i < NT, other=-2147483648),
+                         descending=True)
+            if k_on & (k <= NT):  # tiles 1..k hold k tokens with key >= t_k: keys below fail
+                lo_k = tl.maximum(lo_k, _pick(i, k - 1, ts).to(tl.int64) - 1)
+            if top_p < 1.0:  # the maxima above a token alone hold at least this mass above it
+                e = tl.where(ts > -2147483648, tl.exp(_zkey(ts) - m), 0.0)
+                hit = tl.cumsum(e, 0) >= top_p * s * 1.0001  # as mass(A) <= s
+                first_hit = tl.min(tl.where(hit, i, BNT), 0)
+                if first_hit < BNT:
+                    lo_pb = _pick(i, first_hit, ts).to(tl.int64) - 1
+        lo = tl.where(k_on, lo_k, key_tm - 1)
+        zero = lo * 0
+        # top-k first (stage 1: fail iff key < key_tm or #{key above} >= k), then top-p within
+        # A = {key > lo} (stage 2: fail iff mass above >= top_p * mass(A))
+        stage, lo, hi, mk_lo, first, lo1 = _settle(zero + 1, lo, hi0, lo + 1,
+                                                   (hi0 - lo <= 1) | ~k_on, zero, zero, lo_pb,
                                                    top_p, m, V)
-    if c == 0:
-        _store_state(ST, STF, 1 - slot, b, B, stage, lo, hi, mk_lo, base, hip, pend * 0, first,
-                     lo1, lo_pb, flt, npass, target, NF)
-    if flt != 0:
-        w = tl.load(RI + 2 * b + 1)
+        target = m * 0.0
+        j = tl.arange(0, NP)
+        for _ in range(2 * PASSES):
+            if stage != 0:
+                base = tl.maximum(mk_lo - 1, lo)  # keys <= base fail
+                p1 = (stage == 2) & (first != 0)  # the first top-p pass: lane 0 measures mass(A)
+                piv = tl.where((j == 0) & p1, lo1, _pivots(j, base, hi, NP))
+                wsum, mk = _row_pass(LOGITS, TMAX, stride_b, b, V, NT, NS, T, m,
+                                     piv.to(tl.int32), stage == 2, BT, TPC, NP)
+                target = tl.where(p1, top_p * _pick(j, 0, wsum), target)
+                fail = tl.where(stage == 1, (piv < key_tm) | (wsum >= k.to(tl.float32)),
+                                wsum >= target)
+                lo, mk_lo, hi, done = _narrow(j, piv, fail, mk, base, hi, NP)
+                first = tl.where(p1, 0, first)
+                stage, lo, hi, mk_lo, first, lo1 = _settle(stage, lo, hi, mk_lo, done, first, lo1,
+                                                           lo_pb, top_p, m, V)
         z_w = tl.math.div_rn(tl.load(LOGITS + b * stride_b + w).to(tl.float32), T)
-        if (stage == 0) & (_okey(z_w).to(tl.int64) <= lo):
-            best, wc = _chunk_race(LOGITS, TMAX, stride_b, b, c, V, NT, T, lo,
-                                   _row_key(SEEDS, OFFSETS, b), BT, TPC, FAST)
-            tl.store(RB + b * NC + c, best)
-            tl.store(RW + b * NC + c, wc)
-
-
-@triton.jit
-def _finish_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, OFFSETS, RF, RI, ST, STF, TMAX, PM,
-                   PK, RB, RW, TOKENS, LOGPROBS, stride_b, B, V, NC, NT, slot, BT: tl.constexpr,
-                   TPC: tl.constexpr, BC: tl.constexpr, NP: tl.constexpr, NF: tl.constexpr,
-                   PASSES: tl.constexpr, FAST: tl.constexpr):
-    # rows with filters: the token (the unfiltered winner, or the best of the chunk races)
-    # and its logprob; a row whose search is unresolved is finished here, by this program
-    b = tl.program_id(0).to(tl.int64)
-    stage, lo, hi, mk_lo, base, hip, pend, first, lo1, lo_pb, flt, npass, target = _load_state(
-        ST, STF, slot, b, B, NF)
-    if flt != 0:
-        m = tl.load(RF + 2 * b)
-        T, k, top_p, key_tm = _row_params(TEMP, TOP_K, TOP_P, MIN_P, m, b)
-        tok = tl.load(RI + 2 * b + 1)
-        z_w = tl.math.div_rn(tl.load(LOGITS + b * stride_b + tok).to(tl.float32), T)
-        cc = tl.arange(0, BC)
-        if stage != 0:  # the rest of the search, pass by pass over every chunk
-            j = tl.arange(0, NP)
-            for _ in range(2 * PASSES):
-                if stage != 0:
-                    base = tl.maximum(mk_lo - 1, lo)
-                    piv = _pivots(j, base, hi, NP)
-                    piv = tl.where((j == 0) & (stage == 2) & (first != 0), lo1, piv).to(tl.int32)
-                    for c in range(NC):
-                        w, mk = _chunk_pass(LOGITS, TMAX, stride_b, b, c, V, NT, T, m, piv,
-                                            stage == 2, BT, TPC, NP)
-                        off = ((slot * B + b) * NC + c) * NP + j
-                        tl.store(PM + off, w)
-                        tl.store(PK + off, mk)
-                    tl.debug_barrier()
-                    lo, mk_lo, hi, done, first, target = _advance(PM, PK, slot, b, B, NC, stage,
-                                                                  base, hi, first, lo1, target,
-                                                                  k, top_p, key_tm, BC, NP)
-                    tl.debug_barrier()
-                    stage, lo, hi, mk_lo, first, lo1 = _settle(stage, lo, hi, mk_lo, done, first,
-                                                               lo1, lo_pb, top_p, m, V)
-            if _okey(z_w).to(tl.int64) <= lo:
-                key = _row_key(SEEDS, OFFSETS, b)
-                for c in range(NC):
-                    best, wc = _chunk_race(LOGITS, TMAX, stride_b, b, c, V, NT, T, lo, key, BT,
-                                           TPC, FAST)
-                    tl.store(RB + b * NC + c, best)
-                    tl.store(RW + b * NC + c, wc)
-                tl.debug_barrier()
-        if _okey(z_w).to(tl.int64) <= lo:  # the winner is filtered out: the best chunk race
-            best_c = tl.load(RB + b * NC + cc, mask=cc < NC, other=float("-inf"))
-            wc = tl.load(RW + b * NC + cc, mask=cc < NC, other=2147483647)
-            tok = tl.min(tl.where(best_c == tl.max(best_c, 0), wc, 2147483647), 0)
-        z_tok = tl.math.div_rn(tl.load(LOGITS + b * stride_b + tok).to(tl.float32), T)
-        tl.store(TOKENS + b, tok.to(tl.int64))
-        tl.store(LOGPROBS + b, (z_tok - m) - tl.log(tl.load(RF + 2 * b + 1)))
+        if _okey(z_w).to(tl.int64) <= lo:  # the unfiltered winner is filtered out: race again
+            key = _row_key(SEEDS, OFFSETS, b)
+            best = m * 0.0 - float("inf")
+            for cc in range(NS):  # chunks in order: on a tie the earlier (smaller) index wins
+                best_cc, w_cc = _chunk_race(LOGITS, TMAX, stride_b, b, cc, V, NT, T, lo, key, BT,
+                                            TPC, FAST)
+                tok = tl.where(best_cc > best, w_cc, tok)
+                best = tl.maximum(best, best_cc)
+    z_tok = tl.math.div_rn(tl.load(LOGITS + b * stride_b + tok).to(tl.float32), T)
+    tl.store(TOKENS + b, tok.to(tl.int64))
+    tl.store(LOGPROBS + b, (z_tok - m) - tl.log(s))
 
 
 def _check(logits, temperature, top_k, top_p, min_p, seeds, offsets):
@@ -572,41 +406,24 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     top_p, min_p = top_p.float().contiguous(), min_p.float().contiguous()
     seeds, offsets = seeds.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()
     fast = not interpreting()
-    c1, cs, cr = CONFIGS["pass1"], CONFIGS["search"], CONFIGS["row"]
+    c1, cr = CONFIGS["pass1"], CONFIGS["row"]
     CHUNK = min(c1["CHUNK"], triton.next_power_of_2(V))  # depends on V only, never on B
     BV = min(c1["BV"], CHUNK)
-    BT = min(cs["BT"], BV)
+    BT = min(cr["BT"], BV)
     NC, NT = triton.cdiv(V, CHUNK), triton.cdiv(V, CHUNK) * (CHUNK // BT)
-    SCHUNK = max(min(cs["CHUNK"], triton.next_power_of_2(V)), BT)  # a search program's tokens
-    NS, TPS = triton.cdiv(V, SCHUNK), SCHUNK // BT
-    BC, BS, BNT = triton.next_power_of_2(NC), triton.next_power_of_2(NS), triton.next_power_of_2(NT)
-    # fp32: pass-1 partials [4, B, NC], row stats [B, 2], chunk races [B, NS], search targets
-    # [2, B], search partials [2, B, NS, NP]; int32: pass-1 indices [2, B, NC], row indices
-    # [B, 2], race indices [B, NS], tile keys [B, NT], search min-keys [2, B, NS, NP]
-    nf = [4 * B * NC, 2 * B, B * NS, 2 * B, 2 * B * NS * _NP]
-    ni = [2 * B * NC, 2 * B, B * NS, B * NT, 2 * B * NS * _NP]
-    pf, rf, rb, stf, pm = torch.empty(sum(nf), device=dev, dtype=torch.float32).split(nf)
-    pi, ri, rw, tmax, pk = torch.empty(sum(ni), device=dev, dtype=torch.int32).split(ni)
-    st = torch.empty(2, B, _NF, device=dev, dtype=torch.int64)
-    rows = (temperature, top_k, top_p, min_p)
+    SCHUNK = max(min(cr["CHUNK"], triton.next_power_of_2(V)), BT)  # tokens a search chunk
+    # pass-1 partials: [4, B, NC] fp32, [2, B, NC] int32; tile keys [B, NT] int32
+    pf = torch.empty(4 * B * NC, device=dev, dtype=torch.float32)
+    pi, tmax = torch.empty(2 * B * NC + B * NT, device=dev, dtype=torch.int32).split(
+        [2 * B * NC, B * NT])
     _pass1_kernel[(B, NC)](logits, temperature, seeds, offsets, pf, pi, tmax, logits.stride(0), B,
                            V, NC, NT, BV=BV, CHUNK=CHUNK, BT=BT, FAST=fast,
                            num_warps=c1["num_warps"])
-    _prepare_kernel[(B,)](*rows, pf, pi, tmax, rf, ri, st, stf, tokens, logprobs, logits,
-                          logits.stride(0), B, V, NC, NT, BC=BC, BNT=BNT, NF=_NF,
-                          num_warps=cr["num_warps"])
-    for it in range(_LAUNCHES):
-        _search_kernel[(B, NS)](logits, *rows, rf, st, stf, tmax, pm, pk, logits.stride(0), B, V,
-                                NS, NT, it, BT=BT, TPC=TPS, BC=BS, NP=_NP, NF=_NF,
-                                num_warps=cs["num_warps"])
-    slot = (_LAUNCHES + 1) % 2
-    _race_kernel[(B, NS)](logits, *rows, seeds, offsets, rf, ri, st, stf, tmax, pm, pk, rb, rw,
-                          logits.stride(0), B, V, NS, NT, slot, BT=BT, TPC=TPS, BC=BS, NP=_NP,
-                          NF=_NF, FAST=fast, num_warps=cs["num_warps"])
-    _finish_kernel[(B,)](logits, *rows, seeds, offsets, rf, ri, st, stf, tmax, pm, pk, rb, rw,
-                         tokens, logprobs, logits.stride(0), B, V, NS, NT, 1 - slot, BT=BT,
-                         TPC=TPS, BC=BS, NP=_NP, NF=_NF, PASSES=_PASSES, FAST=fast,
-                         num_warps=cs["num_warps"])
+    _row_kernel[(B,)](logits, temperature, top_k, top_p, min_p, seeds, offsets, pf, pi, tmax,
+                      tokens, logprobs, logits.stride(0), B, V, NC, NT, triton.cdiv(V, SCHUNK),
+                      BC=triton.next_power_of_2(NC), BNT=triton.next_power_of_2(NT), BT=BT,
+                      TPC=SCHUNK // BT, NP=_NP, PASSES=_PASSES, FAST=fast,
+                      num_warps=cr["num_warps"], maxnreg=cr.get("maxnreg"))
     return tokens, logprobs
 
 
