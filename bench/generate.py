@@ -105,6 +105,7 @@ def run_rlcu(llm, prompts, params, cfg, weight_bytes, bandwidth, name):
         "bound_s": bound, "bound_fraction": bound / wall,
         "decode": {"time_s": dec_t, "bound_s": dec_bound, "bound_fraction": dec_bound / max(dec_t, 1e-9)},
         "prefill_time_s": pre_t,
+        "prefill_steps_ms": [round(1e3 * dt, 1) for ntok, nseq, _c, _g, dt in st["step_log"] if ntok != nseq],
         "host_s": {k[2:]: st[k] for k in ("t_schedule", "t_launch", "t_wait", "t_postprocess")},
     }
     h = r["host_s"]
@@ -113,6 +114,7 @@ def run_rlcu(llm, prompts, params, cfg, weight_bytes, bandwidth, name):
           f"steps {st['steps']} (graph {st['graph_steps']}), prefill {pre_t:.2f} s, decode {dec_t:.2f} s; "
           f"host: schedule {h['schedule']:.2f} launch {h['launch']:.2f} wait {h['wait']:.2f} "
           f"post {h['postprocess']:.2f} s", flush=True)
+    print(f"     prefill/mixed steps (ms): {r['prefill_steps_ms'][:40]}", flush=True)
     return r
 
 

@@ -239,25 +239,29 @@ def test_progress_bar_runs(model, capsys):
 
 
 def test_graph_replay_logic_emulated(model):
-    """The decode-graph path (static buffers, batch padding, buckets) on the CPU: a 'graph'
-    that re-runs the trunk on the static buffers at replay stands in for a CUDA graph."""
+    """The decode-graph path (static buffers, batch padding, buckets, the LM head and the
+    sampler inside the graph) on the CPU: a 'graph' that re-runs the captured step on the
+    static buffers at replay stands in for a CUDA graph. Greedy and seeded sampling (padding
+    rows must not change the real rows' draws)."""
+    sampled = SamplingParams(n=2, temperature=0.8, top_k=5, max_tokens=6, seed=3, logprobs=True)
     ref = LLM(model, num_kv_blocks=64, block_size=4, max_num_seqs=6)
-    want = ref.generate(toks(PROMPTS), dataclasses.replace(GREEDY, n=2), use_tqdm=False)
+    want = [ref.generate(toks(PROMPTS), sp, use_tqdm=False) for sp in (dataclasses.replace(GREEDY, n=2), sampled)]
     llm = LLM(model, num_kv_blocks=64, block_size=4, max_num_seqs=6)
     r = llm.runner
     r.use_graphs = True
 
-    def record(args):
-        out = r._hidden(*args)
-        return (lambda: out.copy_(r._hidden(*args))), out
+    def record(fn):
+        out = fn()
+        return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
 
     r._record = record
-    got = llm.generate(toks(PROMPTS), dataclasses.replace(GREEDY, n=2), use_tqdm=False)
+    got = [llm.generate(toks(PROMPTS), sp, use_tqdm=False) for sp in (dataclasses.replace(GREEDY, n=2), sampled)]
     assert llm.stats["graph_steps"] > 0 and {b for b, _ in r.graphs} >= {4, 6}
-    for a, b in zip(want, got):
-        for x, y in zip(a.outputs, b.outputs):
-            assert x.token_ids == y.token_ids
-            assert rel_err(torch.tensor(y.logprobs), torch.tensor(x.logprobs)) < 1e-5
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            for x, y in zip(a.outputs, b.outputs):
+                assert x.token_ids == y.token_ids
+                assert rel_err(torch.tensor(y.logprobs), torch.tensor(x.logprobs)) < 1e-5
     model.flat.mul_(1.0)  # in place: the same graphs stay valid
     llm.generate(toks(PROMPTS[:1]), GREEDY, use_tqdm=False)
     assert r.graphs

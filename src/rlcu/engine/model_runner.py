@@ -8,7 +8,8 @@ replaced by another tensor the graphs are captured again).
 
 Per layer, over the N new tokens of the step (packed, any mix of prefill chunks and decodes):
     h = rmsnorm(x); q, k, v = h Wqkv^T; q, k = rope(rmsnorm(q)), rope(rmsnorm(k)) at their positions
-    kv_write(k, v -> cache slots); o = paged_attention(q, cache); x += o Wo^T
+    (qkv_prep, one kernel: q, k normed and rotated, k and v written to their cache slots)
+    o = paged_attention(q, cache); x += o Wo^T
     x += swiglu(rmsnorm(x) Wgu^T) Wd^T
 then the final norm and the LM head only on the rows that sample a token.
 
@@ -17,11 +18,16 @@ KV pool: one tensor [2, layers, num_blocks, block_size, Hk, D]. On CUDA its size
 (the trainer's buffers too) and the activations of a warm-up step of the full token budget.
 
 CUDA graphs: pure decode steps (one token per sequence) of up to `max_num_seqs` sequences
-replay a graph of the trunk (embedding to final norm; the LM head and the sampler run
-after it) captured, on first use, for the next batch-size bucket (1, 2, 4, 8, then
-multiples of 16) and context bucket (1k, 4k, 16k, ..., max_model_len: the decode kernel's
-split-KV grid is sized by the longest context). Padding rows write nowhere (slot -1) and
-attend to one key. Everything else runs eagerly.
+replay one graph of the whole step (embedding to the sampled tokens and their logprobs,
+the LM head and the sampler included) captured, on first use, for the next batch-size
+bucket (1, 2, 4, 8, then multiples of 16) and context bucket (1k, 4k, 16k, ..., max_model_len: the decode kernel's
+split-KV grid is sized by the longest context). Padding rows write nowhere (slot -1),
+attend to one key and sample at temperature 1 (their tokens are never read). Everything
+else runs eagerly.
+
+Readback: a step's samples travel to pinned host buffers behind it on the stream and the
+host waits on that copy's event (`collect`), so with the one-step lookahead the host
+prepares step t+1 while the device runs step t.
 
 Host side of a decode step (`_decode`, graph or not): one pass over the rows fills a pinned
 staging buffer (fields at fixed offsets), sent with one non-blocking copy together with the
@@ -39,14 +45,28 @@ import torch
 from rlcu.engine.scheduler import ScheduledBatch
 from rlcu.model.qwen3 import Qwen3
 from rlcu.ops.embedding import embedding_fwd
-from rlcu.ops.kv_cache import kv_write
 from rlcu.ops.paged_attention import paged_attention
+from rlcu.ops.qkv_prep import qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
-from rlcu.ops.rope import rope_fwd
 from rlcu.ops.sampling import sample
 from rlcu.ops.swiglu import swiglu_fwd
 
 CPU_KV_BYTES = 1 << 30  # the largest default KV pool on the CPU (gpu_memory_utilization does not apply there)
+
+
+def _pack(arrays: list, dtype, device: torch.device) -> list[torch.Tensor]:
+    """Concatenate 1-D arrays into one buffer with each start 16 bytes aligned, copy it to the
+    device (one non-blocking copy) -> the arrays' views on the device."""
+    a = 16 // np.dtype(dtype).itemsize
+    starts, n = [], 0
+    for x in arrays:
+        starts.append(n)
+        n += -(-len(x) // a) * a
+    host = np.zeros(max(n, 1), dtype=dtype)
+    for x, o in zip(arrays, starts):
+        host[o:o + len(x)] = x
+    buf = torch.from_numpy(host).to(device, non_blocking=True)
+    return [buf[o:o + len(x)] for x, o in zip(arrays, starts)]
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -83,7 +103,7 @@ class _DecodeState:
         for names, size in ((self.I64, 8), (self.I32, 4), (self.F32, 4)):
             for n in names:
                 self.offsets[n] = (off, size)
-                off += -(-rows * size // 8) * 8
+                off += -(-rows * size // 16) * 16  # 16-byte aligned: Triton specialises pointers on it
         self.fixed = off
         self.var_cap = self.VAR_CAP  # int64 entries of the variable part that travel in the same copy
         pin = device.type == "cuda"
@@ -95,10 +115,12 @@ class _DecodeState:
         self.turn = 0
         self.dev = self._views(self.dbuf)
         self.host = [self._views(h.numpy()) for h in self.hbufs]
-        for h in self.host:
+        for h in self.host:  # padding rows: write nowhere, attend to one key, sample neutrally
             h["lens"][:] = 1
             h["slots"][:] = -1
             h["row_slot"][:] = self.num_slots
+            h["temp"][:] = 1.0
+            h["top_p"][:] = 1.0
         self.dbuf.copy_(self.hbufs[0])
 
     def send(self, k: int, var: list[int]) -> torch.Tensor:
@@ -169,6 +191,8 @@ class ModelRunner:
         self._graph_flat_ptr = model.flat.data_ptr()
         self._last_tokens: torch.Tensor | None = None  # the samples of the last launch (placeholder values)
         self._dec: _DecodeState | None = None  # decode steps' staging buffers and per-slot block tables
+        self._rb: list = [None, None]  # pinned host buffers of the samples (see _readback)
+        self._rb_turn = 0
         self.allocate()
 
     # ------------------------------------------------------------------ the forward
@@ -178,20 +202,15 @@ class ModelRunner:
         -> final-normed hidden states [R, hidden]."""
         c, w = self.cfg, self.model.w
         N, Hq, Hk, D, eps = ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        qs, ks = c.q_size, c.kv_size
+        qs = c.q_size
         scale = D**-0.5
         x = embedding_fwd(ids, w["embed"])
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             h, _ = rmsnorm_fwd(x, w[p + "input_norm"], eps)
             qkv = h @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
-            q, _ = rmsnorm_fwd(qkv[:, :qs].reshape(N * Hq, D), w[p + "q_norm"], eps)
-            k, _ = rmsnorm_fwd(qkv[:, qs:qs + ks].reshape(N * Hk, D), w[p + "k_norm"], eps)
-            v = qkv[:, qs + ks:].view(N, Hk, D)
-            q = rope_fwd(q.view(N, Hq, D), pos, c.rope_theta)
-            k = rope_fwd(k.view(N, Hk, D), pos, c.rope_theta)
             kc, vc = self.kv[0, i], self.kv[1, i]
-            kv_write(k, v, kc, vc, slots)
+            q = qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, slots, kc, vc, Hq, Hk, D, eps, c.rope_theta)
             o = paged_attention(q, kc, vc, block_tables, cu_q, seq_lens, max_q, max_k, scale)
             x = torch.addmm(x, o.view(N, qs), w[p + "o"].t())
             h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps)
@@ -239,17 +258,15 @@ class ModelRunner:
                     max_q=max(batch.num_tokens), max_k=int(lens.max()))
 
     def _to_device(self, a):
-        """Two host-to-device copies (one int64, one int32 buffer) instead of nine."""
-        N, S, R, P = len(a["ids"]), len(a["lens"]), len(a["rows"]), len(a["ph"])
-        i64 = torch.from_numpy(np.concatenate([a["ids"], a["slots"], a["rows"], a["ph"], a["ph_rows"]])).to(
-            self.device, non_blocking=True)
-        i32 = torch.from_numpy(np.concatenate([a["pos"], a["cu"], a["lens"], a["tables"].ravel()])).to(
-            self.device, non_blocking=True)
-        ids = i64[:N]
-        if P:
-            ids.index_copy_(0, i64[2 * N + R:2 * N + R + P], self._last_tokens.index_select(0, i64[2 * N + R + P:]))
-        return (ids, i32[:N], i64[N:2 * N], i32[N + 2 * S + 1:].view(S, -1), i32[N:N + S + 1],
-                i32[N + S + 1:N + 2 * S + 1], i64[2 * N:2 * N + R])
+        """Two host-to-device copies (one int64, one int32 buffer) instead of nine; every
+        array starts 16 bytes aligned, so the kernels see the same pointer alignment (and
+        Triton compiles no new variant) whatever the step's sizes."""
+        ids, slots, rows, ph, ph_rows = _pack([a["ids"], a["slots"], a["rows"], a["ph"], a["ph_rows"]], np.int64,
+                                              self.device)
+        pos, cu, lens, tables = _pack([a["pos"], a["cu"], a["lens"], a["tables"].ravel()], np.int32, self.device)
+        if len(ph):
+            ids.index_copy_(0, ph, self._last_tokens.index_select(0, ph_rows))
+        return ids, pos, slots, tables.view(len(a["lens"]), -1), cu, lens, rows
 
     def _sampling_tensors(self, batch: ScheduledBatch):
         fl, il = [], []  # rows of (temperature, top_p, min_p) and (top_k, seed, offset)
@@ -264,9 +281,10 @@ class ModelRunner:
             else:
                 fl += [(sp.temperature, sp.top_p, sp.min_p)] * ns
                 il += [(sp.top_k, sd, off) for sd in seq.sample_seeds()]
-        ft = torch.from_numpy(np.array(fl, dtype=np.float32).T.copy()).to(self.device, non_blocking=True)
-        it = torch.from_numpy(np.array(il, dtype=np.int64).T.copy()).to(self.device, non_blocking=True)
-        return ft[0], it[0].to(torch.int32), ft[1], ft[2], it[1], it[2]
+        fl, il = np.array(fl, dtype=np.float32).T, np.array(il, dtype=np.int64).T
+        temp, top_p, min_p = _pack(list(fl), np.float32, self.device)
+        top_k, seeds, offsets = _pack(list(il), np.int64, self.device)
+        return temp, top_k.to(torch.int32), top_p, min_p, seeds, offsets
 
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch):
@@ -281,7 +299,7 @@ class ModelRunner:
             self.kv[:, :, idx[1]] = self.kv[:, :, idx[0]]
         if batch.is_decode and len(batch.seqs) <= self.max_num_seqs:
             graph = self.use_graphs
-            h, samp = self._decode(batch)
+            out = self._decode(batch)
         else:
             graph = False
             a = self.prepare(batch)
@@ -290,15 +308,38 @@ class ModelRunner:
             if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
                 return None, graph
             samp = self._sampling_tensors(batch)
-        out = sample(self._logits(h), *samp)
+            out = sample(self._logits(h), *samp)
         self._last_tokens = out[0]
-        return out, graph
+        return self._readback(out), graph
+
+    def _readback(self, out):
+        """Start the copy of a step's (tokens, logprobs) to pinned host memory, behind the
+        step on the stream -> (tokens, logprobs, event) for `collect`. Waiting on the event
+        rather than on `.tolist()` matters: `.tolist()` would also wait for every step
+        enqueued after this one (the lookahead step), serialising host and device. Two
+        buffers alternate: a step's copy is read (`collect`) before the launch after next."""
+        if self.device.type != "cuda":  # copies: a graph's outputs are overwritten by the next replay
+            return out[0].clone(), out[1].clone(), None
+        n = out[0].shape[0]
+        k = self._rb_turn
+        self._rb_turn ^= 1
+        if self._rb[k] is None or self._rb[k][0].shape[0] < n:
+            cap = max(n, self.max_num_seqs)
+            self._rb[k] = (torch.empty(cap, dtype=torch.int64, pin_memory=True),
+                           torch.empty(cap, dtype=torch.float32, pin_memory=True), torch.cuda.Event())
+        tok, lp, ev = self._rb[k]
+        tok[:n].copy_(out[0], non_blocking=True)
+        lp[:n].copy_(out[1], non_blocking=True)
+        ev.record()
+        return tok[:n], lp[:n], ev
 
     @staticmethod
     def collect(out) -> tuple[list[int], list[float]]:
         """Wait for a launched step's samples."""
         if out is None:
             return [], []
+        if out[2] is not None:
+            out[2].synchronize()
         return out[0].tolist(), out[1].tolist()
 
     def run(self, batch: ScheduledBatch) -> tuple[list[int], list[float], bool]:
@@ -313,8 +354,8 @@ class ModelRunner:
         return self._dec
 
     def _decode(self, batch: ScheduledBatch):
-        """A pure decode step (one token, one sample per sequence): stage, send, run the trunk
-        (a CUDA graph when enabled) -> (final hidden [S, hidden], the sampler's tensors)."""
+        """A pure decode step (one token, one sample per sequence): stage, send, run the model
+        and the sampler (one CUDA graph when enabled) -> (tokens [S], logprobs [S])."""
         d, bs, seqs = self._dec_state(), self.block_size, batch.seqs
         S = len(seqs)
         max_k = max(s.num_computed_tokens for s in seqs) + 1
@@ -391,18 +432,23 @@ class ModelRunner:
         v = d.dev
         if P:
             v["ids"].index_copy_(0, var[K:K + P], self._last_tokens.index_select(0, var[K + P:K + 2 * P]))
-        samp = (v["temp"][:S], v["top_k"][:S], v["top_p"][:S], v["min_p"][:S], v["seeds"][:S], v["offsets"][:S])
         if graph:
             if key not in self.graphs:
                 self._capture(*key)
             st = self._static
             st["tables"][:b, :W] = d.slot_tables[v["row_slot"][:b], :W]
-            replay, out = self.graphs[key]
+            replay, (tokens, logprobs) = self.graphs[key]
             replay()
-            return out[:S], samp
+            return tokens[:S], logprobs[:S]
         tables = d.slot_tables[v["row_slot"][:S], :max(W, 1)]
         cu = torch.arange(S + 1, device=self.device, dtype=torch.int32)
-        return self._hidden(v["ids"][:S], v["pos"][:S], v["slots"][:S], tables, cu, v["lens"][:S], 1, max_k), samp
+        h = self._hidden(v["ids"][:S], v["pos"][:S], v["slots"][:S], tables, cu, v["lens"][:S], 1, max_k)
+        return sample(self._logits(h), *self._decode_sampling(S))
+
+    def _decode_sampling(self, n: int) -> tuple:
+        """The sampler's per-row tensors of a decode step's first n rows (in the staging buffer)."""
+        v = self._dec_state().dev
+        return v["temp"][:n], v["top_k"][:n], v["top_p"][:n], v["min_p"][:n], v["seeds"][:n], v["offsets"][:n]
 
     # ------------------------------------------------------------------ KV pool, graphs
     def _auto_num_blocks(self, max_model_len: int) -> int:
@@ -491,17 +537,22 @@ class ModelRunner:
         saved = {k: v.clone() for k, v in st.items() if k != "tables"}
         st["slots"].fill_(-1)  # the warm-up and capture runs must write nowhere
         st["lens"].fill_(1)
-        self._hidden(*args)  # compiles the kernels outside the capture
-        self.graphs[(b, kb)] = self._record(args)
+        samp = self._decode_sampling(b)
+
+        def step():
+            return sample(self._logits(self._hidden(*args)), *samp)
+
+        step()  # compiles the kernels outside the capture
+        self.graphs[(b, kb)] = self._record(step)
         for k, v in saved.items():
             st[k].copy_(v)
 
-    def _record(self, args) -> tuple:
-        """Capture `_hidden(*args)` -> (replay function, output tensor)."""
+    def _record(self, fn) -> tuple:
+        """Capture fn() -> (replay function, its outputs)."""
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            out = self._hidden(*args)
+            out = fn()
         torch.cuda.synchronize(self.device)
         return g.replay, out
 

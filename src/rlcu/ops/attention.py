@@ -91,7 +91,7 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, lo, hi
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "S"])
 def _attn_fwd_kernel(Q, K, V, O, LSE, CU, N, S, qk_scale,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
@@ -137,7 +137,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, CU, N, S, qk_scale,
     tl.store(LSE + i_h * N + bos + offs_m, lse, mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _attn_bwd_delta_kernel(O, DO, DELTA, N, stride_ot, stride_oh, stride_dot, stride_doh,
                            D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     i_t = tl.program_id(0).to(tl.int64)
@@ -179,7 +179,7 @@ def _attn_bwd_dkdv_tiles(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_dot,
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "S"])
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, N, S, qk_scale, scale,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -252,7 +252,7 @@ def _attn_bwd_dq_tiles(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "S"])
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, N, S, qk_scale, scale,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_dot, stride_doh, stride_dqt, stride_dqh,

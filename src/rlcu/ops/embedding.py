@@ -28,7 +28,7 @@ _MAX_BD = 1024
 _INTS = (torch.int32, torch.int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _embedding_fwd_kernel(IDS, W, X, N, D, stride_w, stride_x, BN: tl.constexpr, BD: tl.constexpr):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1).to(tl.int64)
@@ -41,7 +41,7 @@ def _embedding_fwd_kernel(IDS, W, X, N, D, stride_w, stride_x, BN: tl.constexpr,
     tl.store(X + rows[:, None] * stride_x + cols[None, :], x, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _embedding_bwd_kernel(DX, IDS, DW, N, D, stride_dx, stride_dw, BN: tl.constexpr, BD: tl.constexpr):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1).to(tl.int64)

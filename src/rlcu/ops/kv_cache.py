@@ -21,7 +21,7 @@ from rlcu.ops._backend import use_triton
 _TILE = 4096  # elements of K a program copies: BT tokens x BH heads x BD
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _kv_write_kernel(K, V, KC, VC, SLOT, N, H, D, stride_kn, stride_kh, stride_vn, stride_vh,
                      stride_cs, stride_ch, BT: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)

@@ -57,7 +57,7 @@ CONFIGS = {
 }
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "PART"])
 def _decode_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART,
                    stride_qn, stride_qh, stride_cs, stride_ch, stride_bt, stride_on, stride_oh,
                    Hq, scale_log2, PART,
@@ -114,7 +114,7 @@ def _decode_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART,
         tl.store(LSE_PART + row, m + tl.log2(l_safe), mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PART"])
 def _decode_reduce_kernel(O_PART, LSE_PART, CU_Q, SEQ_LENS, O, stride_on, stride_oh, Hq, PART,
                           D: tl.constexpr, BD: tl.constexpr, NSPLIT: tl.constexpr,
                           BSPLIT: tl.constexpr):
@@ -138,7 +138,7 @@ def _decode_reduce_kernel(O_PART, LSE_PART, CU_Q, SEQ_LENS, O, stride_on, stride
     tl.store(O + q_start * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O,
                     stride_qn, stride_qh, stride_cs, stride_ch, stride_bt, stride_on, stride_oh,
                     scale_log2, G: tl.constexpr, BM: tl.constexpr, BMT: tl.constexpr,

@@ -38,7 +38,7 @@ VALUE_STATS = ("loss", "clip_frac", "value", "weight")
 _BN = 1024  # tokens a program handles
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _policy_loss_kernel(LP, OLD, REF, ADV, W, ENT, LOSS, DLP, DENT, STATS, N, eps_low, eps_high, beta, c_ent,
                         HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -88,7 +88,7 @@ def _policy_loss_kernel(LP, OLD, REF, ADV, W, ENT, LOSS, DLP, DENT, STATS, N, ep
     tl.store(S + 8, tl.sum(wl, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _value_loss_kernel(V, VOLD, RET, W, LOSS, DV, STATS, N, clip, NS: tl.constexpr, BN: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     i = pid * BN + tl.arange(0, BN)

@@ -47,7 +47,7 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _RESIDENT: dict = {}  # (device, dtypes, blocks) -> backward programs that fit on the GPU
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _rmsnorm_fwd_kernel(X, W, Y, RSTD, N, D, stride_x, stride_y, eps,
                         BN: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -66,7 +66,7 @@ def _rmsnorm_fwd_kernel(X, W, Y, RSTD, N, D, stride_x, stride_y, eps,
     tl.store(RSTD + rows, rstd, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "tiles_per_program"])
 def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, N, D, stride_dy, stride_x, stride_dx,
                         tiles_per_program, BN: tl.constexpr, BD: tl.constexpr,
                         STAGES: tl.constexpr):

@@ -25,7 +25,7 @@ _TILE = 4096  # elements a program handles: BT tokens x BH heads x D
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _rope_kernel(X, POS, Y, N, H, D2, stride_xn, stride_xh, stride_yn, stride_yh, freq_scale,
                  SIGN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BD2: tl.constexpr):
     # freq_scale = -2 log2(theta) / D, so that theta^(-2i/D) = exp2(i * freq_scale)

@@ -119,7 +119,7 @@ def _zkey(k):
     return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _pass1_kernel(LOGITS, TEMP, SEEDS, OFFSETS, PF, PI, TMAX, stride_b, B, V, NC, NT,
                   BV: tl.constexpr, CHUNK: tl.constexpr, BT: tl.constexpr, FAST: tl.constexpr):
     # per (row, chunk): max m, sum exp(z - m), min z, argmax, race winner (score, index);
@@ -293,7 +293,7 @@ def _settle(stage, lo, hi, mk_lo, done, first, lo1, lo_pb, top_p, m, V):
     return stage, lo, hi, mk_lo, first, lo1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _row_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, OFFSETS, PF, PI, TMAX, TOKENS, LOGPROBS,
                 stride_b, B, V, NC, NT, NS, BC: tl.constexpr, BNT: tl.constexpr,
                 BT: tl.constexpr, TPC: tl.constexpr, NP: tl.constexpr, PASSES: tl.constexpr,

@@ -20,7 +20,7 @@ _MAX_BI = 1024
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _swiglu_fwd_kernel(GU, A, N, I, stride_gu, stride_a, BN: tl.constexpr, BI: tl.constexpr):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_i = tl.program_id(1).to(tl.int64)
@@ -34,7 +34,7 @@ def _swiglu_fwd_kernel(GU, A, N, I, stride_gu, stride_a, BN: tl.constexpr, BI: t
     tl.store(A + rows[:, None] * stride_a + cols[None, :], a.to(A.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _swiglu_bwd_kernel(DA, GU, DGU, N, I, stride_da, stride_gu, stride_dgu,
                        BN: tl.constexpr, BI: tl.constexpr):
     pid_n = tl.program_id(0).to(tl.int64)

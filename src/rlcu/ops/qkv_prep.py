@@ -1,0 +1,169 @@
+"""Attention-input prep of the inference engine, fused: per-head q/k RMSNorm, RoPE, KV-cache write.
+
+Per layer, from the fused projection qkv = h Wqkv^T ([N, (Hq + 2 Hk) D], heads of D in a row:
+Hq q heads, then Hk k heads, then Hk v heads), for token n at position p = pos[n]:
+    q[n, h] = rope(rmsnorm(qkv[n, q head h], q_w), p)              -> a new [N, Hq, D]
+    k_cache[slot[n], h] = rope(rmsnorm(qkv[n, k head h], k_w), p)  (skipped when slot[n] < 0)
+    v_cache[slot[n], h] = qkv[n, v head h]                         (skipped when slot[n] < 0)
+with rmsnorm and rope exactly as rmsnorm.py and rope.py compute them in sequence, rounding to
+the model's dtype where they do: x/rms(x) before the scale by w, the normed head (rmsnorm's
+output), the rotated head (rope's output). Only the sum of squares differs in its order (two
+half-row sums here), so on the GPU an output may differ from the unfused ops by one ulp.
+
+The unfused sequence is two copies (the strided q and k slices), two norms, two ropes and one
+cache write per layer: 7 launches that each read and write the heads again. Here one program
+holds BT whole token rows (all Hq + 2 Hk heads) read in place from qkv, the angles of its
+tokens are formed once and shared by the q and k heads, and each element is read once and
+written once: 2 (Hq + 2 Hk) D elements a token. N is not specialised on, so that a new token
+count (prefill chunks, decode batch sizes) never compiles the kernel again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from rlcu.ops._backend import use_triton
+from rlcu.ops.kv_cache import kv_write_ref
+from rlcu.ops.rmsnorm import rmsnorm_fwd_ref
+from rlcu.ops.rope import rope_fwd_ref
+
+MAX_D = 256  # head_dim: a program holds BT x (Hq + 2 Hk) x D elements
+_TILE = 4096  # elements of a program's rows (at least one token row)
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _norm_rope(X, W, t, h, i, mask, stride_x, D, D2, eps, cos, sin):
+    """Heads [BT, BH, D] at X + t * stride_x + h * D -> their rotated halves (y1, y2), each
+    [BT, BH, BD2] in X's dtype: rmsnorm (rounding as rmsnorm.py), then rope (as rope.py)."""
+    off = t[:, None, None] * stride_x + h[None, :, None] * D + i[None, None, :]
+    x1 = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)  # [BT, BH, BD2]
+    x2 = tl.load(X + off + D2, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / D + eps)[:, :, None]
+    imask = i < D2
+    w1 = tl.load(W + i, mask=imask, other=0.0).to(tl.float32)[None, None, :]
+    w2 = tl.load(W + D2 + i, mask=imask, other=0.0).to(tl.float32)[None, None, :]
+    dt = X.dtype.element_ty
+    # rmsnorm rounds x * rstd to the model dtype before the scale by w, and its output
+    y1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+    y2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    return (y1 * cos - y2 * sin).to(dt), (y2 * cos + y1 * sin).to(dt)
+
+
+@triton.jit(do_not_specialize=["N"])
+def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, N, Hq, Hk, D, D2, stride_qkv, stride_cs,
+                     stride_ch, eps, freq_scale, BT: tl.constexpr, BHQ: tl.constexpr,
+                     BHK: tl.constexpr, BD2: tl.constexpr):
+    # freq_scale = -2 log2(theta) / D, so that theta^(-2i/D) = exp2(i * freq_scale), as rope.py
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid * BT + tl.arange(0, BT)  # [BT] tokens
+    i = tl.arange(0, BD2)
+    hq = tl.arange(0, BHQ)
+    hk = tl.arange(0, BHK)
+    tmask = t < N
+    imask = (i < D2)[None, None, :]
+    pos = tl.load(POS + t, mask=tmask, other=0).to(tl.float32)
+    slot = tl.load(SLOT + t, mask=tmask, other=-1).to(tl.int64)  # [BT]
+    inv_freq = tl.exp2(i.to(tl.float32) * freq_scale)  # [BD2]
+    ang = pos[:, None] * inv_freq[None, :]  # [BT, BD2]
+    cos = tl.cos(ang)[:, None, :]  # [BT, 1, BD2]
+    sin = tl.sin(ang)[:, None, :]
+
+    # q: every token row
+    qmask = tmask[:, None, None] & (hq < Hq)[None, :, None] & imask
+    q1, q2 = _norm_rope(QKV, QW, t, hq, i, qmask, stride_qkv, D, D2, eps, cos, sin)
+    q_off = t[:, None, None] * (Hq * D) + hq[None, :, None] * D + i[None, None, :]
+    tl.store(Q + q_off, q1, mask=qmask)
+    tl.store(Q + q_off + D2, q2, mask=qmask)
+
+    # k and v: only the rows that have a cache slot; row slot of the cache seen as [slots, Hk, D]
+    kmask = (slot >= 0)[:, None, None] & (hk < Hk)[None, :, None] & imask
+    k1, k2 = _norm_rope(QKV + Hq * D, KW, t, hk, i, kmask, stride_qkv, D, D2, eps, cos, sin)
+    c_off = slot[:, None, None] * stride_cs + hk[None, :, None] * stride_ch + i[None, None, :]
+    tl.store(KC + c_off, k1.to(KC.dtype.element_ty), mask=kmask)
+    tl.store(KC + c_off + D2, k2.to(KC.dtype.element_ty), mask=kmask)
+    v_off = t[:, None, None] * stride_qkv + (Hq + Hk) * D + hk[None, :, None] * D + i[None, None, :]
+    v1 = tl.load(QKV + v_off, mask=kmask, other=0.0)
+    v2 = tl.load(QKV + v_off + D2, mask=kmask, other=0.0)
+    tl.store(VC + c_off, v1.to(VC.dtype.element_ty), mask=kmask)
+    tl.store(VC + c_off + D2, v2.to(VC.dtype.element_ty), mask=kmask)
+
+
+def _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, theta: float):
+    if qkv.dim() != 2 or qkv.shape[1] != (Hq + 2 * Hk) * D:
+        raise ValueError(f"qkv_prep: qkv must be [N, (Hq + 2 Hk) D] = [N, {(Hq + 2 * Hk) * D}] "
+                         f"(Hq={Hq}, Hk={Hk}, D={D}), got shape {list(qkv.shape)}")
+    if qkv.dtype not in _FLOATS:
+        raise TypeError(f"qkv_prep: qkv must be float32, bfloat16 or float16, got {qkv.dtype}")
+    if D % 2 or not 0 < D <= MAX_D:
+        raise ValueError(f"qkv_prep: head_dim D={D} must be even and in [2, {MAX_D}]")
+    N = qkv.shape[0]
+    for name, w in (("q_w", q_w), ("k_w", k_w)):
+        if w.shape != (D,):
+            raise ValueError(f"qkv_prep: {name} must have shape [{D}], got {list(w.shape)}")
+    if pos.shape != (N,) or pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qkv_prep: pos must be an int32 [{N}] tensor, got {pos.dtype} {list(pos.shape)}")
+    if slots.shape != (N,) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"qkv_prep: slots must be an int64 [{N}] tensor, got {slots.dtype} "
+                         f"{list(slots.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or tuple(k_cache.shape[2:]) != (Hk, D):
+        raise ValueError(f"qkv_prep: caches must be [num_blocks, block_size, {Hk}, {D}], got "
+                         f"{list(k_cache.shape)} and {list(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("qkv_prep: k_cache and v_cache must be contiguous")
+    for name, x in (("q_w", q_w), ("k_w", k_w), ("pos", pos), ("slots", slots), ("k_cache", k_cache),
+                    ("v_cache", v_cache)):
+        if x.device != qkv.device:
+            raise ValueError(f"qkv_prep: {name} is on {x.device}, qkv on {qkv.device}")
+    if not theta > 0:
+        raise ValueError(f"qkv_prep: theta must be > 0, got {theta}")
+
+
+def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
+                    eps: float, theta: float) -> torch.Tensor:
+    N = qkv.shape[0]
+    q = torch.empty(N, Hq, D, device=qkv.device, dtype=qkv.dtype)
+    if N == 0:
+        return q
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    D2 = D // 2
+    BHQ, BHK, BD2 = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk), triton.next_power_of_2(D2)
+    row = (BHQ + 2 * BHK) * 2 * BD2  # elements of one token row in the program's blocks
+    BT = max(1, _TILE // triton.next_power_of_2(row))
+    # ~32 fp32 elements a thread per live block (Qwen3-0.6B: 4 warps, 80 registers, no spill)
+    num_warps = min(16, max(4, triton.next_power_of_2(BT * row) // 1024))
+    kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
+    _qkv_prep_kernel[(triton.cdiv(N, BT),)](
+        qkv, q_w.contiguous(), k_w.contiguous(), pos.contiguous(), slots.contiguous(), q, kc, vc,
+        N, Hq, Hk, D, D2, qkv.stride(0), kc.stride(0), kc.stride(1), eps, -2.0 * math.log2(theta) / D,
+        BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, num_warps=num_warps)
+    return q
+
+
+def qkv_prep_ref(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
+                 eps: float, theta: float) -> torch.Tensor:
+    N, qs, ks = qkv.shape[0], Hq * D, Hk * D
+    q, _ = rmsnorm_fwd_ref(qkv[:, :qs].reshape(N * Hq, D), q_w, eps)
+    k, _ = rmsnorm_fwd_ref(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, eps)
+    v = qkv[:, qs + ks:].view(N, Hk, D)
+    q = rope_fwd_ref(q.view(N, Hq, D), pos, theta)
+    k = rope_fwd_ref(k.view(N, Hk, D), pos, theta)
+    kv_write_ref(k, v, k_cache, v_cache, slots)
+    return q
+
+
+def qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, eps: float,
+             theta: float) -> torch.Tensor:
+    """qkv: [N, (Hq + 2 Hk) D] (the fused projection; any row stride), q_w, k_w: [D] (the
+    q/k RMSNorm weights), pos: [N] int32, slots: [N] int64 (block * block_size + offset, < 0:
+    write nowhere), k_cache, v_cache: [num_blocks, block_size, Hk, D] (written in place)
+    -> q [N, Hq, D] (contiguous, qkv's dtype): normed and rotated."""
+    _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, theta)
+    if use_triton(qkv):
+        return qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, eps, theta)
+    return qkv_prep_ref(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, eps, theta)
