@@ -265,3 +265,46 @@ def test_graph_replay_logic_emulated(model):
     model.flat.mul_(1.0)  # in place: the same graphs stay valid
     llm.generate(toks(PROMPTS[:1]), GREEDY, use_tqdm=False)
     assert r.graphs
+
+
+def test_sleep_keeping_graphs_emulated(model):
+    """sleep(keep_graphs=True): the graphs survive a wake whose pool lands at the same address
+    and are captured again when it does not; outputs equal a fresh engine's either way."""
+    sp = SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=5, logprobs=True)
+    want = LLM(model, num_kv_blocks=64, block_size=4, max_num_seqs=6).generate(toks(PROMPTS), sp, use_tqdm=False)
+    llm = LLM(model, num_kv_blocks=64, block_size=4, max_num_seqs=6)
+    r = llm.runner
+    r.use_graphs = True
+    captures = []
+
+    def record(fn):
+        captures.append(1)
+        out = fn()
+        return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
+
+    r._record = record
+    for moved in (False, True, False):
+        llm.generate(toks(PROMPTS), sp, use_tqdm=False)
+        n = len(captures)
+        llm.sleep(keep_graphs=True)
+        assert llm.runner.kv is None and r.graphs
+        # the CPU allocator promises no address: say where the pool "was" to steer the test
+        zeros = torch.zeros
+
+        def pool_at(*a, **k):
+            t = zeros(*a, **k)
+            r._graph_kv_ptr = -1 if moved else t.data_ptr()
+            return t
+
+        torch.zeros = pool_at
+        try:
+            llm.wake()
+        finally:
+            torch.zeros = zeros
+        got = llm.generate(toks(PROMPTS), sp, use_tqdm=False)
+        assert (len(captures) > n) == moved, (moved, n, len(captures))
+        for a, b in zip(want, got):
+            assert [x.token_ids for x in a.outputs] == [y.token_ids for y in b.outputs]
+    assert r.graph_wakes["kept"] >= 2 and r.graph_wakes["recaptured"] >= 1
+    llm.sleep()  # the default frees the graphs too
+    assert not r.graphs

@@ -200,10 +200,13 @@ class LLM:
         return ids
 
     # ------------------------------------------------------------------ sleep / wake
-    def sleep(self) -> None:
-        """Free the KV pool and CUDA graphs (the prefix cache is forgotten)."""
+    def sleep(self, keep_graphs: bool = False) -> None:
+        """Free the KV pool and the CUDA graphs (the prefix cache is forgotten). keep_graphs:
+        keep the graphs (and their small memory pool) for the next wake, which keeps them if
+        the pool comes back at the same address, else captures them again (RL trainers,
+        which sleep every step, use this: a capture costs tens of ms a graph)."""
         if not self.asleep:
-            self.runner.release()
+            self.runner.release(keep_graphs)
             self.block_manager.reset()
             self.asleep = True
 

@@ -154,6 +154,13 @@ class _DecodeState:
             out[n] = v
         return out
 
+    def reset(self) -> None:
+        """Forget which sequence holds which slot (every sequence was preempted)."""
+        self.slot_of.clear()
+        self.free = list(range(self.num_slots - 1, -1, -1))
+        self.slot_bt = [None] * self.num_slots
+        self.slot_n = [0] * self.num_slots
+
     def assign(self, seq, live) -> int:
         """A slot for `seq` (slots of sequences not in this step are reclaimed when none is free)."""
         if not self.free:
@@ -192,6 +199,8 @@ class ModelRunner:
         self._last_tokens: torch.Tensor | None = None  # the samples of the last launch (placeholder values)
         self._dec: _DecodeState | None = None  # decode steps' staging buffers and per-slot block tables
         self._rb: list = [None, None]  # pinned host buffers of the samples (see _readback)
+        self._graph_kv_ptr = 0  # the KV pool's address when graphs were kept through a release
+        self.graph_wakes = {"kept": 0, "recaptured": 0}  # wakes after release(keep_graphs=True)
         self._rb_turn = 0
         self.allocate()
 
@@ -212,9 +221,9 @@ class ModelRunner:
             kc, vc = self.kv[0, i], self.kv[1, i]
             q = qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, slots, kc, vc, Hq, Hk, D, eps, c.rope_theta)
             o = paged_attention(q, kc, vc, block_tables, cu_q, seq_lens, max_q, max_k, scale)
-            x = torch.addmm(x, o.view(N, qs), w[p + "o"].t())
+            x.addmm_(o.view(N, qs), w[p + "o"].t())  # in place: no copy of x for cuBLAS's C
             h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps)
-            x = torch.addmm(x, swiglu_fwd(h @ w[p + "gate_up"].t()), w[p + "down"].t())
+            x.addmm_(swiglu_fwd(h @ w[p + "gate_up"].t()), w[p + "down"].t())
         if rows is not None:
             x = x.index_select(0, rows)
         return rmsnorm_fwd(x, w["final_norm"], eps)[0]
@@ -496,18 +505,32 @@ class ModelRunner:
         self.kv = None
 
     def allocate(self) -> None:
-        """Take the KV pool (graphs are captured on first use)."""
+        """Take the KV pool (graphs are captured on first use). Graphs kept through a
+        `release(keep_graphs=True)` stay only if the new pool sits at the old address (the
+        graphs hold its addresses); else they are dropped and captured again."""
         if self.kv is None:
             c = self.cfg
             self.kv = torch.zeros(2, c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads,
                                   c.head_dim, device=self.device, dtype=self.dtype)
+            if self.graphs:
+                kept = self.kv.data_ptr() == self._graph_kv_ptr
+                self.graph_wakes["kept" if kept else "recaptured"] += 1
+                if not kept:
+                    self.graphs, self._static, self._pool = {}, None, None
 
-    def release(self) -> None:
-        """Give the KV pool and the graphs back to the allocator (and the device)."""
-        self.graphs, self._static, self._pool, self._dec = {}, None, None, None
+    def release(self, keep_graphs: bool = False) -> None:
+        """Give the KV pool, and unless keep_graphs the graphs, back to the allocator (and the
+        device). Kept graphs hold their memory pool (the activations of one decode step per
+        batch bucket: tens of MB, against GBs of KV)."""
+        if keep_graphs and self.graphs and self.kv is not None:
+            self._graph_kv_ptr = self.kv.data_ptr()
+            self._dec.reset()
+        else:
+            self.graphs, self._static, self._pool, self._dec = {}, None, None, None
         self.kv = None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # this engine's stream only: jobs sharing the device on their own streams go on
+            torch.cuda.current_stream(self.device).synchronize()
             torch.cuda.empty_cache()
 
     def _graph_key(self, S: int, max_k: int) -> tuple[int, int]:
