@@ -9,7 +9,18 @@ tokenizer over the model's vocabulary (word i = "t{i}") serves both sides, so a 
 128 words is exactly 128 tokens. The reward is a fixed pseudo-random function of the
 completion text, so the advantages (and the backward) are not zero.
 
-    python bench/grpo.py                      # protocols A and B, rlcu and (if installed) TRL
+rlcu runs in two memory modes (rows "rlcu" and "rlcu_bf16"), the same step otherwise:
+  default  fp32 master weights + fp32 Adam m, v (rlcu's default optimizer precision)
+  bf16     optim.master_weights=false + optim.state_dtype=bfloat16: the bf16 weights are updated
+           in place with stochastic rounding, bf16 m, v -- TRL's precision class (torch AdamW on
+           bf16 parameters: bf16 moments, no master copy)
+Gradients are fp32 in both (TRL's are bf16). Besides the whole step's peak, each rlcu row
+reports the peak of each phase (rollout: wake -> generate -> sleep; train: the updates and the
+gradient buffer's release), what stays allocated between steps, and the arithmetic of the large
+buffers (weights, optimizer state, gradients, KV pool).
+
+    python bench/grpo.py                      # protocols A and B, rlcu (both modes) and (if installed) TRL
+    python bench/grpo.py --memory-mode bf16   # rlcu in one memory mode only
     python bench/grpo.py --quick              # protocol A, rlcu only, 1 warm-up + 2 timed steps
     python bench/grpo.py --quick --tiny       # a tiny model on whatever device (a CPU smoke test)
 """
@@ -36,6 +47,19 @@ from bench.common import qwen3_06b_config, write_json  # noqa: E402
 
 PROTOCOLS = {"A": dict(prompts=8, group=8, prompt_len=128, completion_len=256),
              "B": dict(prompts=8, group=8, prompt_len=128, completion_len=2048)}
+MEMORY_MODES = {
+    "default": dict(master_weights=True, state_dtype="float32"),
+    "bf16": dict(master_weights=False, state_dtype="bfloat16"),
+}
+MEMORY_NOTES = {
+    "default": "rlcu's default optimizer precision: fp32 master weights + fp32 Adam m, v (12 bytes/param of "
+               "optimizer state beside the bf16 weights); fp32 gradients, freed between steps",
+    "bf16": "optim.master_weights=false + optim.state_dtype=bfloat16: no master, the bf16 weights updated in "
+            "place with stochastic rounding, bf16 m, v (4 bytes/param) -- TRL's precision class (torch AdamW on "
+            "bf16 params: bf16 moments, no master); fp32 gradients (TRL's are bf16), freed between steps; "
+            "micro-batches of 4096 tokens (activations: the fp32 gradients leave less room than TRL's bf16 ones)",
+}
+MICRO_BATCH_TOKENS = {"bf16": 4096}  # per mode, over --micro-batch-tokens
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
 
@@ -70,7 +94,52 @@ def _sync():
 
 
 # ---------------------------------------------------------------- rlcu
-def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tokens: int) -> dict:
+class _PhasePeaks:
+    """Peak allocated GPU memory per phase of the trainer's step, by wrapping its phase methods
+    (the peak counter is reset at each phase's start; the run's overall peak is kept apart)."""
+
+    def __init__(self, tr):
+        self.peaks: dict[str, float] = {}
+        self.overall = 0
+        for name, attr in (("rollout", "_engine_phase"), ("train", "_policy_update"),
+                           ("train", "_end_train_phase")):
+            setattr(tr, attr, self._wrap(name, getattr(tr, attr)))
+
+    def _wrap(self, name, fn):
+        def run(*a, **k):
+            torch.cuda.synchronize()
+            self.overall = max(self.overall, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                return fn(*a, **k)
+            finally:
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated()
+                self.overall = max(self.overall, peak)
+                self.peaks[name] = max(self.peaks.get(name, 0), peak)
+
+        return run
+
+    def reset(self):
+        self.peaks, self.overall = {}, 0
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int:
+        return max(self.overall, torch.cuda.max_memory_allocated())
+
+
+def _buffer_arithmetic(tr, kv_blocks: int, block: int) -> dict:
+    """GiB of the large buffers, from their shapes."""
+    m, c = tr.model, tr.model.cfg
+    st = tr.opt.state_bytes()
+    kv = 2 * c.num_hidden_layers * kv_blocks * block * c.num_key_value_heads * c.head_dim * m.flat.element_size()
+    gib = {"weights": m.flat.numel() * m.flat.element_size(), "master": st["master"], "adam_m": st["m"],
+           "adam_v": st["v"], "grads_fp32": m.layout.numel * 4, "kv_pool": kv}
+    return {k: v / 2**30 for k, v in gib.items()}
+
+
+def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tokens: int,
+               memory_mode: str = "default") -> dict:
     from rlcu.config import _build
     from rlcu.model.qwen3 import Qwen3
     from rlcu.train.grpo import GRPOTrainer
@@ -93,16 +162,19 @@ def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tok
     kv_blocks = P * G * (-(-(Lp + Lc + 1) // block)) + 64  # the batch, nothing more (no prefix-sharing credit)
     gcfg = _build(GRPOConfig, dict(
         steps=total, prompts_per_step=P, group_size=G, max_new_tokens=Lc, temperature=1.0, stop_at_eos=False,
-        mu=1, micro_batch_tokens=micro_batch_tokens, optim=dict(lr=1e-6), data=dict(shuffle=False),
+        mu=1, micro_batch_tokens=MICRO_BATCH_TOKENS.get(memory_mode, micro_batch_tokens),
+        optim=dict(lr=1e-6, **MEMORY_MODES[memory_mode]),
+        data=dict(shuffle=False),
         engine=dict(max_num_seqs=P * G, block_size=block, num_kv_blocks=kv_blocks,
                     max_num_batched_tokens=max(8192, P * Lp)),
         log=dict(out_dir=tempfile.mkdtemp(prefix="rlcu-bench-grpo-"), progress=False, tensorboard=False, plot=False),
         checkpoint=dict(save_at_end=False)))
     tr = GRPOTrainer(gcfg, rows, [hash_reward], model=model, tokenizer=tok)
+    pp = _PhasePeaks(tr) if cuda else None
     times, phases = [], []
     for s in range(total):
         if s == warmup and cuda:
-            torch.cuda.reset_peak_memory_stats()
+            pp.reset()
         _sync()
         t0 = time.perf_counter()
         m = tr.train_step(s)
@@ -115,8 +187,14 @@ def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tok
     res = {"s_per_step": statistics.median(times), "steps": times,
            "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
            "completion_len_mean": lens, "tokens_per_step": P * G * (Lp + Lc)}
+    res["memory_mode"] = memory_mode
+    res["micro_batch_tokens"] = gcfg.micro_batch_tokens
+    res["graph_wakes"] = dict(tr.llm.runner.graph_wakes)
+    res["buffers_GiB"] = _buffer_arithmetic(tr, kv_blocks, block)
     if cuda:
-        res["peak_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        res["peak_GiB"] = (pp.peak() - base) / 2**30
+        res["phase_peak_GiB"] = {k: (v - base) / 2**30 for k, v in pp.peaks.items()}
+        res["between_steps_GiB"] = (torch.cuda.memory_allocated() - base) / 2**30
         res["kv_pool_blocks"] = kv_blocks
     del tr, model
     gc.collect()
@@ -193,9 +271,19 @@ def run_side(side: str, a) -> dict:
     proto = dict(PROTOCOLS[a.protocol])
     if a.tiny:
         proto.update(prompt_len=16, completion_len=16 if a.protocol == "A" else 64)
-    if side == "rlcu":
-        return bench_rlcu(proto, a.steps, a.warmup, a.tiny, a.micro_batch_tokens)
+    if side.startswith("rlcu"):
+        mode = "bf16" if side == "rlcu_bf16" else "default"
+        return bench_rlcu(proto, a.steps, a.warmup, a.tiny, a.micro_batch_tokens, mode)
     return bench_trl(proto, a.steps, a.warmup, a.tiny)
+
+
+def _expand_sides(sides: str, memory_mode: str) -> list[str]:
+    """'rlcu' -> the rows of the memory modes asked for ('rlcu' = default, 'rlcu_bf16')."""
+    rows = {"default": ["rlcu"], "bf16": ["rlcu_bf16"], "both": ["rlcu", "rlcu_bf16"]}[memory_mode]
+    out = []
+    for side in sides.split(","):
+        out += rows if side == "rlcu" else [side]
+    return out
 
 
 def main():
@@ -204,7 +292,12 @@ def main():
     ap.add_argument("--sides", default="rlcu,trl")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--b-steps", type=int, default=None, help="timed steps of protocol B (default --steps)")
+    ap.add_argument("--b-warmup", type=int, default=None, help="warm-up steps of protocol B (default --warmup)")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--memory-mode", choices=("default", "bf16", "both"), default="both",
+                    help="rlcu's optimizer precision: default (fp32 master + fp32 m, v), bf16 (no master, bf16 m, v, "
+                         "stochastic rounding), or both (two rows)")
     ap.add_argument("--quick", action="store_true", help="protocol A, rlcu only, 1 warm-up + 2 timed steps")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke test)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per side and protocol")
@@ -220,12 +313,18 @@ def main():
     res = {"protocol": {k: v for k, v in PROTOCOLS.items() if k in a.protocols.split(",")},
            "method": "Qwen3-0.6B shape, random bf16 weights, EOS ignored (exact lengths), gradient checkpointing, "
                      "one optimizer step per batch, no KL; median s/step after warm-up; each side in its own process",
-           "tiny": a.tiny}
+           "tiny": a.tiny, "memory_modes": {m: MEMORY_NOTES[m] for m in MEMORY_NOTES
+                                            if a.memory_mode in (m, "both")}}
+    sides = _expand_sides(a.sides, a.memory_mode)
     for p in a.protocols.split(","):
         res[p] = {}
-        for side in a.sides.split(","):
-            cmd = [sys.executable, __file__, "--side", side, "--protocol", p, "--steps", str(a.steps),
-                   "--warmup", str(a.warmup), "--micro-batch-tokens", str(a.micro_batch_tokens)]
+        steps, warmup = a.steps, a.warmup
+        if p == "B":
+            steps, warmup = a.b_steps or a.steps, a.b_warmup if a.b_warmup is not None else a.warmup
+        res[p]["timed_steps"], res[p]["warmup_steps"] = steps, warmup
+        for side in sides:
+            cmd = [sys.executable, __file__, "--side", side, "--protocol", p, "--steps", str(steps),
+                   "--warmup", str(warmup), "--micro-batch-tokens", str(a.micro_batch_tokens)]
             if a.tiny:
                 cmd.append("--tiny")
             try:
@@ -235,25 +334,31 @@ def main():
                 res[p][side] = json.loads(line[-1][7:]) if line else {"error": (pr.stderr or pr.stdout)[-800:]}
             except subprocess.TimeoutExpired:
                 res[p][side] = {"error": f"timed out after {a.timeout} s"}
-        r, t = res[p].get("rlcu", {}), res[p].get("trl", {})
-        if r.get("s_per_step") and t.get("s_per_step"):
-            res[p]["speedup_vs_trl"] = t["s_per_step"] / r["s_per_step"]
-            if r.get("peak_GiB") and t.get("peak_GiB"):
-                res[p]["memory_ratio_vs_trl"] = r["peak_GiB"] / t["peak_GiB"]
+        t = res[p].get("trl", {})
+        for side, suffix in (("rlcu", ""), ("rlcu_bf16", "_bf16")):
+            r = res[p].get(side, {})
+            if r.get("s_per_step") and t.get("s_per_step"):
+                res[p]["speedup_vs_trl" + suffix] = t["s_per_step"] / r["s_per_step"]
+                if r.get("peak_GiB") and t.get("peak_GiB"):
+                    res[p]["memory_ratio_vs_trl" + suffix] = r["peak_GiB"] / t["peak_GiB"]
     res["wall_s"] = time.time() - t0
     write_json("grpo_tiny.json" if a.tiny else "grpo.json", res)
-    print(f"\n{'GRPO step':<14} {'s/step':>8} {'gen':>7} {'lp':>6} {'train':>7} {'peak GiB':>9} {'vs TRL':>7}")
+    print(f"\n{'GRPO step':<16} {'s/step':>8} {'gen':>7} {'lp':>6} {'train':>7} {'peak GiB':>9} {'rollout':>8} "
+          f"{'train':>6} {'vs TRL':>7}")
     for p in a.protocols.split(","):
-        for side in a.sides.split(","):
+        for side in sides:
             r = res[p].get(side, {})
             if r.get("s_per_step"):
-                ph = r.get("phases_s", {})
-                sp = f"{res[p]['speedup_vs_trl']:.1f}x" if side == "rlcu" and "speedup_vs_trl" in res[p] else ""
-                pk = f"{r['peak_GiB']:.1f}" if "peak_GiB" in r else "-"
-                print(f"{p + ' ' + side:<14} {r['s_per_step']:>8.2f} {ph.get('generate', 0):>7.2f} "
-                      f"{ph.get('logprobs', 0):>6.2f} {ph.get('train', 0):>7.2f} {pk:>9} {sp:>7}")
+                ph, pp = r.get("phases_s", {}), r.get("phase_peak_GiB", {})
+                key = "speedup_vs_trl" + ("_bf16" if side == "rlcu_bf16" else "")
+                sp = f"{res[p][key]:.1f}x" if side.startswith("rlcu") and key in res[p] else ""
+                pk = f"{r['peak_GiB']:.2f}" if "peak_GiB" in r else "-"
+                pr = f"{pp['rollout']:.2f}" if "rollout" in pp else "-"
+                pt = f"{pp['train']:.2f}" if "train" in pp else "-"
+                print(f"{p + ' ' + side:<16} {r['s_per_step']:>8.2f} {ph.get('generate', 0):>7.2f} "
+                      f"{ph.get('logprobs', 0):>6.2f} {ph.get('train', 0):>7.2f} {pk:>9} {pr:>8} {pt:>6} {sp:>7}")
             else:
-                print(f"{p + ' ' + side:<14} {str(r.get('error', 'no result'))[-300:]}")
+                print(f"{p + ' ' + side:<16} {str(r.get('error', 'no result'))[-300:]}")
 
 
 if __name__ == "__main__":

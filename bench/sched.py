@@ -514,6 +514,7 @@ def plot(runs: dict, path: Path) -> None:
     if not keys:
         return
     fig, axes = plt.subplots(len(keys), 1, figsize=(14, 2.6 * len(keys)), squeeze=False, sharex=True)
+    xmax = max(runs[k]["makespan_s"] for k in keys) * 1.02  # one scale for all panels, none cut off
     for ax, k in zip(axes[:, 0], keys):
         r = runs[k]
         t0 = r["t_launch"]
@@ -531,7 +532,7 @@ def plot(runs: dict, path: Path) -> None:
         multi = len({d for v in devs.values() for d in v}) > 1
         ax.set_yticks(range(len(names)), [f"{j} (GPU {','.join(map(str, sorted(devs.get(j, []))))})" if multi else j
                                           for j in names])
-        ax.set_xlim(left=0)
+        ax.set_xlim(0, xmax)
         ax.set_ylim(-0.6, len(names) - 0.4)
         flag = "" if r.get("complete", True) else " [stopped by the budget]"
         ax.set_title(f"{k}: {r['jobs_per_hour']:.1f} jobs/h, NVML idle {r['nvml_idle_frac']:.1%}, "

@@ -279,6 +279,16 @@ class OptimConfig(Section):
     min_lr_ratio: float = opt(0.0, "cosine: the final lr as a fraction of lr", ge=0, le=1)
     max_nonfinite_in_row: int = opt(5, "abort (after checkpointing the last good state) when this many "
                                        "steps in a row have a non-finite loss or gradient norm", ge=1)
+    master_weights: bool = opt(True, "keep an fp32 master copy of bf16 weights (4 bytes a parameter); false: "
+                                     "update the bf16 weights in place, written back with stochastic rounding "
+                                     "(no effect on fp32 weights)")
+    state_dtype: str = opt("float32", "storage of the Adam moments m, v (the math is fp32 either way); "
+                                      "bfloat16 halves them, written with stochastic rounding",
+                           choices=("float32", "bfloat16"))
+    rounding_seed: int = opt(0, "seed of the stochastic rounding (with the step and the element index: "
+                                "deterministic, and exact across resume)", ge=0)
+    release_grads: bool = opt(True, "RL trainers: free the fp32 gradient buffer after each step's updates, so "
+                                    "that the rollout phase does not hold it (the next backward reallocates it)")
 
 
 @dataclasses.dataclass

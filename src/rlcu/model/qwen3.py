@@ -138,6 +138,11 @@ class Qwen3:
         self._ensure_grads()
         self.grad_flat.zero_()
 
+    def release_grads(self) -> None:
+        """Free the gradient buffer and its views (between RL steps, so that the rollout
+        phase does not hold it); the next zero_grad or backward allocates a zeroed one."""
+        self.grad_flat, self._g, self.grads = None, {}, {}
+
     # ---------------------------------------------------------------- input checks
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
         if ids.dtype not in (torch.int32, torch.int64):

@@ -8,14 +8,16 @@ Backward, for upstream dlp and dent:
     dz_j = dlp (1[j = target] - p_j) - dent p_j (z_j - lse + ent)
     dlogits = dz / T;   dh = dlogits W;   dW += dlogits^T h
 
-The GPU path goes `CHUNK_ROWS` rows at a time through one reusable [C, V] buffer in the
+The GPU path goes C = `chunk_rows(V)` rows at a time through one reusable [C, V] buffer in the
 input dtype: cuBLAS writes the logits tile, one Triton pass over it does the online
 log-sum-exp (base 2), the target gather and the entropy sum in fp32. The backward
 recomputes the tile (logits are never stored between forward and backward), turns it into
 dlogits in place with a second Triton pass, then cuBLAS does dh = dlogits W and
 dW += dlogits^T h (fp32 accumulation straight into an fp32 dW when torch's cuBLAS binding
-offers `out_dtype`). The working set is the one tile: C * V elements (1.2 GB in bf16 for
-C = 4096 and Qwen3's V = 151936) whatever N is.
+offers `out_dtype`). The working set is the one tile, whatever N is: C * V elements, at most
+CHUNK_BYTES (C = 2048 rows, 0.6 GB, for Qwen3's V = 151936 in bf16; 4096 rows took 1.2 GB,
+the largest single item of a GRPO step's training peak, for no measurable speed: each chunk's
+GEMMs are already [2048, 1024] x [1024, 151936]).
 
 Gradient in the forward (`logprob_fwd_bwd`): when the upstream gradient is an elementwise
 function of the chunk's own lp (and ent) -- SFT's constant weights, the GRPO/PPO clipped
@@ -35,7 +37,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-CHUNK_ROWS = 4096  # rows of logits held at once by the GPU path
+CHUNK_BYTES = 640 << 20  # the GPU path's logits tile: at most this many bytes ...
+CHUNK_ROWS = 4096  # ... and this many rows (a power of two; 2048 rows for Qwen3's V in bf16)
 BV_MAX = 8192  # vocabulary tile of one kernel iteration
 _CHUNK = 1024  # rows of logits held at once by the twin
 _LOG2E = 1.4426950408889634
@@ -170,6 +173,13 @@ def _wgrad_acc(dW, dz, hs):
     dW += (dz.t() @ hs).to(dW.dtype)
 
 
+def chunk_rows(V: int, dtype: torch.dtype) -> int:
+    """Rows of the GPU path's logits tile: the largest power of two <= CHUNK_ROWS whose
+    [C, V] tile fits in CHUNK_BYTES (at least 16)."""
+    fit = max(CHUNK_BYTES // (V * torch.finfo(dtype).bits // 8), 16)
+    return min(CHUNK_ROWS, 1 << (fit.bit_length() - 1))
+
+
 def _logprob_fwd_triton(h, W, targets, temperature, with_entropy):
     N, V = h.shape[0], W.shape[0]
     lp = torch.empty(N, device=h.device, dtype=torch.float32)
@@ -178,7 +188,7 @@ def _logprob_fwd_triton(h, W, targets, temperature, with_entropy):
     if N == 0:
         return lp, ent, lse
     targets = targets.contiguous()
-    C = min(N, CHUNK_ROWS)
+    C = min(N, chunk_rows(V, h.dtype))
     buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits tile
     BV, warps = _tiles(V)
     for s in range(0, N, C):
@@ -199,7 +209,7 @@ def _logprob_bwd_triton(dlp, dent, h, W, targets, lse, dW, temperature):
     targets, lse = targets.contiguous(), lse.contiguous()
     dlp = dlp.float().contiguous() if dlp is not None else None
     dent = dent.float().contiguous() if dent is not None else None
-    C = min(N, CHUNK_ROWS)
+    C = min(N, chunk_rows(V, h.dtype))
     buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits, then dlogits
     BV, warps = _tiles(V)
     for s in range(0, N, C):
@@ -226,7 +236,7 @@ def _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entrop
     if N == 0:
         return lp, ent, dh
     targets = targets.contiguous()
-    C = min(N, CHUNK_ROWS)
+    C = min(N, chunk_rows(V, h.dtype))
     buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits, then dlogits
     BV, warps = _tiles(V)
     for s in range(0, N, C):

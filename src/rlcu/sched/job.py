@@ -42,7 +42,8 @@ CLUSTER = "actor"
 
 
 def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, float]:
-    """Rough GiB per device: `resident` (weights, fp32 master, grads, Adam m and v, the
+    """Rough GiB per device: `resident` (weights, fp32 master, Adam m and v, the grads unless
+    optim.release_grads frees them between steps (then actor_train counts them), the
     reference copy), and the transient need of init, rollout (KV pool for one step's
     sequences + logits), ref_logprobs and actor_train (checkpointed activations of one
     micro-batch + one layer's recompute + the chunked LM head). Override with measurements."""
@@ -58,7 +59,11 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, 
         qc = Qwen3Config()
     P = ParamLayout(qc).numel
     w = 2 if m.resolve_dtype().itemsize == 2 else 4
-    resident = P * (w + (4 if w != 4 else 0) + 4 + 8) + (P * w if cfg.kl_coef > 0 else 0)
+    o = cfg.optim
+    master = 4 if (w != 4 and o.master_weights) else 0
+    state = 2 * (2 if o.state_dtype == "bfloat16" else 4)  # Adam m and v
+    grads = P * 4  # fp32; held between steps unless optim.release_grads
+    resident = P * (w + master + state) + (0 if o.release_grads else grads) + (P * w if cfg.kl_coef > 0 else 0)
     H, I, L, V = qc.hidden_size, qc.intermediate_size, qc.num_hidden_layers, qc.vocab_size
     seq = (cfg.data.max_prompt_tokens or max_prompt_tokens) + cfg.max_new_tokens
     kv_tok = 2 * L * qc.num_key_value_heads * qc.head_dim * w
@@ -67,7 +72,7 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, 
     T = cfg.micro_batch_tokens
     layer = T * (qc.q_size + 2 * qc.kv_size + 4 * H + 6 * I) * w
     head = min(T, 4096) * V * 4 * 2
-    train = (T * H * w * L + layer * 2 + head) * 1.25
+    train = (T * H * w * L + layer * 2 + head) * 1.25 + (grads if o.release_grads else 0)
     ref = (layer + head) * 1.25
     out = {"resident": resident, "init": P * 4, "rollout": rollout, "ref_logprobs": ref, "actor_train": train}
     return {k: v / GiB for k, v in out.items()} | {"kv_bytes_per_token": kv_tok}

@@ -118,6 +118,12 @@ class Critic:
         self._ensure_grads()
         self.grad_flat.zero_()
 
+    def release_grads(self) -> None:
+        """Free the gradient buffer (the trunk's is a view of it); the next zero_grad or
+        backward allocates a zeroed one."""
+        self.grad_flat = self.dhead_w = self.dhead_b = None
+        self.trunk.release_grads()
+
     # ---------------------------------------------------------------- forward / backward
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, grad: bool = True) -> torch.Tensor:
         """tokens: [N], cu_seqlens: [S+1] int32 -> values [N] fp32 (0 at each sequence's first token)."""

@@ -110,6 +110,7 @@ class GRPOTrainer(RLTrainer):
         else:
             upd = [self._policy_update(batch, step * c.mu + u, c.steps * c.mu, c.loss_agg, c.kl_coef)
                    for u in range(c.mu)]
+        self._end_train_phase()
         t3 = time.perf_counter()
         if upd:
             m.update(_mean_update_metrics(upd))

@@ -1,9 +1,16 @@
 """AdamW over flat buffers, with gradient clipping and non-finite step skipping.
 
 The model's weights live in one flat buffer (`model.flat`), its gradients in another
-(`model.grad_flat`, fp32). The optimizer keeps fp32 master weights of the same layout —
-the model's buffer itself when that is fp32, else an fp32 copy whose every update is
-written back to the bf16 working weights in the same kernel — and fp32 moments m, v.
+(`model.grad_flat`, fp32). Two precisions of the optimizer state (`optim.master_weights`,
+`optim.state_dtype`; bytes per parameter of a bf16 model, weights + state):
+    master_weights  state_dtype  kept                                   bytes
+    true            float32      fp32 master, fp32 m, v (the default)   2 + 12
+    false           bfloat16     bf16 weights are the master, bf16 m, v 2 + 4
+(and the two mixed ones). With a master, every update is written back to the bf16 working
+weights in the same kernel, rounded to nearest; without, the bf16 weights are updated in
+place with stochastic rounding (unbiased: small updates survive in expectation), and so are
+bf16 moments; the random bits are a hash of (rounding_seed, step, element), so a resumed
+run is exact. An fp32 model is its own master either way.
 
 One step: n = ||g||; if the loss or n is not finite the step is skipped (nothing changes,
 a counter of skips in a row grows, and at `max_nonfinite_in_row` the step raises
@@ -22,6 +29,9 @@ from rlcu.config import OptimConfig
 from rlcu.ops.adamw import adamw_step, clip_scale, grad_norm
 
 
+_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 class NonFiniteError(RuntimeError):
     """Too many steps in a row with a non-finite loss or gradient norm. `info` holds the
     last step's metrics."""
@@ -36,9 +46,16 @@ class FlatAdamW:
         self.model = model
         self.cfg = cfg
         flat = model.flat
-        self.master = flat if flat.dtype == torch.float32 else flat.detach().float().clone()
-        self.m = torch.zeros_like(self.master)
-        self.v = torch.zeros_like(self.master)
+        if flat.dtype == torch.float32 or not cfg.master_weights:
+            if flat.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"optim.master_weights: false needs bfloat16 (or float32) weights: stochastic "
+                                 f"rounding is written for bf16; got {flat.dtype}")
+            self.master = flat  # updated in place (stochastic rounding when bf16)
+        else:
+            self.master = flat.detach().float().clone()
+        sd = _STATE_DTYPES[cfg.state_dtype]
+        self.m = torch.zeros(flat.numel(), device=flat.device, dtype=sd)
+        self.v = torch.zeros(flat.numel(), device=flat.device, dtype=sd)
         self.step_count = 0  # applied updates (the 1-based AdamW step of the next one is +1)
         self.nonfinite_in_row = 0
         self.skipped_total = 0
@@ -49,6 +66,12 @@ class FlatAdamW:
 
     def zero_grad(self) -> None:
         self.model.zero_grad()
+
+    def state_bytes(self) -> dict:
+        """Bytes held by the optimizer's own buffers (the master only when it is a copy)."""
+        out = {"m": self.m.numel() * self.m.element_size(), "v": self.v.numel() * self.v.element_size()}
+        out["master"] = 0 if self.master_is_model else self.master.numel() * self.master.element_size()
+        return out
 
     def step(self, lr: float, loss: float | torch.Tensor | None = None) -> dict:
         """Apply one update with learning rate `lr` from `model.grad_flat`. Returns
@@ -81,14 +104,15 @@ class FlatAdamW:
         b1, b2 = self.cfg.betas
         adamw_step(self.master, g, self.m, self.v, None if self.master_is_model else self.model.flat,
                    lr=float(lr), beta1=b1, beta2=b2, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
-                   step=self.step_count, grad_scale=scale)
+                   step=self.step_count, grad_scale=scale, seed=self.cfg.rounding_seed)
         info.update(clip_scale=float(scale), skipped=0, nonfinite_in_row=0)
         return info
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        """CPU copies of the state. The master weights are included only when they are a
-        separate fp32 copy (fp32 models are saved with the model folder)."""
+        """CPU copies of the state (m, v in their storage dtype). The master weights are
+        included only when they are a separate fp32 copy (otherwise they are the model's
+        weights, saved with the model folder)."""
         d = {"step_count": self.step_count, "nonfinite_in_row": self.nonfinite_in_row,
              "skipped_total": self.skipped_total, "m": self.m.cpu().clone(), "v": self.v.cpu().clone()}
         if not self.master_is_model:
@@ -100,7 +124,7 @@ class FlatAdamW:
             if d[k].shape != self.m.shape:
                 raise ValueError(f"optimizer state {k} has shape {list(d[k].shape)}, this model's layout "
                                  f"needs {list(self.m.shape)} (a checkpoint of another model?)")
-        self.m.copy_(d["m"])
+        self.m.copy_(d["m"])  # a checkpoint of the other state_dtype is converted (rounded to nearest)
         self.v.copy_(d["v"])
         if "master" in d:  # the fp32 master of a bf16 run (also the best weights for an fp32 model)
             self.master.copy_(d["master"])

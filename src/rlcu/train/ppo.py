@@ -49,6 +49,9 @@ class PPOTrainer(RLTrainer):
         self.critic_opt = FlatAdamW(self.critic, cc.optim)
         self.score_stats = losses.RunningMoments()
 
+    def _grad_holders(self) -> list:
+        return [*super()._grad_holders(), (self.critic, self.cfg.critic.optim)]
+
     def _checkpoint_extra(self) -> dict:
         return {**super()._checkpoint_extra(), "critic": self.critic, "critic_optim": self.critic_opt,
                 "score_stats": self.score_stats}
@@ -155,6 +158,7 @@ class PPOTrainer(RLTrainer):
                 d.update(self._critic_update(batch, step * c.mu + u, c.steps * c.mu))
                 upd.append(d)
             m.update(_mean_update_metrics(upd))
+        self._end_train_phase()
         t3 = time.perf_counter()
         gen_tokens = sum(len(s.completion_ids) for s in samples)
         m.update({"time/generate": t1 - t0, "time/logprobs": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0,

@@ -7,6 +7,12 @@ model.forward_backward, whose LM-head sweep applies the fused policy loss (clipp
 against the sampling logprobs, k3 KL to the reference, entropy bonus) chunk by chunk and takes
 dlp, dent from it at once -> FlatAdamW.
 
+Memory by phase: the engine's KV pool (sized to one step's sequences) lives only through the
+rollout (llm.sleep() / wake()), the fp32 gradient buffer only through the updates
+(optim.release_grads); what stays across phases is the weights, the optimizer state (fp32
+master + m, v, or bf16 m, v with optim.master_weights: false, optim.state_dtype: bfloat16) and,
+with a KL term, the frozen reference's weights.
+
 Reproducibility: the data order is a seeded permutation per epoch (`PromptSampler`, whose state
 is one integer) and every step's sampling seed is a function of (seed, step), so a run resumed
 from a checkpoint makes the same rollouts.
@@ -248,13 +254,36 @@ class RLTrainer(abc.ABC):
         m["errors/reward"] = len(errors)
         return m
 
+    def _grad_holders(self) -> list:
+        """(model, its OptimConfig) pairs whose gradient buffers live only through a step's updates."""
+        return [(self.model, self.cfg.optim)]
+
+    def _end_train_phase(self) -> None:
+        """After a step's updates, free the gradient buffers (optim.release_grads: the fp32
+        grads are as large as two bf16 models) so that the rollout phase, which takes the KV
+        pool back, does not hold them too; on CUDA the blocks go back to the device, as the
+        engine's sleep() does with the pool. The next zero_grad reallocates them."""
+        freed = False
+        for model, oc in self._grad_holders():
+            if oc.release_grads and getattr(model, "grad_flat", None) is not None:
+                model.release_grads()
+                freed = True
+        if freed and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _engine_phase(self, fn):
+        """fn() with the engine awake; it sleeps after (its KV pool freed for training), keeping
+        its decode graphs, which the next wake reuses if the pool returns at the same address."""
+        from rlcu.engine import LLM
+
         if hasattr(self.llm, "wake"):
             self.llm.wake()
         try:
             return fn()
         finally:
-            if hasattr(self.llm, "sleep"):
+            if isinstance(self.llm, LLM):
+                self.llm.sleep(keep_graphs=True)
+            elif hasattr(self.llm, "sleep"):
                 self.llm.sleep()
 
     # ---------------------------------------------------------------- evaluation
