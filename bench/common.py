@@ -16,11 +16,13 @@ RESULTS = Path(__file__).parent / "results"
 def meta() -> dict:
     import triton
 
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                                         stderr=subprocess.DEVNULL).decode().strip()
-    except Exception:
-        commit = os.environ.get("RLCU_COMMIT", "unknown")
+    commit = os.environ.get("RLCU_COMMIT")  # first: a copied tree's .git may be stale or absent
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                                             stderr=subprocess.DEVNULL).decode().strip()
+        except Exception:
+            commit = "unknown"
     return {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "triton": triton.__version__, "commit": commit,

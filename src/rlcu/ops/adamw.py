@@ -44,28 +44,23 @@ import math
 import torch
 
 from rlcu.ops._backend import HAS_TRITON, use_triton
+from rlcu.ops._hash import M32 as _M32
+from rlcu.ops._hash import hash32_ref as _hash32_ref
+from rlcu.ops._hash import py_hash32 as _py_hash32
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from rlcu.ops._hash import hash32 as _hash32
+
 BLOCK = 4096  # elements per program of the step
 NORM_BLOCK = 4096  # elements summed by one program of the norm
 REF_CHUNK = 1 << 22  # elements per pass of the twin (bounds its int64 temporaries)
-_M32 = 0xFFFFFFFF
 _V_SALT = 0x9E3779B9  # v's rounding bits: H(r ^ salt), independent of p's and m's halves of r
 
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _hash32(x):
-        # lowbias32 on uint32 (wraps mod 2^32), the same map as _hash32_ref
-        x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
-        x = x ^ (x >> 15)
-        x = x * 0x846CA68B
-        return x ^ (x >> 16)
 
     @triton.jit
     def _to_f32(x):
@@ -151,15 +146,6 @@ def _coefs(lr, beta1, beta2, eps, weight_decay, step) -> dict:
                 inv_bc2_sqrt=1.0 / math.sqrt(1.0 - beta2**step))
 
 
-def _py_hash32(x: int) -> int:
-    x &= _M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
 def rounding_key(seed: int, step: int) -> int:
     """The 32-bit key of a step's stochastic-rounding bits (seed, step: any ints >= 0)."""
     k = _py_hash32((seed & _M32) ^ 0x243F6A88)
@@ -201,22 +187,6 @@ def _grad_norm_triton(g: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the twin
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2^32 for 0 <= x < 2^32 without int64 overflow: split c into 16-bit halves
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def _hash32_ref(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (a bijection of 32-bit integers), on int64 tensors holding uint32 values."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def rounding_bits_ref(key: int, start: int, n: int, device=None) -> torch.Tensor:
     """[n] int64 holding the uint32 r of elements start .. start+n-1 (p takes r >> 16, m
     takes r & 0xFFFF, v takes H(r ^ salt) >> 16)."""

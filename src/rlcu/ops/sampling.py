@@ -9,7 +9,7 @@ the kept set is (vLLM's order; every set closed under ties, i.e. a threshold on 
 and the token is drawn by the exponential race (Gumbel-max) over the kept set:
     token = argmax_{i kept} z_i + g_i,  g_i = -log(-log u_i)  (= argmax p_i / E_i, E_i = -log u_i)
 The uniforms come from a counter-based hash, u_i = f(seed, offset, i) (lowbias32 rounds, see
-`_hash32_ref`), so a row's draw depends on (its logits, seed, offset) alone, never on the
+`rlcu.ops._hash`), so a row's draw depends on (its logits, seed, offset) alone, never on the
 batch it sits in, and the twin (int64 torch ops) and the kernels (uint32) draw the same token.
 (On the GPU the outer log of g is lg2.approx, ~1e-6 off: only a near-tie can differ.)
 logprobs = log_softmax(z)[token] on the UNFILTERED distribution, as the trainer recomputes it.
@@ -61,8 +61,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from rlcu.ops._backend import interpreting, use_triton
-
-_M32 = 0xFFFFFFFF
+from rlcu.ops._hash import M32 as _M32
+from rlcu.ops._hash import hash32 as _hash32
+from rlcu.ops._hash import hash32_ref as _hash32_ref
 _NP = 16  # pivots a search pass evaluates
 # pass 1: BV a vector, CHUNK tokens a program (constants: sums must not depend on B); row
 # (one program a row: the search and the race): BT tokens a tile (the unit of skipping),
@@ -73,16 +74,6 @@ CONFIGS = {
     "row": dict(BT=256, CHUNK=32768, num_warps=8, maxnreg=128),
 }
 _PASSES = 9  # passes of 15 new pivots that pin any 32-bit key (2^32 -> 1), per filter
-
-
-@triton.jit
-def _hash32(x):
-    # lowbias32 on uint32 (wraps mod 2^32), the same map as _hash32_ref
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    return x ^ (x >> 16)
 
 
 @triton.jit
@@ -428,22 +419,6 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets):
 
 
 # ----------------------------------------------------------------------------- the hash RNG
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2^32 for 0 <= x < 2^32 without int64 overflow: split c into 16-bit halves
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _M32
-
-
-def _hash32_ref(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (a bijection of 32-bit integers), on int64 tensors holding uint32 values."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def _row_key_ref(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     s, o = seeds.long(), offsets.long()
     k = _hash32_ref((s & _M32) ^ 0x243F6A88)
