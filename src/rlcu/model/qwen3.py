@@ -23,6 +23,7 @@ import torch
 from rlcu.model import io
 from rlcu.model.config import Qwen3Config
 from rlcu.model.layout import ParamLayout
+from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.attention import attention_bwd, attention_fwd
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
@@ -33,27 +34,6 @@ from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
 # files copied along when a model loaded from a folder is saved to another
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
-
-
-_MIXED_ADDMM = [True]  # cuBLAS bf16 x bf16 -> fp32 accumulate-in-place; probed on first use
-
-
-def _acc_wgrad(g: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
-    """g += dy^T x  (the weight gradient of y = x W^T), accumulated in g's dtype (fp32).
-
-    On CUDA the bf16 product is accumulated by cuBLAS straight into the fp32 gradient
-    (beta = 1, no bf16 rounding of the product, no temporary); elsewhere, or where that
-    overload is missing, the product is formed and added."""
-    if g.dtype == dy.dtype:
-        g.addmm_(dy.t(), x)
-        return
-    if g.is_cuda and _MIXED_ADDMM[0]:
-        try:
-            torch.addmm(g, dy.t(), x, out_dtype=g.dtype, out=g)
-            return
-        except (RuntimeError, TypeError):
-            _MIXED_ADDMM[0] = False
-    g.add_(dy.t() @ x)
 
 
 class Qwen3:
@@ -208,16 +188,16 @@ class Qwen3:
         p = f"layers.{i}."
         N, Hq, Hk, D = dy.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         # MLP: y = x2 + swiglu(h2 Wgu^T) Wd^T
-        _acc_wgrad(g[p + "down"], dy, s["a"])
+        acc_wgrad(g[p + "down"], dy, s["a"])
         da = dy @ w[p + "down"]
         dgu = swiglu_bwd(da, s["gu"])
-        _acc_wgrad(g[p + "gate_up"], dgu, s["h2"])
+        acc_wgrad(g[p + "gate_up"], dgu, s["h2"])
         dh2 = dgu @ w[p + "gate_up"]
         dx2, dw = rmsnorm_bwd(dh2, s["x2"], w[p + "post_norm"], s["r2"])
         g[p + "post_norm"] += dw
         dx2 = dx2 + dy
         # attention: x2 = x + attn(rope(norm(q)), rope(norm(k)), v) Wo^T
-        _acc_wgrad(g[p + "o"], dx2, s["o"].view(N, c.q_size))
+        acc_wgrad(g[p + "o"], dx2, s["o"].view(N, c.q_size))
         do = (dx2 @ w[p + "o"]).view(N, Hq, D)
         dq, dk, dv = attention_bwd(do, s["q"], s["k"], s["v"], s["o"], s["lse"], cu, max_seqlen, D**-0.5)
         dqn = rope_bwd(dq, pos, c.rope_theta).reshape(N * Hq, D)
@@ -227,7 +207,7 @@ class Qwen3:
         dk0, dw = rmsnorm_bwd(dkn, s["k0"], w[p + "k_norm"], s["rk"])
         g[p + "k_norm"] += dw
         dqkv = torch.cat([dq0.view(N, c.q_size), dk0.view(N, c.kv_size), dv.reshape(N, c.kv_size)], 1)
-        _acc_wgrad(g[p + "qkv"], dqkv, s["h1"])
+        acc_wgrad(g[p + "qkv"], dqkv, s["h1"])
         dh1 = dqkv @ w[p + "qkv"]
         dx, dw = rmsnorm_bwd(dh1, s["x"], w[p + "input_norm"], s["r1"])
         g[p + "input_norm"] += dw

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from rlcu.ops._backend import HAS_TRITON, use_triton
+from rlcu.ops._matmul import acc_wgrad
 
 if HAS_TRITON:
     import triton
@@ -154,25 +155,6 @@ def _tiles(V: int):
     return BV, (8 if BV >= 4096 else 4)
 
 
-_ADDMM_OUT_DTYPE = True  # torch's addmm(..., out_dtype=) works here; cleared on first failure
-
-
-def _wgrad_acc(dW, dz, hs):
-    """dW += dz^T hs, accumulating in dW's dtype (fp32 dW from bf16 operands through
-    cuBLAS's fp32 C when torch offers it, else through a low-precision product)."""
-    global _ADDMM_OUT_DTYPE
-    if dW.dtype == dz.dtype:
-        dW.addmm_(dz.t(), hs)
-        return
-    if dW.is_cuda and _ADDMM_OUT_DTYPE:
-        try:
-            torch.addmm(dW, dz.t(), hs, out_dtype=dW.dtype, out=dW)
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            _ADDMM_OUT_DTYPE = False
-    dW += (dz.t() @ hs).to(dW.dtype)
-
-
 def chunk_rows(V: int, dtype: torch.dtype) -> int:
     """Rows of the GPU path's logits tile: the largest power of two <= CHUNK_ROWS whose
     [C, V] tile fits in CHUNK_BYTES (at least 16)."""
@@ -223,7 +205,7 @@ def _logprob_bwd_triton(dlp, dent, h, W, targets, lse, dW, temperature):
             num_warps=warps)
         torch.mm(z, W, out=dh[s : s + n])
         if dW is not None:
-            _wgrad_acc(dW, z, hs)
+            acc_wgrad(dW, z, hs)
     return dh
 
 
@@ -258,7 +240,7 @@ def _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entrop
             num_warps=warps)
         torch.mm(z, W, out=dh[rows])
         if dW is not None:
-            _wgrad_acc(dW, z, hs)
+            acc_wgrad(dW, z, hs)
     return lp, ent, dh
 
 
