@@ -46,3 +46,13 @@ def _default_backend(monkeypatch):
     # tests choose their backend explicitly; an RLCU_BACKEND from the shell must not leak in
     if "RLCU_BACKEND" in os.environ and not os.environ.get("RLCU_TEST_KEEP_BACKEND"):
         monkeypatch.delenv("RLCU_BACKEND")
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread: tiny shapes gain nothing from threads, and on the 2-core CI machine
+    extra threads only oversubscribe it (test files opt in with usefixtures)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

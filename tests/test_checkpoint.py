@@ -23,13 +23,7 @@ TINY = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_laye
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny shapes gain nothing from threads, and on a shared CPU extra threads oversubscribe it
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny(seed=0, dtype=torch.float32):

@@ -6,17 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from rlcu.data import synthetic as syn
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_sort_task():

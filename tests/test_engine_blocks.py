@@ -97,8 +97,9 @@ def test_random_workload_invariants(seed, lookahead):
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randrange(6, 14) * (8 // bs)
-    _run_workload(rng, num_blocks, bs, budget=rng.choice([3, 7, 16, 64]), max_seqs=rng.choice([3, 8, 16]),
-                  n_req=rng.randrange(8, 24), prefix_caching=seed % 3 != 0, lookahead=lookahead)
+    sch, bm = _run_workload(rng, num_blocks, bs, budget=rng.choice([3, 7, 16, 64]), max_seqs=rng.choice([3, 8, 16]),
+                            n_req=rng.randrange(8, 24), prefix_caching=seed % 3 != 0, lookahead=lookahead)
+    assert not sch.has_unfinished() and not sch.live() and bm.num_free == num_blocks
 
 
 def test_tiny_pool_forces_preemption_and_finishes():

@@ -3,18 +3,12 @@
 import json
 
 import pytest
-import torch
 
 from rlcu.cli import main as rlcu_main
 from rlcu.engine.cli import main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _write(path, lines):

@@ -5,7 +5,6 @@ outputs independent of batch composition."""
 import dataclasses
 
 import pytest
-import torch
 from hf_util import make_hf_model
 
 from rlcu import Qwen3
@@ -15,12 +14,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprob
 PROMPTS = [[5, 17, 3], list(range(40, 61)), [7] * 9, [100 + (i * 37) % 200 for i in range(30)], [1]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,7 @@ PROMPTS = [SHARED + [11, 12], SHARED + [20], SHARED + [30, 31, 32, 33, 34, 35], 
 STOP = list(range(0, V, 9))  # ~11% of the vocabulary: some samples stop early
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes: threads only fight over the CI machine's cores
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

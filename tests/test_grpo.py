@@ -14,14 +14,8 @@ import torch
 from rlcu.data import synthetic as syn
 from rlcu.train import losses
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny models' ops are far too small to split across threads (on a shared machine
-    that only adds contention)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -1,7 +1,6 @@
 """Qwen3 against HF transformers (the autograd oracle) on tiny random checkpoints, fp32, CPU."""
 
 import json
-import shutil
 
 import pytest
 import torch

@@ -11,13 +11,7 @@ from rlcu.train.optimizer import FlatAdamW, NonFiniteError
 from rlcu.train.schedule import lr_at
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny shapes gain nothing from threads, and on a shared CPU extra threads oversubscribe it
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class Flat:

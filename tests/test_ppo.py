@@ -19,12 +19,7 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atten
             rope_theta=10000.0, bos_token_id=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_gae_by_hand():

@@ -18,13 +18,7 @@ TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layer
 TIMING = ("tokens_per_s", "step_seconds")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny shapes gain nothing from threads, and on a shared CPU extra threads oversubscribe it
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny(seed=0):
