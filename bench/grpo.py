@@ -11,10 +11,11 @@ completion text, so the advantages (and the backward) are not zero.
 
 rlcu runs in two memory modes (rows "rlcu" and "rlcu_bf16"), the same step otherwise:
   default  fp32 master weights + fp32 Adam m, v (rlcu's default optimizer precision)
-  bf16     optim.master_weights=false + optim.state_dtype=bfloat16: the bf16 weights are updated
-           in place with stochastic rounding, bf16 m, v -- TRL's precision class (torch AdamW on
-           bf16 parameters: bf16 moments, no master copy)
-Gradients are fp32 in both (TRL's are bf16). Besides the whole step's peak, each rlcu row
+  bf16     optim.master_weights=false + optim.state_dtype=bfloat16 + optim.grad_dtype=bfloat16: the
+           bf16 weights are updated in place with stochastic rounding, bf16 m, v, bf16 gradients --
+           TRL's precision class (torch AdamW on bf16 parameters: bf16 moments and gradients, no
+           master copy); micro-batches of --bf16-micro-batch-tokens
+The default mode's gradients are fp32. Besides the whole step's peak, each rlcu row
 reports the peak of each phase (rollout: wake -> generate -> sleep; train: the updates and the
 gradient buffer's release), what stays allocated between steps, and the arithmetic of the large
 buffers (weights, optimizer state, gradients, KV pool).
@@ -49,17 +50,17 @@ PROTOCOLS = {"A": dict(prompts=8, group=8, prompt_len=128, completion_len=256),
              "B": dict(prompts=8, group=8, prompt_len=128, completion_len=2048)}
 MEMORY_MODES = {
     "default": dict(master_weights=True, state_dtype="float32"),
-    "bf16": dict(master_weights=False, state_dtype="bfloat16"),
+    "bf16": dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16"),
 }
 MEMORY_NOTES = {
     "default": "rlcu's default optimizer precision: fp32 master weights + fp32 Adam m, v (12 bytes/param of "
                "optimizer state beside the bf16 weights); fp32 gradients, freed between steps",
-    "bf16": "optim.master_weights=false + optim.state_dtype=bfloat16: no master, the bf16 weights updated in "
-            "place with stochastic rounding, bf16 m, v (4 bytes/param) -- TRL's precision class (torch AdamW on "
-            "bf16 params: bf16 moments, no master); fp32 gradients (TRL's are bf16), freed between steps; "
-            "micro-batches of 4096 tokens (activations: the fp32 gradients leave less room than TRL's bf16 ones)",
+    "bf16": "optim.master_weights=false + optim.state_dtype=bfloat16 + optim.grad_dtype=bfloat16: no master, "
+            "the bf16 weights updated in place with stochastic rounding, bf16 m, v (4 bytes/param), bf16 "
+            "gradients freed between steps -- TRL's precision class (torch AdamW on bf16 params: bf16 moments "
+            "and gradients, no master); smaller micro-batches (micro_batch_tokens) so that the activations fit "
+            "under TRL's peak",
 }
-MICRO_BATCH_TOKENS = {"bf16": 4096}  # per mode, over --micro-batch-tokens
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
 
@@ -134,7 +135,7 @@ def _buffer_arithmetic(tr, kv_blocks: int, block: int) -> dict:
     st = tr.opt.state_bytes()
     kv = 2 * c.num_hidden_layers * kv_blocks * block * c.num_key_value_heads * c.head_dim * m.flat.element_size()
     gib = {"weights": m.flat.numel() * m.flat.element_size(), "master": st["master"], "adam_m": st["m"],
-           "adam_v": st["v"], "grads_fp32": m.layout.numel * 4, "kv_pool": kv}
+           "adam_v": st["v"], "grads": m.layout.numel * m.grad_dtype.itemsize, "kv_pool": kv}
     return {k: v / 2**30 for k, v in gib.items()}
 
 
@@ -162,7 +163,7 @@ def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tok
     kv_blocks = P * G * (-(-(Lp + Lc + 1) // block)) + 64  # the batch, nothing more (no prefix-sharing credit)
     gcfg = _build(GRPOConfig, dict(
         steps=total, prompts_per_step=P, group_size=G, max_new_tokens=Lc, temperature=1.0, stop_at_eos=False,
-        mu=1, micro_batch_tokens=MICRO_BATCH_TOKENS.get(memory_mode, micro_batch_tokens),
+        mu=1, micro_batch_tokens=micro_batch_tokens,
         optim=dict(lr=1e-6, **MEMORY_MODES[memory_mode]),
         data=dict(shuffle=False),
         engine=dict(max_num_seqs=P * G, block_size=block, num_kv_blocks=kv_blocks,
@@ -273,7 +274,8 @@ def run_side(side: str, a) -> dict:
         proto.update(prompt_len=16, completion_len=16 if a.protocol == "A" else 64)
     if side.startswith("rlcu"):
         mode = "bf16" if side == "rlcu_bf16" else "default"
-        return bench_rlcu(proto, a.steps, a.warmup, a.tiny, a.micro_batch_tokens, mode)
+        mbt = a.bf16_micro_batch_tokens if mode == "bf16" else a.micro_batch_tokens
+        return bench_rlcu(proto, a.steps, a.warmup, a.tiny, mbt, mode)
     return bench_trl(proto, a.steps, a.warmup, a.tiny)
 
 
@@ -294,7 +296,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--b-steps", type=int, default=None, help="timed steps of protocol B (default --steps)")
     ap.add_argument("--b-warmup", type=int, default=None, help="warm-up steps of protocol B (default --warmup)")
-    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="rlcu's micro-batch (default mode)")
+    ap.add_argument("--bf16-micro-batch-tokens", type=int, default=8192, help="rlcu's micro-batch in the bf16 mode")
     ap.add_argument("--memory-mode", choices=("default", "bf16", "both"), default="both",
                     help="rlcu's optimizer precision: default (fp32 master + fp32 m, v), bf16 (no master, bf16 m, v, "
                          "stochastic rounding), or both (two rows)")
@@ -324,7 +327,8 @@ def main():
         res[p]["timed_steps"], res[p]["warmup_steps"] = steps, warmup
         for side in sides:
             cmd = [sys.executable, __file__, "--side", side, "--protocol", p, "--steps", str(steps),
-                   "--warmup", str(warmup), "--micro-batch-tokens", str(a.micro_batch_tokens)]
+                   "--warmup", str(warmup), "--micro-batch-tokens", str(a.micro_batch_tokens),
+                   "--bf16-micro-batch-tokens", str(a.bf16_micro_batch_tokens)]
             if a.tiny:
                 cmd.append("--tiny")
             try:

@@ -26,8 +26,8 @@ and reported with the jobs it completed, and the runs left are skipped.
     python bench/sched.py --cpu --hidden 64 --layers 2 --prompts 2 --group 2 --new-tokens 8 --steps 2
                                                                         # a smoke run, measures nothing
 
-JSON: $OUT and bench/results/sched_<N>gpu.json (N GPUs); the timeline:
-sched_timeline_<N>gpu.png in both. --merge keeps the runs of an earlier call on the same
+JSON: $OUT and bench/results/sched_<N>gpu[_<tag>].json (N GPUs); the timeline:
+sched_timeline_<N>gpu[_<tag>].png in both. --merge keeps the runs of an earlier call on the same
 device and GPU count that this call does not repeat.
 """
 
@@ -614,6 +614,7 @@ def main() -> int:
     ap.add_argument("--min-run-s", type=float, default=10.0, help=argparse.SUPPRESS)  # skip a run with less left
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the untimed job that fills Triton's kernel cache first")
+    ap.add_argument("--tag", default="", help="suffix of the JSON and PNG names (sched_<N>gpu_<tag>.json)")
     ap.add_argument("--merge", action="store_true", help="keep the earlier call's runs this call does not repeat")
     ap.add_argument("--out-dir", default=None, help="where the --cpu smoke run writes (default: a temp folder)")
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (no NVML; nothing is measured)")
@@ -673,7 +674,7 @@ def main() -> int:
 
         results = results or RESULTS
     results.mkdir(parents=True, exist_ok=True)
-    name = f"sched_{n}gpu.json" if not a.cpu else "sched_cpu.json"
+    name = (f"sched_{n}gpu" if not a.cpu else "sched_cpu") + (f"_{a.tag}" if a.tag else "") + ".json"
     old = {}
     prev = results / name
     if a.merge and prev.exists() and not a.cpu:

@@ -224,19 +224,19 @@ def test_example_configs_document_the_fields():
     ex = Path(__file__).resolve().parents[1] / "examples"
     for name in ("grpo.yaml", "ppo.yaml"):
         text = (ex / name).read_text()
-        for field in ("master_weights", "state_dtype", "release_grads"):
+        for field in ("master_weights", "state_dtype", "grad_dtype", "release_grads"):
             assert field in text, (name, field)
 
 
 # ---------------------------------------------------------------- the gradient buffer
-def _tiny_model(dtype=F32):
+def _tiny_model(dtype=F32, device="cpu"):
     from rlcu.model.config import Qwen3Config
     from rlcu.model.qwen3 import Qwen3
 
     cfg = Qwen3Config(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=1)
-    return Qwen3.from_config(cfg, dtype=dtype, seed=2)
+    return Qwen3.from_config(cfg, device=device, dtype=dtype, seed=2)
 
 
 def test_release_grads_then_backward():
@@ -277,6 +277,55 @@ def test_critic_release_grads_rewires_the_trunk():
     c.backward(dv)
     assert torch.equal(c.grad_flat, g1)
     assert c.trunk.grad_flat.data_ptr() == c.grad_flat.data_ptr()  # the trunk's grads are the critic's
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_gradient_buffer_tracks_fp32(device):
+    """optim.grad_dtype: bfloat16 on a bf16 model: FlatAdamW switches the model's buffer to bf16
+    (releasing an fp32 one), the gradients of two accumulated micro-batches match the fp32
+    buffer's to bf16 precision, and an fp32 model keeps fp32 gradients whatever the option.
+    On the GPU: cuBLAS accumulating into bf16, the Triton embedding scatter into fp32 scratch."""
+    m = _tiny_model(BF16, device)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 67, (n,), generator=g).to(device), torch.tensor(cu, dtype=torch.int32, device=device),
+                torch.randn(n, generator=g).to(device)) for n, cu in ((21, [0, 9, 21]), (17, [0, 17]))]
+    batches[1][0][:8] = 5  # a token repeated within and across micro-batches (embedding rows)
+
+    def grads():
+        m.release_grads()
+        for tokens, cu, dlp in batches:
+            m.forward(tokens, cu)
+            m.backward(dlp)
+        return m.grad_flat.clone()
+
+    m.zero_grad()
+    ref = grads()
+    assert ref.dtype == F32
+    FlatAdamW(m, OptimConfig(grad_dtype="bfloat16"))
+    assert m.grad_dtype == BF16 and m.grad_flat is None  # the fp32 buffer was released
+    got = grads()
+    assert got.dtype == BF16 and got.numel() == ref.numel()
+    assert rel_err(got.float(), ref) < 1e-2
+    ref_views = m.layout.hf_views(ref)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert rel_err(m.grads[name].float(), ref_views[name]) < 1e-2, name
+    f32 = _tiny_model(F32)
+    FlatAdamW(f32, OptimConfig(grad_dtype="bfloat16"))
+    assert f32.grad_dtype == F32
+
+
+def test_bf16_embedding_backward_sums_repeats_in_fp32():
+    """A bf16 dW gets each distinct id's rows summed in fp32, then one rounding: 512 equal
+    small rows onto a large one, where adding them one by one in bf16 would lose them all."""
+    from rlcu.ops import embedding as emb
+
+    dW = torch.full((4, 8), 256.0, dtype=BF16)
+    ids = torch.cat([torch.full((512,), 2), torch.tensor([0])])
+    dx = torch.full((513, 8), 0.5, dtype=BF16)
+    emb.embedding_bwd(dx, ids, dW)
+    assert torch.equal(dW[2], torch.full((8,), 512.0, dtype=BF16))  # 256 + 512 * 0.5
+    assert torch.equal(dW[0], torch.full((8,), 256.0, dtype=BF16))  # 256.5 rounds to 256 once
+    assert torch.equal(dW[1], torch.full((8,), 256.0, dtype=BF16)) and torch.equal(dW[3], dW[1])
 
 
 # ---------------------------------------------------------------- GRPO on the CPU, bf16 everywhere
@@ -320,6 +369,23 @@ def test_release_grads_option(tmp_path):
     assert kept.model.grad_flat is not None and freed.model.grad_flat is None
     assert torch.equal(kept.model.flat, freed.model.flat)  # the same step either way
     assert hk[0]["loss"] == hf[0]["loss"]
+
+
+def test_grpo_with_bf16_gradients(tmp_path):
+    """The whole bf16 mode (no master, bf16 moments, bf16 gradients) trains: a step changes the
+    weights, and its loss is the fp32-gradient run's (the forward is the same)."""
+    from test_grpo import first_is_even
+
+    kw = dict(rewards=[first_is_even], steps=1, micro_batch_tokens=40, model=dict(dtype="bfloat16"))
+    opt = dict(lr=1e-2, master_weights=False, state_dtype="bfloat16")
+    a = _grpo(tmp_path / "a", **kw, optim=dict(opt, grad_dtype="bfloat16", release_grads=False))
+    b = _grpo(tmp_path / "b", **kw, optim=opt)
+    init = a.model.flat.clone()
+    ha, hb = a.train(), b.train()
+    assert a.model.grad_flat.dtype == BF16 and ha[0]["skipped"] == 0
+    assert ha[0]["loss"] == hb[0]["loss"]
+    assert abs(ha[0]["grad_norm"] - hb[0]["grad_norm"]) < 1e-2 * hb[0]["grad_norm"]
+    assert (a.model.flat != init).float().mean() > 0.5
 
 
 # ---------------------------------------------------------------- GPU: bf16 kernel vs twin

@@ -135,6 +135,14 @@ def test_memory_estimates():
     cfg = GRPOConfig(**{k: v for k, v in config("x").items() if k not in ("model", "log", "checkpoint", "optim")})
     est = estimate_memory(cfg)  # the default (0.6B-shaped) model in bf16 or fp32
     assert est["resident"] > 5 and est["rollout"] > 0 and est["actor_train"] > est["ref_logprobs"] > 0
+    from rlcu.model.config import Qwen3Config
+    from rlcu.model.layout import ParamLayout
+
+    held = {gd: estimate_memory(GRPOConfig(**{**config("x"), "model": {"dtype": "bfloat16"},
+                                              "optim": {"release_grads": False, "grad_dtype": gd}}))
+            for gd in ("float32", "bfloat16")}
+    P = ParamLayout(Qwen3Config()).numel
+    assert held["float32"]["resident"] - held["bfloat16"]["resident"] == pytest.approx(P * 2 / (1 << 30))
     clusters, mem = job_memory(cfg, {"rollout": 3.0})
     assert mem["rollout"] == 3.0 and clusters["actor"]["peak"] == max(v for k, v in mem.items() if k != "resident")
 

@@ -287,7 +287,11 @@ class OptimConfig(Section):
                            choices=("float32", "bfloat16"))
     rounding_seed: int = opt(0, "seed of the stochastic rounding (with the step and the element index: "
                                 "deterministic, and exact across resume)", ge=0)
-    release_grads: bool = opt(True, "RL trainers: free the fp32 gradient buffer after each step's updates, so "
+    grad_dtype: str = opt("float32", "the gradient buffer of bf16 weights: float32, or bfloat16 (half the bytes; "
+                                     "each micro-batch's gradient is rounded once into the sum, as torch autograd "
+                                     "does for bf16 parameters); fp32 weights keep fp32 gradients",
+                          choices=("float32", "bfloat16"))
+    release_grads: bool = opt(True, "RL trainers: free the gradient buffer after each step's updates, so "
                                     "that the rollout phase does not hold it (the next backward reallocates it)")
 
 

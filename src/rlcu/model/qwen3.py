@@ -7,7 +7,7 @@ recomputes the layer before differentiating it; the recompute runs the same ops 
 same inputs, so gradients are bit-identical either way.
 
 Weights are views into one flat buffer (see layout.py); gradients accumulate into a flat
-fp32 buffer of the same layout. The LM head never materialises [tokens, vocab] logits in
+buffer of the same layout (fp32, or bf16 with optim.grad_dtype). The LM head never materialises [tokens, vocab] logits in
 training: `forward` goes through the fused logprob op. When the loss's gradient is an
 elementwise function of each token's lp (and entropy), `forward_backward` does both passes
 in one sweep of the head, which then skips the logits recompute (3 vocabulary GEMMs, not 4).
@@ -46,6 +46,7 @@ class Qwen3:
         self.w = self.layout.views(flat)  # slot name -> view
         self.params = self.layout.hf_views(flat)  # HF name -> view
         self.grad_flat: torch.Tensor | None = None
+        self.grad_dtype = torch.float32  # bf16 halves the buffer (optim.grad_dtype)
         self.grads: dict[str, torch.Tensor] = {}
         self._g: dict[str, torch.Tensor] = {}
         # True / "full": keep each layer's input, recompute the layer in backward;
@@ -110,7 +111,7 @@ class Qwen3:
     # ---------------------------------------------------------------- gradients
     def _ensure_grads(self):
         if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.layout.numel, device=self.device, dtype=torch.float32)
+            self.grad_flat = torch.zeros(self.layout.numel, device=self.device, dtype=self.grad_dtype)
             self._g = self.layout.views(self.grad_flat)
             self.grads = self.layout.hf_views(self.grad_flat)
 

@@ -119,9 +119,25 @@ def embedding_fwd(ids: torch.Tensor, W: torch.Tensor):
     return embedding_fwd_ref(ids, W)
 
 
-def embedding_bwd(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):
-    """dW[ids[i]] += dx[i], in place. dx: [N, D], dW: [V, D]."""
-    if use_triton(dW) and dW.dtype == torch.float32:
+def _embedding_bwd_fp32(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):
+    if use_triton(dW):
         embedding_bwd_triton(dx, ids, dW)
     else:
         embedding_bwd_ref(dx, ids, dW)
+
+
+def embedding_bwd(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):
+    """dW[ids[i]] += dx[i], in place. dx: [N, D], dW: [V, D].
+
+    A low-precision dW (a bf16 gradient buffer) is not added to row by row: the rows of each
+    distinct id are summed in fp32 first (a [U, D] scratch for U distinct ids), then each
+    touched row of dW gets its sum with one rounding, so a frequent token's gradient does not
+    lose the bits of many bf16 additions."""
+    if dW.dtype == torch.float32:
+        _embedding_bwd_fp32(dx, ids, dW)
+        return
+    _check(ids, dW, "dW")
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    acc = torch.zeros(uniq.numel(), dW.shape[1], device=dW.device, dtype=torch.float32)
+    _embedding_bwd_fp32(dx, inv, acc)
+    dW.index_copy_(0, uniq, (dW.index_select(0, uniq).float() + acc).to(dW.dtype))

@@ -62,7 +62,7 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, 
     o = cfg.optim
     master = 4 if (w != 4 and o.master_weights) else 0
     state = 2 * (2 if o.state_dtype == "bfloat16" else 4)  # Adam m and v
-    grads = P * 4  # fp32; held between steps unless optim.release_grads
+    grads = P * (2 if (w == 2 and o.grad_dtype == "bfloat16") else 4)  # held between steps unless release_grads
     resident = P * (w + master + state) + (0 if o.release_grads else grads) + (P * w if cfg.kl_coef > 0 else 0)
     H, I, L, V = qc.hidden_size, qc.intermediate_size, qc.num_hidden_layers, qc.vocab_size
     seq = (cfg.data.max_prompt_tokens or max_prompt_tokens) + cfg.max_new_tokens

@@ -48,6 +48,7 @@ class Critic:
         self.head_w = flat[o : o + H]
         self.head_b = flat[o + H : o + H + 1]
         self.grad_flat: torch.Tensor | None = None
+        self.grad_dtype = torch.float32  # bf16 halves the buffer (optim.grad_dtype)
         self._ctx: dict | None = None
 
     # ---------------------------------------------------------------- construction / I/O
@@ -105,7 +106,7 @@ class Critic:
     # ---------------------------------------------------------------- gradients
     def _ensure_grads(self) -> None:
         if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.layout.numel, device=self.device, dtype=torch.float32)
+            self.grad_flat = torch.zeros(self.layout.numel, device=self.device, dtype=self.grad_dtype)
             o, H = self.layout.head_offset, self.cfg.hidden_size
             t = self.trunk
             t.grad_flat = self.grad_flat[:o]

@@ -6,7 +6,8 @@ The model's weights live in one flat buffer (`model.flat`), its gradients in ano
     master_weights  state_dtype  kept                                   bytes
     true            float32      fp32 master, fp32 m, v (the default)   2 + 12
     false           bfloat16     bf16 weights are the master, bf16 m, v 2 + 4
-(and the two mixed ones). With a master, every update is written back to the bf16 working
+(and the two mixed ones). `optim.grad_dtype: bfloat16` makes the model's gradient buffer bf16
+(2 bytes a parameter instead of 4; the kernels read either). With a master, every update is written back to the bf16 working
 weights in the same kernel, rounded to nearest; without, the bf16 weights are updated in
 place with stochastic rounding (unbiased: small updates survive in expectation), and so are
 bf16 moments; the random bits are a hash of (rounding_seed, step, element), so a resumed
@@ -53,6 +54,10 @@ class FlatAdamW:
             self.master = flat  # updated in place (stochastic rounding when bf16)
         else:
             self.master = flat.detach().float().clone()
+        gd = _STATE_DTYPES[cfg.grad_dtype] if flat.dtype == torch.bfloat16 else torch.float32
+        if getattr(model, "grad_dtype", gd) != gd:
+            model.release_grads()  # reallocated in the new dtype at the next backward
+        model.grad_dtype = gd
         sd = _STATE_DTYPES[cfg.state_dtype]
         self.m = torch.zeros(flat.numel(), device=flat.device, dtype=sd)
         self.v = torch.zeros(flat.numel(), device=flat.device, dtype=sd)
