@@ -297,7 +297,7 @@ def main():
     ap.add_argument("--b-steps", type=int, default=None, help="timed steps of protocol B (default --steps)")
     ap.add_argument("--b-warmup", type=int, default=None, help="warm-up steps of protocol B (default --warmup)")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="rlcu's micro-batch (default mode)")
-    ap.add_argument("--bf16-micro-batch-tokens", type=int, default=8192, help="rlcu's micro-batch in the bf16 mode")
+    ap.add_argument("--bf16-micro-batch-tokens", type=int, default=12288, help="rlcu's micro-batch in the bf16 mode")
     ap.add_argument("--memory-mode", choices=("default", "bf16", "both"), default="both",
                     help="rlcu's optimizer precision: default (fp32 master + fp32 m, v), bf16 (no master, bf16 m, v, "
                          "stochastic rounding), or both (two rows)")

@@ -484,6 +484,15 @@ def run_one(policy: str, mode: str, a, gpus: list[int], caps: list[float], sampl
         n_steps = sum(1 for line in m.read_text().splitlines() if line.strip()) if m.exists() else 0
         progress += 1.0 if names[i] in done else min(n_steps, (steps or a.steps) - 1) / (steps or a.steps)
     nv = sampler.window(first, t_end)
+    # steady state: from when every job is past its first actor_train (start-up, the first rollout's graph
+    # capture and the first compiles behind it) to the first finish (every job still running)
+    warm_by = [min((s.end for s in work_spans if s.job == n and s.phase == "actor_train" and s.end), default=None)
+               for n in names]
+    steady = None
+    if all(w is not None for w in warm_by) and len(done) == jobs and min(done.values()) > max(warm_by):
+        t0, t1 = max(warm_by), min(done.values())
+        steady = {"t0_s": t0 - t_launch, "t1_s": t1 - t_launch,
+                  "nvml_idle_frac": sampler.window(t0, t1)["nvml_idle_frac"]}
     res = {"policy": policy, "mode": mode, "eager": eager, "complete": complete, "return_codes": rcs, "jobs": jobs,
            "steps": steps or a.steps, "states": states,
            **mx.summarize(spans, caps, js, t_launch, t_end),
@@ -492,7 +501,7 @@ def run_one(policy: str, mode: str, a, gpus: list[int], caps: list[float], sampl
            "mem_before_gib": mem_before, "torch_peak_reserved_gib_sum": torch_peak,
            "jobs_progress": progress, "jobs_per_hour_by_steps": progress / max(t_end - t_launch, 1e-9) * 3600.0,
            "yields": yields, "mem_per_job_gib": mem, "startup_s": first - t_launch,
-           "exit_s": t_exit - t_end, "spans": [s.to_dict() for s in spans],
+           "exit_s": t_exit - t_end, "steady": steady, "spans": [s.to_dict() for s in spans],
            "gpu_samples": sampler.series(t_launch, t_exit), "t_launch": t_launch}
     if any(rcs) or not complete:
         res["logs"] = logs
@@ -562,6 +571,7 @@ def summarize_runs(runs: dict) -> dict:
                              "latency_ratio": p["mean_latency_s"] / max(f["mean_latency_s"], 1e-9),
                              "makespan_ratio": p["makespan_s"] / max(f["makespan_s"], 1e-9),
                              "idle_fifo": f["nvml_idle_frac"], "idle_phase": p["nvml_idle_frac"],
+                             "idle_phase_steady": (p.get("steady") or {}).get("nvml_idle_frac"),
                              "both_complete": bool(f.get("complete") and p.get("complete")),
                              "target_idle_le_5pct": p["nvml_idle_frac"] <= 0.05,
                              "target_2x_jobs_per_hour": p["jobs_per_hour"] >= 2 * f["jobs_per_hour"]}
@@ -588,6 +598,9 @@ def table(runs: dict, summary: dict) -> str:
         lines.append(f"{mode}: phase/fifo jobs per hour {s['jobs_per_hour_ratio']:.2f}x (target >= 2), NVML idle "
                      f"{s['idle_fifo']:.1%} -> {s['idle_phase']:.1%} (target <= 5%), mean latency "
                      f"x{s['latency_ratio']:.2f}" + ("" if s["both_complete"] else "  [a run was cut by the budget]"))
+        if s.get("idle_phase_steady") is not None:
+            lines.append(f"{mode}: phase NVML idle in steady state (every job past its first update, none "
+                         f"finished) {s['idle_phase_steady']:.1%}")
     if any(not r.get("complete", True) for r in runs.values()):
         lines.append("*: stopped by --budget-s; figures from the jobs completed until then")
     return "\n".join(lines)

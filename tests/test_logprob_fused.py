@@ -14,7 +14,7 @@ from hf_util import rel_err  # noqa: E402
 
 from rlcu.ops import logprob as logprob_mod  # noqa: E402
 from rlcu.ops._backend import HAS_TRITON  # noqa: E402
-from rlcu.ops.logprob import (logprob_bwd, logprob_fwd, logprob_fwd_bwd,  # noqa: E402
+from rlcu.ops.logprob import (chunk_rows, logprob_bwd, logprob_fwd, logprob_fwd_bwd,  # noqa: E402
                               logprob_fwd_bwd_ref, logprob_fwd_ref)
 
 if HAS_TRITON and not torch.cuda.is_available():
@@ -173,7 +173,9 @@ def test_fused_rejects_bad_grad_fn(backend):
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_fused_gpu_qwen3_shapes(monkeypatch, with_entropy):
     monkeypatch.delenv("RLCU_BACKEND", raising=False)
-    n, d, v = 4096 + 1234, 1024, 151936  # two chunks, the second ragged
+    d, v = 1024, 151936
+    C = chunk_rows(v, torch.bfloat16)  # the GPU path's tile (2048 rows here)
+    n = C + 1234  # two chunks, the second ragged
     h, W, tgt = _inputs(seed=4, device="cuda", n=n, d=d, v=v, scale=2.0)
     hb, Wb = h.bfloat16(), W.bfloat16()
     T = 0.8
@@ -181,7 +183,7 @@ def test_fused_gpu_qwen3_shapes(monkeypatch, with_entropy):
     loss = ClippedLoss(lp0, seed=4, c_ent=0.3 if with_entropy else 0.0)
     dW = torch.full((v, d), 0.01, device="cuda", dtype=torch.float32)
     lp, ent, dh = logprob_fwd_bwd(hb, Wb, tgt, loss, dW, T, with_entropy)
-    assert [c[:2] for c in loss.calls] == [(0, 4096), (4096, n)]
+    assert [c[:2] for c in loss.calls] == [(0, C), (C, n)]
     assert dh.dtype == torch.bfloat16
 
     # the same logits tile and kernels as the separate ops: equal up to bf16 rounding of dh

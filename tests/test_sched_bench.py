@@ -87,6 +87,7 @@ def test_cpu_smoke_end_to_end(tmp_path):
         phases = {s["phase"] for s in r["spans"]}
         assert {"resident", "init", "rollout", "actor_train"} <= phases, k
     assert set(d["summary"]) == {"procs", "streams"}
+    assert d["runs"]["fifo-procs"]["steady"] is None  # one job at a time: never all of them running
     assert (tmp_path / "sched_timeline_cpu.png").stat().st_size > 10_000
     assert "phase/fifo jobs per hour" in stdout and "makespan_s" in stdout
 
