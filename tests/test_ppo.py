@@ -102,7 +102,8 @@ def _trainer(tmp_path, **kw):
     from rlcu.train.rl_config import PPOConfig
 
     tok = syn.make_tokenizer()
-    d = dict(model=dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id), init_seed=3),
+    model = dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id), init_seed=3)
+    d = dict(model=dict(model, **kw.pop("model", {})),
              steps=2, prompts_per_step=4, group_size=2, max_new_tokens=4, micro_batch_tokens=64,
              optim=dict(lr=3e-3), critic=dict(optim=dict(lr=3e-3)), kl_coef=0.05, entropy_coef=0.01,
              rewards=[{"fn": "rlcu.data.synthetic:partial_match_reward"}],
@@ -132,6 +133,20 @@ def test_ppo_step_runs_and_fits_values(tmp_path):
     tr.advantages(batch, scores)
     vf = [tr._critic_update(batch, 0, 1)["vf_loss"] for _ in range(12)]
     assert vf[-1] < 0.5 * vf[0], vf
+
+
+def test_ppo_bf16_mode_with_bf16_gradients(tmp_path):
+    """Policy and critic in the bf16 mode (no master, bf16 moments and gradients): the critic's
+    buffer (its trunk's gradients a view of it) is bf16, and both models' weights move."""
+    bf16 = dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16", release_grads=False)
+    tr = _trainer(tmp_path, steps=1, model=dict(dtype="bfloat16"),
+                  optim=dict(lr=3e-3, **bf16), critic=dict(optim=dict(lr=3e-3, **bf16)))
+    w0, c0 = tr.model.flat.clone(), tr.critic.flat.clone()
+    h = tr.train()[0]
+    assert all(math.isfinite(h[k]) for k in ("loss", "vf_loss", "grad_norm"))
+    assert tr.model.grad_flat.dtype == torch.bfloat16 and tr.critic.grad_flat.dtype == torch.bfloat16
+    assert tr.critic.trunk.grad_flat.data_ptr() == tr.critic.grad_flat.data_ptr()
+    assert (tr.model.flat != w0).any() and (tr.critic.flat != c0).any()
 
 
 def test_ppo_resume_restores_critic(tmp_path):
