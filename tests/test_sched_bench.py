@@ -179,3 +179,15 @@ def test_nvml_ctypes_bindings_against_a_fake_library(tmp_path):
     assert d["total"] == [80.0] and d["n_raw"] >= 3  # the 10 samples from before start() are dropped
     assert d["w"]["nvml_idle_source"] == "driver samples" and d["w"]["nvml_idle_frac"] == pytest.approx(0.2)
     assert d["w"]["nvml_idle_frac_polled"] == pytest.approx(0.58) and d["w"]["nvml_peak_mem_gib"] == [3.0]
+
+
+def test_profile_startup_cpu_smoke():
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_startup.py"), "--cpu", "--hidden", "64",
+                          "--layers", "2", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--steps", "2",
+                          "--top", "5"], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "start-up beyond a steady step" in out.stdout
+    lines = out.stdout.splitlines()
+    assert sum(line.startswith("step ") for line in lines) == 2
+    i = lines.index("--- init: largest cumulative calls")
+    assert "rl_trainer.py" in lines[i + 1]  # the trainer's construction heads the init profile
