@@ -99,13 +99,48 @@ def job_mem(cfg_path: Path, procs: bool) -> dict:
     return mem
 
 
-def worker(addr: str, cfgs: list[str], names: list[str], mem: dict, streams: bool, stats: str | None) -> int:
+def warm_up(cfg_path: str, devices: list[str]) -> None:
+    """A warm worker's preparation, before the clock starts: one unscheduled step of its own
+    job's shape on each device it may be leased (CUDA context, cuBLAS, Triton's kernels
+    loaded into the process), then everything it allocated given back."""
+    import gc
+
+    import torch
+
+    from rlcu.config import load_config
+    from rlcu.train.grpo import GRPOTrainer
+    from rlcu.train.rl_config import GRPOConfig
+
+    for dev in devices:
+        cfg = load_config(GRPOConfig, cfg_path)
+        cfg.steps, cfg.log.out_dir = 1, tempfile.mkdtemp(prefix="rlcu-warm-")
+        if dev.startswith("cuda"):
+            torch.cuda.set_device(dev)
+        GRPOTrainer(cfg).train()
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        for dev in devices:
+            if dev.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats(dev)
+
+
+def worker(addr: str, cfgs: list[str], names: list[str], mem: dict, streams: bool, stats: str | None,
+           warm: str | None = None, warm_devices: list[str] | None = None) -> int:
     """One process of either mode: a thread per job (one job in the procs mode); in the
     streams mode each job issues its work on a CUDA stream of its own. Writes the process's
-    peak torch memory per device to `stats` (JSON)."""
+    peak torch memory per device to `stats` (JSON). With `warm` (a path): `warm_up` first,
+    then `warm`.ready is written and the jobs start once `warm`.go exists."""
     import torch
 
     from rlcu.sched.job import ScheduledGRPO, run_grpo
+
+    if warm:
+        warm_up(cfgs[0], warm_devices or [])
+        Path(warm + ".ready").write_text(str(os.getpid()))
+        while not Path(warm + ".go").exists():
+            time.sleep(0.002)
 
     used: set[int] = set()
 
@@ -409,9 +444,11 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
 
 
 def run_one(policy: str, mode: str, a, gpus: list[int], caps: list[float], sampler: GpuSampler, deadline: float,
-            jobs: int | None = None, steps: int | None = None, tag: str = "") -> dict:
+            jobs: int | None = None, steps: int | None = None, tag: str = "", warm: bool = False) -> dict:
     """One policy x mode: launch the jobs, wait for them (until `deadline` at most: then the
-    processes are killed and the run is reported as incomplete), measure."""
+    processes are killed and the run is reported as incomplete), measure. With `warm` the
+    worker processes are started and warmed up (`warm_up`) first, and the clock starts when
+    all are ready: jobs handed to a long-lived pool of workers, as a service would."""
     from rlcu.data.synthetic import make_tokenizer, sort_rows
     from rlcu.sched import metrics as mx
     from rlcu.sched.core import Core
@@ -438,19 +475,43 @@ def run_one(policy: str, mode: str, a, gpus: list[int], caps: list[float], sampl
     mem_args = [f"--mem={k}={v}" for k, v in mem.items()]
     me = str(Path(__file__).resolve())
     groups = [([c], [n]) for c, n in zip(cfgs, names)] if procs_mode else [(cfgs, names)]
-    mem_before = sampler.mem_now()
-    t_launch = time.time()
     procs = []
-    for k, (cs, ns) in enumerate(groups):
-        cmd = [sys.executable, me, "--worker", "--addr", srv.address, "--configs", ",".join(map(str, cs)),
-               "--names", ",".join(ns), "--stats", str(work / f"stats{k}.json"), *mem_args]
-        if not procs_mode:
-            cmd.append("--streams")
-        with open(work / f"worker{k}.log", "wb") as log:  # the child keeps its own descriptor
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     complete = True
+    warm_s = None
+
+    def launch():
+        for k, (cs, ns) in enumerate(groups):
+            cmd = [sys.executable, me, "--worker", "--addr", srv.address, "--configs", ",".join(map(str, cs)),
+                   "--names", ",".join(ns), "--stats", str(work / f"stats{k}.json"), *mem_args]
+            if not procs_mode:
+                cmd.append("--streams")
+            if warm:
+                cmd += ["--warm", str(work / f"warm{k}"),
+                        "--warm-devices", ",".join(f"cpu{g}" if a.cpu else f"cuda:{g}" for g in gpus)]
+            with open(work / f"worker{k}.log", "wb") as log:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+
     try:
-        for p in procs:
+        if warm:
+            t_warm = time.time()
+            launch()
+            ready = [work / f"warm{k}.ready" for k in range(len(groups))]
+            while not all(r.exists() for r in ready):
+                if time.time() > deadline or any(p.poll() is not None for p in procs):
+                    complete = False
+                    break
+                time.sleep(0.01)
+            warm_s = time.time() - t_warm
+            if not complete:
+                print(f"    the workers' warm-up did not finish ({warm_s:.0f} s)", flush=True)
+        mem_before = sampler.mem_now()
+        t_launch = time.time()
+        if warm:
+            for k in range(len(groups)):
+                (work / f"warm{k}.go").write_text("")
+        else:
+            launch()
+        for p in procs if complete else []:
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
@@ -493,7 +554,8 @@ def run_one(policy: str, mode: str, a, gpus: list[int], caps: list[float], sampl
         t0, t1 = max(warm_by), min(done.values())
         steady = {"t0_s": t0 - t_launch, "t1_s": t1 - t_launch,
                   "nvml_idle_frac": sampler.window(t0, t1)["nvml_idle_frac"]}
-    res = {"policy": policy, "mode": mode, "eager": eager, "complete": complete, "return_codes": rcs, "jobs": jobs,
+    res = {"policy": policy, "mode": mode, "eager": eager, "warm_workers": warm, "warm_up_s": warm_s,
+           "complete": complete, "return_codes": rcs, "jobs": jobs,
            "steps": steps or a.steps, "states": states,
            **mx.summarize(spans, caps, js, t_launch, t_end),
            **nv, "sched_idle_frac_from_first_lease": mx.idle_fraction(spans, len(caps), first, t_end),
@@ -631,7 +693,12 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true", help="keep the earlier call's runs this call does not repeat")
     ap.add_argument("--out-dir", default=None, help="where the --cpu smoke run writes (default: a temp folder)")
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (no NVML; nothing is measured)")
+    ap.add_argument("--warm-workers", action="store_true",
+                    help="procs modes: start and warm up the worker processes before the clock (imports, CUDA "
+                         "context, Triton kernels loaded by one step of the job's shape), as a long-lived pool would")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--warm", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-devices", help=argparse.SUPPRESS)
     ap.add_argument("--streams", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--addr", help=argparse.SUPPRESS)
     ap.add_argument("--configs", help=argparse.SUPPRESS)
@@ -641,7 +708,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.worker:
         return worker(a.addr, a.configs.split(","), a.names.split(","),
-                      {k: float(v) for k, v in (x.split("=") for x in a.mem)}, a.streams, a.stats)
+                      {k: float(v) for k, v in (x.split("=") for x in a.mem)}, a.streams, a.stats,
+                      a.warm, a.warm_devices.split(",") if a.warm_devices else None)
     t_start = time.time()
     deadline = t_start + a.budget_s
     modes, policies = a.modes.split(","), a.policies.split(",")
@@ -709,7 +777,8 @@ def main() -> int:
             continue
         print(f"=== {key}: {a.jobs} jobs x {a.steps} steps on {n} {'CPU slot' if a.cpu else 'GPU'}(s), "
               f"at most {cap:.0f} s", flush=True)
-        r = run_one(policy, mode, a, gpus, caps, sampler, time.time() + cap)
+        r = run_one(policy, mode, a, gpus, caps, sampler, time.time() + cap,
+                    warm=a.warm_workers and mode.startswith("procs"))
         runs[key] = r
         print(f"    makespan {r['makespan_s']:.1f} s  done {r['jobs_done']}/{r['jobs']}  jobs/h {r['jobs_per_hour']:.1f}  "
               f"mean latency {r['mean_latency_s']:.1f} s  NVML idle {r['nvml_idle_frac']:.1%}  peak "

@@ -92,6 +92,15 @@ def test_cpu_smoke_end_to_end(tmp_path):
     assert "phase/fifo jobs per hour" in stdout and "makespan_s" in stdout
 
 
+def test_warm_workers_start_the_clock_after_their_warm_up(tmp_path):
+    """--warm-workers: the worker processes import, build and run one step of their job's
+    shape before the clock; the jobs then reach their first lease at once."""
+    _, d = _run(tmp_path, "--steps", "1", "--modes", "procs", "--warm-workers")
+    for k, r in d["runs"].items():
+        assert r["complete"] and r["jobs_done"] == 2 and r["warm_workers"], k
+        assert r["warm_up_s"] > 0 and r["startup_s"] < 2.0, (k, r["warm_up_s"], r["startup_s"])
+
+
 def test_budget_stops_a_run(tmp_path):
     stdout, d = _run(tmp_path, "--steps", "500", "--modes", "procs", "--policies", "fifo,phase", "--budget-s", "6",
                      "--min-run-s", "3")
