@@ -15,6 +15,10 @@ NVML is read through ctypes from libnvidia-ml.so.1 (no pynvml needed): the drive
 utilization samples (nvmlDeviceGetSamples) and, every 50 ms, nvmlDeviceGetUtilizationRates
 and the memory in use; without the library, `nvidia-smi` is polled instead.
 
+--warm-workers (processes only) starts the worker processes before the clock and lets each
+run one unscheduled step of its job's shape, so that a job's start-up is its `init` alone, as
+in a service whose workers outlive the jobs; both policies get the same warm workers.
+
 Before the timed runs one job of 2 steps runs untimed (--no-warmup skips it), so Triton's
 kernel cache on disk is filled and no policy pays the first compiles. --budget-s bounds the
 whole call (warm-up included): a run that would pass it is stopped (its processes killed)
@@ -22,7 +26,7 @@ and reported with the jobs it completed, and the runs left are skipped.
 
     python bench/sched.py [--modes procs,streams] [--policies fifo,phase] [--jobs 4] [--steps 6]
                           [--gpus all] [--hidden 512 --layers 8 --new-tokens 128] [--eager]
-                          [--budget-s 360] [--no-warmup] [--merge]
+                          [--warm-workers] [--budget-s 360] [--no-warmup] [--merge] [--tag NAME]
     python bench/sched.py --cpu --hidden 64 --layers 2 --prompts 2 --group 2 --new-tokens 8 --steps 2
                                                                         # a smoke run, measures nothing
 
