@@ -273,3 +273,21 @@ def test_grpo_cli_reports_missing_scheduler(tmp_path, capsys):
     rc = main(["grpo", "--set", "steps=1", "--scheduler", f"unix:{tmp_path}/none.sock"])
     assert rc == 2
     assert "no scheduler at unix:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exc, code, msg", [(SchedError("no scheduler at x"), 2, "scheduler error: no scheduler at x"),
+                                           (JobEnded("cancelled"), 3, "the scheduler ended the job: cancelled")])
+def test_scheduled_job_exit_codes(capsys, exc, code, msg):
+    """`rlcu grpo --scheduler` and `python -m rlcu.sched.job` map the scheduler's refusals to
+    exit codes (2: an error, 3: the scheduler ended the job) with the reason, no traceback."""
+    from rlcu.sched.job import run_grpo_exit_code
+
+    class Refusing:
+        def job(self, *a, **k):
+            raise exc
+
+    cfg = {"model": {"tiny": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}}}
+    assert run_grpo_exit_code("rlcu grpo", cfg, client=Refusing(), name="j") == code
+    err = capsys.readouterr().err
+    assert err == f"rlcu grpo: {msg}\n"

@@ -16,6 +16,23 @@ from pathlib import Path
 
 
 # ---------------------------------------------------------------- reading rows
+def jsonl_rows(lines, name) -> list[tuple[int, dict]]:
+    """(line number, row) of each non-blank line of JSONL text (an open file, or any iterable
+    of lines) read from `name`; a line that is not a JSON object raises ValueError('name:N: ...')."""
+    out = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{name}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
+        out.append((lineno, row))
+    return out
+
+
 def _read(path) -> list[tuple[str, dict]]:
     """[(location 'file:line' or 'file:row N', row)]."""
     path = Path(path)
@@ -49,17 +66,7 @@ def _read(path) -> list[tuple[str, dict]]:
     if suf not in (".jsonl", ".ndjson"):
         raise ValueError(f"{path}: unsupported data format {suf or '(no suffix)'!r}; use .jsonl, .json or .parquet")
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
-            out.append((f"{path}:{lineno}", row))
-    return out
+        return [(f"{path}:{lineno}", row) for lineno, row in jsonl_rows(f, path)]
 
 
 def _check_messages(msgs, where: str, field: str) -> None:

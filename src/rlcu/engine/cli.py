@@ -49,33 +49,30 @@ def tiny_model_and_tokenizer(device=None, seed: int = 0):
 
 def read_prompts(path: str) -> list[tuple[int, object]]:
     """(line number, prompt) per non-blank line; ValueError naming file and line if malformed."""
-    out = []
+    from rlcu.data.datasets import jsonl_rows
+
     try:
         fh = sys.stdin if path == "-" else open(path, encoding="utf-8")
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror})") from None
     with fh:
-        for no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{no}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(rec, dict) or ("prompt" not in rec and "prompt_token_ids" not in rec):
-                raise ValueError(f'{path}:{no}: expected an object with "prompt" (text or chat messages) '
-                                 f'or "prompt_token_ids" (a list of ints)')
-            if "prompt_token_ids" in rec:
-                ids = rec["prompt_token_ids"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                    raise ValueError(f'{path}:{no}: "prompt_token_ids" must be a list of integers')
-                out.append((no, {"prompt_token_ids": ids}))
-                continue
-            p = rec["prompt"]
-            chat = isinstance(p, list) and all(isinstance(m, dict) and "role" in m for m in p)
-            if not (isinstance(p, str) or chat):
-                raise ValueError(f'{path}:{no}: "prompt" must be a string or a list of {{"role", "content"}} messages')
-            out.append((no, p))
+        rows = jsonl_rows(fh, path)
+    out = []
+    for no, rec in rows:
+        if "prompt_token_ids" in rec:
+            ids = rec["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f'{path}:{no}: "prompt_token_ids" must be a list of integers')
+            out.append((no, {"prompt_token_ids": ids}))
+            continue
+        if "prompt" not in rec:
+            raise ValueError(f'{path}:{no}: expected an object with "prompt" (text or chat messages) '
+                             f'or "prompt_token_ids" (a list of ints)')
+        p = rec["prompt"]
+        chat = isinstance(p, list) and all(isinstance(m, dict) and "role" in m for m in p)
+        if not (isinstance(p, str) or chat):
+            raise ValueError(f'{path}:{no}: "prompt" must be a string or a list of {{"role", "content"}} messages')
+        out.append((no, p))
     return out
 
 

@@ -237,6 +237,20 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
         handle.close()
 
 
+def run_grpo_exit_code(prog: str, *args, **kw) -> int:
+    """run_grpo for a command line: 0 when the job finished, 3 when the scheduler ended it
+    (cancelled, or its leases reclaimed), 2 on a scheduler error; the reason goes to stderr."""
+    try:
+        run_grpo(*args, **kw)
+    except JobEnded as e:
+        print(f"{prog}: the scheduler ended the job: {e}", file=sys.stderr)
+        return 3
+    except SchedError as e:
+        print(f"{prog}: scheduler error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlcu.sched.job", description="a GRPO job under the rlcu scheduler")
     p.add_argument("--config", required=True, help="GRPO YAML config")
@@ -254,15 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             mem[k] = float(v)
         except ValueError:
             p.error(f"--mem takes PHASE=GIB, got {kv!r}")
-    try:
-        run_grpo(a.config, a.addr, a.name, overrides=a.overrides, attach=a.attach, mem=mem)
-    except JobEnded as e:
-        print(f"rlcu sched job: {e}", file=sys.stderr)
-        return 3
-    except SchedError as e:
-        print(f"rlcu sched job: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_grpo_exit_code("rlcu sched job", a.config, a.addr, a.name, overrides=a.overrides,
+                              attach=a.attach, mem=mem)
 
 
 if __name__ == "__main__":

@@ -76,18 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
     if getattr(args, "scheduler", None):
-        from rlcu.sched.client import JobEnded, SchedError
-        from rlcu.sched.job import run_grpo
+        from rlcu.sched.job import run_grpo_exit_code
 
-        try:
-            run_grpo(cfg, args.scheduler, args.job_name)
-        except JobEnded as e:
-            print(f"rlcu {cmd}: the scheduler ended the job: {e}", file=sys.stderr)
-            return 3
-        except SchedError as e:
-            print(f"rlcu {cmd}: scheduler error: {e}", file=sys.stderr)
-            return 2
-        return 0
+        return run_grpo_exit_code(f"rlcu {cmd}", cfg, args.scheduler, args.job_name)
     import importlib
 
     trainer_cls = getattr(importlib.import_module(tmod), tcls)
