@@ -56,6 +56,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--cpu", action="store_true", help="a smoke run on the CPU")
+    ap.add_argument("--init", choices=("checkpoint", "random"), default="checkpoint",
+                    help="the job model's weights: loaded from a base checkpoint, or drawn at init (as bench/sched.py)")
     a = ap.parse_args()
     a.steps = max(a.steps, 2)
 

@@ -18,6 +18,8 @@ and the memory in use; without the library, `nvidia-smi` is polled instead.
 --warm-workers (processes only) starts the worker processes before the clock and lets each
 run one unscheduled step of its job's shape, so that a job's start-up is its `init` alone, as
 in a service whose workers outlive the jobs; both policies get the same warm workers.
+Every job loads one base checkpoint (an HF folder written before any clock, as RL runs start
+from a pretrained model); --init random has each job draw its own weights at init instead.
 
 Before the timed runs one job of 2 steps runs untimed (--no-warmup skips it), so Triton's
 kernel cache on disk is filled and no policy pays the first compiles. --budget-s bounds the
@@ -26,7 +28,7 @@ and reported with the jobs it completed, and the runs left are skipped.
 
     python bench/sched.py [--modes procs,streams] [--policies fifo,phase] [--jobs 4] [--steps 6]
                           [--gpus all] [--hidden 512 --layers 8 --new-tokens 128] [--eager]
-                          [--warm-workers] [--budget-s 360] [--no-warmup] [--merge] [--tag NAME]
+                          [--warm-workers] [--init checkpoint|random] [--budget-s 360] [--no-warmup] [--merge] [--tag NAME]
     python bench/sched.py --cpu --hidden 64 --layers 2 --prompts 2 --group 2 --new-tokens 8 --steps 2
                                                                         # a smoke run, measures nothing
 
@@ -62,20 +64,45 @@ GiB = float(1 << 30)
 
 
 # ---------------------------------------------------------------------- jobs
-def job_config(i: int, a, work: Path, tok_dir: Path, data: Path, eager: bool, steps: int | None = None) -> Path:
-    import yaml
-
+def tiny_model(a) -> dict:
+    """The Qwen3Config fields of the bench's job model."""
     from rlcu.data.synthetic import make_tokenizer
 
     tok = make_tokenizer()
     heads = max(2, a.hidden // 64)
+    return {"vocab_size": tok.vocab_size, "hidden_size": a.hidden, "intermediate_size": 3 * a.hidden,
+            "num_hidden_layers": a.layers, "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
+            "head_dim": 64, "max_position_embeddings": 64 + a.new_tokens, "eos_token_id": tok.eos_token_id,
+            "bos_token_id": None}
+
+
+_BASES: dict[tuple, Path] = {}
+
+
+def base_checkpoint(a) -> Path:
+    """The base model the jobs start from with --init checkpoint: one HF folder (random
+    weights, seed 0, in the jobs' dtype), written once per call before any clock starts,
+    as RL runs start from a pretrained checkpoint."""
+    import torch
+
+    from rlcu.model.config import Qwen3Config
+    from rlcu.model.qwen3 import Qwen3
+
+    key = tuple(sorted(tiny_model(a).items())) + (a.cpu,)
+    if key not in _BASES:
+        folder = Path(tempfile.mkdtemp(prefix="rlcu-sched-base-")) / "base"
+        Qwen3.from_config(Qwen3Config(**tiny_model(a)), seed=0).save_pretrained(
+            folder, dtype=torch.float32 if a.cpu else torch.bfloat16)
+        _BASES[key] = folder
+    return _BASES[key]
+
+
+def job_config(i: int, a, work: Path, tok_dir: Path, data: Path, eager: bool, steps: int | None = None) -> Path:
+    import yaml
+
+    weights = {"path": str(base_checkpoint(a))} if a.init == "checkpoint" else {"tiny": tiny_model(a), "init_seed": i}
     cfg = {
-        "model": {"tiny": {"vocab_size": tok.vocab_size, "hidden_size": a.hidden, "intermediate_size": 3 * a.hidden,
-                           "num_hidden_layers": a.layers, "num_attention_heads": heads,
-                           "num_key_value_heads": max(1, heads // 2), "head_dim": 64,
-                           "max_position_embeddings": 64 + a.new_tokens, "eos_token_id": tok.eos_token_id,
-                           "bos_token_id": None},
-                  "init_seed": i, "tokenizer": str(tok_dir), "device": "cpu" if a.cpu else "cuda",
+        "model": {**weights, "tokenizer": str(tok_dir), "device": "cpu" if a.cpu else "cuda",
                   "dtype": "float32" if a.cpu else "bfloat16"},
         "data": {"path": str(data), "seed": i},
         "rewards": [{"fn": "rlcu.data.synthetic:partial_match_reward"}],
@@ -700,6 +727,9 @@ def main() -> int:
     ap.add_argument("--warm-workers", action="store_true",
                     help="procs modes: start and warm up the worker processes before the clock (imports, CUDA "
                          "context, Triton kernels loaded by one step of the job's shape), as a long-lived pool would")
+    ap.add_argument("--init", choices=("checkpoint", "random"), default="checkpoint",
+                    help="checkpoint: every job loads one base HF checkpoint (written before the clock), as RL "
+                         "runs start from a pretrained model; random: each job draws its weights at init (seed i)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--warm", help=argparse.SUPPRESS)
     ap.add_argument("--warm-devices", help=argparse.SUPPRESS)

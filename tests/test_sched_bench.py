@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -200,3 +201,27 @@ def test_profile_startup_cpu_smoke():
     assert sum(line.startswith("step ") for line in lines) == 2
     i = lines.index("--- init: largest cumulative calls")
     assert "rl_trainer.py" in lines[i + 1]  # the trainer's construction heads the init profile
+
+
+def test_jobs_start_from_one_base_checkpoint_or_their_own_random_weights(tmp_path):
+    """--init checkpoint (the default): every job's config names the same base HF folder,
+    written once, which loads into the jobs' model shape; --init random: a tiny model per job."""
+    import types
+
+    import yaml
+
+    from rlcu.model.config import Qwen3Config
+    from rlcu.model.qwen3 import Qwen3
+
+    a = types.SimpleNamespace(hidden=64, layers=2, new_tokens=8, cpu=True, init="checkpoint", steps=1, prompts=2,
+                              group=2)
+    cfgs = [yaml.safe_load(sched.job_config(i, a, tmp_path, tmp_path / "tok", tmp_path / "d.jsonl", True).read_text())
+            for i in range(2)]
+    paths = {c["model"]["path"] for c in cfgs}
+    assert len(paths) == 1 and "tiny" not in cfgs[0]["model"]
+    m = Qwen3.from_pretrained(paths.pop())
+    assert m.cfg == Qwen3Config(**sched.tiny_model(a))
+    assert torch.equal(m.flat, Qwen3.from_config(m.cfg, seed=0).flat)
+    a.init = "random"
+    c = yaml.safe_load(sched.job_config(1, a, tmp_path, tmp_path / "tok", tmp_path / "d.jsonl", True).read_text())
+    assert "path" not in c["model"] and c["model"]["tiny"] == sched.tiny_model(a) and c["model"]["init_seed"] == 1

@@ -4,7 +4,26 @@ from __future__ import annotations
 
 import torch
 
-_MIXED_ADDMM = [True]  # cuBLAS bf16 x bf16 -> fp32 accumulate-in-place; cleared if this torch lacks it
+# (device index, product dtype, gradient dtype) -> whether torch.addmm(out_dtype=) works there
+_MIXED_ADDMM: dict[tuple, bool] = {}
+
+
+def mixed_addmm_supported(device: torch.device, in_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether cuBLAS can accumulate an `in_dtype` product into an `out_dtype` tensor in place
+    on `device` (torch's `addmm(out_dtype=)`, torch >= 2.8 on CUDA). Probed once with a tiny
+    product, so that an error in a real call is never mistaken for a missing overload."""
+    key = (device.index, in_dtype, out_dtype)
+    ok = _MIXED_ADDMM.get(key)
+    if ok is None:
+        a = torch.ones(4, 8, device=device, dtype=in_dtype)
+        g = torch.ones(8, 8, device=device, dtype=out_dtype)
+        try:
+            torch.addmm(g, a.t(), a, out_dtype=out_dtype, out=g)
+            ok = bool((g == 5).all())
+        except (TypeError, RuntimeError, NotImplementedError):  # no such overload or dtype pair here
+            ok = False
+        _MIXED_ADDMM[key] = ok
+    return ok
 
 
 def acc_wgrad(g: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -16,11 +35,7 @@ def acc_wgrad(g: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
     the CPU path always does."""
     if g.dtype == dy.dtype:
         g.addmm_(dy.t(), x)
-        return
-    if g.is_cuda and _MIXED_ADDMM[0]:
-        try:
-            torch.addmm(g, dy.t(), x, out_dtype=g.dtype, out=g)
-            return
-        except (TypeError, RuntimeError, NotImplementedError):  # the overload is missing: fall back
-            _MIXED_ADDMM[0] = False
-    g.add_(dy.t() @ x)
+    elif g.is_cuda and mixed_addmm_supported(g.device, dy.dtype, g.dtype):
+        torch.addmm(g, dy.t(), x, out_dtype=g.dtype, out=g)
+    else:
+        g.add_(dy.t() @ x)
