@@ -6,7 +6,8 @@ together, and nothing runs on the GPU until each has built its model, engine and
 kernels and capture the decode graph. This runs one such job alone, in this process, and
 reports the seconds of: importing rlcu, creating the CUDA context, the trainer's
 construction (with its heaviest calls from cProfile), and the first steps (generate / train
-each), so that the start-up can be compared with a steady step.
+each), so that the start-up can be compared with a steady step; the last step's calls by
+their own time show where a steady step's host time goes.
 
     python bench/profile_startup.py [--hidden 1024 --layers 8 --prompts 32 --steps 3] [--top 12]
     python bench/profile_startup.py --cpu --hidden 64 --layers 2 --prompts 2 --new-tokens 8   # smoke run
@@ -28,15 +29,16 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "src"))
 
 
-def _top(prof: cProfile.Profile, n: int) -> list[dict]:
-    """The n calls of rlcu (and torch's built-ins) with the largest cumulative time."""
+def _top(prof: cProfile.Profile, n: int, by: str = "cum_s") -> list[dict]:
+    """The n calls of rlcu (and torch's built-ins) with the largest cumulative time (by
+    "cum_s") or time in the function itself (by "self_s")."""
     st = pstats.Stats(prof)
     rows = []
-    for (path, line, fn), (_, ncalls, _, cum, _) in st.stats.items():
+    for (path, line, fn), (_, ncalls, self_s, cum, _) in st.stats.items():
         if "rlcu" in path or path == "~":
             name = fn if path == "~" else f"{Path(path).name}:{line}({fn})"
-            rows.append({"call": name, "cum_s": cum, "calls": ncalls})
-    return sorted(rows, key=lambda r: -r["cum_s"])[:n]
+            rows.append({"call": name, "cum_s": cum, "self_s": self_s, "calls": ncalls})
+    return sorted(rows, key=lambda r: -r[by])[:n]
 
 
 def _sync(cuda: bool) -> None:
@@ -98,7 +100,7 @@ def main() -> int:
 
     steps = []
     for s in range(a.steps):
-        prof = cProfile.Profile() if s == 0 else None
+        prof = cProfile.Profile() if s in (0, a.steps - 1) else None
         t = time.perf_counter()
         if prof:
             prof.enable()
@@ -106,7 +108,10 @@ def main() -> int:
         _sync(cuda)
         if prof:
             prof.disable()
-            out["first_step_top"] = _top(prof, a.top)
+            if s == 0:
+                out["first_step_top"] = _top(prof, a.top)
+            else:  # a steady step: where the host's own time goes
+                out["steady_step_self"] = _top(prof, a.top, by="self_s")
         steps.append({"step_s": time.perf_counter() - t,
                       **{k[5:] + "_s": m[k] for k in ("time/generate", "time/train") if k in m}})
     out["steps"] = steps
@@ -119,10 +124,10 @@ def main() -> int:
         print(f"step {i}: {s['step_s']:.2f} s  (generate {s.get('generate_s', float('nan')):.2f}, "
               f"train {s.get('train_s', float('nan')):.2f})")
     print(f"start-up beyond a steady step, from the CUDA context on: {out['startup_excess_s']:.2f} s")
-    for key in ("init_top", "first_step_top"):
-        print(f"--- {key[:-4]}: largest cumulative calls")
+    for key, by in (("init_top", "cum_s"), ("first_step_top", "cum_s"), ("steady_step_self", "self_s")):
+        print(f"--- {key.rsplit('_', 1)[0]}: largest {'cumulative' if by == 'cum_s' else 'self'} times")
         for r in out[key]:
-            print(f"  {r['cum_s']:7.3f} s  {r['calls']:6d}x  {r['call']}")
+            print(f"  {r[by]:7.3f} s  {r['calls']:6d}x  {r['call']}")
     if not a.cpu:
         from bench.common import meta, write_json
 
