@@ -199,8 +199,10 @@ def test_profile_startup_cpu_smoke():
     assert "start-up beyond a steady step" in out.stdout
     lines = out.stdout.splitlines()
     assert sum(line.startswith("step ") for line in lines) == 2
-    i = lines.index("--- init: largest cumulative calls")
+    i = lines.index("--- init: largest cumulative times")
     assert "rl_trainer.py" in lines[i + 1]  # the trainer's construction heads the init profile
+    j = lines.index("--- steady_step: largest self times")
+    assert len(lines) - j - 1 == 5 and all(" s " in line for line in lines[j + 1:])
 
 
 def test_jobs_start_from_one_base_checkpoint_or_their_own_random_weights(tmp_path):
