@@ -28,16 +28,26 @@ def toks(prompts):
 
 
 def _checked(llm):
-    """Wrap the runner's decode step: after each, every row's device table equals its block table."""
+    """Wrap the runner's decode step: after each, every row's device table equals its block
+    table, and its position, context length, KV slot, sample offset and known token are the
+    host's (whether the step was staged from the host or continued on the device)."""
     r, calls = llm.runner, []
     orig = r._decode
+    bs = r.block_size
 
     def decode(batch):
         out = orig(batch)
         d = r._dec
-        for s in batch.seqs:
+        v = {k: d.dev[k][:len(batch.seqs)].tolist() for k in ("pos", "lens", "slots", "offsets", "ids")}
+        for i, s in enumerate(batch.seqs):
             sl = d.slot_of[s.seq_id]
             assert d.slot_tables[sl, :len(s.block_table)].tolist() == s.block_table, s
+            c = s.num_computed_tokens
+            assert (v["pos"][i], v["lens"][i]) == (c, c + 1), s
+            assert v["slots"][i] == s.block_table[c // bs] * bs + c % bs, s
+            assert v["offsets"][i] == len(s.token_ids) - s.num_prompt_tokens, s
+            if s.token_ids[c] >= 0:
+                assert v["ids"][i] == s.token_ids[c], s
         calls.extend(s.seq_id for s in batch.seqs)
         return out
 
@@ -93,3 +103,39 @@ def test_release_drops_decode_state(model):
     llm.wake()
     b = llm.generate(toks(PROMPTS[:2]), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def _staged_only(llm):
+    """Make every decode step stage its fields from the host (no continuation on the device)."""
+    r = llm.runner
+    orig = r._decode
+
+    def decode(batch):
+        if r._dec is not None:
+            r._dec.prev = None
+        return orig(batch)
+
+    r._decode = decode
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["lookahead", "sync"])
+def test_continued_decode_steps_equal_staged_ones(model, async_scheduling):
+    """Steps that run the previous step's batch again advance their fields on the device:
+    seeded samples, logprobs and finish reasons are those of steps staged from the host,
+    through block appends every 4 tokens, copy-on-write after forks, stop tokens and
+    sequences finishing at different lengths."""
+    sps = [SamplingParams(n=3, temperature=1.0, top_k=30, top_p=0.95, max_tokens=13 + 2 * i, seed=i,
+                          logprobs=True, stop_token_ids=[7]) for i in range(len(PROMPTS))]
+    kw = dict(num_kv_blocks=256, block_size=4, async_scheduling=async_scheduling)
+    ref = LLM(model, **kw)
+    _staged_only(ref)
+    want = ref.generate(toks(PROMPTS), sps, use_tqdm=False)
+    assert ref.runner.num_continued == 0
+    llm = LLM(model, **kw)
+    _checked(llm)
+    got = llm.generate(toks(PROMPTS), sps, use_tqdm=False)
+    assert llm.runner.num_continued > 0.5 * llm.stats["steps"]
+    for a, b in zip(want, got):
+        assert [(c.token_ids, c.logprobs, c.finish_reason) for c in a.outputs] == \
+               [(c.token_ids, c.logprobs, c.finish_reason) for c in b.outputs]
+    assert any(c.finish_reason == "stop" for o in got for c in o.outputs)

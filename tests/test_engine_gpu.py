@@ -92,6 +92,23 @@ def test_cuda_graphs_equal_eager(folder):
     assert _tokens(a) == _tokens(b)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_graphs_on_two_devices_of_one_process(folder):
+    """One process, engines on cuda:0 and then cuda:1 (a warm worker serving jobs on either
+    GPU): the second engine's graphs are captured on its own device, not on the stream of
+    the first capture, and equal its eager steps."""
+    m0 = Qwen3.from_pretrained(folder, device="cuda:0", dtype=torch.bfloat16)
+    first = _tokens(LLM(m0, num_kv_blocks=KV).generate(toks(PROMPTS), GREEDY, use_tqdm=False))
+    with torch.cuda.device(1):
+        m1 = Qwen3.from_pretrained(folder, device="cuda:1", dtype=torch.bfloat16)
+        llm = LLM(m1, num_kv_blocks=KV)
+        graphed = _tokens(llm.generate(toks(PROMPTS), GREEDY, use_tqdm=False))
+        assert llm.stats["graph_steps"] > 0 and llm.runner.graphs
+        eager = _tokens(LLM(m1, enforce_eager=True, num_kv_blocks=KV).generate(toks(PROMPTS), GREEDY,
+                                                                              use_tqdm=False))
+    assert graphed == eager == first
+
+
 def test_weight_update_seen_by_graphs(folder):
     m = Qwen3.from_pretrained(folder, device="cuda", dtype=torch.bfloat16)
     llm = LLM(m, num_kv_blocks=KV)

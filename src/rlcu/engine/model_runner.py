@@ -38,6 +38,7 @@ block-table entries that changed (tables live on the device per sequence slot, s
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 import torch
@@ -113,6 +114,11 @@ class _DecodeState:
         self.dvar = self.dbuf[off:].view(torch.int64)
         self.events = [None, None]
         self.turn = 0
+        # the last decode step's sequences, their slots and max context: the next step is its
+        # continuation when it runs the same sequences in the same order (see ModelRunner._decode)
+        self.prev: list | None = None
+        self.prev_slots: list[int] = []
+        self.prev_max_k = 0
         self.dev = self._views(self.dbuf)
         self.host = [self._views(h.numpy()) for h in self.hbufs]
         for h in self.host:  # padding rows: write nowhere, attend to one key, sample neutrally
@@ -142,6 +148,41 @@ class _DecodeState:
             self.events[k].record()
         return out
 
+    def send_var(self, k: int, var: list[int]) -> torch.Tensor:
+        """Copy `var` (int64) alone to the device through staging buffer k -> var on the device."""
+        if len(var) > self.var_cap:
+            return torch.from_numpy(np.array(var, dtype=np.int64)).to(self.device, non_blocking=True)
+        if self.events[k] is not None:
+            self.events[k].synchronize()  # that staging buffer's last copy has been read
+        n = len(var)
+        self.hvar[k][:n] = var
+        out = self.dvar[:n]
+        out.copy_(self.hbufs[k][self.fixed:self.fixed + 8 * n].view(torch.int64), non_blocking=True)
+        if self.device.type == "cuda":
+            if self.events[k] is None:
+                self.events[k] = torch.cuda.Event()
+            self.events[k].record()
+        return out
+
+    def sync_table(self, sl: int, bt: list[int], upd_i: list[int], upd_v: list[int]) -> None:
+        """Queue the entries of slot sl's device block table that differ from `bt`: the blocks
+        appended since they were last sent, and the last one sent when copy-on-write replaced
+        it (BlockManager.reserve changes a table only there)."""
+        if self.slot_bt[sl] is bt:
+            n = self.slot_n[sl]
+            if n > len(bt):
+                n = 0
+            elif n and bt[n - 1] != self.slot_last[sl]:
+                n -= 1
+        else:
+            self.slot_bt[sl], n = bt, 0
+        L = len(bt)
+        if L > n:
+            base = sl * self.width
+            upd_i.extend(range(base + n, base + L))
+            upd_v.extend(bt[n:])
+            self.slot_n[sl], self.slot_last[sl] = L, bt[-1]
+
     def _views(self, buf) -> dict:
         out = {}
         for n, (o, size) in self.offsets.items():
@@ -156,6 +197,7 @@ class _DecodeState:
 
     def reset(self) -> None:
         """Forget which sequence holds which slot (every sequence was preempted)."""
+        self.prev = None
         self.slot_of.clear()
         self.free = list(range(self.num_slots - 1, -1, -1))
         self.slot_bt = [None] * self.num_slots
@@ -195,9 +237,11 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], tuple] = {}  # (batch, context bucket) -> (replay, output)
         self._static: dict[str, torch.Tensor] | None = None
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self._graph_flat_ptr = model.flat.data_ptr()
         self._last_tokens: torch.Tensor | None = None  # the samples of the last launch (placeholder values)
         self._dec: _DecodeState | None = None  # decode steps' staging buffers and per-slot block tables
+        self.num_continued = 0  # decode steps that continued the one before on the device (_decode)
         self._rb: list = [None, None]  # pinned host buffers of the samples (see _readback)
         self._graph_kv_ptr = 0  # the KV pool's address when graphs were kept through a release
         self.graph_wakes = {"kept": 0, "recaptured": 0}  # wakes after release(keep_graphs=True)
@@ -311,6 +355,8 @@ class ModelRunner:
             out = self._decode(batch)
         else:
             graph = False
+            if self._dec is not None:
+                self._dec.prev = None  # the next decode step is no continuation of a decode step
             a = self.prepare(batch)
             ids, pos, slots, tables, cu, lens, rows = self._to_device(a)
             h = self._hidden(ids, pos, slots, tables, cu, lens, a["max_q"], a["max_k"], rows)
@@ -364,10 +410,19 @@ class ModelRunner:
 
     def _decode(self, batch: ScheduledBatch):
         """A pure decode step (one token, one sample per sequence): stage, send, run the model
-        and the sampler (one CUDA graph when enabled) -> (tokens [S], logprobs [S])."""
+        and the sampler (one CUDA graph when enabled) -> (tokens [S], logprobs [S]).
+
+        A step that runs the same sequences in the same order as the decode step before it
+        (the steady state of a batch) is its continuation: every row's token is that step's
+        sample of the same row, its position, context length and sample offset one more, its
+        sampling parameters the same. The device then advances its own copy of those fields,
+        and the host sends only the block-table entries that changed."""
         d, bs, seqs = self._dec_state(), self.block_size, batch.seqs
         S = len(seqs)
-        max_k = max(s.num_computed_tokens for s in seqs) + 1
+        prev = d.prev
+        cont = (prev is not None and len(prev) == S and self._last_tokens is not None
+                and all(map(operator.is_, seqs, prev)))
+        max_k = d.prev_max_k + 1 if cont else max(s.num_computed_tokens for s in seqs) + 1
         graph = self.use_graphs
         if graph:
             if self.model.flat.data_ptr() != self._graph_flat_ptr:  # the weights moved: old graphs are stale
@@ -377,13 +432,51 @@ class ModelRunner:
             b, W = key[0], math.ceil(key[1] / bs)
         else:
             b, W = S, -(-max_k // bs)
-        # the host half: one pass over the rows
         k = d.turn
         d.turn ^= 1
+        v = d.dev
+        if cont:
+            self.num_continued += 1
+            upd_i, upd_v = [], []
+            slot_bt, slot_n, slot_last = d.slot_bt, d.slot_n, d.slot_last
+            for s, sl in zip(seqs, d.prev_slots):
+                bt = s.block_table
+                if slot_bt[sl] is not bt or slot_n[sl] != len(bt) or slot_last[sl] != bt[-1]:
+                    d.sync_table(sl, bt, upd_i, upd_v)
+            K = len(upd_i)
+            if K:
+                var = d.send_var(k, upd_i + upd_v)
+                d.slot_tables.view(-1).index_copy_(0, var[:K], var[K:].to(torch.int32))
+            v["ids"][:S].copy_(self._last_tokens[:S])
+            for f in ("pos", "lens", "offsets"):
+                v[f][:S] += 1
+            pos = v["pos"][:S]  # the KV slot of each row's token: its block's entry in the row's table
+            blk = d.slot_tables.view(-1)[v["row_slot"][:S] * d.width + torch.div(pos, bs, rounding_mode="floor")]
+            torch.add(pos % bs, blk.to(torch.int64), alpha=bs, out=v["slots"][:S])
+        else:
+            self._stage(d, k, seqs, b)
+        d.prev, d.prev_max_k = seqs, max_k
+        if graph:
+            if key not in self.graphs:
+                self._capture(*key)
+            st = self._static
+            st["tables"][:b, :W] = d.slot_tables[v["row_slot"][:b], :W]
+            replay, (tokens, logprobs) = self.graphs[key]
+            replay()
+            return tokens[:S], logprobs[:S]
+        tables = d.slot_tables[v["row_slot"][:S], :max(W, 1)]
+        cu = torch.arange(S + 1, device=self.device, dtype=torch.int32)
+        h = self._hidden(v["ids"][:S], v["pos"][:S], v["slots"][:S], tables, cu, v["lens"][:S], 1, max_k)
+        return sample(self._logits(h), *self._decode_sampling(S))
+
+    def _stage(self, d: _DecodeState, k: int, seqs: list, b: int) -> None:
+        """A decode step's fields from the host: one pass over the rows into staging buffer k,
+        one copy to the device (fixed fields, then table updates and placeholder rows)."""
+        bs, S = self.block_size, len(seqs)
         if d.events[k] is not None:
             d.events[k].synchronize()  # that staging buffer's last copy has been read
         h = d.host[k]
-        slot_of, slot_bt, slot_n, slot_last, width = d.slot_of, d.slot_bt, d.slot_n, d.slot_last, d.width
+        slot_of, slot_bt, slot_n, slot_last = d.slot_of, d.slot_bt, d.slot_n, d.slot_last
         ids, kvs, offs, rs, sd = [], [], [], [], []
         upd_i, upd_v, ph, ph_rows, fl = [], [], [], [], []
         for i, s in enumerate(seqs):
@@ -391,20 +484,8 @@ class ModelRunner:
             if sl is None:
                 sl = d.assign(s, seqs)
             bt = s.block_table
-            if slot_bt[sl] is bt:
-                n = slot_n[sl]
-                if n > len(bt):
-                    n = 0
-                elif n and bt[n - 1] != slot_last[sl]:
-                    n -= 1  # copy-on-write replaced the last block
-            else:
-                slot_bt[sl], n = bt, 0
-            L = len(bt)
-            if L > n:
-                base = sl * width
-                upd_i.extend(range(base + n, base + L))
-                upd_v.extend(bt[n:])
-                slot_n[sl], slot_last[sl] = L, bt[-1]
+            if slot_bt[sl] is not bt or slot_n[sl] != len(bt) or slot_last[sl] != bt[-1]:
+                d.sync_table(sl, bt, upd_i, upd_v)
             c = s.num_computed_tokens
             t = s.token_ids[c]
             if t < 0:  # a placeholder: the token sampled by the last step, still on the device
@@ -417,6 +498,7 @@ class ModelRunner:
             sp = s.params
             fl.append((sp.temperature, sp.top_p, sp.min_p))
             sd.append((sp.top_k, s.own_seed))
+        d.prev_slots = rs
         h["ids"][:S] = ids
         h["ids"][S:b] = 0
         h["slots"][:S] = kvs
@@ -441,18 +523,6 @@ class ModelRunner:
         v = d.dev
         if P:
             v["ids"].index_copy_(0, var[K:K + P], self._last_tokens.index_select(0, var[K + P:K + 2 * P]))
-        if graph:
-            if key not in self.graphs:
-                self._capture(*key)
-            st = self._static
-            st["tables"][:b, :W] = d.slot_tables[v["row_slot"][:b], :W]
-            replay, (tokens, logprobs) = self.graphs[key]
-            replay()
-            return tokens[:S], logprobs[:S]
-        tables = d.slot_tables[v["row_slot"][:S], :max(W, 1)]
-        cu = torch.arange(S + 1, device=self.device, dtype=torch.int32)
-        h = self._hidden(v["ids"][:S], v["pos"][:S], v["slots"][:S], tables, cu, v["lens"][:S], 1, max_k)
-        return sample(self._logits(h), *self._decode_sampling(S))
 
     def _decode_sampling(self, n: int) -> tuple:
         """The sampler's per-row tensors of a decode step's first n rows (in the staging buffer)."""
@@ -571,10 +641,14 @@ class ModelRunner:
             st[k].copy_(v)
 
     def _record(self, fn) -> tuple:
-        """Capture fn() -> (replay function, its outputs)."""
+        """Capture fn() -> (replay function, its outputs). The capture stream is this runner's
+        own: torch's default one is made once per process, on the device current at the first
+        capture, and capturing on it would switch a later capture to that device."""
         torch.cuda.synchronize(self.device)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool):
+        with torch.cuda.graph(g, pool=self._pool, stream=self._capture_stream):
             out = fn()
         torch.cuda.synchronize(self.device)
         return g.replay, out

@@ -27,6 +27,7 @@ step t has already been scheduled for step t+1; that row is wasted and dropped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import deque
 
 from rlcu.engine.block_manager import BlockManager
@@ -40,7 +41,7 @@ class ScheduledBatch:
     num_samples: list[int]  # tokens sampled from its last row: 0 (chunk not final), 1, or n (unforked leader)
     copies: list[tuple[int, int]]  # (src, dst) KV blocks to copy before the step (copy-on-write)
 
-    @property
+    @functools.cached_property
     def is_decode(self) -> bool:
         return all(t == 1 for t in self.num_tokens) and all(s == 1 for s in self.num_samples)
 
@@ -98,27 +99,32 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         bm, budget = self.bm, self.max_num_batched_tokens
+        blocks_needed = bm.blocks_needed
         seqs, ntok, copies = [], [], []
         queue, kept = deque(self.running), []
         preempted = False
-        while queue:
+        while queue:  # (the hot loop of a decode step: one pass, no call unless a block is needed)
             seq = queue.popleft()
             if budget == 0:
                 kept.append(seq)
                 continue
-            take = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            end = seq.num_computed_tokens + take
-            need = bm.blocks_needed(seq, end)
-            while need > bm.num_free and queue:
-                self._preempt(queue.pop())  # the newest first
-                preempted = True
-                need = bm.blocks_needed(seq, end)  # the victim may have shared a block with seq
-            if need > bm.num_free:
-                self._preempt(seq)
-                preempted = True
-                continue
+            c = seq.num_computed_tokens
+            take = len(seq.token_ids) - c
+            if take > budget:
+                take = budget
+            end = c + take
+            need = blocks_needed(seq, end)
             if need:
-                copies += bm.reserve(seq, end)
+                while need > bm.num_free and queue:
+                    self._preempt(queue.pop())  # the newest first
+                    preempted = True
+                    need = blocks_needed(seq, end)  # the victim may have shared a block with seq
+                if need > bm.num_free:
+                    self._preempt(seq)
+                    preempted = True
+                    continue
+                if need:
+                    copies += bm.reserve(seq, end)
             seqs.append(seq)
             ntok.append(take)
             kept.append(seq)
@@ -146,7 +152,7 @@ class Scheduler:
                 budget -= take
 
         self.running = kept
-        nsamp = [s.num_samples if s.num_computed_tokens + t == len(s) else 0 for s, t in zip(seqs, ntok)]
+        nsamp = [s.num_samples if s.num_computed_tokens + t == len(s.token_ids) else 0 for s, t in zip(seqs, ntok)]
         return ScheduledBatch(seqs, ntok, nsamp, copies)
 
     def advance(self, batch: ScheduledBatch) -> list[Sequence]:
@@ -155,18 +161,20 @@ class Scheduler:
         sampled token, and stop scheduling the sequences that reached their length limit.
         Returns the sequences owning the step's sample rows, in row order."""
         rows, forks, finished = [], {}, False
+        max_len = self.max_model_len
         for seq, take, ns in zip(batch.seqs, batch.num_tokens, batch.num_samples):
             seq.num_computed_tokens += take
             if ns == 0:
                 continue
-            group = [seq]
+            group = (seq,)
             if ns > 1:
                 seq.num_samples = 1
-                group += [seq.fork(j) for j in range(1, ns)]
-                for child in group[1:]:
+                children = [seq.fork(j) for j in range(1, ns)]
+                for child in children:
                     self.bm.fork(seq, child)
                     child.status = Status.RUNNING
-                forks[seq.seq_id] = group[1:]
+                forks[seq.seq_id] = children
+                group += tuple(children)
             for s in group:
                 s.pending_row = len(rows)
                 rows.append(s)
@@ -174,7 +182,7 @@ class Scheduler:
                 s.logprobs.append(0.0)
                 s.num_pending += 1
                 n = len(s.token_ids)
-                if n - s.num_prompt_tokens >= s.params.max_tokens or n >= self.max_model_len:
+                if n - s.num_prompt_tokens >= s.params.max_tokens or n >= max_len:
                     s.status, s.finish_reason = Status.FINISHED, "length"  # blocks kept until resolved
                     finished = True
         if forks or finished:
@@ -183,7 +191,8 @@ class Scheduler:
                 order.append(s)
                 order += forks.get(s.seq_id, ())
             self.running = [s for s in order if s.status is Status.RUNNING]
-        self.unresolved.update((s.seq_id, s) for s in rows if s.status is Status.FINISHED)
+        if finished:
+            self.unresolved.update((s.seq_id, s) for s in rows if s.status is Status.FINISHED)
         return rows
 
     def resolve(self, batch: ScheduledBatch, rows: list[Sequence], tokens: list[int],
@@ -212,9 +221,11 @@ class Scheduler:
                 s.reported = True
                 self.unresolved.pop(s.seq_id, None)
                 finished.append(s)
-        for s in (*batch.seqs, *rows):  # computed tokens are all known now: register full blocks
-            if s.status is not Status.FINISHED:
-                self.bm.commit(s)
+        bs, commit = self.bm.block_size, self.bm.commit
+        for group in (batch.seqs, rows):  # computed tokens are all known now: register full blocks
+            for s in group:  # (commit's own test, inline: most steps fill no block)
+                if s.num_computed_tokens // bs != s.num_hashed_blocks and s.status is not Status.FINISHED:
+                    commit(s)
         if finished:
             self.running = [s for s in self.running if s.status is Status.RUNNING]
         return finished
