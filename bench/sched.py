@@ -17,7 +17,9 @@ and the memory in use; without the library, `nvidia-smi` is polled instead.
 
 --warm-workers (processes only) starts the worker processes before the clock and lets each
 run one unscheduled step of its job's shape, so that a job's start-up is its `init` alone, as
-in a service whose workers outlive the jobs; both policies get the same warm workers.
+in a service whose workers outlive the jobs; a worker whose job is done gives its memory back
+and stays up until every job is done (no CUDA context torn down while other jobs run); both
+policies get the same warm workers.
 Every job loads one base checkpoint (an HF folder written before any clock, as RL runs start
 from a pretrained model); --init random has each job draw its own weights at init instead.
 
@@ -209,6 +211,15 @@ def worker(addr: str, cfgs: list[str], names: list[str], mem: dict, streams: boo
             out["devices"][d] = {"peak_alloc_gib": torch.cuda.max_memory_allocated(d) / GiB,
                                  "peak_reserved_gib": torch.cuda.max_memory_reserved(d) / GiB}
         Path(stats).write_text(json.dumps(out))
+    if warm:  # a pool's worker outlives its job: give the job's memory back, stay up until the run ends
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        Path(warm + ".done").write_text("")
+        while not Path(warm + ".end").exists():
+            time.sleep(0.01)
     return 1 if errors else 0
 
 
@@ -542,6 +553,14 @@ def run_one(policy: str, mode: str, a, gpus: list[int], caps: list[float], sampl
                 (work / f"warm{k}.go").write_text("")
         else:
             launch()
+        if warm and complete:  # the workers stay up after their jobs (a pool): end them when all are done
+            done_files = [work / f"warm{k}.done" for k in range(len(groups))]
+            while not all(f.exists() for f in done_files):
+                if time.time() > deadline or any(p.poll() is not None and p.returncode for p in procs):
+                    break
+                time.sleep(0.01)
+            for k in range(len(groups)):
+                (work / f"warm{k}.end").write_text("")
         for p in procs if complete else []:
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
