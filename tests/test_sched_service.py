@@ -291,3 +291,53 @@ def test_scheduled_job_exit_codes(capsys, exc, code, msg):
     assert run_grpo_exit_code("rlcu grpo", cfg, client=Refusing(), name="j") == code
     err = capsys.readouterr().err
     assert err == f"rlcu grpo: {msg}\n"
+
+
+def test_client_rides_out_a_full_listen_backlog(tmp_path):
+    """Many jobs connecting at once can fill the service's listen backlog; a Unix socket then
+    refuses at once with EAGAIN. The client retries until the service accepts (within its
+    retry_s), and the service listens with room for a pool's worth of jobs."""
+    from rlcu.sched.client import SocketTransport
+    from rlcu.sched.server import _TCPServer, _UnixServer
+
+    assert _UnixServer.request_queue_size >= 128 and _TCPServer.request_queue_size >= 128
+    path = str(tmp_path / "s.sock")
+    lsn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsn.bind(path)
+    lsn.listen(0)
+    pending = []
+    for _ in range(8):  # connections nobody accepts yet: the backlog fills
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        pending.append(c)
+    else:
+        pytest.skip("this kernel never reported a full Unix-socket backlog")
+
+    def reply(conn):
+        with conn, conn.makefile("rb") as f:
+            if f.readline():
+                conn.sendall(b'{"ok": true}\n')
+
+    def serve():
+        time.sleep(0.3)
+        while True:
+            try:
+                conn, _ = lsn.accept()
+            except OSError:
+                return
+            threading.Thread(target=reply, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    t = time.monotonic()
+    try:
+        assert SocketTransport(f"unix:{path}", "tok", timeout=5, retry_s=5).call({"op": "status"}) == {"ok": True}
+        assert time.monotonic() - t >= 0.25  # it waited for the backlog to drain
+    finally:
+        for c in pending:
+            c.close()
+        lsn.close()

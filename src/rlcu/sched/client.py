@@ -122,8 +122,12 @@ class SocketTransport:
                     s.close()
                     raise
                 return s
-            except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError) as e:
+            except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BlockingIOError) as e:
+                # (BlockingIOError: a Unix socket's listen backlog is full; the service is busy, not gone)
                 if time.monotonic() >= end:
+                    if isinstance(e, BlockingIOError):
+                        raise SchedError(f"the scheduler at {self.kind}:{self.where} accepted no connection for "
+                                         f"{self.retry_s:g} s (its listen backlog stayed full)", "unavailable") from None
                     raise SchedError(f"no scheduler at {self.kind}:{self.where} ({e.__class__.__name__}); "
                                      "start one with `rlcu sched serve`", "unavailable") from None
                 time.sleep(0.05)

@@ -77,11 +77,13 @@ class _Handler(socketserver.StreamRequestHandler):
 
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
+    request_queue_size = 256  # the listen backlog (socketserver's default, 5, is full as soon as a few jobs call at once)
 
 
 class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 256
 
 
 class SchedServer:
