@@ -193,12 +193,12 @@ def test_nvml_ctypes_bindings_against_a_fake_library(tmp_path):
 
 def test_profile_startup_cpu_smoke():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_startup.py"), "--cpu", "--hidden", "64",
-                          "--layers", "2", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--steps", "2",
+                          "--layers", "2", "--prompts", "2", "--group", "2", "--new-tokens", "4", "--steps", "3",
                           "--top", "5"], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "start-up beyond a steady step" in out.stdout
     lines = out.stdout.splitlines()
-    assert sum(line.startswith("step ") for line in lines) == 2
+    assert sum(line.startswith("step ") for line in lines) == 3
     i = lines.index("--- init: largest cumulative times")
     assert "rl_trainer.py" in lines[i + 1]  # the trainer's construction heads the init profile
     j = lines.index("--- steady_step: largest self times")
