@@ -32,7 +32,11 @@ prepares step t+1 while the device runs step t.
 Host side of a decode step (`_decode`, graph or not): one pass over the rows fills a pinned
 staging buffer (fields at fixed offsets), sent with one non-blocking copy together with the
 block-table entries that changed (tables live on the device per sequence slot, see
-`_DecodeState`); prefill and mixed steps pack their arrays in `prepare`.
+`_DecodeState`); prefill and mixed steps pack their arrays in `prepare`. A decode step that
+runs the same sequences, in the same order, as the decode step before it (a batch's steady
+state) skips that pass: the device advances its copy of the fields (token = the last
+step's sample of the row, position, context length and sample offset + 1, KV slot from the
+row's table) and the host sends only the table entries that changed.
 """
 
 from __future__ import annotations
