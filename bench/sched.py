@@ -132,12 +132,23 @@ def job_mem(cfg_path: Path, procs: bool) -> dict:
     return mem
 
 
+def _give_memory_back() -> None:
+    """What a worker's finished job or warm-up held goes back to the device (the process and
+    its CUDA context stay)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def warm_up(cfg_path: str, devices: list[str]) -> None:
     """A warm worker's preparation, before the clock starts: one unscheduled step of its own
     job's shape on each device it may be leased (CUDA context, cuBLAS, Triton's kernels
     loaded into the process), then everything it allocated given back."""
-    import gc
-
     import torch
 
     from rlcu.config import load_config
@@ -150,10 +161,8 @@ def warm_up(cfg_path: str, devices: list[str]) -> None:
         if dev.startswith("cuda"):
             torch.cuda.set_device(dev)
         GRPOTrainer(cfg).train()
-        gc.collect()
+    _give_memory_back()
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
         for dev in devices:
             if dev.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -212,11 +221,7 @@ def worker(addr: str, cfgs: list[str], names: list[str], mem: dict, streams: boo
                                  "peak_reserved_gib": torch.cuda.max_memory_reserved(d) / GiB}
         Path(stats).write_text(json.dumps(out))
     if warm:  # a pool's worker outlives its job: give the job's memory back, stay up until the run ends
-        import gc
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _give_memory_back()
         Path(warm + ".done").write_text("")
         while not Path(warm + ".end").exists():
             time.sleep(0.01)

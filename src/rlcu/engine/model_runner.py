@@ -133,35 +133,28 @@ class _DecodeState:
             h["top_p"][:] = 1.0
         self.dbuf.copy_(self.hbufs[0])
 
-    def send(self, k: int, var: list[int]) -> torch.Tensor:
-        """Copy staging buffer k's fixed fields and `var` (int64) to the device in one
-        non-blocking copy (two when `var` exceeds the pinned room) -> var on the device."""
-        n = len(var)
+    def staging(self, k: int) -> dict:
+        """Staging buffer k's host views, once its last copy to the device has been read."""
+        if self.events[k] is not None:
+            self.events[k].synchronize()
+        return self.host[k]
+
+    def send(self, k: int, var: list[int], fixed: bool = True) -> torch.Tensor:
+        """Copy staging buffer k's fixed fields (unless `fixed` is False) and `var` (int64) to
+        the device in one non-blocking copy (two when `var` exceeds the pinned room) -> var
+        on the device. Call `staging(k)` before filling the buffer."""
+        n, lo = len(var), 0 if fixed else self.fixed
         if n <= self.var_cap:
             if n:
                 self.hvar[k][:n] = var
             end = self.fixed + 8 * n
-            self.dbuf[:end].copy_(self.hbufs[k][:end], non_blocking=True)
+            if end > lo:
+                self.dbuf[lo:end].copy_(self.hbufs[k][lo:end], non_blocking=True)
             out = self.dvar[:n]
         else:  # a large table refill (many new sequences at once)
-            self.dbuf[:self.fixed].copy_(self.hbufs[k][:self.fixed], non_blocking=True)
+            if fixed:
+                self.dbuf[:self.fixed].copy_(self.hbufs[k][:self.fixed], non_blocking=True)
             out = torch.from_numpy(np.array(var, dtype=np.int64)).to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            if self.events[k] is None:
-                self.events[k] = torch.cuda.Event()
-            self.events[k].record()
-        return out
-
-    def send_var(self, k: int, var: list[int]) -> torch.Tensor:
-        """Copy `var` (int64) alone to the device through staging buffer k -> var on the device."""
-        if len(var) > self.var_cap:
-            return torch.from_numpy(np.array(var, dtype=np.int64)).to(self.device, non_blocking=True)
-        if self.events[k] is not None:
-            self.events[k].synchronize()  # that staging buffer's last copy has been read
-        n = len(var)
-        self.hvar[k][:n] = var
-        out = self.dvar[:n]
-        out.copy_(self.hbufs[k][self.fixed:self.fixed + 8 * n].view(torch.int64), non_blocking=True)
         if self.device.type == "cuda":
             if self.events[k] is None:
                 self.events[k] = torch.cuda.Event()
@@ -449,7 +442,8 @@ class ModelRunner:
                     d.sync_table(sl, bt, upd_i, upd_v)
             K = len(upd_i)
             if K:
-                var = d.send_var(k, upd_i + upd_v)
+                d.staging(k)
+                var = d.send(k, upd_i + upd_v, fixed=False)
                 d.slot_tables.view(-1).index_copy_(0, var[:K], var[K:].to(torch.int32))
             v["ids"][:S].copy_(self._last_tokens[:S])
             for f in ("pos", "lens", "offsets"):
@@ -477,9 +471,7 @@ class ModelRunner:
         """A decode step's fields from the host: one pass over the rows into staging buffer k,
         one copy to the device (fixed fields, then table updates and placeholder rows)."""
         bs, S = self.block_size, len(seqs)
-        if d.events[k] is not None:
-            d.events[k].synchronize()  # that staging buffer's last copy has been read
-        h = d.host[k]
+        h = d.staging(k)
         slot_of, slot_bt, slot_n, slot_last = d.slot_of, d.slot_bt, d.slot_n, d.slot_last
         ids, kvs, offs, rs, sd = [], [], [], [], []
         upd_i, upd_v, ph, ph_rows, fl = [], [], [], [], []

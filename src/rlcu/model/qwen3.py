@@ -8,9 +8,10 @@ same inputs, so gradients are bit-identical either way.
 
 Weights are views into one flat buffer (see layout.py); gradients accumulate into a flat
 buffer of the same layout (fp32, or bf16 with optim.grad_dtype). The LM head never
-materialises [tokens, vocab] logits in training: `forward` goes through the fused logprob op. When the loss's gradient is an
-elementwise function of each token's lp (and entropy), `forward_backward` does both passes
-in one sweep of the head, which then skips the logits recompute (3 vocabulary GEMMs, not 4).
+materialises [tokens, vocab] logits in training: `forward` goes through the fused logprob
+op. When the loss's gradient is an elementwise function of each token's lp (and entropy),
+`forward_backward` does both passes in one sweep of the head, which then skips the logits
+recompute (3 vocabulary GEMMs, not 4).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Forward: x[i] = W[ids[i]], a row gather. Backward: dW[ids[i]] += dx[i]. A token id can repeat
 within a batch, so the kernel adds with fp32 atomics (relaxed order: only the sum matters);
-the Triton backward therefore needs an fp32 dW (the flat gradient buffer is fp32), and
-repeated ids make the last bits of dW depend on the order the adds land in.
+the Triton kernel therefore adds into an fp32 dW (a bf16 gradient buffer goes through an
+fp32 scratch of its touched rows, see `embedding_bwd`), and repeated ids make the last bits
+of dW depend on the order the adds land in.
 
 Backward traffic: dx once (N * D bf16) and each touched row of dW read and written in fp32
 (2 * U * D * 4 bytes for U distinct ids): 309 MB at [32768, 1024] into [151936, 1024], where

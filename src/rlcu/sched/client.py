@@ -126,8 +126,9 @@ class SocketTransport:
                 # (BlockingIOError: a Unix socket's listen backlog is full; the service is busy, not gone)
                 if time.monotonic() >= end:
                     if isinstance(e, BlockingIOError):
-                        raise SchedError(f"the scheduler at {self.kind}:{self.where} accepted no connection for "
-                                         f"{self.retry_s:g} s (its listen backlog stayed full)", "unavailable") from None
+                        raise SchedError(f"the scheduler at {self.kind}:{self.where} accepted no connection "
+                                         f"for {self.retry_s:g} s (its listen backlog stayed full)",
+                                         "unavailable") from None
                     raise SchedError(f"no scheduler at {self.kind}:{self.where} ({e.__class__.__name__}); "
                                      "start one with `rlcu sched serve`", "unavailable") from None
                 time.sleep(0.05)

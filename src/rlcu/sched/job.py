@@ -49,6 +49,7 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, 
     micro-batch + one layer's recompute + the chunked LM head). Override with measurements."""
     from rlcu.model.config import Qwen3Config
     from rlcu.model.layout import ParamLayout
+    from rlcu.ops.logprob import chunk_rows
 
     m = cfg.model
     if m.tiny is not None:
@@ -71,7 +72,7 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, 
     rollout = kv_tok * n_seq * seq * 1.1 + min(n_seq, cfg.engine.max_num_seqs) * V * 4 * 2
     T = cfg.micro_batch_tokens
     layer = T * (qc.q_size + 2 * qc.kv_size + 4 * H + 6 * I) * w
-    head = min(T, 4096) * V * 4 * 2
+    head = min(T, chunk_rows(V, m.resolve_dtype())) * V * 4 * 2  # the fused head's logits tile
     train = (T * H * w * L + layer * 2 + head) * 1.25 + (grads if o.release_grads else 0)
     ref = (layer + head) * 1.25
     out = {"resident": resident, "init": P * 4, "rollout": rollout, "ref_logprobs": ref, "actor_train": train}

@@ -16,7 +16,6 @@ a service restart; the policies in policy.py decide. `check_invariants` audits t
 from __future__ import annotations
 
 import abc
-
 import dataclasses
 import math
 

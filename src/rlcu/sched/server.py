@@ -77,7 +77,8 @@ class _Handler(socketserver.StreamRequestHandler):
 
 class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
-    request_queue_size = 256  # the listen backlog (socketserver's default, 5, is full as soon as a few jobs call at once)
+    # the listen backlog: socketserver's default, 5, is full as soon as a few jobs call at once
+    request_queue_size = 256
 
 
 class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):

@@ -1,8 +1,9 @@
 """AdamW over flat buffers, with gradient clipping and non-finite step skipping.
 
 The model's weights live in one flat buffer (`model.flat`), its gradients in another
-(`model.grad_flat`, fp32 or bf16). Two precisions of the optimizer state (`optim.master_weights`,
-`optim.state_dtype`; bytes per parameter of a bf16 model, weights + state):
+(`model.grad_flat`, fp32 or bf16). Two precisions of the optimizer state
+(`optim.master_weights`, `optim.state_dtype`; bytes per parameter of a bf16 model, weights
++ state):
     master_weights  state_dtype  kept                                   bytes
     true            float32      fp32 master, fp32 m, v (the default)   2 + 12
     false           bfloat16     bf16 weights are the master, bf16 m, v 2 + 4
@@ -10,8 +11,8 @@ The model's weights live in one flat buffer (`model.flat`), its gradients in ano
 (2 bytes a parameter instead of 4; the kernels read either). With a master, every update is
 written back to the bf16 working weights in the same kernel, rounded to nearest; without,
 the bf16 weights are updated in place with stochastic rounding (unbiased: small updates
-survive in expectation), and so are bf16 moments; the random bits are a hash of (rounding_seed, step, element), so a resumed
-run is exact. An fp32 model is its own master either way.
+survive in expectation), and so are bf16 moments; the random bits are a hash of
+(rounding_seed, step, element), so a resumed run is exact. An fp32 model is its own master either way.
 
 One step: n = ||g||; if the loss or n is not finite the step is skipped (nothing changes,
 a counter of skips in a row grows, and at `max_nonfinite_in_row` the step raises

@@ -8,7 +8,7 @@ against the sampling logprobs, k3 KL to the reference, entropy bonus) chunk by c
 dlp, dent from it at once -> FlatAdamW.
 
 Memory by phase: the engine's KV pool (sized to one step's sequences) lives only through the
-rollout (llm.sleep() / wake()), the fp32 gradient buffer only through the updates
+rollout (llm.sleep() / wake()), the gradient buffer only through the updates
 (optim.release_grads); what stays across phases is the weights, the optimizer state (fp32
 master + m, v, or bf16 m, v with optim.master_weights: false, optim.state_dtype: bfloat16) and,
 with a KL term, the frozen reference's weights.
@@ -21,7 +21,6 @@ from a checkpoint makes the same rollouts.
 from __future__ import annotations
 
 import abc
-
 import inspect
 import math
 import time
@@ -259,8 +258,8 @@ class RLTrainer(abc.ABC):
         return [(self.model, self.cfg.optim)]
 
     def _end_train_phase(self) -> None:
-        """After a step's updates, free the gradient buffers (optim.release_grads: the fp32
-        grads are as large as two bf16 models) so that the rollout phase, which takes the KV
+        """After a step's updates, free the gradient buffers (optim.release_grads: fp32
+        gradients are as large as two bf16 models) so that the rollout phase, which takes the KV
         pool back, does not hold them too; on CUDA the blocks go back to the device, as the
         engine's sleep() does with the pool. The next zero_grad reallocates them."""
         freed = False
