@@ -4,12 +4,14 @@ carries one; a file that says "Every option is listed" lists every option."""
 
 import dataclasses
 import re
+import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
-from rlcu.config import Section, _hints, load_config
+from rlcu.config import Section, load_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 _MARK = re.compile(r"(?:^|[(;,]\s*)default: (?P<x>.+?)\)?\s*$")
@@ -33,7 +35,7 @@ def _leaves(cls, node, lines, prefix=""):
     """(dotted name, the value's YAML node or None when absent, the mark's text or None) of every
     option of `cls`, walking the YAML mapping `node` alongside."""
     items = {k.value: v for k, v in node.value} if isinstance(node, yaml.MappingNode) else {}
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls, globalns=vars(sys.modules[cls.__module__]))
     for f in dataclasses.fields(cls):
         tp, sub = hints[f.name], items.get(f.name)
         if isinstance(tp, type) and issubclass(tp, Section):
