@@ -58,7 +58,10 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
     (tmp_path / "wandb_dir").mkdir()
-    return tmp_path / "wandb_dir" / "wandb"
+    yield tmp_path / "wandb_dir" / "wandb"
+    import wandb
+
+    wandb.teardown()  # wandb keeps its settings (WANDB_DIR) for the process until then
 
 
 def _run(out, steps, f, resume_step=None):
@@ -84,6 +87,16 @@ def test_wandb_offline_resume_continues_the_run(tmp_path, offline):
     assert rows2[0]["reward/mean"] == 0.5
     _run(out, range(1, 2), float)  # a fresh run (no resume) is a new W&B run
     assert (out / "wandb_run_id").read_text().strip() != run_id
+
+
+def test_wandb_turned_on_at_resume_gets_every_step(tmp_path, offline):
+    out = tmp_path / "run"
+    with RunLogger(out, LogConfig(progress=False, plot=False, tensorboard=False), total_steps=6) as log:
+        for s in range(1, 6):
+            log.log(s, {"loss": float(s)})
+    _run(out, range(4, 7), lambda s: 10.0 * s, resume_step=3)  # no earlier W&B run: a new one, from step 4
+    (run,) = offline.glob("offline-run-*")
+    assert [(r["_step"], r["loss"]) for r in _offline_run(run)[1]] == [(4, 40), (5, 50), (6, 60)]
 
 
 def test_wandb_missing_names_the_field(tmp_path, monkeypatch):

@@ -80,7 +80,8 @@ class WandbTracker:
         out_dir = Path(out_dir)
         id_file = out_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else ""
-        if not run_id:
+        continuing = bool(run_id)
+        if not continuing:
             run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
             tmp = id_file.with_suffix(".tmp")
             tmp.write_text(run_id + "\n")
@@ -89,8 +90,8 @@ class WandbTracker:
                               resume="allow", config=run_config,
                               dir=None if os.environ.get("WANDB_DIR") else str(out_dir))
         self.id = run_id
-        # the run has every step up to the crashed process's last (online: also the server's count)
-        self._first = max(int(logged_through) + 1, int(getattr(self.run, "step", 0) or 0))
+        # a continued run has every step up to the previous process's last (online: the server says too)
+        self._first = max(int(logged_through) + 1 if continuing else 0, int(getattr(self.run, "step", 0) or 0))
 
     def log(self, step: int, metrics: dict[str, float], wall_time: float) -> None:
         if step < self._first:
