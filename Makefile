@@ -4,7 +4,7 @@ PY ?= python3
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 
-.PHONY: install install-test demo test test-fast gpu-check bench
+.PHONY: install install-test demo lint test test-fast gpu-check bench
 
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -17,7 +17,12 @@ install-test: install
 demo: install
 	rlcu demo --out runs/demo
 
+# ruff (lint + import order, rules in pyproject.toml) before the tests
+lint:
+	$(PY) -m ruff check src tests bench
+
 test: install-test
+	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest -q
 
 # On the device machine: GPU-marked tests, then the benchmarks, a table last, JSON under $$OUT.

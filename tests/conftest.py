@@ -11,23 +11,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # before anything imports triton: without a GPU, kernel tests run through the interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    try:
-        import numpy as np
-        from triton.runtime import interpreter as _interp
+    from rlcu.ops._backend import patch_triton_interpreter
 
-        try:  # numpy >= 2.4 refuses int() of the interpreter's 1-element arrays (loop bounds)
-            int(np.array([1]))
-        except TypeError:
-            _patch_tensor = _interp._patch_lang_tensor
-
-            def _patch_lang_tensor(tensor, scope):
-                _patch_tensor(tensor, scope)
-                scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-            _patch_lang_tensor._scalar_index = True
-            _interp._patch_lang_tensor = _patch_lang_tensor
-    except ImportError:
-        pass
+    patch_triton_interpreter()  # numpy >= 2.4 (the library applies it too, when TRITON_INTERPRET=1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,40 +1,33 @@
-"""RunLogger: metrics.jsonl, TensorBoard events parsed back (CRC-checked), resume
-truncation, log.txt; the TFRecord / protobuf encoding against hand-computed bytes."""
+"""RunLogger: metrics.jsonl, log.txt's per-step lines, resume truncation, the PNG's name; the
+TensorBoard event files read back by tensorboard's EventAccumulator (one point per step after
+any resume), the warning without the package."""
 
 import json
-import struct
+import sys
 
 import pytest
 
 from rlcu.config import LogConfig
 from rlcu.train.logging import RunLogger
-from rlcu.train.tb_writer import crc32c, encode_event, masked_crc, read_events, tfrecord
 
 
-def test_crc32c_known_values():
-    assert crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
-    assert crc32c(b"") == 0
-    assert crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4: 32 bytes of zeros
-    c = crc32c(b"abc")
-    assert masked_crc(b"abc") == ((((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
+def _scalars(folder, tag="loss"):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-def test_event_bytes_by_hand():
-    ev = encode_event(1.5, 3, {"a": 2.0})
-    want = (b"\x09" + struct.pack("<d", 1.5)  # field 1, fixed64: wall_time
-            + b"\x10\x03"  # field 2, varint: step
-            + b"\x2a\x0a"  # field 5, length 10: summary
-            + b"\x0a\x08"  # Summary.value (field 1), length 8
-            + b"\x0a\x01a"  # Value.tag = "a"
-            + b"\x15" + struct.pack("<f", 2.0))  # Value.simple_value (field 2, fixed32)
-    assert ev == want
-    rec = tfrecord(ev)
-    assert rec[:8] == struct.pack("<Q", len(ev)) and rec[12:-4] == ev
-    assert struct.unpack("<I", rec[-4:])[0] == masked_crc(ev)
-    assert encode_event(0.0, 300)[9:12] == b"\x10\xac\x02"  # a two-byte varint
+def _run(folder, steps, f, total=6, resume_step=None, **cfg):
+    cfg = {"progress": False, "plot": False, **cfg}
+    with RunLogger(folder, LogConfig(**cfg), total_steps=total, resume_step=resume_step) as log:
+        for s in steps:
+            log.log(s, {"loss": f(s)})
 
 
 def test_run_logger(tmp_path):
+    pytest.importorskip("tensorboard")
     cfg = LogConfig(every=2, progress=False, plot=True)
     with RunLogger(tmp_path, cfg, total_steps=5) as log:
         for s in range(1, 6):
@@ -46,13 +39,14 @@ def test_run_logger(tmp_path):
     assert rows[0] == {"step": 2, "loss": 0.5, "reward/mean": 0.2, "note": "x", "skipped": 0}
     txt = (tmp_path / "log.txt").read_text()
     assert "INFO hello" in txt and "WARN careful" in txt
-    files = list(tmp_path.glob("events.out.tfevents.*"))
-    assert len(files) == 1
-    evs = read_events(files[0])
-    assert evs[0]["file_version"] == "brain.Event:2"
-    got = {(e["step"], k): v for e in evs[1:] for k, v in e["scalars"].items()}
-    assert got[(4, "loss")] == pytest.approx(0.25) and got[(5, "reward/mean")] == pytest.approx(0.5, rel=1e-6)
-    assert set(k for _, k in got) == {"loss", "reward/mean", "skipped"}
+    steps = [line.split(" STEP ", 1)[1] for line in txt.splitlines() if " STEP " in line]
+    assert steps == ["step 2/5  loss 0.5  reward/mean 0.2  skipped 0",
+                     "step 4/5  loss 0.25  reward/mean 0.4  skipped 0",
+                     "step 5/5  loss 0.2  reward/mean 0.5  skipped 0"]
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    assert _scalars(tmp_path) == [(2, 0.5), (4, 0.25), (5, pytest.approx(0.2))]
+    assert _scalars(tmp_path, "reward/mean") == [(2, pytest.approx(0.2)), (4, pytest.approx(0.4)),
+                                                 (5, pytest.approx(0.5))]
     try:
         import matplotlib  # noqa: F401
 
@@ -61,16 +55,48 @@ def test_run_logger(tmp_path):
         assert "matplotlib is not installed" in txt
 
 
-def test_tensorboard_reads_it(tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def test_plot_is_named_for_what_it_shows(tmp_path):
+    pytest.importorskip("matplotlib")
+    _run(tmp_path, range(1, 4), lambda s: 1.0 / s, total=3, plot=True, tensorboard=False)
+    assert (tmp_path / "loss_curve.png").stat().st_size > 0  # an SFT run: the loss, no reward
+    assert not (tmp_path / "reward_curve.png").exists()
+    assert RunLogger.plot_name(["reward", "eval/accuracy"]) == "reward_curve.png"
+    assert RunLogger.plot_name(["loss", "eval/loss"]) == "loss_curve.png"
+    assert RunLogger.plot_name(["kl"]) == "curves.png"
 
-    with RunLogger(tmp_path, LogConfig(progress=False, plot=False), total_steps=3) as log:
-        for s in range(1, 4):
-            log.log(s, {"loss": float(s)})
-    acc = EventAccumulator(str(tmp_path))
-    acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+def test_tensorboard_resume_has_no_duplicate_points(tmp_path):
+    pytest.importorskip("tensorboard")
+    _run(tmp_path, range(1, 6), float)  # steps 1-5; the checkpoint was at 3
+    _run(tmp_path, range(4, 6), lambda s: 10.0 * s, resume_step=3)  # killed again after 5; checkpoint at 4
+    _run(tmp_path, range(5, 7), lambda s: 100.0 * s, resume_step=4)
+    assert _scalars(tmp_path) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 500.0), (6, 600.0)]
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    _run(tmp_path, range(1, 3), lambda s: -s)  # a fresh run into the folder starts anew, as metrics.jsonl does
+    assert _scalars(tmp_path) == [(1, -1.0), (2, -2.0)]
+
+
+def test_tensorboard_stale_file_is_purged(tmp_path):
+    """A process killed between writing the resumed file and deleting the old one leaves both:
+    the new file's SessionLog START still hides the old points."""
+    pytest.importorskip("tensorboard")
+    _run(tmp_path, range(1, 6), float)
+    (old,) = tmp_path.glob("events.out.tfevents.*")
+    data = old.read_bytes()
+    _run(tmp_path, range(4, 7), lambda s: 10.0 * s, resume_step=3)
+    (tmp_path / "events.out.tfevents.0000000000.stale").write_bytes(data)  # sorts first, as an older file does
+    assert _scalars(tmp_path) == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
+
+
+def test_tensorboard_missing_is_one_warning(tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "tensorboard" or m.startswith("tensorboard.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
+    _run(tmp_path, range(1, 3), float, tensorboard=True)
+    warns = [line for line in (tmp_path / "log.txt").read_text().splitlines() if " WARN " in line]
+    assert len(warns) == 1 and "log.tensorboard" in warns[0] and "rlcu[tensorboard]" in warns[0]
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # the run goes on
 
 
 def test_resume_truncates(tmp_path):
@@ -78,6 +104,8 @@ def test_resume_truncates(tmp_path):
     with RunLogger(tmp_path, cfg, total_steps=6) as log:
         for s in range(1, 6):
             log.log(s, {"loss": float(s)})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a line torn by a kill mid-write
     with RunLogger(tmp_path, cfg, total_steps=6, resume_step=3) as log:
         assert [r["step"] for r in log.history] == [1, 2, 3]
         for s in range(4, 7):

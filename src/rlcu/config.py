@@ -309,10 +309,18 @@ class CheckpointConfig(Section):
 class LogConfig(Section):
     out_dir: str = opt("runs/rlcu", "run folder: metrics.jsonl, TensorBoard events, plots, log.txt")
     every: int = opt(1, "write metrics every N steps", ge=1)
-    tensorboard: bool = opt(True, "write a TensorBoard event file (scalars)")
-    plot: bool = opt(True, "write reward_curve.png at the end (needs matplotlib)")
-    progress: bool = opt(True, "show a progress bar (else one line per logged step)")
+    tensorboard: bool = opt(True, "write a TensorBoard event file (scalars; needs the tensorboard package: "
+                                  "pip install 'rlcu[tensorboard]', else a warning)")
+    plot: bool = opt(True, "write a PNG of the curves at the end: reward_curve.png, or loss_curve.png when "
+                           "there is no reward (needs matplotlib)")
+    progress: bool = opt(True, "show a progress bar on a terminal (else, and when not a terminal: one line "
+                               "per logged step)")
     plot_keys: list[str] | None = opt(None, "metrics drawn in the PNG; null: the reward/* means, else loss")
+    wandb: bool = opt(False, "log to Weights & Biases (pip install 'rlcu[wandb]'; WANDB_MODE=offline needs no "
+                             "account); a resumed run continues the W&B run whose id is in out_dir/wandb_run_id")
+    wandb_project: str = opt("rlcu", "W&B project")
+    wandb_entity: str | None = opt(None, "W&B entity (user or team); null: the account's default")
+    wandb_name: str | None = opt(None, "W&B run name; null: the name of out_dir")
 
 
 @dataclasses.dataclass

@@ -76,34 +76,57 @@ def read_prompts(path: str) -> list[tuple[int, object]]:
     return out
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in --help, except where the help says what "unset" means (None,
+    an empty string) and for on/off flags (off unless given)."""
+
+    def _get_help_string(self, action):
+        d = action.default
+        if d is None or d is False or d == "" or d is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlcu generate", description="Prompts JSONL in, completions JSONL out.")
-    p.add_argument("--model", default="tiny", help="model folder, or 'tiny' (default) for a random smoke-test model")
-    p.add_argument("--input", help="prompts JSONL ('-' for stdin); default with --model tiny: three built-in prompts")
-    p.add_argument("--output", default="-", help="completions JSONL (default: stdout)")
+    p = argparse.ArgumentParser(prog="rlcu generate", description="Prompts JSONL in, completions JSONL out.",
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--model", default="tiny", help="model folder, or 'tiny' for a random smoke-test model")
+    p.add_argument("--input", help="prompts JSONL ('-' for stdin); unset with --model tiny: three built-in prompts")
+    p.add_argument("--output", default="-", help="completions JSONL ('-': stdout)")
     s = p.add_argument_group("sampling")
-    s.add_argument("--n", type=int, default=1)
-    s.add_argument("--temperature", type=float, default=1.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--stop-token-ids", default="", help="comma-separated token ids")
+    s.add_argument("--n", type=int, default=1, help="completions per prompt (they share the prompt's KV cache)")
+    s.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens whose "
+                                                             "probability reaches top-p")
+    s.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (<= 0: all)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the top probability")
+    s.add_argument("--max-tokens", type=int, default=256, help="most new tokens per completion")
+    s.add_argument("--seed", type=int, default=None, help="per-request seed (unset: drawn from torch's generator)")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the model's EOS")
+    s.add_argument("--stop-token-ids", default="", help="comma-separated token ids that end a completion "
+                                                         "(unset: none)")
     s.add_argument("--logprobs", action="store_true", help="write the logprob of each sampled token")
-    s.add_argument("--chat-template-kwargs", default=None, help='JSON template variables, e.g. {"enable_thinking": false}')
+    s.add_argument("--chat-template-kwargs", default=None,
+                   help='JSON template variables, e.g. {"enable_thinking": false} (unset: none)')
     e = p.add_argument_group("engine")
-    e.add_argument("--device", default=None)
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.6)
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--enforce-eager", action="store_true")
-    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--device", default=None, help="cpu or cuda (unset: cuda when available)")
+    e.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on the CPU), float32 or "
+                                                   "bfloat16")
+    e.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one engine step")
+    e.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens per engine step (the chunked-prefill budget)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                   help="fraction of the device's memory the process may use, the KV pool included")
+    e.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block, a power of two "
+                                                                "(unset: 16)")
+    e.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV-cache blocks, overriding --gpu-memory-utilization (unset: sized from it; on the CPU: "
+                        "4 sequences of max-model-len, at most 1 GiB)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (unset: the model's max_position_embeddings, lowered to what the pool "
+                        "holds)")
+    e.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 

@@ -2,7 +2,9 @@
 
 `RLCU_BACKEND=torch|triton` forces one; unset, CUDA tensors take Triton and everything
 else takes the twin. `RLCU_BACKEND=triton` with `TRITON_INTERPRET=1` runs the kernels on
-CPU tensors through Triton's interpreter (slow, for tests).
+CPU tensors through Triton's interpreter (slow, for tests). Importing this module with
+the interpreter on applies `patch_triton_interpreter` (numpy >= 2.4, see there), so that mode
+works in any process, not only under pytest.
 """
 
 from __future__ import annotations
@@ -41,3 +43,42 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def patch_triton_interpreter() -> bool:
+    """Make Triton's interpreter work with numpy >= 2.4; True when the patch is (now) applied.
+
+    The interpreter holds a scalar as a 1-element numpy array and converts it with `int()` where
+    Python wants an index (a `range` over a runtime loop bound); numpy 2.4 refuses `int()` of an
+    array that is not 0-dimensional ("only 0-dimensional arrays can be converted to Python
+    scalars"). The patch gives the interpreter's tensors an `__index__` through `.item()`, which
+    takes both shapes. It does nothing when numpy still converts such arrays, when triton (or its
+    interpreter) is missing, or when it is already applied. Safe to call more than once.
+    """
+    if not HAS_TRITON:
+        return False
+    try:
+        import numpy as np
+        from triton.runtime import interpreter as interp
+    except ImportError:  # pragma: no cover - depends on the triton build
+        return False
+    if getattr(interp._patch_lang_tensor, "_rlcu_scalar_index", False):
+        return True
+    try:
+        int(np.array([1]))
+        return False  # numpy < 2.4 converts 1-element arrays: nothing to fix
+    except TypeError:
+        pass
+    patch_tensor = interp._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    _patch_lang_tensor._rlcu_scalar_index = True
+    interp._patch_lang_tensor = _patch_lang_tensor
+    return True
+
+
+if interpreting():
+    patch_triton_interpreter()

@@ -176,7 +176,10 @@ def run(cfg: DemoConfig) -> dict:
         raise ConfigError("model", f"is not a valid Qwen3Config: {e}") from None
     model = Qwen3.from_config(qc, device=device, dtype=dtype, seed=cfg.seed)
     model.gradient_checkpointing = False  # tiny activations: recomputing them only costs time
-    log = dict(progress=cfg.progress, every=1, tensorboard=True)
+    import importlib.util
+
+    # event files when the tensorboard extra is installed (a bare install gets no warning for them)
+    log = dict(progress=cfg.progress, every=1, tensorboard=importlib.util.find_spec("tensorboard") is not None)
 
     # 1. SFT warm-up on the sloppy demonstrations
     t0 = time.perf_counter()

@@ -1,11 +1,17 @@
-"""Run logging: metrics.jsonl, a TensorBoard event file, a rich progress bar, log.txt and,
-at the end, a reward-curve PNG.
+"""Run logging: metrics.jsonl, log.txt, the console (a live progress bar on a terminal, one
+line per logged step elsewhere), the trackers (TensorBoard, W&B: rlcu.train.trackers) and, at
+the end, a PNG of the main curve.
 
 Every `cfg.every` steps (and at the last step) one JSON object per line goes to
 metrics.jsonl ({"step": s, **metrics}, floats written with full precision so runs can be
-compared bit for bit) and the numeric metrics go to TensorBoard. On resume the rows after
-the checkpoint's step are dropped, so the file reads as one uninterrupted run.
-matplotlib is optional: without it the PNG is skipped with a log line.
+compared bit for bit), one `STEP` line to log.txt, and the numeric metrics to the trackers.
+On resume the rows after the checkpoint's step are dropped, so the file reads as one
+uninterrupted run (the trackers do the same: see rlcu.train.trackers).
+
+The console: on a terminal a rich progress bar; when the output is not a terminal (a pipe, a
+file, a batch job's log) no live display, whose redraws would land as stray lines, and no
+wrapping at 80 columns: one plain line per logged step instead. matplotlib is optional:
+without it the PNG is skipped with a log line.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import time
 from pathlib import Path
 
 from rlcu.config import LogConfig
-from rlcu.train.tb_writer import EventWriter
+from rlcu.train.trackers import open_trackers
 
 
 def _num(v):
@@ -30,19 +36,31 @@ def _num(v):
     return None
 
 
+def _clock(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
 class RunLogger:
+    """`run_config` (the run's whole config as plain data) goes to W&B as the run's config."""
+
     def __init__(self, out_dir, cfg: LogConfig | None = None, total_steps: int | None = None, *,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, run_config: dict | None = None):
         self.cfg = cfg or LogConfig()
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.history: list[dict] = []
+        logged_through = 0  # the last step the previous process logged (past the checkpoint: lost)
         if resume_step is not None and self.metrics_path.exists():
             for line in self.metrics_path.read_text().splitlines():
                 if line.strip():
-                    row = json.loads(line)
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:  # a line torn by a kill mid-write
+                        continue
+                    logged_through = max(logged_through, int(row.get("step", 0)))
                     if row.get("step", 0) <= resume_step:
                         self.history.append(row)
         self._jsonl = open(self.metrics_path, "w")
@@ -50,12 +68,15 @@ class RunLogger:
             self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         self._log_txt = open(self.out_dir / "log.txt", "a")
-        self.tb = EventWriter(self.out_dir) if self.cfg.tensorboard else None
+        self._closed = False
         from rich.console import Console
 
         self.console = Console(stderr=True)
+        if not self.console.is_terminal:
+            self.console = Console(stderr=True, soft_wrap=True)  # no wrapping of long lines in a log file
+        self._t0, self._step0 = time.perf_counter(), resume_step or 0
         self._progress = None
-        if self.cfg.progress:
+        if self.cfg.progress and self.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -64,7 +85,12 @@ class RunLogger:
             self._progress.start()
             self._task = self._progress.add_task("train", total=total_steps, metrics="",
                                                  completed=resume_step or 0)
-        self._closed = False
+        try:
+            self.trackers = open_trackers(self.out_dir, self.cfg, resume_step, run_config, self.warn,
+                                          logged_through)
+        except BaseException:
+            self.close(plot=False)
+            raise
 
     # ---------------------------------------------------------------- messages
     def _write_txt(self, level: str, msg: str) -> None:
@@ -94,12 +120,22 @@ class RunLogger:
         self.history.append(row)
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
-        if self.tb is not None:
-            self.tb.add_scalars(step, {k: float(v) for k, v in row.items()
-                                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        scalars = {k: float(v) for k, v in row.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        now = time.time()
+        for t in self.trackers:
+            t.log(step, scalars, now)
+        head = f"step {step}/{self.total_steps}" if self.total_steps else f"step {step}"
+        self._write_txt("STEP", f"{head}  " + "  ".join(f"{k} {v:.6g}" for k, v in scalars.items()))
         if self._progress is None:
-            tot = f"/{self.total_steps}" if self.total_steps else ""
-            self.console.print(f"step {step}{tot}  {self._short(metrics)}", highlight=False, markup=False)
+            self.console.print(f"{head}  {self._short(metrics)}{self._eta(step)}", highlight=False, markup=False)
+
+    def _eta(self, step: int) -> str:
+        done, dt = step - self._step0, time.perf_counter() - self._t0
+        if not self.total_steps or done <= 0:
+            return ""
+        left = max(self.total_steps - step, 0) * dt / done
+        return f"  [{_clock(dt)} elapsed, {_clock(left)} left]"
 
     @staticmethod
     def _short(metrics: dict, n: int = 5) -> str:
@@ -126,20 +162,30 @@ class RunLogger:
             keys = ["loss"]
         return keys
 
+    @staticmethod
+    def plot_name(keys: list[str]) -> str:
+        """The PNG is named for what it shows: reward_curve.png when a reward is drawn,
+        loss_curve.png for losses only (an SFT run), else curves.png."""
+        if any(k.startswith("reward") for k in keys):
+            return "reward_curve.png"
+        if keys and all("loss" in k for k in keys):
+            return "loss_curve.png"
+        return "curves.png"
+
     def plot(self, path=None) -> Path | None:
         """Write the reward curve (or the loss when there is no reward) to a PNG."""
         keys = self._plot_keys()
         if not keys or not self.history:
             return None
+        path = Path(path) if path else self.out_dir / self.plot_name(keys)
         try:
             import matplotlib
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            self.info("matplotlib is not installed: skipping reward_curve.png (pip install matplotlib)")
+            self.info(f"matplotlib is not installed: skipping {path.name} (pip install matplotlib)")
             return None
-        path = Path(path) if path else self.out_dir / "reward_curve.png"
         fig, ax = plt.subplots(figsize=(7, 4))
         for k in keys:
             pts = [(r["step"], r[k]) for r in self.history
@@ -154,16 +200,16 @@ class RunLogger:
         plt.close(fig)
         return path
 
-    def close(self) -> None:
+    def close(self, plot: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
         if self._progress is not None:
             self._progress.stop()
-        if self.tb is not None:
-            self.tb.close()
+        for t in getattr(self, "trackers", []):
+            t.close()
         self._jsonl.close()
-        if self.cfg.plot:
+        if plot and self.cfg.plot:
             self.plot()
         self._log_txt.close()
 

@@ -348,7 +348,10 @@ class RLTrainer(abc.ABC):
 
         c = self.cfg
         resumed = self.resume() if c.checkpoint.resume else 0
-        self.logger = RunLogger(self.out_dir, c.log, c.steps, resume_step=resumed if resumed else None)
+        from rlcu.config import config_to_dict
+
+        self.logger = RunLogger(self.out_dir, c.log, c.steps, resume_step=resumed if resumed else None,
+                                run_config=config_to_dict(c))
         lg = self.logger
         try:
             from rlcu.config import save_config

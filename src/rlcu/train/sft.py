@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rlcu.config import SFTConfig, config_from_dict, load_config, save_config
+from rlcu.config import SFTConfig, config_from_dict, config_to_dict, load_config, save_config
 from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_rows
 from rlcu.train.checkpoint import build_model, load_checkpoint, resolve_resume, save_checkpoint
 from rlcu.train.logging import RunLogger
@@ -245,7 +245,8 @@ class SFTTrainer:
         if path is not None:
             self.resume(path)
         self.logger = log = RunLogger(self.out_dir, cfg.log, cfg.steps,
-                                      resume_step=self.step if path is not None else None)
+                                      resume_step=self.step if path is not None else None,
+                                      run_config=config_to_dict(cfg))
         save_config(cfg, self.out_dir / "config.yaml")
         if path is not None:
             log.info(f"resumed from {path} at step {self.step}")
