@@ -93,7 +93,7 @@ def test_policy_loss_is_weights_vs_autograd(with_ref, with_ent):
     entropy terms; pg_loss is the corrected term; clip statistics do not see b."""
     lp, old, ref, adv, w, ent = _policy_inputs(with_ref=with_ref, with_ent=with_ent)
     b = _is_weights(lp.numel())
-    kw = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
+    kw = {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.05, "entropy_coef": 0.01}
     loss, dlp, dent, stats = policy_loss_ref(lp, old, ref, adv, w, ent, *kw.values(), is_w=b)
     L, g_lp, g_ent = _policy_autograd(lp, old, ref, adv, w, ent, *kw.values(), is_w=b)
     assert torch.isfinite(loss).all() and torch.isfinite(dlp).all()
