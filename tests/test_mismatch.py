@@ -335,3 +335,23 @@ def test_config_fields_and_errors():
         _build(PPOConfig, {"old_logprobs": "recompute", "behaviour_correction": "mis_seq", "mis_low": 2.0})
     with pytest.raises(ConfigError, match="old_logprobs must be one of"):
         _build(GRPOConfig, {"old_logprobs": "trainer"})
+
+
+@pytest.mark.gpu
+def test_grpo_recompute_on_gpu(tmp_path):
+    """bf16 on the GPU kernels: the recompute pass (Qwen3.forward) and the first update's
+    forward_backward give the same bits, so the first ratio is exactly 1; the default mode's
+    mismatch is measured every step."""
+    from test_grpo import _trainer, first_is_even
+
+    for mode in ("engine", "recompute"):
+        tr = _trainer(tmp_path / mode, rewards=[first_is_even], steps=2, mu=2, old_logprobs=mode,
+                      behaviour_correction="tis" if mode == "recompute" else "none",
+                      model=dict(device="cuda", dtype="bfloat16"), optim=dict(lr=1e-2))
+        outs = _spy_updates(tr)
+        hist = tr.train()
+        for h in hist:
+            assert all(math.isfinite(h[k]) for k in MISMATCH_KEYS), h
+            assert h["mismatch/abs_max"] < 0.5
+        if mode == "recompute":
+            assert outs[0]["clip_frac"] == 0 and outs[0]["ratio"] == 1.0 and outs[0]["approx_kl"] == 0.0

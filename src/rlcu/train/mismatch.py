@@ -173,7 +173,7 @@ class StepCorrection:
         self.engine_lp = batch.old_lp
         self._metrics: dict[str, float] = {}
         self._first_lp = None
-        if cfg.old_logprobs == "recompute":
+        if cfg.old_logprobs == "recompute" and bool((batch.mask > 0).any()):  # (no loss token: no update)
             t0 = time.perf_counter()
             lp = ro.batch_logprobs(model, batch, cfg.temperature, cfg.micro_batch_tokens)
             comp = torch.zeros(batch.num_tokens, dtype=torch.bool, device=lp.device)
@@ -181,7 +181,7 @@ class StepCorrection:
             batch.old_lp = torch.where(comp, lp, torch.zeros_like(lp))  # 0 off the completions, as the engine's
             self._metrics.update(mismatch_metrics(batch.old_lp, self.engine_lp, batch.mask, batch.cu_seqlens))
             self._metrics["time/old_logprobs"] = time.perf_counter() - t0
-        else:
+        elif cfg.old_logprobs == "engine":
             self._first_lp = torch.zeros_like(batch.old_lp)
             self._recorded = 0
         self.weights, self.keep, m = behaviour_weights(batch.old_lp, self.engine_lp, batch.mask, batch.cu_seqlens,
