@@ -275,7 +275,8 @@ def test_grpo_modes_run_and_log(tmp_path, old_logprobs, correction):
     from test_grpo import _trainer, first_is_even
 
     tr = _trainer(tmp_path, rewards=[first_is_even], steps=2, mu=2, old_logprobs=old_logprobs,
-                  behaviour_correction=correction, mis_low=0.7, mis_high=1.4, tis_cap=1.2)
+                  behaviour_correction=correction, mis_low=0.7, mis_high=1.4, tis_cap=1.2,
+                  log={"tensorboard": True})
     _noisy_engine(tr)
     outs = _spy_updates(tr)
     hist = tr.train()
@@ -289,6 +290,13 @@ def test_grpo_modes_run_and_log(tmp_path, old_logprobs, correction):
             assert 0 < row["correction/capped_frac"] < 1
         elif correction != "none":
             assert 0 < row["correction/rejected_frac"] < 1
+    from rlcu.train.tb_writer import read_events
+
+    (events,) = (tmp_path / "run").glob("events.out.tfevents.*")
+    tb = {(e["step"], k): v for e in read_events(events)[1:] for k, v in e["scalars"].items()}
+    for row in rows:
+        for k in MISMATCH_KEYS:
+            assert tb[(row["step"], k)] == pytest.approx(row[k], rel=1e-6, abs=1e-12), k
     assert len(outs) == 4
     first = outs[0]  # mu index 0 of step 1
     if old_logprobs == "recompute":
@@ -347,7 +355,7 @@ def test_grpo_recompute_on_gpu(tmp_path):
     for mode in ("engine", "recompute"):
         tr = _trainer(tmp_path / mode, rewards=[first_is_even], steps=2, mu=2, old_logprobs=mode,
                       behaviour_correction="tis" if mode == "recompute" else "none",
-                      model=dict(device="cuda", dtype="bfloat16"), optim=dict(lr=1e-2))
+                      model={"device": "cuda", "dtype": "bfloat16"}, optim={"lr": 1e-2})
         outs = _spy_updates(tr)
         hist = tr.train()
         for h in hist:
