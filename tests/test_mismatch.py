@@ -145,9 +145,9 @@ def _formula_loss(lp, old, eng, adv, mask, mode, beta, ref):
 
 @pytest.mark.parametrize("mode", ["tis", "mis_token", "mis_seq"])
 def test_corrected_loss_and_gradient_vs_autograd(mode):
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(6)
     eng = -torch.rand(9, generator=g) * 2
-    old = eng + 0.6 * torch.randn(9, generator=g)  # ratios well inside and outside the bounds
+    old = eng + 0.9 * torch.randn(9, generator=g)  # ratios well inside and outside the bounds
     lp = old + 0.3 * torch.randn(9, generator=g)
     ref = old + 0.2 * torch.randn(9, generator=g)
     adv = torch.randn(9, generator=g)
@@ -158,7 +158,9 @@ def test_corrected_loss_and_gradient_vs_autograd(mode):
     L, grad = _formula_loss(lp, old, eng, adv, MASK, mode, 0.1, ref)
     assert loss.sum().item() == pytest.approx(L.item(), rel=1e-5, abs=1e-7)
     assert rel_err(dlp, grad) < 1e-5
-    if mode != "tis":
+    if mode == "tis":
+        assert 0 < float((b == 2.0).sum()) < float(MASK.sum())  # the case caps some tokens, not all
+    else:
         assert 0 < float(keep.sum()) < float(MASK.sum())  # the case rejects some tokens, not all
 
 
