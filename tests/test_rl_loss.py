@@ -30,13 +30,15 @@ def _policy_inputs(N=333, seed=0, device="cpu", with_ref=True, with_ent=True):
     return mv(lp), mv(old), mv(ref), mv(adv), mv(w), mv(ent)
 
 
-def _policy_autograd(lp, old, ref, adv, w, ent, cl, ch, beta, ce):
+def _policy_autograd(lp, old, ref, adv, w, ent, cl, ch, beta, ce, is_w=None):
     lp = lp.clone().double().requires_grad_(True)
     ent_t = None if ent is None else ent.clone().double().requires_grad_(True)
     live = w != 0
     lpm = torch.where(live, lp, old.double())
     r = torch.exp(lpm - old.double())
     pg = torch.maximum(-r * adv.double(), -r.clamp(1 - cl, 1 + ch) * adv.double())
+    if is_w is not None:  # a constant weight on the surrogate (no gradient through it)
+        pg = torch.where(live, is_w.double(), torch.zeros_like(pg)) * pg
     tok = pg
     if ref is not None:
         k = ref.double() - lpm
@@ -75,6 +77,39 @@ def test_policy_loss_twin_vs_autograd(with_ref, with_ent):
     if with_ref:
         k = (ref - lp)[live]
         assert s["kl"] == pytest.approx((wl * (torch.exp(k) - k - 1)).sum().item(), rel=1e-5)
+
+
+def _is_weights(N, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    b = torch.rand(N, generator=g) * 2
+    b[::7] = 0.0  # rejected tokens (MIS)
+    b[::5] = float("inf")  # garbage under the mask must not leak
+    return b
+
+
+@pytest.mark.parametrize("with_ref,with_ent", [(True, True), (False, False)])
+def test_policy_loss_is_weights_vs_autograd(with_ref, with_ent):
+    """The behaviour-policy weight b scales the surrogate's loss and gradient, not the KL or
+    entropy terms; pg_loss is the corrected term; clip statistics do not see b."""
+    lp, old, ref, adv, w, ent = _policy_inputs(with_ref=with_ref, with_ent=with_ent)
+    b = _is_weights(lp.numel())
+    kw = {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.05, "entropy_coef": 0.01}
+    loss, dlp, dent, stats = policy_loss_ref(lp, old, ref, adv, w, ent, *kw.values(), is_w=b)
+    L, g_lp, g_ent = _policy_autograd(lp, old, ref, adv, w, ent, *kw.values(), is_w=b)
+    assert torch.isfinite(loss).all() and torch.isfinite(dlp).all()
+    assert abs(loss.sum().item() - L.item()) <= 1e-5 * abs(L.item()) + 1e-7
+    assert rel_err(dlp, g_lp) < 1e-6
+    if with_ent:
+        assert rel_err(dent, g_ent) < 1e-6
+    s = dict(zip(POLICY_STATS, stats.tolist()))
+    s0 = dict(zip(POLICY_STATS, policy_loss_ref(lp, old, ref, adv, w, ent, *kw.values())[3].tolist()))
+    for k in ("clip_low", "clip_high", "ratio", "approx_kl", "kl", "entropy", "weight"):
+        assert s[k] == s0[k], k
+    live = w != 0
+    r = torch.exp(lp - old)
+    pg = torch.maximum(-r * adv, -r.clamp(0.8, 1.28) * adv)
+    assert s["pg_loss"] == pytest.approx((w * b * pg)[live].sum().item(), rel=1e-5)
+    assert s["pg_loss"] != pytest.approx(s0["pg_loss"], rel=1e-3)
 
 
 def test_policy_loss_ratio_one_is_plain_pg():
@@ -130,6 +165,20 @@ def test_policy_loss_triton_vs_twin(with_ref, with_ent, N, block):
             assert rel_err(x, y) < 1e-6
 
 
+@pytest.mark.parametrize("with_ref,with_ent,N,block", [(True, True, 333, 128), (False, False, 63, None)])
+def test_policy_loss_is_weights_triton_vs_twin(with_ref, with_ent, N, block):
+    lp, old, ref, adv, w, ent = _policy_inputs(N=N, with_ref=with_ref, with_ent=with_ent)
+    b = _is_weights(N)
+    args = (lp, old, ref, adv, w, ent, 0.2, 0.28, 0.05, 0.01)
+    a = rl_loss.policy_loss_triton(*args, block=block, is_w=b)
+    want = policy_loss_ref(*args, is_w=b)
+    for x, y in zip(a, want):
+        if y is None:
+            assert x is None
+        else:
+            assert torch.isfinite(x).all() and rel_err(x, y) < 1e-6
+
+
 def test_value_loss_triton_vs_twin():
     v, vold, ret, w = _value_inputs(N=333)
     a = rl_loss.value_loss_triton(v, vold, ret, w, 0.2, block=64)
@@ -144,12 +193,18 @@ def test_dispatch_picks_triton(monkeypatch):
     a = policy_loss(lp, old, ref, adv, w, ent, clip_low=0.2, clip_high=0.2, kl_coef=0.1, entropy_coef=0.0)
     b = policy_loss_ref(lp, old, ref, adv, w, ent, 0.2, 0.2, 0.1, 0.0)
     assert rel_err(a[1], b[1]) < 1e-6
+    bw = _is_weights(63)
+    a = policy_loss(lp, old, ref, adv, w, ent, clip_low=0.2, clip_high=0.2, kl_coef=0.1, is_w=bw)
+    b = policy_loss_ref(lp, old, ref, adv, w, ent, 0.2, 0.2, 0.1, 0.0, bw)
+    assert rel_err(a[1], b[1]) < 1e-6
 
 
 def test_shape_errors():
     lp, old, ref, adv, w, ent = _policy_inputs(N=63)
     with pytest.raises(ValueError, match="adv must have shape"):
         rl_loss.policy_loss_triton(lp, old, ref, adv[:10], w, ent, 0.2, 0.2, 0.0, 0.0)
+    with pytest.raises(ValueError, match="is_w must have shape"):
+        rl_loss.policy_loss_triton(lp, old, ref, adv, w, ent, 0.2, 0.2, 0.0, 0.0, is_w=w[:10])
 
 
 @pytest.mark.gpu
@@ -161,6 +216,11 @@ def test_policy_loss_gpu(dtype):
     b = policy_loss_ref(lp.float(), old, ref, adv, w, ent, 0.2, 0.28, 0.05, 0.01)
     for x, y in zip(a, b):
         assert rel_err(x, y) < 1e-5
+    bw = _is_weights(100_003).cuda()
+    a = rl_loss.policy_loss_triton(lp, old, ref, adv, w, ent, 0.2, 0.28, 0.05, 0.01, is_w=bw)
+    b = policy_loss_ref(lp.float(), old, ref, adv, w, ent, 0.2, 0.28, 0.05, 0.01, bw)
+    for x, y in zip(a, b):
+        assert torch.isfinite(x).all() and rel_err(x, y) < 1e-5
     v, vold, ret, w = _value_inputs(N=100_003, device="cuda")
     for x, y in zip(rl_loss.value_loss_triton(v, vold, ret, w, 0.2), value_loss_ref(v, vold, ret, w, 0.2)):
         assert rel_err(x, y) < 1e-5

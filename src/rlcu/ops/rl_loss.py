@@ -3,11 +3,13 @@ into one elementwise pass that also reduces the step's statistics, so that the b
 starts from one buffer (dlp) and the statistics never need a second pass.
 
 Policy loss, per token i, with weight w_i (mask x aggregation, see rlcu.train.losses),
-log-ratio d = lp - old, ratio r = exp(d), advantage A, k = ref - lp:
+log-ratio d = lp - old, ratio r = exp(d), advantage A, k = ref - lp, and the behaviour-policy
+correction weight b_i (1 without one; TIS / MIS weights, see rlcu.train.mismatch: a constant
+per token, so it scales the surrogate's gradient and nothing else):
     pg   = max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A)           (clipped surrogate)
     kl   = exp(k) - k - 1                                              (k3 estimator of KL(pi||ref))
-    loss = w (pg + beta kl - c_ent ent)
-    dlp  = w (-r A [clip branch not active] + beta (1 - exp(k)))
+    loss = w (b pg + beta kl - c_ent ent)
+    dlp  = w (-b r A [clip branch not active] + beta (1 - exp(k)))
     dent = -w c_ent
 The clip branch is active (its gradient is zero) when -clip(r) A > -r A, i.e. r > 1 + eps_high
 with A > 0 ("clip high") or r < 1 - eps_low with A < 0 ("clip low"). The statistic
@@ -20,7 +22,8 @@ Value loss (PPO), with value v, the rollout's value v_old, return R and clip ran
 
 Statistics are w-weighted sums over tokens, one row of partial sums per program (summed by
 the caller: deterministic, no atomics); dividing by the `weight` statistic gives means under
-the chosen aggregation, and sums over micro-batches add up.
+the chosen aggregation, and sums over micro-batches add up. `pg_loss` is the corrected term
+(sum w b pg); the clip fractions, ratio and approx_kl are w-weighted, b does not enter them.
 Tokens with w = 0 contribute exactly zero to every output (their logprobs may be anything).
 The public ops are `policy_loss` and `value_loss` (each is forward and backward at once).
 """
@@ -39,8 +42,9 @@ _BN = 1024  # tokens a program handles
 
 
 @triton.jit(do_not_specialize=["N"])
-def _policy_loss_kernel(LP, OLD, REF, ADV, W, ENT, LOSS, DLP, DENT, STATS, N, eps_low, eps_high, beta, c_ent,
-                        HAS_REF: tl.constexpr, HAS_ENT: tl.constexpr, NS: tl.constexpr, BN: tl.constexpr):
+def _policy_loss_kernel(LP, OLD, REF, ADV, W, BW, ENT, LOSS, DLP, DENT, STATS, N, eps_low, eps_high, beta, c_ent,
+                        HAS_REF: tl.constexpr, HAS_BW: tl.constexpr, HAS_ENT: tl.constexpr, NS: tl.constexpr,
+                        BN: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     i = pid * BN + tl.arange(0, BN)
     m = i < N
@@ -57,6 +61,10 @@ def _policy_loss_kernel(LP, OLD, REF, ADV, W, ENT, LOSS, DLP, DENT, STATS, N, ep
     clipped = b > a
     pg = tl.maximum(a, b)
     g = tl.where(clipped, 0.0, a)  # d pg / d lp
+    if HAS_BW:  # the behaviour-policy weight: a constant factor on the surrogate
+        bw = tl.where(live, tl.load(BW + i, mask=m, other=0.0).to(tl.float32), 0.0)
+        pg = bw * pg
+        g = bw * g
     loss = pg
     kl = tl.zeros_like(pg)
     if HAS_REF:
@@ -131,10 +139,11 @@ def _block(N: int, block: int | None) -> int:
     return block or min(_BN, max(16, triton.next_power_of_2(max(N, 1))))
 
 
-def policy_loss_triton(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_coef, entropy_coef, block=None):
+def policy_loss_triton(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_coef, entropy_coef, block=None,
+                       is_w=None):
     N = lp.shape[0]
-    lp, old_lp, ref_lp, adv, w, ent = (_check(n, x, N, lp.device) for n, x in (
-        ("lp", lp, ), ("old_lp", old_lp), ("ref_lp", ref_lp), ("adv", adv), ("w", w), ("ent", ent)))
+    lp, old_lp, ref_lp, adv, w, ent, is_w = (_check(n, x, N, lp.device) for n, x in (
+        ("lp", lp, ), ("old_lp", old_lp), ("ref_lp", ref_lp), ("adv", adv), ("w", w), ("ent", ent), ("is_w", is_w)))
     BN = _block(N, block)
     grid = triton.cdiv(N, BN)
     f32 = dict(device=lp.device, dtype=torch.float32)
@@ -146,10 +155,10 @@ def policy_loss_triton(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_
         part.zero_()
     else:
         _policy_loss_kernel[(grid,)](lp, old_lp, lp if ref_lp is None else ref_lp, adv, w,
-                                     lp if ent is None else ent, loss, dlp, loss if dent is None else dent,
-                                     part, N, float(clip_low), float(clip_high), float(kl_coef),
-                                     float(entropy_coef), HAS_REF=ref_lp is not None, HAS_ENT=ent is not None,
-                                     NS=NS, BN=BN, num_warps=4)
+                                     w if is_w is None else is_w, lp if ent is None else ent, loss, dlp,
+                                     loss if dent is None else dent, part, N, float(clip_low), float(clip_high),
+                                     float(kl_coef), float(entropy_coef), HAS_REF=ref_lp is not None,
+                                     HAS_BW=is_w is not None, HAS_ENT=ent is not None, NS=NS, BN=BN, num_warps=4)
     return loss, dlp, dent, part.sum(0)
 
 
@@ -171,7 +180,7 @@ def value_loss_triton(v, v_old, returns, w, clip, block=None):
     return loss, dv, part.sum(0)
 
 
-def policy_loss_ref(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_coef, entropy_coef):
+def policy_loss_ref(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_coef, entropy_coef, is_w=None):
     lp, old_lp, adv, w = lp.float(), old_lp.float(), adv.float(), w.float()
     live = w != 0
     zero = torch.zeros_like(lp)
@@ -182,6 +191,9 @@ def policy_loss_ref(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_coe
     clipped = b > a
     pg = torch.maximum(a, b)
     g = torch.where(clipped, zero, a)
+    if is_w is not None:
+        bw = torch.where(live, is_w.float(), zero)
+        pg, g = bw * pg, bw * g
     loss = pg.clone()
     kl = zero
     if ref_lp is not None:
@@ -224,16 +236,18 @@ def value_loss_ref(v, v_old, returns, w, clip):
 
 
 def policy_loss(lp, old_lp, ref_lp, adv, w, ent=None, *, clip_low: float = 0.2, clip_high: float = 0.2,
-                kl_coef: float = 0.0, entropy_coef: float = 0.0):
+                kl_coef: float = 0.0, entropy_coef: float = 0.0, is_w=None):
     """The clipped policy loss and its gradient in one pass.
 
-    lp, old_lp, adv, w: [N]; ref_lp, ent: [N] or None (no KL term / no entropy term).
+    lp, old_lp, adv, w: [N]; ref_lp, ent: [N] or None (no KL term / no entropy term); is_w: [N]
+    behaviour-policy correction weights on the surrogate, or None (all 1).
     Returns (loss [N], dlp [N], dent [N] | None, stats [len(POLICY_STATS)]), all fp32; the
     total loss is loss.sum() and dlp = d loss.sum() / d lp, dent = d loss.sum() / d ent.
     """
     if use_triton(lp):
-        return policy_loss_triton(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_coef, entropy_coef)
-    return policy_loss_ref(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_coef, entropy_coef)
+        return policy_loss_triton(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_coef, entropy_coef,
+                                  is_w=is_w)
+    return policy_loss_ref(lp, old_lp, ref_lp, adv, w, ent, clip_low, clip_high, kl_coef, entropy_coef, is_w)
 
 
 def value_loss(v, v_old, returns, w, *, clip: float):

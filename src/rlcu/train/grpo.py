@@ -26,6 +26,7 @@ import torch
 
 from rlcu.train import losses
 from rlcu.train import rollout as ro
+from rlcu.train.mismatch import StepCorrection
 from rlcu.train.rl_config import GRPOConfig
 
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
@@ -102,18 +103,22 @@ class GRPOTrainer(RLTrainer):
         m["groups_all_equal"] = float(torch.isnan(gstd).sum() + (gstd == 0).sum()) / max(gstd.numel(), 1)
         if self.ref is not None:
             batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
+        sc = StepCorrection(c, self.model, batch)  # old_logprobs, behaviour correction, mismatch metrics
+        pb = sc.policy_batch()
         t2 = time.perf_counter()
-        if float(batch.mask.sum()) == 0:
+        if float(pb.mask.sum()) == 0:
             self._warn(f"step {step + 1}: every sample is masked; no update")
             m["skipped"] = 1
             upd = []
         else:
-            upd = [self._policy_update(batch, step * c.mu + u, c.steps * c.mu, c.loss_agg, c.kl_coef)
+            upd = [self._policy_update(pb, step * c.mu + u, c.steps * c.mu, c.loss_agg, c.kl_coef,
+                                       record=sc.record if u == 0 else None)
                    for u in range(c.mu)]
         self._end_train_phase()
         t3 = time.perf_counter()
         if upd:
             m.update(_mean_update_metrics(upd))
+        m.update(sc.metrics())
         gen_tokens = sum(len(s.completion_ids) for s in samples)
         m.update({"time/generate": t1 - t0, "time/logprobs": t2 - t1, "time/train": t3 - t2,
                   "time/step": t3 - t0, "time/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),

@@ -138,16 +138,12 @@ class RunLogger:
         return f"  [{_clock(dt)} elapsed, {_clock(left)} left]"
 
     @staticmethod
-    def _short(metrics: dict, n: int = 5) -> str:
-        parts = []
-        for k, v in metrics.items():
-            x = _num(v)
-            if x is None or isinstance(x, bool):
-                continue
-            parts.append(f"{k} {x:.4g}" if isinstance(x, float) else f"{k} {x}")
-            if len(parts) == n:
-                break
-        return "  ".join(parts)
+    def _short(metrics: dict, n: int = 5, pinned=("mismatch/abs_mean", "mismatch/exact_frac")) -> str:
+        """The first n numeric metrics, then the `pinned` ones present (the RL steps' mismatch)."""
+        nums = {k: x for k, v in metrics.items() if (x := _num(v)) is not None and not isinstance(x, bool)}
+        keys = list(nums)
+        shown = keys[:n] + [k for k in pinned if k in keys[n:]]
+        return "  ".join(f"{k} {nums[k]:.4g}" if isinstance(nums[k], float) else f"{k} {nums[k]}" for k in shown)
 
     # ---------------------------------------------------------------- end
     def _plot_keys(self) -> list[str]:

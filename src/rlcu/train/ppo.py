@@ -21,6 +21,7 @@ from rlcu.ops.rl_loss import VALUE_STATS, value_loss
 from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.critic import Critic
+from rlcu.train.mismatch import StepCorrection
 from rlcu.train.rl_config import PPOConfig
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
@@ -140,6 +141,7 @@ class PPOTrainer(RLTrainer):
             self.score_stats.update(scores[keep])
             scores = self.score_stats.normalise(scores)
         batch = ro.pack(samples, keep, device=self.device)
+        sc = StepCorrection(c, self.model, batch)  # old_logprobs (the KL reward reads them), correction
         if self.ref is not None:
             batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
         batch.fields["values"] = self._values(batch)
@@ -150,14 +152,17 @@ class PPOTrainer(RLTrainer):
             self._warn(f"step {step + 1}: every sample is masked; no update")
             m["skipped"] = 1
         else:
-            train_policy = step >= c.critic.warmup_steps
+            pb = sc.policy_batch()
+            train_policy = step >= c.critic.warmup_steps and float(pb.mask.sum()) > 0
             for u in range(c.mu):
                 d = {}
                 if train_policy:
-                    d.update(self._policy_update(batch, step * c.mu + u, c.steps * c.mu, c.loss_agg, 0.0))
+                    d.update(self._policy_update(pb, step * c.mu + u, c.steps * c.mu, c.loss_agg, 0.0,
+                                                 record=sc.record if u == 0 else None))
                 d.update(self._critic_update(batch, step * c.mu + u, c.steps * c.mu))
                 upd.append(d)
             m.update(_mean_update_metrics(upd))
+        m.update(sc.metrics())
         self._end_train_phase()
         t3 = time.perf_counter()
         gen_tokens = sum(len(s.completion_ids) for s in samples)

@@ -34,8 +34,22 @@ class RLConfig(Section):
     top_p: float = opt(1.0, "nucleus sampling of the rollouts", gt=0, le=1)
     top_k: int = opt(-1, "top-k sampling of the rollouts (<= 0: off)")
     stop_at_eos: bool = opt(True, "end a completion at the tokenizer's / model's EOS")
-    mu: int = opt(1, "optimizer updates per rollout batch, each over the whole batch, with the sampling "
-                     "logprobs as the old logprobs", ge=1)
+    mu: int = opt(1, "optimizer updates per rollout batch, each over the whole batch, against the same old "
+                     "logprobs (old_logprobs)", ge=1)
+    old_logprobs: str = opt("engine", "the old policy of the PPO ratio: engine (the engine's sampling logprobs; no "
+                                      "extra pass, the ratio carries the engine/trainer mismatch) or recompute (the "
+                                      "trainer's forward without gradients before the updates: the first update's "
+                                      "ratio is exactly 1 and the engine is the behaviour policy)",
+                            choices=("engine", "recompute"))
+    behaviour_correction: str = opt("none", "correct for the engine's sampling policy with rho = exp(old_lp - "
+                                            "engine_lp) per token (needs old_logprobs: recompute): none; tis "
+                                            "(weight min(rho, tis_cap) on the surrogate); mis_token (weight rho, "
+                                            "tokens with rho outside [mis_low, mis_high] left out of the loss); "
+                                            "mis_seq (the sequence's rho = prod of its tokens', whole sequences "
+                                            "left out)", choices=("none", "tis", "mis_token", "mis_seq"))
+    tis_cap: float = opt(2.0, "tis: the cap C of the weight min(rho, C)", gt=0)
+    mis_low: float = opt(0.5, "mis_token / mis_seq: the lowest ratio kept", ge=0)
+    mis_high: float = opt(2.0, "mis_token / mis_seq: the highest ratio kept", gt=0)
     clip_low: float = opt(0.2, "ratio clip below: 1 - clip_low", ge=0, lt=1)
     clip_high: float = opt(0.2, "ratio clip above: 1 + clip_high (DAPO's clip-higher: e.g. 0.28)", ge=0)
     entropy_coef: float = opt(0.0, "entropy bonus: loss -= entropy_coef * entropy", ge=0)
@@ -67,6 +81,13 @@ class RLConfig(Section):
             if ("name" in spec) == ("fn" in spec):
                 raise ConfigError(f"rewards[{i}]", "needs exactly one of name (a built-in: math, format) or "
                                                    "fn ('module.path:function')")
+        if self.behaviour_correction != "none" and self.old_logprobs != "recompute":
+            raise ConfigError("behaviour_correction", f"{self.behaviour_correction} needs old_logprobs: recompute "
+                                                      f"(with the engine's logprobs as the old ones the weight "
+                                                      f"exp(old_lp - engine_lp) is 1), got old_logprobs: "
+                                                      f"{self.old_logprobs}")
+        if self.mis_low >= self.mis_high:
+            raise ConfigError("mis_low", f"must be < mis_high ({self.mis_high}), got {self.mis_low}")
         if self.overlong == "penalty" and self.overlong_buffer > self.max_new_tokens:
             raise ConfigError("overlong_buffer", f"must be <= max_new_tokens ({self.max_new_tokens}), "
                                                  f"got {self.overlong_buffer}")

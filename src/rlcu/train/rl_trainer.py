@@ -406,8 +406,9 @@ class RLTrainer(abc.ABC):
         return lr_at(update, optim_cfg or self.cfg.optim, total)
 
     def _policy_update(self, batch: ro.RolloutBatch, update: int, total_updates: int, agg: str,
-                       kl_coef: float) -> dict:
-        """One optimizer step of the policy over the whole batch, micro-batch by micro-batch."""
+                       kl_coef: float, record=None) -> dict:
+        """One optimizer step of the policy over the whole batch, micro-batch by micro-batch;
+        record(a, b, lp), when given, receives each micro-batch's logprobs (rlcu.train.mismatch)."""
         c, model = self.cfg, self.model
         n_tok = float(batch.mask.sum())
         n_seq = batch.num_masked_in_seqs()
@@ -416,20 +417,23 @@ class RLTrainer(abc.ABC):
         for a, b in batch.micro_batches(c.micro_batch_tokens):
             mb = batch.view(a, b)
             w = losses.token_weights(mb.cu_seqlens, mb.mask, agg, n_seqs=n_seq, n_tokens=n_tok)
-            ref, adv = mb.fields.get("ref_lp"), mb.fields["adv"]
+            ref, adv, bw = mb.fields.get("ref_lp"), mb.fields["adv"], mb.fields.get("is_w")
             parts = []
 
-            def grad_fn(lp_c, ent_c, idx, mb=mb, w=w, ref=ref, adv=adv, parts=parts):
+            def grad_fn(lp_c, ent_c, idx, mb=mb, w=w, ref=ref, adv=adv, bw=bw, parts=parts):
                 # the loss is elementwise, so each chunk of the LM head takes its gradient
                 # while its logits are in memory (no second sweep of the head)
                 _, dlp, dent, st = policy_loss(lp_c, mb.old_lp[idx], None if ref is None else ref[idx], adv[idx],
                                                w[idx], ent_c, clip_low=c.clip_low, clip_high=c.clip_high,
-                                               kl_coef=kl_coef, entropy_coef=c.entropy_coef)
+                                               kl_coef=kl_coef, entropy_coef=c.entropy_coef,
+                                               is_w=None if bw is None else bw[idx])
                 parts.append(st)
                 return dlp, (dent if c.entropy_coef > 0 else None)
 
-            model.forward_backward(mb.tokens, mb.cu_seqlens, grad_fn, temperature=c.temperature,
-                                   return_entropy=True)
+            lp_mb, _ = model.forward_backward(mb.tokens, mb.cu_seqlens, grad_fn, temperature=c.temperature,
+                                              return_entropy=True)
+            if record is not None:
+                record(a, b, lp_mb)
             stats += torch.stack(parts).sum(0).double().cpu()
         info = self.opt.step(self._lr(update, total_updates), loss=float(stats[0]))
         s = dict(zip(POLICY_STATS, stats.tolist()))
