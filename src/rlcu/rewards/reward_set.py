@@ -235,8 +235,9 @@ class RewardSet:
             except Exception as e:  # noqa: BLE001
                 fails[i] = describe(e)
                 continue
-            for k, v in lg.get("metrics", {}).items():
-                logs["metrics"].setdefault(k, []).extend(v)
+            for part in ("metrics", "extra"):
+                for k, v in lg.get(part, {}).items():
+                    logs[part].setdefault(k, []).extend(v)
             if isinstance(out, torch.Tensor):
                 out = out.tolist()
             if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != 1:

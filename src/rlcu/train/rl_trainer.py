@@ -107,7 +107,7 @@ class RLTrainer(abc.ABC):
     kind = "rl"
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None):
-        from rlcu.rewards import RewardSet
+        from rlcu.rewards import RewardSet, reward_options
         from rlcu.train.checkpoint import build_model
         from rlcu.train.optimizer import FlatAdamW
 
@@ -117,7 +117,7 @@ class RLTrainer(abc.ABC):
         self._model_given = model is not None
         self.device = self.model.device
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.rewards = RewardSet(_reward_specs(reward_fns, cfg.rewards))
+        self.rewards = RewardSet(_reward_specs(reward_fns, cfg.rewards), **reward_options(cfg))
         self.rows, self.eval_rows, self.n_filtered = self._load_data(dataset, eval_dataset)
         self.sampler = PromptSampler(self.rows, cfg.data.seed, cfg.data.shuffle)
         self.ref = self._make_ref() if self._needs_ref() else None
@@ -244,13 +244,19 @@ class RLTrainer(abc.ABC):
         pf = self.cfg.data.prompt_field
         prompts = [s.row.get(pf) for s in samples]
         comps = [s.completion_text for s in samples]
-        rewards, breakdown, errors = self.rewards(prompts, comps, [s.row for s in samples])
+        from rlcu.rewards import TrainerState
+
+        state = TrainerState(self.step, self.cfg.steps, self.sampler.pos / max(len(self.rows), 1))
+        rewards, breakdown, errors = self.rewards(prompts, comps, [s.row for s in samples], prompt_field=pf,
+                                                  completion_ids=[s.completion_ids for s in samples],
+                                                  trainer_state=state)
         for s, r in zip(samples, rewards.tolist()):
             s.reward = r
         for e in errors[:3]:
             self._warn(f"reward function error (its samples are masked): {e}")
         m = {f"reward/{k}": _nanmean(v) for k, v in breakdown.items()} if len(breakdown) > 1 else {}
         m["errors/reward"] = len(errors)
+        m.update(self.rewards.last_metrics)
         return m
 
     def _grad_holders(self) -> list:
