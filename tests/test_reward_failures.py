@@ -92,7 +92,7 @@ def test_failing_every_sample_stops_after_n_steps(mod):
 
 
 def test_thread_timeout(mod):
-    rs = RewardSet([mod.ok, mod.hang_on_slow], timeout_s=0.5)
+    rs = RewardSet([mod.ok, mod.hang_on_slow], timeout_s=0.5, workers="thread")
     t0 = time.perf_counter()
     total, parts, errors = rs(["p"] * 3, ["a", "slow", "c"], [{}] * 3)
     assert time.perf_counter() - t0 < 5
@@ -100,6 +100,41 @@ def test_thread_timeout(mod):
     assert "timed out after 0.5 s (reward_timeout_s)" in errors[0]
     total, _, errors = rs(["p"], ["fast"], [{}])  # the next call is served
     assert total.tolist() == [6.0] and errors == []
+
+
+def test_main_thread_timeout_interrupts(mod):
+    import signal
+    import threading
+
+    def swallow(prompts, completions, **kw):  # a broad except must not swallow the interrupt
+        while True:
+            try:
+                time.sleep(0.05)
+            except Exception:
+                pass
+
+    def alarm_inside(prompts, completions, **kw):  # signal-based timeouts work: the main thread
+        assert threading.current_thread() is threading.main_thread()
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        try:
+            signal.signal(signal.SIGALRM, lambda *a: None)
+            time.sleep(0.2)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        return [5.0] * len(completions)
+
+    rs = RewardSet([mod.ok, mod.hang_on_slow, mod.spin, swallow, alarm_inside], timeout_s=0.3)
+    t0 = time.perf_counter()
+    total, parts, errors = rs(["p"] * 2, ["slow", "spin"], [{}] * 2)
+    assert time.perf_counter() - t0 < 5
+    assert torch.isnan(total).all() and parts["ok"].tolist() == [4.0, 4.0] and parts["alarm_inside"].tolist() == [5.0] * 2
+    assert len(errors) == 3 and all("timed out after 0.3 s (reward_timeout_s); interrupted" in e for e in errors)
+    # nothing is left behind: the next calls run normally and no stray signal arrives
+    rs = RewardSet([mod.ok, mod.spin], timeout_s=0.3)
+    for _ in range(3):
+        total, _, errors = rs(["p"], ["abc"], [{}])
+        assert total.tolist() == [6.0] and errors == []
+    time.sleep(1.2)
 
 
 def test_process_timeout_kills_the_worker(mod):
@@ -122,5 +157,5 @@ def test_process_timeout_kills_the_worker(mod):
 def test_process_workers_need_importable_functions():
     with pytest.raises(ValueError, match="reward_workers=process needs a function importable by name"):
         RewardSet([lambda prompts, completions, **kw: [0.0] * len(completions)], timeout_s=1, workers="process")
-    with pytest.raises(ValueError, match="reward_workers must be thread or process"):
+    with pytest.raises(ValueError, match="reward_workers must be one of main, thread, process"):
         RewardSet([lambda prompts, completions, **kw: [0.0]], timeout_s=1, workers="fork")

@@ -43,7 +43,7 @@ class RewardsFailed(RuntimeError):
 
 def reward_options(cfg) -> dict:
     """RewardSet keyword arguments from a run config's reward_* fields."""
-    return {"timeout_s": getattr(cfg, "reward_timeout_s", None), "workers": getattr(cfg, "reward_workers", "thread"),
+    return {"timeout_s": getattr(cfg, "reward_timeout_s", None), "workers": getattr(cfg, "reward_workers", "main"),
             "max_failed_steps": getattr(cfg, "reward_max_failed_steps", 3)}
 
 
@@ -69,10 +69,10 @@ class RewardSet:
     """specs: a list of 'name' strings, callables, or dicts {name | fn, weight=1.0,
     kwargs={}} (`name` a built-in or 'module:function'; `fn` the same or a callable).
     timeout_s: most seconds a call may take (None: no limit; the built-ins run without one);
-    workers: 'thread' or 'process' (see runner.py); max_failed_steps: 0 never stops."""
+    workers: 'main', 'thread' or 'process' (see runner.py); max_failed_steps: 0 never stops."""
 
     def __init__(self, specs, on_error: Callable[[str], None] | None = None, *, timeout_s: float | None = None,
-                 workers: str = "thread", max_failed_steps: int = 3):
+                 workers: str = "main", max_failed_steps: int = 3):
         if isinstance(specs, (str, dict)) or callable(specs):
             specs = [specs]
         if not specs:

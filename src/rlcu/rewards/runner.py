@@ -1,6 +1,13 @@
 """Where a reward function runs, and its time limit.
 
 - inline: in the caller's thread, no limit (the built-ins, or reward_timeout_s: null).
+- main (the default): in the caller's thread, as TRL runs reward functions, so that what
+  needs the main thread (signal-based timeouts such as math-verify's) works. A watchdog
+  thread sends the main thread SIGUSR2 when the call is late (and again each second until it
+  stops); the handler raises CallInterrupt, a BaseException so that `except Exception` in
+  the function does not swallow it. That stops Python code and blocking calls (sleep, I/O,
+  locks), not a C extension that never returns to Python (a catastrophic regex): use
+  process for those. Called from another thread, or without SIGUSR2, it runs as thread.
 - thread: each call in a fresh daemon thread, waited for at most `timeout_s`. A late call
   is abandoned: a Python thread cannot be stopped, so a function that never returns keeps
   its thread (and, if it spins, a share of the CPU) until the process ends; the run goes
@@ -16,12 +23,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import signal
 import sys
 import threading
 from collections.abc import Callable
 
 from rlcu.rewards.call import CallPlan, describe, invoke
 
+WORKERS = ("main", "thread", "process")
 _STARTUP_S = 300.0  # a worker's imports (torch, the user's module) may be slow on a busy host
 
 
@@ -62,6 +71,69 @@ class ThreadRunner(InlineRunner):
         if "err" in box:
             raise box["err"]
         return box["out"]
+
+
+class CallInterrupt(BaseException):
+    """Raised in the main thread by the watchdog's signal (see the module docstring)."""
+
+
+_SIG = getattr(signal, "SIGUSR2", None)
+_LOCK = threading.Lock()
+_ACTIVE = [False]  # a call is running under the watchdog
+_PREV: list = []  # the handler before ours (installed once, for good: no restore races)
+
+
+def _on_signal(signum, frame):
+    if _ACTIVE[0]:
+        raise CallInterrupt
+    if _PREV and callable(_PREV[0]):
+        _PREV[0](signum, frame)
+
+
+class MainThreadRunner(InlineRunner):
+    RESEND_S = 1.0
+
+    def call(self, batch: dict, const: dict, timeout: float | None):
+        if timeout is None:
+            return invoke(self.fn, self.plan, batch, const)
+        if _SIG is None or threading.current_thread() is not threading.main_thread():
+            return ThreadRunner.call(self, batch, const, timeout)
+        if not _PREV:
+            _PREV.append(signal.signal(_SIG, _on_signal))
+        try:
+            return self._watched(batch, const, timeout)
+        except CallInterrupt:
+            raise CallTimeout(f"timed out after {timeout:g} s (reward_timeout_s); interrupted") from None
+
+    def _watched(self, batch: dict, const: dict, timeout: float):
+        main, done = threading.main_thread().ident, threading.Event()
+
+        def watchdog():
+            wait = timeout
+            while not done.wait(wait):
+                with _LOCK:  # no signal is sent once the call is over
+                    if not _ACTIVE[0]:
+                        return
+                    signal.pthread_kill(main, _SIG)
+                wait = self.RESEND_S
+
+        dog = threading.Thread(target=watchdog, name="reward-watchdog", daemon=True)
+        _ACTIVE[0] = True
+        try:
+            dog.start()
+            return invoke(self.fn, self.plan, batch, const)
+        finally:
+            while True:  # a signal landing here, before _ACTIVE is cleared, must not skip the clearing
+                try:
+                    _ACTIVE[0] = False
+                    with _LOCK:  # a kill in flight completes; the handler ignores it now
+                        pass
+                    break
+                except CallInterrupt:
+                    continue
+            done.set()
+            if dog.ident is not None:
+                dog.join()
 
 
 def _worker_main(conn, payload: bytes, path: list[str]) -> None:
@@ -177,10 +249,12 @@ class ProcessRunner:
 
 
 def make_runner(fn: Callable, spec: str | None, builtin: bool, workers: str, timeout: float | None):
-    if workers not in ("thread", "process"):
-        raise ValueError(f"reward_workers must be thread or process, got {workers!r}")
+    if workers not in WORKERS:
+        raise ValueError(f"reward_workers must be one of {', '.join(WORKERS)}, got {workers!r}")
     if builtin:
         return InlineRunner(fn)
     if workers == "process":
         return ProcessRunner(fn, spec)
-    return InlineRunner(fn) if timeout is None else ThreadRunner(fn)
+    if timeout is None:
+        return InlineRunner(fn)
+    return MainThreadRunner(fn) if workers == "main" else ThreadRunner(fn)
