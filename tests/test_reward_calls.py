@@ -113,3 +113,18 @@ def test_reward_module_beside_the_config(tmp_path, monkeypatch):
     finally:
         for m in ("beside_cfg_rewards", "in_cwd_rewards", "broken_rewards"):
             sys.modules.pop(m, None)
+
+
+def test_trl_reward_functions_unchanged():
+    """TRL's own reward functions (when trl and math-verify are installed), through the
+    default main-thread runner with a time limit."""
+    trl_rewards = pytest.importorskip("trl.rewards")
+    pytest.importorskip("math_verify")
+    rs = RewardSet([trl_rewards.think_format_reward, trl_rewards.accuracy_reward], timeout_s=60)
+    comps = ["<think>2+2 is 4</think> The answer is $\\boxed{4}$", "no think, $\\boxed{5}$"]
+    total, parts, errors = rs([CHAT, CHAT], comps, [{"prompt": CHAT, "solution": "$4$"}] * 2)
+    assert errors == []
+    assert parts["think_format_reward"].tolist() == [1.0, 0.0]
+    assert parts["accuracy_reward"].tolist() == [1.0, 0.0]
+    assert total.tolist() == [2.0, 0.0]
+    assert rs.last_extra["accuracy_reward"]["solution"] == ["$4$", "$4$"]
