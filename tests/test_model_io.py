@@ -118,3 +118,23 @@ def test_nonfinite_weights_are_refused(tmp_path, bad):
     save_file(t, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"model\.safetensors: tensor {name} holds .*refusing to load non-finite"):
         rlcu.Qwen3.from_pretrained(out)
+
+
+def test_tokenizer_save_is_atomic_and_names_a_full_disk(tmp_path, monkeypatch, umask022):
+    from rlcu.data import synthetic as syn
+
+    tok = syn.make_tokenizer()
+    out = tmp_path / "tok"
+    tok.save_pretrained(out)
+    assert _mode(out / "tokenizer.json") == 0o644
+    before = (out / "tokenizer_config.json").read_bytes()
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(out), "write_text", full)
+    with pytest.raises(OSError, match=r"no space left on device while writing .*tok/tokenizer_config\.json"):
+        tok.save_pretrained(out)
+    monkeypatch.undo()
+    assert (out / "tokenizer_config.json").read_bytes() == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
