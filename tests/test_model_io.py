@@ -138,3 +138,22 @@ def test_tokenizer_save_is_atomic_and_names_a_full_disk(tmp_path, monkeypatch, u
     monkeypatch.undo()
     assert (out / "tokenizer_config.json").read_bytes() == before
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_hidden_disk_full_is_named(tmp_path, monkeypatch):
+    """torch.save reports a full disk as 'unexpected pos ...': the free space decides."""
+    import collections
+    import shutil
+
+    def torch_like(p):
+        p.write_bytes(b"x" * 10)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 832 vs 726")
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100 << 20, 100 << 20, 0))
+    with pytest.raises(OSError, match=r"no space left on device while writing .*optim\.pt"):
+        io.atomic_write(tmp_path / "optim.pt", torch_like)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100 << 30, 1 << 30, 99 << 30))
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # not a full disk: the error as it was
+        io.atomic_write(tmp_path / "optim.pt", torch_like)

@@ -207,13 +207,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _disk_full(folder: Path) -> bool:
+    import shutil
+
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
 def disk_error(e: BaseException, path) -> BaseException:
     """An error while writing `path` as the user should read it: a full disk or quota says
-    so with the path; anything else names the path too."""
+    so with the path (also when the writer hides it, as torch.save's 'unexpected pos 832 vs
+    726' does: then the free space decides); an OSError without a file name gets the path."""
     import errno
 
     no_space = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
         any(s in str(e) for s in ("No space left", "StorageFull", "Disk quota exceeded"))
+    if not no_space and isinstance(e, (OSError, RuntimeError)) and not isinstance(e, FileNotFoundError):
+        no_space = _disk_full(Path(path).parent)
     if no_space:
         return OSError(errno.ENOSPC, f"no space left on device while writing {path}")
     if isinstance(e, OSError) and e.filename is None:
