@@ -249,7 +249,7 @@ class RLTrainer(abc.ABC):
         for s, r in zip(samples, rewards.tolist()):
             s.reward = r
         for e in errors[:3]:
-            self._warn(f"reward function error (its samples are masked): {e}")
+            self._warn(e)  # names the function, the error and its first sample
         m = {f"reward/{k}": _nanmean(v) for k, v in breakdown.items()} if len(breakdown) > 1 else {}
         m["errors/reward"] = len(errors)
         m.update(self.rewards.last_metrics)
