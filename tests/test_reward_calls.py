@@ -56,7 +56,7 @@ def test_trl_shaped_call():
     rows = [{"prompt": CHAT, "solution": "4", "level": 1}, {"prompt": CHAT, "solution": "4", "level": 2},
             {"prompt": "a plain prompt", "solution": "44", "level": 3}]
     state = TrainerState(global_step=7, max_steps=10, epoch=0.5)
-    total, parts, errors = rs(prompts, comps, rows, completion_ids=[[1, 2], [3], [4, 5, 6]], trainer_state=state)
+    _, parts, errors = rs(prompts, comps, rows, completion_ids=[[1, 2], [3], [4, 5, 6]], trainer_state=state)
     assert len(errors) == 2 and all("failed on 1 of 3 samples" in e and "#2" in e for e in errors)
     # the plain prompt's completion is a string: TRL's functions index it as a message and fail on it alone
     assert parts["think_format_reward"][:2].tolist() == [1.0, 0.0]
@@ -77,7 +77,7 @@ def test_trl_shaped_call():
 
 
 def test_missing_column_is_named():
-    total, _, errors = RewardSet([narrow])(["p"], ["c"], [{"answer": "1"}])
+    _, _, errors = RewardSet([narrow])(["p"], ["c"], [{"answer": "1"}])
     assert "needs argument(s) 'solution', which neither the rows (columns: answer) nor its kwargs give" in errors[0]
 
 
