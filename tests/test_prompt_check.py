@@ -33,7 +33,8 @@ def test_limit_and_report(tmp_path):
         prompt_limit(32, 4, policy="truncate")
     f = tmp_path / "d.jsonl"
     rows = [{"prompt": "a b"}, _long(40), {"prompt": "c"}, {"prompt": "x " * 30}]
-    f.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[2:]) + "\n")
+    lines = [json.dumps(r) for r in rows]
+    f.write_text("\n".join(lines[:2]) + "\n\n" + "\n".join(lines[2:]) + "\n")  # a blank line 3
     kept, rep = checked_prompts(f, "prompt", lambda r: len(r["prompt"].split()), lim)
     assert [r["prompt"] for r in kept] == ["a b", "c"] and rep.longest == 2
     assert rep.dropped == [(f"{f}:2", 42), (f"{f}:5", 30)]  # file:line, blank line counted

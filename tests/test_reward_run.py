@@ -35,7 +35,8 @@ def test_failing_reward_stops_the_run(tmp_path, monkeypatch, capsys):
     (exp / "run_rewards.py").write_text(_MOD)
     tok = syn.make_tokenizer()
     tok.save_pretrained(tmp_path / "tok")
-    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in syn.sort_rows(16, "train", min_len=2, max_len=3)))
+    rows = syn.sort_rows(16, "train", min_len=2, max_len=3)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = {"model": {"tiny": dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id),
                      "tokenizer": str(tmp_path / "tok")},
            "data": {"path": str(tmp_path / "train.jsonl")},
