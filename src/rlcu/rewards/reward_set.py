@@ -47,6 +47,13 @@ def reward_options(cfg) -> dict:
             "max_failed_steps": getattr(cfg, "reward_max_failed_steps", 3)}
 
 
+def _as_float(x) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
 def _short(x, n: int = 200) -> str:
     s = repr(x)
     return s if len(s) <= n else s[:n] + "..."
@@ -172,7 +179,7 @@ class RewardSet:
             failed |= bad
             breakdown[f.name] = vals.float()
             for k, v in logs.get("metrics", {}).items():
-                fv = [float(x) for x in v if isinstance(x, (int, float))]
+                fv = [x for x in map(_as_float, v) if x is not None]
                 if fv:
                     self.last_metrics[f"rewards/{k}"] = sum(fv) / len(fv)
             if logs.get("extra"):
