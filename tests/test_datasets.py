@@ -126,3 +126,20 @@ def test_sft_rows_errors(tmp_path):
     _write(f, [json.dumps({"prompt_token_ids": [1, "x"], "completion_token_ids": [2]})])
     with pytest.raises(ValueError, match="s.jsonl:1: field 'prompt_token_ids' must be a list of token ids"):
         load_sft_rows(f)
+
+
+def test_non_utf8_names_file_and_line(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n')  # latin-1, not UTF-8
+    with pytest.raises(ValueError, match=rf"{f}:3: not valid UTF-8 \(byte 0xe9 at column 16"):
+        load_prompts(f)
+    with pytest.raises(ValueError, match=rf"{f}:3: not valid UTF-8"):
+        load_sft_rows(f)
+    j = tmp_path / "d.json"
+    j.write_bytes(b'[{"prompt": "ok"},\n {"prompt": "caf\xe9"}]')
+    with pytest.raises(ValueError, match=rf"{j}:2: not valid UTF-8 \(byte 0xe9 at column 17"):
+        load_rows(j)
+    from rlcu.engine.cli import read_prompts
+
+    with pytest.raises(ValueError, match=rf"{f}:3: not valid UTF-8"):
+        read_prompts(str(f))

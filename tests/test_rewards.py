@@ -7,8 +7,15 @@ import sys
 import pytest
 import torch
 
-from rlcu.rewards import (RewardSet, answers_match, extract_answer, format_reward, load_reward, math_reward,
-                          normalize_answer)
+from rlcu.rewards import (
+    RewardSet,
+    answers_match,
+    extract_answer,
+    format_reward,
+    load_reward,
+    math_reward,
+    normalize_answer,
+)
 
 
 @pytest.mark.parametrize("text, want", [
@@ -96,9 +103,14 @@ def test_reward_set(user_mod):
     assert errors == []
     assert total.dtype == torch.float32 and total.shape == (3,)
     assert total[:2].tolist() == [0.5 * 9 + 1 + 2, 0.5 * 9 + 1 + 0]
-    assert math.isnan(total[2])  # picky returned None: the sample is masked
+    # picky returned None: it does not apply (TRL's convention), the others' weighted sum counts
+    assert total[2].item() == 0.5 * 2 + 2 * 0.0
     assert parts["length"].tolist() == [9.0, 9.0, 2.0] and math.isnan(parts["picky"][2])
-    assert my_rewards.calls[-1] == {"answer": ["1", "1", "1"], "keep": [True, True, False]}  # row fields, as lists
+    kw = my_rewards.calls[-1]
+    assert kw["answer"] == ["1", "1", "1"] and kw["keep"] == [True, True, False]  # row fields, as lists
+    # a sample that no function scores is masked
+    total, _, errors = RewardSet([my_rewards.picky])(["a", "b"], ["x", "y"], [{"keep": True}, {"keep": False}])
+    assert total[0] == 1.0 and math.isnan(total[1]) and errors == []
 
 
 def test_reward_errors_are_masked(user_mod):
@@ -110,9 +122,10 @@ def test_reward_errors_are_masked(user_mod):
     assert parts["length"].tolist() == [14.0, 1.0]
     assert torch.isnan(parts["boom"]).all() and torch.isnan(parts["short"]).all() and torch.isnan(parts["word"]).all()
     assert len(errors) == 3 and seen == errors
-    assert "reward 'boom' failed (ZeroDivisionError: no luck)" in errors[0]
+    assert "reward 'boom' failed on 2 of 2 samples" in errors[0] and "ZeroDivisionError: no luck" in errors[0]
     assert "prompt='the prompt'" in errors[0] and "completion='the completion'" in errors[0]
     assert "expected a list of 2 floats" in errors[1] and "'high'" in errors[2]
+    assert rs.last_metrics["reward_failed/boom"] == 2.0
     # the next batch goes on normally
     total, _, errors = RewardSet(["my_rewards:length"])(["a"], ["bb"], [{}])
     assert total.tolist() == [2.0] and errors == []
@@ -123,7 +136,7 @@ def test_reward_set_bad_specs():
         RewardSet([])
     with pytest.raises(ValueError, match=r"rewards\[0\]: unknown key"):
         RewardSet([{"name": "math", "wieght": 2}])
-    with pytest.raises(ValueError, match=r"rewards\[0\].weight must be a number"):
+    with pytest.raises(ValueError, match=r"rewards\[0\].weight must be a finite number"):
         RewardSet([{"name": "math", "weight": "x"}])
     with pytest.raises(ValueError, match="must match"):
         RewardSet(["math"])(["a"], ["b", "c"])

@@ -259,8 +259,12 @@ class DataConfig(Section):
                                               "(rows may instead hold chat `messages`)")
     messages_field: str = opt("messages", "row field holding a chat conversation for SFT; the "
                                           "assistant turns are the completion")
-    max_prompt_tokens: int | None = opt(None, "drop prompts longer than this many tokens (the count is "
-                                              "logged); null: no limit", gt=0)
+    max_prompt_tokens: int | None = opt(None, "GRPO/PPO: the most tokens a prompt may have; null: what the model's "
+                                              "context leaves after max_new_tokens (checked at load either way)",
+                                        gt=0)
+    overlong_prompts: str = opt("drop", "GRPO/PPO: prompts over the limit (max_prompt_tokens, or the context less "
+                                        "max_new_tokens): drop (counted, with their rows in the log) or error "
+                                        "(stop before training, naming them)", choices=("drop", "error"))
     shuffle: bool = opt(True, "shuffle the rows every epoch (seeded, so resumable)")
     seed: int = opt(0, "seed of the data order", ge=0)
     eval_path: str | None = opt(None, "held-out data file; null: split eval_size rows off the training data")

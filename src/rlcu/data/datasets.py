@@ -16,11 +16,23 @@ from pathlib import Path
 
 
 # ---------------------------------------------------------------- reading rows
+def _decode(line: bytes, name, lineno: int) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = line[e.start:e.start + 4]
+        raise ValueError(f"{name}:{lineno}: not valid UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1}, "
+                         f"{bad!r}); re-encode the file as UTF-8") from None
+
+
 def jsonl_rows(lines, name) -> list[tuple[int, dict]]:
-    """(line number, row) of each non-blank line of JSONL text (an open file, or any iterable
-    of lines) read from `name`; a line that is not a JSON object raises ValueError('name:N: ...')."""
+    """(line number, row) of each non-blank line of JSONL text (an open file, text or binary,
+    or any iterable of lines) read from `name`; a line that is not UTF-8 or not a JSON object
+    raises ValueError('name:N: ...')."""
     out = []
     for lineno, line in enumerate(lines, 1):
+        if isinstance(line, bytes):
+            line = _decode(line, name, lineno)
         if not line.strip():
             continue
         try:
@@ -50,8 +62,16 @@ def _read(path) -> list[tuple[str, dict]]:
             out.append((f"{path}:row {i + 1}", row))
         return out
     if suf == ".json":
+        raw = path.read_bytes()
         try:
-            data = json.loads(path.read_text())
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            lineno = raw.count(b"\n", 0, e.start) + 1
+            col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+            raise ValueError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {col}); "
+                             "re-encode the file as UTF-8") from None
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
         if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
@@ -65,7 +85,7 @@ def _read(path) -> list[tuple[str, dict]]:
         return out
     if suf not in (".jsonl", ".ndjson"):
         raise ValueError(f"{path}: unsupported data format {suf or '(no suffix)'!r}; use .jsonl, .json or .parquet")
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         return [(f"{path}:{lineno}", row) for lineno, row in jsonl_rows(f, path)]
 
 
@@ -94,13 +114,18 @@ def load_rows(path) -> list[dict]:
 def load_prompts(path, prompt_field: str = "prompt") -> list[dict]:
     """Rows with a prompt (string or chat messages) in `prompt_field`; other fields kept.
     A malformed line or a missing / ill-typed prompt raises ValueError('file:line: ...')."""
-    rows = []
+    return [r for _, r in load_prompt_items(path, prompt_field)]
+
+
+def load_prompt_items(path, prompt_field: str = "prompt") -> list[tuple[str, dict]]:
+    """load_prompts with each row's location: [('file:line' or 'file:row N', row)]."""
+    items = []
     for where, row in _read(path):
         if prompt_field not in row:
             raise ValueError(f"{where}: missing field {prompt_field!r} (fields: {', '.join(row) or 'none'})")
         _check_prompt(row[prompt_field], where, prompt_field)
-        rows.append(row)
-    return rows
+        items.append((where, row))
+    return items
 
 
 def load_sft_rows(path, prompt_field: str = "prompt", completion_field: str = "completion",

@@ -141,9 +141,11 @@ class Tokenizer:
     def save_pretrained(self, folder: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (chat template inside, the form every
         transformers version reads). Template files that would override it on load are removed."""
+        from rlcu.model.io import atomic_write
+
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(folder / "tokenizer.json"))
+        atomic_write(folder / "tokenizer.json", lambda p: self.backend.save(str(p)))
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.config}
         config.update({k: v for k, v in self.special_tokens.items() if k in config or k in _NAMED_TOKENS})
         config["added_tokens_decoder"] = {
@@ -154,8 +156,8 @@ class Tokenizer:
             config["chat_template"] = [{"name": k, "template": v} for k, v in self.chat_template.items()]
         elif self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                      encoding="utf-8")
+        text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        atomic_write(folder / "tokenizer_config.json", lambda p: p.write_text(text, encoding="utf-8"))
         (folder / "chat_template.jinja").unlink(missing_ok=True)
         if (folder / "chat_templates").is_dir():
             for f in (folder / "chat_templates").glob("*.jinja"):

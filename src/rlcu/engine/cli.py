@@ -52,7 +52,7 @@ def read_prompts(path: str) -> list[tuple[int, object]]:
     from rlcu.data.datasets import jsonl_rows
 
     try:
-        fh = sys.stdin if path == "-" else open(path, encoding="utf-8")
+        fh = sys.stdin.buffer if path == "-" else open(path, "rb")  # bytes: a non-UTF-8 line is named
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror})") from None
     with fh:

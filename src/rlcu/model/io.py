@@ -1,22 +1,32 @@
 """Reading and writing HF Qwen3 folders: config.json plus model.safetensors or shards listed
-in model.safetensors.index.json. Tensors are copied straight into the flat buffer's views."""
+in model.safetensors.index.json. Tensors are copied straight into the flat buffer's views.
+
+Loading names the file of every problem: a file that is not valid safetensors (truncated,
+corrupted), a tensor of the wrong shape, a missing or unexpected tensor, and a tensor holding
+nan or inf (refused: training from it would only spread them). Saving replaces the files it
+writes one by one, atomically (temp file, fsync, rename), with the mode the umask asks for,
+and touches nothing else in the folder.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import shutil
-import tempfile
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlcu.model.config import Qwen3Config
 from rlcu.model.layout import ParamLayout
 
 _SHARD_BYTES = 4 * 1024**3
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_COUNTER = itertools.count()
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -26,7 +36,7 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     if index.exists():
         try:
             wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise ValueError(f"{index}: not a valid safetensors index ({e})") from None
         out = {}
         for name, fname in wm.items():
@@ -36,16 +46,27 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
             out[name] = p
         return out
     if single.exists():
-        with safe_open(str(single), framework="pt") as f:
-            return {k: single for k in f.keys()}
+        return dict.fromkeys(_names(single), single)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or *.safetensors")
     out = {}
     for p in files:
-        with safe_open(str(p), framework="pt") as f:
-            out.update({k: p for k in f.keys()})
+        out.update(dict.fromkeys(_names(p), p))
     return out
+
+
+def _bad_file(path: Path, e: BaseException) -> ValueError:
+    return ValueError(f"{path}: not a valid safetensors file ({type(e).__name__}: {e}); "
+                      f"it may be truncated or corrupted: download or save it again")
+
+
+def _names(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise _bad_file(path, e) from None
 
 
 def read_config(folder: str | Path) -> Qwen3Config:
@@ -74,61 +95,164 @@ def load_into(folder: str | Path, layout: ParamLayout, buf: torch.Tensor) -> Non
     for name in need:
         by_file.setdefault(files[name], []).append(name)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for name in names:
-                sl = f.get_slice(name)
-                shape = tuple(sl.get_shape())
-                want = tuple(views[name].shape)
-                if shape != want:
-                    raise ValueError(f"{path.name}: tensor {name} has shape {list(shape)}, "
-                                     f"config.json implies {list(want)}")
-                views[name].copy_(f.get_tensor(name))
+        try:
+            f = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise _bad_file(path, e) from None
+        with f:
+            for name in sorted(names):
+                try:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    want = tuple(views[name].shape)
+                    if shape != want:
+                        raise ValueError(f"{path.name}: tensor {name} has shape {list(shape)}, "
+                                         f"config.json implies {list(want)}")
+                    t = f.get_tensor(name)
+                except (SafetensorError, OSError) as e:
+                    raise _bad_file(path, e) from None
+                views[name].copy_(t)
+                _check_finite(views[name], name, path)
+
+
+def _check_finite(v: torch.Tensor, name: str, path: Path) -> None:
+    if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+        n_nan, n_inf = int(torch.isnan(v).sum()), int(torch.isinf(v).sum())
+        raise ValueError(f"{path}: tensor {name} holds {n_nan} nan and {n_inf} inf value(s) "
+                         f"(as {str(v.dtype).replace('torch.', '')}); refusing to load non-finite weights")
 
 
 def save_folder(folder: str | Path, layout: ParamLayout, buf: torch.Tensor,
                 dtype: torch.dtype | None = None, shard_bytes: int = _SHARD_BYTES) -> None:
-    """Write an HF folder atomically: into a temp folder beside it, then rename over it."""
+    """Write the weights and config.json of an HF folder into `folder`, each file atomically
+    (see atomic_write); other files there (a tokenizer) are left alone. The weight files of
+    an earlier save in the other layout (single file vs shards) are removed once the new
+    ones are in place, so that a loader cannot pick up stale weights."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in layout.hf_views(buf).items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in tensors.items():
+        nb = t.numel() * t.element_size()
+        if size and size + nb > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nb
+    old = _weight_files(folder)
+    written: set[str] = set()
+    if len(shards) == 1:
+        atomic_write(folder / "model.safetensors",
+                     lambda p: save_file(shards[0], str(p), metadata={"format": "pt"}))
+        written.add("model.safetensors")
+    else:
+        wm = {}
+        for i, sh in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            atomic_write(folder / fname, lambda p, sh=sh: save_file(sh, str(p), metadata={"format": "pt"}))
+            wm.update({k: fname for k in sh})
+            written.add(fname)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2)
+        atomic_write(folder / "model.safetensors.index.json", lambda p: p.write_text(index))
+        written.add("model.safetensors.index.json")
+    # the index decides which files a loader reads: drop a stale one first, then its shards
+    for name in sorted(old - written, key=lambda n: not n.endswith(".index.json")):
+        (folder / name).unlink(missing_ok=True)
+    cfg = layout.cfg.to_hf_dict()
+    cfg["torch_dtype"] = str(dtype if dtype is not None else buf.dtype).replace("torch.", "")
+    text = json.dumps(cfg, indent=2)
+    atomic_write(folder / "config.json", lambda p: p.write_text(text))
+
+
+def _weight_files(folder: Path) -> set[str]:
+    """The weight files of an earlier save in `folder`: model.safetensors, the index and the
+    shards it lists (only names of ours, never other files)."""
+    out = {n for n in ("model.safetensors", "model.safetensors.index.json") if (folder / n).is_file()}
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            out |= {str(f) for f in json.loads(index.read_text()).get("weight_map", {}).values()
+                    if _SHARD_RE.fullmatch(str(f))}
+        except (json.JSONDecodeError, AttributeError, OSError):
+            pass
+    return {n for n in out if (folder / n).is_file()}
+
+
+# ---------------------------------------------------------------- atomic files
+def umask() -> int:
+    """The process's umask, read without changing it (Linux), else by setting it back at once."""
     try:
-        tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in layout.hf_views(buf).items()}
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for k, t in tensors.items():
-            nb = t.numel() * t.element_size()
-            if size and size + nb > shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][k] = t
-            size += nb
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            wm = {}
-            for i, sh in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(sh, str(tmp / fname), metadata={"format": "pt"})
-                wm.update({k: fname for k in sh})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
-        cfg = layout.cfg.to_hf_dict()
-        if dtype is not None:
-            cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-        else:
-            cfg["torch_dtype"] = str(buf.dtype).replace("torch.", "")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        for p in tmp.iterdir():
-            with open(p, "rb") as fh:
-                os.fsync(fh.fileno())
-        if folder.exists():
-            old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-            folder.rename(old)
-            tmp.rename(folder)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems do not fsync folders
+    finally:
+        os.close(fd)
+
+
+def _disk_full(folder: Path) -> bool:
+    import shutil
+
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+def disk_error(e: BaseException, path) -> BaseException:
+    """An error while writing `path` as the user should read it: a full disk or quota says
+    so with the path (also when the writer hides it, as torch.save's 'unexpected pos 832 vs
+    726' does: then the free space decides); an OSError without a file name gets the path."""
+    import errno
+
+    no_space = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
+        any(s in str(e) for s in ("No space left", "StorageFull", "Disk quota exceeded"))
+    if not no_space and isinstance(e, (OSError, RuntimeError)) and not isinstance(e, FileNotFoundError):
+        no_space = _disk_full(Path(path).parent)
+    if no_space:
+        return OSError(errno.ENOSPC, f"no space left on device while writing {path}")
+    if isinstance(e, OSError) and e.filename is None:
+        return OSError(e.errno, f"{e.strerror or e} while writing {path}")
+    return e
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
+    """Replace `path` atomically: `write(tmp)` fills a temp file beside it, which is fsynced,
+    given the mode the umask asks for (0666 & ~umask; safetensors creates 0600), and renamed
+    over `path`; the folder is fsynced. On any error the temp file is removed and `path` is
+    as it was; a full disk raises OSError(ENOSPC, 'no space left on device while writing PATH')."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{next(_COUNTER)}"
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.fchmod(fd, 0o666 & ~umask())
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        err = disk_error(e, path)
+        if err is e:
+            raise
+        raise err from e
+    _fsync_dir(path.parent)

@@ -99,12 +99,16 @@ class Qwen3:
         return cls(cfg, flat.to(dtype))
 
     def save_pretrained(self, path, dtype: torch.dtype | None = None) -> None:
-        """Write an HF-loadable folder (atomically: temp folder, fsync, rename)."""
+        """Write an HF-loadable folder: the weights and config.json, each file replaced
+        atomically (temp file, fsync, rename) with the umask's mode; other files in `path`
+        are kept. The tokenizer and generation files of the folder the model was loaded
+        from are copied in where `path` has none."""
         io.save_folder(path, self.layout, self.flat, dtype=dtype)
         if self.source is not None and Path(self.source).resolve() != Path(path).resolve():
             for name in _SIDE_FILES:
-                if (Path(self.source) / name).exists():
-                    shutil.copy2(Path(self.source) / name, Path(path) / name)
+                src, dst = Path(self.source) / name, Path(path) / name
+                if src.is_file() and not dst.exists():
+                    io.atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))
 
     def num_params(self) -> int:
         return sum(v.numel() for v in self.params.values())

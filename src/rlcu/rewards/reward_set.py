@@ -1,47 +1,57 @@
 """Several weighted reward functions applied to a batch of completions.
 
-A reward function is called as `fn(prompts, completions, **row_fields, **kwargs)` where
-each row field is a list with one value per sample (TRL's convention) and returns a list
-of floats or None. The total is the weighted sum; a sample is masked (its total is nan)
-when any reward returns None or nan for it. An exception in a function, or a malformed
-return value, is caught: the error (with the batch's first sample) is reported and every
-sample of that batch is masked for that reward; the run goes on.
+Each function is called as TRL's GRPOTrainer calls it (see call.py for the signature) and
+returns one float or None per sample. Per function and per sample, a value is one of:
+
+- a finite number: it counts, times the function's weight;
+- None: the function does not apply to that sample (TRL's convention, e.g. a math reward
+  on a code prompt); the sample's total is the weighted sum of the functions that scored
+  it, and a sample that no function scored is masked;
+- a failure: the function raised, returned nan or inf, a value that is not a number, or the wrong
+  number of values, or did not return within `timeout_s`. The sample is masked (its total
+  is nan: a sum without one of its terms would silently mean something else), the failure
+  is counted (`reward_failed/<name>`) and reported with the sample's prompt and completion.
+
+A function that raises on the whole batch is called again one sample at a time, so that
+the samples it can score survive (a late call is not: a hang would only repeat). When a
+function fails on every sample of `max_failed_steps` steps in a row, the call raises
+RewardsFailed naming the function and the first error of that streak; the trainer and the
+CLI stop the run with exit status 1.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import math
-import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from rlcu.rewards.format import format_reward
-from rlcu.rewards.math import math_reward
+from rlcu.rewards.call import BATCH_KEYS, CALL_KEYS, CallPlan, as_completions, describe
+from rlcu.rewards.loader import BUILTIN, load_reward
+from rlcu.rewards.runner import CallTimeout, make_runner
 
-BUILTIN = {"math": math_reward, "format": format_reward}
+
+class RewardsFailed(RuntimeError):
+    """A reward function failed on every sample for too many steps in a row."""
+
+    def __init__(self, name: str, steps: int, first_error: str):
+        self.name, self.steps, self.first_error = name, steps, first_error
+        super().__init__(f"reward {name!r} failed on every sample for {steps} steps in a row "
+                         f"(reward_max_failed_steps); its first error: {first_error}")
 
 
-def load_reward(spec: str) -> Callable:
-    """'math' | 'format' | 'module.path:function' -> the callable."""
-    if spec in BUILTIN:
-        return BUILTIN[spec]
-    if ":" not in spec:
-        raise ValueError(f"reward {spec!r}: expected a built-in ({', '.join(BUILTIN)}) or 'module.path:function'")
-    mod_name, fn_name = spec.split(":", 1)
+def reward_options(cfg) -> dict:
+    """RewardSet keyword arguments from a run config's reward_* fields."""
+    return {"timeout_s": getattr(cfg, "reward_timeout_s", None), "workers": getattr(cfg, "reward_workers", "main"),
+            "max_failed_steps": getattr(cfg, "reward_max_failed_steps", 3)}
+
+
+def _as_float(x) -> float | None:
     try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"reward {spec!r}: cannot import module {mod_name!r}: {e}") from None
-    obj = mod
-    for part in fn_name.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"reward {spec!r}: module {mod_name!r} has no attribute {fn_name!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward {spec!r}: {fn_name!r} is not callable")
-    return obj
+        return float(x)
+    except (TypeError, ValueError):
+        return None
 
 
 def _short(x, n: int = 200) -> str:
@@ -49,94 +59,240 @@ def _short(x, n: int = 200) -> str:
     return s if len(s) <= n else s[:n] + "..."
 
 
+@dataclasses.dataclass
+class _Fn:
+    name: str
+    fn: Callable
+    weight: float
+    kwargs: dict
+    runner: object
+    plan: CallPlan
+    streak: int = 0
+    streak_step: object = None
+    streak_error: str = ""
+
+
 class RewardSet:
     """specs: a list of 'name' strings, callables, or dicts {name | fn, weight=1.0,
-    kwargs={}} (`name` a built-in or 'module:function'; `fn` the same or a callable)."""
+    kwargs={}} (`name` a built-in or 'module:function'; `fn` the same or a callable).
+    timeout_s: most seconds a call may take (None: no limit; the built-ins run without one);
+    workers: 'main', 'thread' or 'process' (see runner.py); max_failed_steps: 0 never stops."""
 
-    def __init__(self, specs, on_error: Callable[[str], None] | None = None):
+    def __init__(self, specs, on_error: Callable[[str], None] | None = None, *, timeout_s: float | None = None,
+                 workers: str = "main", max_failed_steps: int = 3):
         if isinstance(specs, (str, dict)) or callable(specs):
             specs = [specs]
         if not specs:
             raise ValueError("rewards: at least one reward function is needed")
-        self.names: list[str] = []
-        self.fns: list[Callable] = []
-        self.weights: list[float] = []
-        self.kwargs: list[dict] = []
+        self.timeout_s, self.max_failed_steps = timeout_s, int(max_failed_steps)
+        self.fns: list[_Fn] = []
         for i, s in enumerate(specs):
-            if isinstance(s, str) or callable(s):
-                s = {"fn": s}
-            if not isinstance(s, dict):
-                raise ValueError(f"rewards[{i}] must be a name, 'module:function', a callable or a mapping, got {s!r}")
-            bad = set(s) - {"name", "fn", "weight", "kwargs"}
-            if bad:
-                raise ValueError(f"rewards[{i}]: unknown key(s) {sorted(bad)} (known: name, fn, weight, kwargs)")
-            fn = s.get("fn", s.get("name"))
-            if fn is None:
-                raise ValueError(f"rewards[{i}] needs `name` or `fn`")
-            if isinstance(fn, str):
-                name = s.get("name") if isinstance(s.get("name"), str) and "fn" in s else fn
-                fn = load_reward(fn)
-            else:
-                name = s.get("name") or getattr(fn, "__name__", f"reward{i}")
-            if isinstance(name, str) and ":" in name:
-                name = name.split(":", 1)[1]
-            w = s.get("weight", 1.0)
-            if isinstance(w, bool) or not isinstance(w, (int, float)):
-                raise ValueError(f"rewards[{i}].weight must be a number, got {w!r}")
-            kw = s.get("kwargs") or {}
-            if not isinstance(kw, dict):
-                raise ValueError(f"rewards[{i}].kwargs must be a mapping, got {kw!r}")
-            base, k = name, 2
-            while name in self.names:
-                name, k = f"{base}_{k}", k + 1
-            self.names.append(name)
-            self.fns.append(fn)
-            self.weights.append(float(w))
-            self.kwargs.append(dict(kw))
+            self.fns.append(self._entry(i, s, workers))
         self.on_error = on_error
+        self.last_metrics: dict[str, float] = {}
+        self.last_extra: dict[str, dict] = {}
+        self._calls = 0
+
+    def _entry(self, i: int, s, workers: str) -> _Fn:
+        if isinstance(s, str) or callable(s):
+            s = {"fn": s}
+        if not isinstance(s, dict):
+            raise ValueError(f"rewards[{i}] must be a name, 'module:function', a callable or a mapping, got {s!r}")
+        bad = set(s) - {"name", "fn", "weight", "kwargs"}
+        if bad:
+            raise ValueError(f"rewards[{i}]: unknown key(s) {sorted(bad)} (known: name, fn, weight, kwargs)")
+        fn = s.get("fn", s.get("name"))
+        if fn is None:
+            raise ValueError(f"rewards[{i}] needs `name` or `fn`")
+        spec = fn if isinstance(fn, str) else None
+        if spec is not None:
+            name = s.get("name") if isinstance(s.get("name"), str) and "fn" in s else fn
+            fn = load_reward(spec)
+        else:
+            name = s.get("name") or getattr(fn, "__name__", f"reward{i}")
+        if isinstance(name, str) and ":" in name:
+            name = name.split(":", 1)[1]
+        w = s.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"rewards[{i}].weight must be a finite number, got {w!r}")
+        kw = s.get("kwargs") or {}
+        if not isinstance(kw, dict):
+            raise ValueError(f"rewards[{i}].kwargs must be a mapping, got {kw!r}")
+        base, k = name, 2
+        while name in self.names:
+            name, k = f"{base}_{k}", k + 1
+        builtin = any(fn is b for b in BUILTIN.values())
+        runner = make_runner(fn, spec, builtin, workers, self.timeout_s)
+        return _Fn(name, fn, float(w), dict(kw), runner, CallPlan(fn))
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.fns]
+
+    @property
+    def weights(self) -> list[float]:
+        return [f.weight for f in self.fns]
 
     def __len__(self) -> int:
         return len(self.fns)
 
-    def __call__(self, prompts: list, completions: list, rows: list[dict] | None = None):
-        """-> (rewards: FloatTensor[n] with nan where masked, {name: FloatTensor[n]}, errors).
-        `rows[i]` is the data row of sample i (its fields reach the functions)."""
+    def close(self) -> None:
+        """Stop the worker processes (reward_workers=process)."""
+        for f in self.fns:
+            f.runner.close()
+
+    # ---------------------------------------------------------------- scoring
+    def __call__(self, prompts: list, completions: list, rows: list[dict] | None = None, *,
+                 completion_ids: list | None = None, trainer_state=None, prompt_field: str = "prompt"):
+        """-> (rewards: FloatTensor[n], nan where masked; {name: FloatTensor[n]}, nan where the
+        function gave no value; [one message per function that failed on some sample]).
+        `completions` are texts (chat prompts get them as assistant messages); `rows[i]` is
+        sample i's data row, whose columns other than `prompt_field` reach the functions."""
         n = len(completions)
-        if len(prompts) != n or (rows is not None and len(rows) != n):
-            raise ValueError(f"rewards: {len(prompts)} prompts, {n} completions and "
-                             f"{None if rows is None else len(rows)} rows must match")
+        if len(prompts) != n or (rows is not None and len(rows) != n) or \
+                (completion_ids is not None and len(completion_ids) != n):
+            raise ValueError(f"rewards: {len(prompts)} prompts, {n} completions, "
+                             f"{None if rows is None else len(rows)} rows and "
+                             f"{None if completion_ids is None else len(completion_ids)} completion_ids must match")
         rows = rows or [{} for _ in range(n)]
         keys: list[str] = []
         for r in rows:
-            keys += [k for k in r if k not in keys and k != "prompt"]
-        fields = {k: [r.get(k) for r in rows] for k in keys}
+            keys += [k for k in r if k not in keys and k != prompt_field and k not in BATCH_KEYS + CALL_KEYS]
+        columns = {k: [r.get(k) for r in rows] for k in keys}
+        batch = {**columns, "prompts": list(prompts), "completions": as_completions(prompts, completions),
+                 "completion_ids": [list(c) for c in completion_ids] if completion_ids is not None else [None] * n}
+        self._calls += 1
+        step = getattr(trainer_state, "global_step", None) if trainer_state is not None else None
+        step = ("call", self._calls) if step is None else step
         total = torch.zeros(n, dtype=torch.float64)
+        scored = torch.zeros(n, dtype=torch.bool)
+        failed = torch.zeros(n, dtype=torch.bool)
         breakdown: dict[str, torch.Tensor] = {}
         errors: list[str] = []
-        for name, fn, w, kw in zip(self.names, self.fns, self.weights, self.kwargs):
-            vals = torch.full((n,), math.nan, dtype=torch.float64)
-            try:
-                out = fn(prompts, completions, **{**fields, **kw})
-                if out is None or not hasattr(out, "__len__") or len(out) != n:
-                    raise ValueError(f"returned {_short(out, 80)}, expected a list of {n} floats or None")
-                for i, v in enumerate(out):
-                    if v is None:
-                        continue
-                    if hasattr(v, "item"):
-                        v = v.item()
-                    if isinstance(v, bool) or not isinstance(v, (int, float)):
-                        raise ValueError(f"returned {v!r} for sample {i}, expected a float or None")
-                    vals[i] = float(v)
-            except Exception as e:
-                vals.fill_(math.nan)
-                tb = traceback.extract_tb(e.__traceback__)
-                where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-                msg = (f"reward {name!r} failed ({type(e).__name__}: {e}){where}; its {n} samples are masked. "
-                       f"First sample: prompt={_short(prompts[0] if n else None)} "
-                       f"completion={_short(completions[0] if n else None)}")
+        self.last_metrics, self.last_extra = {}, {}
+        for f in self.fns:
+            vals, fails, note, logs = self._score(f, batch, trainer_state, n)
+            ok = ~torch.isnan(vals)
+            total[ok] += f.weight * vals[ok]
+            scored |= ok
+            bad = torch.tensor([i in fails for i in range(n)], dtype=torch.bool)
+            failed |= bad
+            breakdown[f.name] = vals.float()
+            for k, v in logs.get("metrics", {}).items():
+                fv = [x for x in map(_as_float, v) if x is not None]
+                if fv:
+                    self.last_metrics[f"rewards/{k}"] = sum(fv) / len(fv)
+            if logs.get("extra"):
+                self.last_extra[f.name] = logs["extra"]
+            if fails:
+                self.last_metrics[f"reward_failed/{f.name}"] = float(len(fails))
+                msg = self._message(f, fails, note, prompts, completions, n)
                 errors.append(msg)
                 if self.on_error is not None:
                     self.on_error(msg)
-            breakdown[name] = vals.float()
-            total += w * vals  # nan propagates: a masked component masks the sample
+            self._track(f, step, n > 0 and len(fails) == n, fails, note)
+        total[~scored | failed] = math.nan
         return total.float(), breakdown, errors
+
+    def _score(self, f: _Fn, batch: dict, trainer_state, n: int):
+        """-> (values [n] float64, nan where none; {sample: reason}; a note on the batch call; logs)."""
+        vals = torch.full((n,), math.nan, dtype=torch.float64)
+        if n == 0:
+            return vals, {}, "", {}
+        offered = set(batch) | set(f.kwargs) | set(CALL_KEYS)
+        miss = f.plan.missing(offered)
+        if miss:
+            cols = ", ".join(k for k in batch if k not in BATCH_KEYS) or "none"
+            why = (f"needs argument(s) {', '.join(map(repr, miss))}, which neither the rows (columns: {cols}) "
+                   f"nor its kwargs give")
+            return vals, {i: why for i in range(n)}, "", {}
+        const = {**f.kwargs, "trainer_state": trainer_state}
+        batch = {k: v for k, v in batch.items() if k not in f.kwargs}
+        try:
+            out, logs = f.runner.call(batch, const, self.timeout_s)
+        except CallTimeout as e:
+            return vals, {i: str(e) for i in range(n)}, "", {}
+        except Exception as e:  # noqa: BLE001 - the user's function: retry one sample at a time
+            return self._retry(f, batch, const, n, describe(e))
+        if isinstance(out, torch.Tensor):
+            out = out.tolist()
+        if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != n:
+            why = f"returned {_short(out, 80)}, expected a list of {n} floats or None"
+            return vals, {i: why for i in range(n)}, "", logs
+        fails = {}
+        for i, v in enumerate(out):
+            r = self._value(v)
+            if isinstance(r, str):
+                fails[i] = r
+            else:
+                vals[i] = r
+        return vals, fails, "", logs
+
+    def _retry(self, f: _Fn, batch: dict, const: dict, n: int, batch_error: str):
+        vals = torch.full((n,), math.nan, dtype=torch.float64)
+        fails: dict[int, str] = {}
+        logs: dict = {"metrics": {}, "extra": {}}
+        for i in range(n):
+            one = {k: v[i:i + 1] for k, v in batch.items()}
+            try:
+                out, lg = f.runner.call(one, const, self.timeout_s)
+            except CallTimeout as e:
+                fails.update({j: f"{e} (retrying one sample at a time)" for j in range(i, n)})
+                break
+            except Exception as e:  # noqa: BLE001
+                fails[i] = describe(e)
+                continue
+            for part in ("metrics", "extra"):
+                for k, v in lg.get(part, {}).items():
+                    logs[part].setdefault(k, []).extend(v)
+            if isinstance(out, torch.Tensor):
+                out = out.tolist()
+            if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != 1:
+                fails[i] = f"returned {_short(out, 80)} for one sample, expected a list of 1 float or None"
+                continue
+            r = self._value(out[0])
+            if isinstance(r, str):
+                fails[i] = r
+            else:
+                vals[i] = r
+        note = f"the batch call raised {batch_error}; called again one sample at a time: {n - len(fails)} of {n} ok"
+        return vals, fails, note, logs
+
+    @staticmethod
+    def _value(v):
+        """A float (nan for None: no value), or the reason it is a failure."""
+        if v is None:
+            return math.nan
+        if hasattr(v, "item") and not isinstance(v, (list, tuple)):
+            try:
+                v = v.item()
+            except (ValueError, TypeError):
+                pass
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return f"returned {_short(v, 60)}, expected a float or None"
+        v = float(v)
+        if not math.isfinite(v):
+            return f"returned {v} (not finite)"
+        return v
+
+    @staticmethod
+    def _message(f: _Fn, fails: dict, note: str, prompts, completions, n: int) -> str:
+        i = min(fails)
+        kinds = sorted(set(fails.values()), key=list(fails.values()).index)
+        more = f" (and {len(kinds) - 1} other error(s))" if len(kinds) > 1 else ""
+        msg = (f"reward {f.name!r} failed on {len(fails)} of {n} samples, which are masked: {kinds[0]}{more}. "
+               f"First failed sample #{i}: prompt={_short(prompts[i])} completion={_short(completions[i])}")
+        return msg + (f" ({note})" if note else "")
+
+    def _track(self, f: _Fn, step, all_failed: bool, fails: dict, note: str) -> None:
+        if not all_failed:
+            f.streak, f.streak_step = 0, None
+            return
+        if f.streak_step == step:
+            return  # another batch of the same step (dynamic sampling, evaluation)
+        if f.streak == 0:
+            first = fails[min(fails)]
+            f.streak_error = f"{first} ({note})" if note else first
+        f.streak, f.streak_step = f.streak + 1, step
+        if self.max_failed_steps and f.streak >= self.max_failed_steps:
+            raise RewardsFailed(f.name, f.streak, f.streak_error)

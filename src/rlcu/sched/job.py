@@ -241,8 +241,13 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
 def run_grpo_exit_code(prog: str, *args, **kw) -> int:
     """run_grpo for a command line: 0 when the job finished, 3 when the scheduler ended it
     (cancelled, or its leases reclaimed), 2 on a scheduler error; the reason goes to stderr."""
+    from rlcu.rewards import RewardsFailed
+
     try:
         run_grpo(*args, **kw)
+    except RewardsFailed as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
     except JobEnded as e:
         print(f"{prog}: the scheduler ended the job: {e}", file=sys.stderr)
         return 3
@@ -262,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem", action="append", default=[], metavar="PHASE=GIB",
                    help="memory of a phase (or resident) per device, overriding the estimate")
     a = p.parse_args(argv)
+    from rlcu.rewards import add_import_dir
+
+    add_import_dir(a.config)
     mem = {}
     for kv in a.mem:
         k, _, v = kv.partition("=")

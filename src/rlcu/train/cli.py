@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
+    from rlcu.rewards import RewardsFailed, add_import_dir
+
+    add_import_dir(args.config)  # a reward module beside the config imports without PYTHONPATH
     if getattr(args, "scheduler", None):
         from rlcu.sched.job import run_grpo_exit_code
 
@@ -91,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer.train()
+    except RewardsFailed as e:
+        print(f"rlcu {cmd}: {e}", file=sys.stderr)
+        return 1
     except RuntimeError as e:
         if isinstance(e.__cause__, NonFiniteError):  # a clean abort, with its checkpoint
             print(f"rlcu {cmd}: {e}", file=sys.stderr)

@@ -25,6 +25,16 @@ class RLConfig(Section):
     rewards: list[dict] = opt([{"name": "math", "weight": 1.0}],
                               "reward functions, summed with weights: each {name: math|format} or "
                               "{fn: 'module.path:function'}, plus optional weight (1.0) and kwargs ({})")
+    reward_timeout_s: float | None = opt(300.0, "most seconds one call of a user reward function may take; a late "
+                                                "call fails for its samples (null: no limit)", gt=0)
+    reward_workers: str = opt("main", "where user reward functions run under the time limit: main (the trainer's "
+                                      "thread, as in TRL; a late call is interrupted by a signal, which stops "
+                                      "Python code, not a C extension that never returns), thread (a late call is "
+                                      "abandoned) or process (a worker process per function, killed when late; "
+                                      "the function must be importable by name)",
+                              choices=("main", "thread", "process"))
+    reward_max_failed_steps: int = opt(3, "stop the run (exit status 1) when a reward function fails on every "
+                                          "sample of this many steps in a row (0: never)", ge=0)
     steps: int = opt(100, "training steps (one rollout batch each)", ge=1)
     prompts_per_step: int = opt(8, "prompts per rollout batch", ge=1)
     group_size: int = opt(8, "completions sampled per prompt (GRPO's G)", ge=1)

@@ -107,7 +107,7 @@ class RLTrainer(abc.ABC):
     kind = "rl"
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None):
-        from rlcu.rewards import RewardSet
+        from rlcu.rewards import RewardSet, reward_options
         from rlcu.train.checkpoint import build_model
         from rlcu.train.optimizer import FlatAdamW
 
@@ -117,7 +117,7 @@ class RLTrainer(abc.ABC):
         self._model_given = model is not None
         self.device = self.model.device
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.rewards = RewardSet(_reward_specs(reward_fns, cfg.rewards))
+        self.rewards = RewardSet(_reward_specs(reward_fns, cfg.rewards), **reward_options(cfg))
         self.rows, self.eval_rows, self.n_filtered = self._load_data(dataset, eval_dataset)
         self.sampler = PromptSampler(self.rows, cfg.data.seed, cfg.data.shuffle)
         self.ref = self._make_ref() if self._needs_ref() else None
@@ -147,20 +147,23 @@ class RLTrainer(abc.ABC):
         return Tokenizer.from_pretrained(p)
 
     def _load_data(self, dataset, eval_dataset):
-        from rlcu.data.datasets import load_prompts
+        from rlcu.data.prompt_check import checked_prompts, prompt_limit
 
         d = self.cfg.data
         if dataset is None:
             if d.path is None:
                 raise ValueError("data.path must be set (or pass a dataset to the trainer)")
             dataset = d.path
-        rows = load_prompts(dataset, d.prompt_field) if isinstance(dataset, (str, Path)) else [dict(r) for r in dataset]
+        # every prompt against the context (and max_prompt_tokens): dropped (logged by row) or an error now
+        limit = prompt_limit(self.model.cfg.max_position_embeddings, self.cfg.max_new_tokens, d.max_prompt_tokens,
+                             d.overlong_prompts)
+        rows, rep = checked_prompts(dataset, d.prompt_field, self._prompt_len, limit)
+        self.prompt_reports = [rep]
         if eval_dataset is None and d.eval_path is not None:
             eval_dataset = d.eval_path
-        if isinstance(eval_dataset, (str, Path)):
-            eval_rows = load_prompts(eval_dataset, d.prompt_field)
-        elif eval_dataset is not None:
-            eval_rows = [dict(r) for r in eval_dataset]
+        if eval_dataset is not None:
+            eval_rows, rep = checked_prompts(eval_dataset, d.prompt_field, self._prompt_len, limit, "eval_dataset")
+            self.prompt_reports.append(rep)
         elif d.eval_size > 0:
             g = torch.Generator().manual_seed(d.seed + 7919)
             perm = torch.randperm(len(rows), generator=g).tolist()
@@ -169,13 +172,7 @@ class RLTrainer(abc.ABC):
             rows = [r for i, r in enumerate(rows) if i not in held]
         else:
             eval_rows = []
-        n_dropped = 0
-        if d.max_prompt_tokens is not None:
-            kept = [r for r in rows if self._prompt_len(r) <= d.max_prompt_tokens]
-            rows, n_dropped = kept, len(rows) - len(kept)
-            if not rows:
-                raise ValueError(f"every prompt is longer than data.max_prompt_tokens={d.max_prompt_tokens}")
-        return rows, eval_rows, n_dropped
+        return rows, eval_rows, sum(r.n_dropped for r in self.prompt_reports)
 
     def _prompt_len(self, row) -> int:
         return len(self._encode(row)[0])
@@ -207,8 +204,7 @@ class RLTrainer(abc.ABC):
         if kw["num_kv_blocks"] is None:
             # RL knows its batch: a pool that holds one step's sequences (or one evaluation's),
             # and no more, so that the generation phase's peak memory stays small
-            sample = self.rows[:256] + self.eval_rows[:256]
-            longest = max([self._prompt_len(r) for r in sample] + [c.data.max_prompt_tokens or 0, 1])
+            longest = max([r.longest for r in self.prompt_reports] + [1])  # over every prompt kept
             per_seq = -(-(longest + c.max_new_tokens + 1) // e.block_size)
             n_eval = min(len(self.eval_rows), c.eval_max_prompts)
             seqs = min(e.max_num_seqs, max(c.prompts_per_step * c.group_size, n_eval))
@@ -244,13 +240,19 @@ class RLTrainer(abc.ABC):
         pf = self.cfg.data.prompt_field
         prompts = [s.row.get(pf) for s in samples]
         comps = [s.completion_text for s in samples]
-        rewards, breakdown, errors = self.rewards(prompts, comps, [s.row for s in samples])
+        from rlcu.rewards import TrainerState
+
+        state = TrainerState(self.step, self.cfg.steps, self.sampler.pos / max(len(self.rows), 1))
+        rewards, breakdown, errors = self.rewards(prompts, comps, [s.row for s in samples], prompt_field=pf,
+                                                  completion_ids=[s.completion_ids for s in samples],
+                                                  trainer_state=state)
         for s, r in zip(samples, rewards.tolist()):
             s.reward = r
         for e in errors[:3]:
-            self._warn(f"reward function error (its samples are masked): {e}")
+            self._warn(e)  # names the function, the error and its first sample
         m = {f"reward/{k}": _nanmean(v) for k, v in breakdown.items()} if len(breakdown) > 1 else {}
         m["errors/reward"] = len(errors)
+        m.update(self.rewards.last_metrics)
         return m
 
     def _grad_holders(self) -> list:
@@ -359,9 +361,9 @@ class RLTrainer(abc.ABC):
             save_config(c, self.out_dir / "config.yaml")
             if resumed:
                 lg.info(f"resumed from step {resumed} ({self.ckpt_root})")
-            if self.n_filtered:
-                lg.info(f"dropped {self.n_filtered} prompts longer than "
-                        f"data.max_prompt_tokens={c.data.max_prompt_tokens}")
+            for rep in self.prompt_reports:
+                if rep.message():
+                    lg.warn(rep.message())
             lg.info(f"{self.kind}: {len(self.rows)} prompts, {len(self.eval_rows)} held out, "
                     f"{self.model.num_params() / 1e6:.2f}M parameters on {self.device}")
             while self.step < c.steps:

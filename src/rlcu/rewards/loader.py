@@ -1,0 +1,74 @@
+"""Reward functions by name: a built-in (`math`, `format`) or 'module.path:function'.
+
+A user's module is found as users expect without PYTHONPATH: beside the config file
+(`add_import_dir`, which the CLI calls with the config's folder) and in the working
+directory, before the rest of sys.path. A folder is put on sys.path only when it holds the
+module's top-level file or package, so that nothing else in it can shadow a library.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rlcu.rewards.call import describe
+from rlcu.rewards.format import format_reward
+from rlcu.rewards.math import math_reward
+
+BUILTIN = {"math": math_reward, "format": format_reward}
+_DIRS: list[str] = []
+
+
+def add_import_dir(path) -> None:
+    """Look for reward modules in `path` (a folder, or a file: its folder) too."""
+    if path is None:
+        return
+    p = Path(path).resolve()
+    p = p if p.is_dir() else p.parent
+    if str(p) not in _DIRS:
+        _DIRS.append(str(p))
+
+
+def _search_dirs() -> list[str]:
+    return [*_DIRS, os.getcwd()]
+
+
+def _make_findable(mod_name: str) -> None:
+    top = mod_name.split(".", 1)[0]
+    for d in reversed(_search_dirs()):
+        if (Path(d) / f"{top}.py").is_file() or (Path(d) / top).is_dir():
+            if d in sys.path:
+                sys.path.remove(d)
+            sys.path.insert(0, d)
+            importlib.invalidate_caches()
+
+
+def load_reward(spec: str) -> Callable:
+    """'math' | 'format' | 'module.path:function' -> the callable."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        raise ValueError(f"reward {spec!r}: expected a built-in ({', '.join(BUILTIN)}) or 'module.path:function'")
+    mod_name, fn_name = spec.split(":", 1)
+    _make_findable(mod_name)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        where = ", ".join(_search_dirs())
+        if e.name and mod_name.startswith(e.name):
+            raise ValueError(f"reward {spec!r}: cannot import module {mod_name!r}: {e} (looked beside the config, "
+                             f"in the working directory and on sys.path: {where})") from None
+        raise ValueError(f"reward {spec!r}: cannot import module {mod_name!r}: {describe(e)}") from None
+    except Exception as e:  # noqa: BLE001 - a syntax error or an exception in the user's module
+        raise ValueError(f"reward {spec!r}: importing module {mod_name!r} raised {describe(e)}") from None
+    obj = mod
+    for part in fn_name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward {spec!r}: module {mod_name!r} has no attribute {fn_name!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward {spec!r}: {fn_name!r} is not callable")
+    return obj
