@@ -162,3 +162,36 @@ def test_default_mode_is_not_exact(model):
              for k, (p, (t, lps)) in enumerate(zip([p for p in PROMPTS for _ in range(2)], gens))]
     d = torch.cat(diffs).abs()
     assert d.max() < 1e-4 and (d > 0).any()
+
+
+def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
+    """`exact: true` in a GRPO config: at the first update (the policy that sampled) the
+    trainer's logprob of every completion token is the engine's sampling logprob, bit for bit,
+    so the PPO ratio is exactly 1; in the default mode it is not."""
+    import rlcu.train.rl_trainer as rt
+    from test_grpo import _trainer
+
+    seen = []
+
+    def spy(lp, old_lp, ref, adv, w, *a, **kw):
+        seen.append((lp.clone(), old_lp.clone(), w > 0))
+        return policy_loss(lp, old_lp, ref, adv, w, *a, **kw)
+
+    policy_loss = rt.policy_loss
+    monkeypatch.setattr(rt, "policy_loss", spy)
+    was = is_exact()
+    try:
+        for exact_on in (True, False):
+            set_exact(False)
+            seen.clear()
+            tr = _trainer(tmp_path / str(exact_on), steps=1, exact=exact_on, temperature=0.9)
+            assert is_exact() == exact_on
+            tr.train()
+            lp, old, on = (torch.cat(x) for x in zip(*seen))
+            assert on.sum() > 20
+            if exact_on:
+                assert torch.equal(lp[on], old[on])
+            else:
+                assert not torch.equal(lp[on], old[on]) and (lp[on] - old[on]).abs().max() < 1e-4
+    finally:
+        set_exact(was)

@@ -48,8 +48,8 @@ if HAS_TRITON:
     @triton.jit
     def _tile(acc, l, m, q, K, V, bt_row, q_start, hk, stride_kn, stride_kh, stride_vn, stride_vh,
               n, last, pos_q, scale_log2, PAGED: tl.constexpr, MASK: tl.constexpr,
-              D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
-              BY_SUM: tl.constexpr):
+              BM: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+              BN: tl.constexpr, BY_SUM: tl.constexpr):
         d = tl.arange(0, BD)
         dmask = d < D
         pos = n + tl.arange(0, BN)
@@ -61,7 +61,7 @@ if HAS_TRITON:
         kvm = pmask[:, None] & dmask[None, :]
         k = tl.load(K + r[:, None] * stride_kn + hk * stride_kh + d[None, :], mask=kvm, other=0.0)
         v = tl.load(V + r[:, None] * stride_vn + hk * stride_vh + d[None, :], mask=kvm, other=0.0)
-        sc = dot_invariant(q, tl.trans(k), tl.zeros([q.shape[0], BN], tl.float32), False, BY_SUM)
+        sc = dot_invariant(q, tl.trans(k), tl.zeros([BM, BN], tl.float32), False, BY_SUM)
         sc = sc * scale_log2
         if MASK:
             sc = tl.where(pmask[None, :] & (pos[None, :] <= pos_q[:, None]), sc, float("-inf"))
@@ -109,12 +109,12 @@ if HAS_TRITON:
         split = ((first + 1) // BN) * BN  # key tiles below it are visible to every row
         for n in range(0, split, BN):
             acc, l, m = _tile(acc, l, m, q, K, V, bt_row, q_start, hk, stride_kn, stride_kh,
-                              stride_vn, stride_vh, n, last, pos_q, scale_log2, PAGED, False, D,
-                              BD, BS, BN, BY_SUM)
+                              stride_vn, stride_vh, n, last, pos_q, scale_log2, PAGED, False, BM,
+                              D, BD, BS, BN, BY_SUM)
         for n in range(split, last + 1, BN):
             acc, l, m = _tile(acc, l, m, q, K, V, bt_row, q_start, hk, stride_kn, stride_kh,
-                              stride_vn, stride_vh, n, last, pos_q, scale_log2, PAGED, True, D,
-                              BD, BS, BN, BY_SUM)
+                              stride_vn, stride_vh, n, last, pos_q, scale_log2, PAGED, True, BM,
+                              D, BD, BS, BN, BY_SUM)
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         rows = q_start + t
         tl.store(O + rows[:, None] * stride_on + h[:, None] * stride_oh + d[None, :],

@@ -52,7 +52,7 @@ if HAS_TRITON:
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
         pid = tl.program_id(0)
         n_m = tl.cdiv(M, BM)
-        n_n: tl.constexpr = (N + BN - 1) // BN
+        n_n = tl.cdiv(N, BN)
         # grouped order (GROUP_M row tiles sweep the column tiles together: W stays in L2)
         per_group = GROUP_M * n_n
         first_m = (pid // per_group) * GROUP_M
