@@ -7,9 +7,9 @@ max_num_seqs. The ops underneath (the GEMM, attention, the head) are checked alo
 import pytest
 import torch
 
-from hf_util import make_hf_model
 from rlcu import Qwen3
 from rlcu.engine import LLM, SamplingParams
+from rlcu.model.config import Qwen3Config
 from rlcu.ops.attention import attention_fwd_ref
 from rlcu.ops.attention_exact import attention_exact_paged, attention_exact_varlen
 from rlcu.ops.exact import is_exact, set_exact, tree_sum
@@ -19,8 +19,8 @@ from rlcu.ops.matmul_invariant import mm
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 # odd shapes: 7 query heads over 1 KV head (G = 7), head dim 20, vocabulary 257
-SHAPE = dict(vocab_size=257, hidden_size=56, intermediate_size=90, num_attention_heads=7,
-             num_key_value_heads=1, head_dim=20)
+SHAPE = {"vocab_size": 257, "hidden_size": 56, "intermediate_size": 90, "num_attention_heads": 7,
+             "num_key_value_heads": 1, "head_dim": 20}
 PROMPTS = [[5, 17, 3], list(range(40, 61)), [7] * 9, [100 + (i * 37) % 150 for i in range(30)], [1]]
 SP = SamplingParams(n=2, temperature=0.8, max_tokens=8, ignore_eos=True, seed=11, logprobs=True)
 
@@ -33,10 +33,24 @@ def exact():
     set_exact(was)
 
 
+def tiny_model(device="cpu", seed=0, **shape):
+    """A random fp32 Qwen3 (no transformers import: the oracle here is the model itself),
+    norm weights randomised too so that every parameter matters."""
+    cfg = Qwen3Config(**{"num_hidden_layers": 2, "max_position_embeddings": 512, "tie_word_embeddings": False,
+                         "rope_theta": 10000.0, "eos_token_id": None, "bos_token_id": None, **shape})
+    m = Qwen3.from_config(cfg, seed=seed, init_std=0.05)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, v in m.w.items():
+        if name.endswith("norm"):
+            v.add_(0.1 * torch.randn(v.shape, generator=gen))
+    if device != "cpu":
+        m = Qwen3(cfg, m.flat.to(device))
+    return m
+
+
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    _, folder = make_hf_model(tmp_path_factory.mktemp("exact"), **SHAPE)
-    return Qwen3.from_pretrained(folder)
+def model():
+    return tiny_model(**SHAPE)
 
 
 def _packed(seqs):
@@ -130,10 +144,10 @@ def _assert_engine_equals_forward(model, gens, prompts, n, temperature):
 
 
 @pytest.mark.parametrize("engine", [
-    dict(num_kv_blocks=64),
-    dict(num_kv_blocks=80, block_size=4, max_num_batched_tokens=7),  # chunked prefill mixed with decode
-    dict(num_kv_blocks=12, block_size=4, max_num_batched_tokens=64),  # preemption and recompute
-    dict(num_kv_blocks=64, block_size=4, max_num_seqs=3),  # a few sequences a step
+    {"num_kv_blocks": 64},
+    {"num_kv_blocks": 80, "block_size": 4, "max_num_batched_tokens": 7},  # chunked prefill mixed with decode
+    {"num_kv_blocks": 12, "block_size": 4, "max_num_batched_tokens": 64},  # preemption and recompute
+    {"num_kv_blocks": 64, "block_size": 4, "max_num_seqs": 3},  # a few sequences a step
 ], ids=["plain", "chunked", "preempt", "max_num_seqs"])
 def test_engine_logprobs_equal_forward_and_do_not_depend_on_batching(model, exact, engine):
     gens, llm = _generate(model, PROMPTS, **engine)
@@ -168,8 +182,9 @@ def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
     """`exact: true` in a GRPO config: at the first update (the policy that sampled) the
     trainer's logprob of every completion token is the engine's sampling logprob, bit for bit,
     so the PPO ratio is exactly 1; in the default mode it is not."""
-    import rlcu.train.rl_trainer as rt
     from test_grpo import _trainer
+
+    import rlcu.train.rl_trainer as rt
 
     seen = []
 

@@ -94,7 +94,7 @@ def test_exact_engine_equals_trainer_bf16_06b():
     cfg = Qwen3Config()  # the published 0.6B shape
     m = calibrated_model(cfg)
     prompts = _prompts(cfg.vocab_size, PROMPTS)
-    engine = dict(num_kv_blocks=4096, max_num_batched_tokens=2048)  # prefills come in chunks
+    engine = {"num_kv_blocks": 4096, "max_num_batched_tokens": 2048}  # prefills come in chunks
     report = {}
     try:
         for mode in (False, True):

@@ -27,7 +27,7 @@ if HAS_TRITON:
 
 # (BM, BN, BK, GROUP_M, num_warps, num_stages): fixed for every M (the invariance); sm_90 bf16
 CONFIG = (128, 128, 64, 8, 8, 3)
-_INTERPRET_CONFIG = (16, 16, 16, 4, 4, 1)
+_INTERPRET_CONFIG = (32, 32, 32, 4, 4, 1)  # few programs: the interpreter's cost is per op
 _REF_ELEMS = 1 << 22  # the twin's [rows, cols, K] product block, at most
 
 
