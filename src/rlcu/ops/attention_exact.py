@@ -76,7 +76,7 @@ if HAS_TRITON:
     def _attn_exact_kernel(Q, K, V, O, LSE, BLOCK_TABLES, CU_Q, SEQ_LENS, N_LSE,
                            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                            stride_bt, stride_on, stride_oh, scale_log2,
-                           PAGED: tl.constexpr, G: tl.constexpr, BM: tl.constexpr,
+                           PAGED: tl.constexpr, WITH_LSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr,
                            BMT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
                            BN: tl.constexpr, BY_SUM: tl.constexpr):
         tile = tl.program_id(0).to(tl.int64)
@@ -119,7 +119,7 @@ if HAS_TRITON:
         rows = q_start + t
         tl.store(O + rows[:, None] * stride_on + h[:, None] * stride_oh + d[None, :],
                  out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
-        if not PAGED:
+        if WITH_LSE:
             tl.store(LSE + h * N_LSE + rows, (m + tl.log2(l)) * 0.6931471805599453, mask=rmask)
 
 
@@ -141,8 +141,8 @@ def _launch(q, k, v, o, lse, tables, cu_q, seq_lens, max_q, scale, paged, BS):
     _attn_exact_kernel[(triton.cdiv(max(max_q, 1), BMT), S, Hk)](
         q, k, v, o, lse if lse is not None else o, tables, cu_q, seq_lens, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        tables.stride(0), o.stride(0), o.stride(1), scale * _LOG2E, PAGED=paged, G=G, BM=BM,
-        BMT=BMT, D=D, BD=BD, BS=BS, BN=cfg["BN"], BY_SUM=interpreting(),
+        tables.stride(0), o.stride(0), o.stride(1), scale * _LOG2E, PAGED=paged, WITH_LSE=lse is not None,
+        G=G, BM=BM, BMT=BMT, D=D, BD=BD, BS=BS, BN=cfg["BN"], BY_SUM=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

@@ -51,8 +51,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _logprob_fwd_kernel(Z, Tgt, Lp, Ent, Lse, stride_z, scale2, V: tl.constexpr,
-                            WITH_ENT: tl.constexpr, BV: tl.constexpr, TEMP=None,
-                            ROW_T: tl.constexpr = False):
+                            WITH_ENT: tl.constexpr, BV: tl.constexpr, TEMP, ROW_T: tl.constexpr):
         # One program per row of the chunk. Base-2 online softmax over V tiles, with
         # x = z log2(e):  m = max x,  s = sum 2^(x - m),  t = sum 2^(x - m) x, so that
         # lse = ln2 (m + log2 s)  and  sum_j p_j z_j = ln2 t / s.
@@ -196,7 +195,7 @@ def _logprob_fwd_triton(h, W, targets, temperature, with_entropy):
         _logits_tile(h[s : s + n], W, z, exact)
         _logprob_fwd_kernel[(n,)](
             z, targets[s:], lp[s:], ent[s:] if with_entropy else lp, lse[s:], z.stride(0),
-            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, TEMP=temp, ROW_T=exact,
+            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, TEMP=temp if exact else lse, ROW_T=exact,
             num_warps=warps)
     return lp, ent, lse
 
@@ -247,7 +246,7 @@ def _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entrop
         _logits_tile(hs, W, z, exact)
         _logprob_fwd_kernel[(n,)](
             z, targets[s:], lp[s:], ent[s:] if with_entropy else lp, lse[s:], z.stride(0),
-            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, TEMP=temp, ROW_T=exact,
+            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, TEMP=temp if exact else lse, ROW_T=exact,
             num_warps=warps)
         dlp, dent = _chunk_grads(grad_fn, lp[rows], ent[rows] if with_entropy else None, rows,
                                  h.device)

@@ -40,11 +40,12 @@ if HAS_TRITON:
         interpreter (BY_SUM) an elementwise product summed over K in order, since numpy's
         matmul (BLAS) gives a row other bits when it sits at another row of the tile."""
         if BY_SUM:
-            return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+            out = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
         elif IEEE:
-            return tl.dot(a, b, acc, input_precision="ieee")
+            out = tl.dot(a, b, acc, input_precision="ieee")
         else:
-            return tl.dot(a, b, acc)
+            out = tl.dot(a, b, acc)
+        return out
 
     @triton.jit(do_not_specialize=["M"])
     def _mm_kernel(X, W, C, Y, M, stride_xm, stride_wn, stride_cm, stride_ym,
