@@ -52,6 +52,41 @@ def _timed(fn, reps=10):
     return s.elapsed_time(e) / reps
 
 
+GEMM_CANDIDATES = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4),
+                   (64, 64, 64, 8, 4, 4)]
+
+
+def _gemm_sweep(shapes: dict, quick: bool) -> list:
+    """Each candidate tile configuration of the invariant GEMM (it must be one for all M, so the
+    choice trades training-size M against decode-size M), timed at both, with its row check."""
+    from rlcu.ops import matmul_invariant as mi
+
+    d, bf, keep, rows = "cuda", torch.bfloat16, mi.CONFIG, []
+    g = torch.Generator(device=d).manual_seed(1)
+    try:
+        for c in GEMM_CANDIDATES[:2] if quick else GEMM_CANDIDATES:
+            mi.CONFIG = c
+            r = {"config (BM, BN, BK, GROUP_M, warps, stages)": list(c)}
+            for M in ((512, 64) if quick else (8192, 256, 64)):
+                tot_inv = tot_cub = 0.0
+                inv = True
+                for N, K in shapes.values():
+                    w = torch.randn(N, K, device=d, dtype=bf, generator=g) * 0.02
+                    x = torch.randn(M, K, device=d, dtype=bf, generator=g)
+                    tot_inv += _timed(lambda x=x, w=w: mi.mm(x, w), 5)
+                    tot_cub += _timed(lambda x=x, w=w: x @ w.t(), 5)
+                    y = mi.mm(x, w)
+                    inv &= torch.equal(mi.mm(x[1:2], w), y[1:2]) and torch.equal(mi.mm(x[3:M - 5], w), y[3:M - 5])
+                r[f"M={M}"] = {"invariant_ms": tot_inv, "cublas_ms": tot_cub, "ratio": tot_inv / tot_cub,
+                               "row_invariant": inv}
+            print(f"  gemm config {c}: " + ", ".join(f"{k} {v['ratio']:.2f}x cuBLAS (invariant {v['row_invariant']})"
+                                                     for k, v in r.items() if k.startswith("M=")), flush=True)
+            rows.append(r)
+    finally:
+        mi.CONFIG = keep
+    return rows
+
+
 def case_kernels(quick: bool) -> dict:
     """GEMM and attention timings, exact against default, at the 0.6B shape in bf16."""
     from rlcu.ops.attention import attention_fwd
@@ -65,7 +100,7 @@ def case_kernels(quick: bool) -> dict:
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, H), "o": (H, cfg.q_size), "gate_up": (2 * I, H),
               "down": (H, I), "lm_head": (V, H)}
-    out = {"gemm": {}, "attention": {}}
+    out = {"gemm": {}, "attention": {}, "gemm_configs": _gemm_sweep(shapes, quick)}
     for M in ((512, 64) if quick else (8192, 256)):
         for name, (N, K) in shapes.items():
             w = torch.randn(N, K, device=d, dtype=bf, generator=g) * 0.02

@@ -210,3 +210,27 @@ def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
                 assert not torch.equal(lp[on], old[on]) and (lp[on] - old[on]).abs().max() < 1e-4
     finally:
         set_exact(was)
+
+
+@pytest.mark.parametrize("ckpt", [True, "attention", False])
+def test_exact_gradients_match_the_default_mode(ckpt):
+    """The backward is the default one over the exact forward's saved tensors (attention's o and
+    lse included): the same gradient up to rounding, and lp close to the default's."""
+    m = tiny_model(**SHAPE)
+    m.gradient_checkpointing = ckpt
+    torch.manual_seed(3)
+    tokens, cu = _packed([torch.randint(0, 257, (n,)).tolist() for n in (11, 30, 4)])
+    grads, lps = [], []
+    was = is_exact()
+    try:
+        for on in (False, True):
+            set_exact(on)
+            m.zero_grad()
+            lp = m.forward(tokens, cu, temperature=0.9)
+            m.backward(torch.linspace(-1, 1, lp.numel()))
+            grads.append(m.grad_flat.clone())
+            lps.append(lp)
+    finally:
+        set_exact(was)
+    assert (lps[0] - lps[1]).abs().max() < 1e-5
+    assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-5

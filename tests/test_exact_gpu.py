@@ -70,8 +70,8 @@ def _trainer_lp(m, gens, fused=False):
     cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), device="cuda",
                       dtype=torch.int32)
     if fused:  # the GRPO / PPO step's path: the head's forward inside forward_backward
-        lp = m.forward_backward(tokens, cu, lambda lp_c, ent_c, idx: (torch.zeros_like(lp_c), None),
-                                temperature=TEMP)
+        lp, _ = m.forward_backward(tokens, cu, lambda lp_c, ent_c, idx: (torch.zeros_like(lp_c), None),
+                                   temperature=TEMP, return_entropy=True)
         m.release_grads()
     else:
         lp = m.forward(tokens, cu, temperature=TEMP, grad=False)
