@@ -159,10 +159,16 @@ def test_engine_logprobs_equal_forward_and_do_not_depend_on_batching(model, exac
 
 
 def test_prefix_sharing_and_many_samples(model, exact):
-    prompts = [list(range(3, 40)), list(range(3, 40)) + [9, 9]]  # a shared prefix of 37 tokens
+    """n = 5 forks of one prompt (shared blocks, copy-on-write); then, one sequence a step, a
+    second request whose first 36 tokens come from the first's cached blocks."""
+    a, b = list(range(3, 40)), list(range(3, 40)) + [9, 9]
     sp = SamplingParams(n=5, temperature=1.0, max_tokens=5, ignore_eos=True, seed=2, logprobs=True)
-    gens, _ = _generate(model, prompts, sp, num_kv_blocks=64, block_size=4)
-    _assert_engine_equals_forward(model, gens, prompts, 5, 1.0)
+    gens, _ = _generate(model, [a, b], sp, num_kv_blocks=64, block_size=4)
+    _assert_engine_equals_forward(model, gens, [a, b], 5, 1.0)
+    sp1 = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2, logprobs=True)
+    gens, llm = _generate(model, [a, b], sp1, num_kv_blocks=64, block_size=4, max_num_seqs=1)
+    assert llm.stats["cached_tokens"] == 36
+    _assert_engine_equals_forward(model, gens, [a, b], 1, 1.0)
 
 
 def test_default_mode_is_not_exact(model):
