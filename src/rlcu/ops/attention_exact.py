@@ -10,7 +10,9 @@ tile that holds its own position, with the FlashAttention online softmax in base
     acc' = acc 2^(m - m') + 2^(s - m') v,   o = acc / l,   lse = (m + log2 l) ln 2.
 Keys past a row's position give it p = 0 and leave m, l and acc bit for bit unchanged (alpha
 = 2^0 = 1), so the tiles its tile mates need beyond it change nothing; a row's result is a
-function of its position and its own keys only. No split-KV (the default decode kernel
+function of its position and its own keys only. Every tile goes through the same masked code
+(no unmasked fast path below the diagonal): the float ops of a tile, and so what the compiler
+fuses into FMAs, are the same whichever rows share it. No split-KV (the default decode kernel
 splits a context by the batch's size): a long context with few sequences runs on fewer SMs.
 
 Addressing: PAGED reads key p of sequence s at cache slot block_tables[s, p // BS] * BS +
@@ -47,8 +49,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _tile(acc, l, m, q, K, V, bt_row, q_start, hk, stride_kn, stride_kh, stride_vn, stride_vh,
-              n, last, pos_q, scale_log2, PAGED: tl.constexpr, MASK: tl.constexpr,
-              BM: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+              n, last, pos_q, scale_log2, PAGED: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
               BN: tl.constexpr, BY_SUM: tl.constexpr):
         d = tl.arange(0, BD)
         dmask = d < D
@@ -62,9 +63,7 @@ if HAS_TRITON:
         k = tl.load(K + r[:, None] * stride_kn + hk * stride_kh + d[None, :], mask=kvm, other=0.0)
         v = tl.load(V + r[:, None] * stride_vn + hk * stride_vh + d[None, :], mask=kvm, other=0.0)
         sc = dot_invariant(q, tl.trans(k), tl.zeros([BM, BN], tl.float32), False, BY_SUM)
-        sc = sc * scale_log2
-        if MASK:
-            sc = tl.where(pmask[None, :] & (pos[None, :] <= pos_q[:, None]), sc, float("-inf"))
+        sc = tl.where(pmask[None, :] & (pos[None, :] <= pos_q[:, None]), sc * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(sc - m_new[:, None])
@@ -106,15 +105,13 @@ if HAS_TRITON:
         m = tl.full([BM], float("-inf"), tl.float32)
         l = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, BD], tl.float32)
-        split = ((first + 1) // BN) * BN  # key tiles below it are visible to every row
-        for n in range(0, split, BN):
+        # one loop, every tile masked: an unmasked copy of the loop would let the compiler fuse
+        # s * scale - m into one FMA there and not across the mask's select, and a key tile is
+        # unmasked for a decode row but masked for the same row in a training tile
+        for n in range(0, last + 1, BN):
             acc, l, m = _tile(acc, l, m, q, K, V, bt_row, q_start, hk, stride_kn, stride_kh,
-                              stride_vn, stride_vh, n, last, pos_q, scale_log2, PAGED, False, BM,
-                              D, BD, BS, BN, BY_SUM)
-        for n in range(split, last + 1, BN):
-            acc, l, m = _tile(acc, l, m, q, K, V, bt_row, q_start, hk, stride_kn, stride_kh,
-                              stride_vn, stride_vh, n, last, pos_q, scale_log2, PAGED, True, BM,
-                              D, BD, BS, BN, BY_SUM)
+                              stride_vn, stride_vh, n, last, pos_q, scale_log2, PAGED, BM, D, BD, BS,
+                              BN, BY_SUM)
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         rows = q_start + t
         tl.store(O + rows[:, None] * stride_on + h[:, None] * stride_oh + d[None, :],
