@@ -10,7 +10,6 @@ this test checks the kernels' tiling, masks and orders, and the GPU test the ten
 
 import pytest
 import torch
-
 from test_exact import tiny_model
 
 from rlcu.engine import LLM, SamplingParams
@@ -49,3 +48,17 @@ def test_engine_on_exact_kernels_equals_forward(monkeypatch):
         assert gen(prompts[:1]) == gens[:2]  # the first request alone
     finally:
         set_exact(was)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter (the GPU test covers the device)")
+def test_exact_kernels_rows_do_not_depend_on_the_batch(monkeypatch):
+    """The GEMM kernel (K = 37: a masked last K tile; rows at other offsets of the tile) and the
+    attention kernel (packed training rows = paged decode rows = a paged prefill chunk)."""
+    from test_exact import (
+        test_attention_decode_and_chunks_equal_packed_training,
+        test_mm_rows_do_not_depend_on_the_batch,
+    )
+
+    monkeypatch.setenv("RLCU_BACKEND", "triton")
+    test_mm_rows_do_not_depend_on_the_batch()
+    test_attention_decode_and_chunks_equal_packed_training()
