@@ -57,8 +57,9 @@ GEMM_CANDIDATES = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 64, 6
 
 
 def _gemm_sweep(shapes: dict, quick: bool) -> list:
-    """Each candidate tile configuration of the invariant GEMM (it must be one for all M, so the
-    choice trades training-size M against decode-size M), timed at both, with its row check."""
+    """Each candidate tile configuration of the invariant GEMM (one for all M, so the choice trades
+    training-size M against decode-size M; matmul_invariant.CONFIG_FOR may give a weight shape
+    its own), timed at both, per shape and in all, with its row check."""
     from rlcu.ops import matmul_invariant as mi
 
     d, bf, keep, rows = "cuda", torch.bfloat16, mi.CONFIG, []
@@ -69,16 +70,18 @@ def _gemm_sweep(shapes: dict, quick: bool) -> list:
             r = {"config (BM, BN, BK, GROUP_M, warps, stages)": list(c)}
             for M in ((512, 64) if quick else (8192, 256, 64)):
                 tot_inv = tot_cub = 0.0
-                inv = True
-                for N, K in shapes.values():
+                inv, per = True, {}
+                for name, (N, K) in shapes.items():
                     w = torch.randn(N, K, device=d, dtype=bf, generator=g) * 0.02
                     x = torch.randn(M, K, device=d, dtype=bf, generator=g)
-                    tot_inv += _timed(lambda x=x, w=w: mi.mm(x, w), 5)
-                    tot_cub += _timed(lambda x=x, w=w: x @ w.t(), 5)
+                    t_inv = _timed(lambda x=x, w=w: mi.mm(x, w), 5)
+                    t_cub = _timed(lambda x=x, w=w: x @ w.t(), 5)
+                    tot_inv, tot_cub = tot_inv + t_inv, tot_cub + t_cub
+                    per[name] = round(t_inv / t_cub, 3)
                     y = mi.mm(x, w)
                     inv &= torch.equal(mi.mm(x[1:2], w), y[1:2]) and torch.equal(mi.mm(x[3:M - 5], w), y[3:M - 5])
                 r[f"M={M}"] = {"invariant_ms": tot_inv, "cublas_ms": tot_cub, "ratio": tot_inv / tot_cub,
-                               "row_invariant": inv}
+                               "ratio_per_shape": per, "row_invariant": inv}
             print(f"  gemm config {c}: " + ", ".join(f"{k} {v['ratio']:.2f}x cuBLAS (invariant {v['row_invariant']})"
                                                      for k, v in r.items() if k.startswith("M=")), flush=True)
             rows.append(r)

@@ -27,6 +27,9 @@ if HAS_TRITON:
 
 # (BM, BN, BK, GROUP_M, num_warps, num_stages): fixed for every M (the invariance); sm_90 bf16
 CONFIG = (128, 128, 64, 8, 8, 3)
+# per weight shape (N, K) -> a config in CONFIG's form: a shape may have its own tiles (the
+# trainer and the engine meet the same shape, so they still share them), never an M of its own
+CONFIG_FOR: dict[tuple[int, int], tuple] = {}
 _INTERPRET_CONFIG = (32, 32, 32, 4, 4, 1)  # few programs: the interpreter's cost is per op
 _REF_ELEMS = 1 << 22  # the twin's [rows, cols, K] product block, at most
 
@@ -108,7 +111,7 @@ def mm_triton(x, w, c=None, out=None):
         c = c.contiguous()
     if y.stride(1) != 1:
         raise ValueError("mm: out must have a unit column stride")
-    BM, BN, BK, GM, warps, stages = _INTERPRET_CONFIG if interpreting() else CONFIG
+    BM, BN, BK, GM, warps, stages = _INTERPRET_CONFIG if interpreting() else CONFIG_FOR.get((N, K), CONFIG)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     _mm_kernel[grid](x, w, c if c is not None else y, y, M, x.stride(0), w.stride(0),
                      c.stride(0) if c is not None else 0, y.stride(0), N=N, K=K, HAS_C=c is not None,
