@@ -188,9 +188,26 @@ def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
     """`exact: true` in a GRPO config: at the first update (the policy that sampled) the
     trainer's logprob of every completion token is the engine's sampling logprob, bit for bit,
     so the PPO ratio is exactly 1; in the default mode it is not."""
-    from test_grpo import _trainer
-
     import rlcu.train.rl_trainer as rt
+    from rlcu.config import _build
+    from rlcu.data import synthetic as syn
+    from rlcu.train.grpo import GRPOTrainer
+    from rlcu.train.rl_config import GRPOConfig
+
+    tok = syn.make_tokenizer()
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 32, "tie_word_embeddings": True,
+            "rope_theta": 10000.0, "bos_token_id": None, "vocab_size": tok.vocab_size,
+            "eos_token_id": tok.eos_token_id}
+
+    def _trainer(out, **kw):
+        cfg = _build(GRPOConfig, {
+            "model": {"tiny": tiny, "init_seed": 3}, "steps": 1, "prompts_per_step": 4, "group_size": 4,
+            "max_new_tokens": 4, "micro_batch_tokens": 64, "optim": {"lr": 3e-3},
+            "rewards": [{"fn": "rlcu.data.synthetic:exact_match_reward"}], "engine": {"block_size": 16}, "seed": 5,
+            "log": {"out_dir": str(out), "progress": False, "tensorboard": False, "plot": False},
+            "checkpoint": {"save_at_end": False}, **kw})
+        return GRPOTrainer(cfg, syn.sort_rows(64, "train", min_len=2, max_len=3), tokenizer=tok)
 
     seen = []
 
@@ -205,7 +222,7 @@ def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
         for exact_on in (True, False):
             set_exact(False)
             seen.clear()
-            tr = _trainer(tmp_path / str(exact_on), steps=1, exact=exact_on, temperature=0.9)
+            tr = _trainer(tmp_path / str(exact_on), exact=exact_on, temperature=0.9)
             assert is_exact() == exact_on
             tr.train()
             lp, old, on = (torch.cat(x) for x in zip(*seen))
