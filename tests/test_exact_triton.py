@@ -8,6 +8,12 @@ Under the interpreter tl.dot is numpy's matmul, which gives a row other bits at 
 the tile; the kernels then take the dot as an ordered sum (matmul_invariant.dot_invariant), so
 this test checks the kernels' tiling, masks and orders, and the GPU test the tensor cores."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_exact import tiny_model
@@ -62,3 +68,28 @@ def test_exact_kernels_rows_do_not_depend_on_the_batch(monkeypatch):
     monkeypatch.setenv("RLCU_BACKEND", "triton")
     test_mm_rows_do_not_depend_on_the_batch()
     test_attention_decode_and_chunks_equal_packed_training()
+
+
+def _has_ptxas() -> bool:
+    try:
+        import triton.backends.nvidia as nv
+    except ImportError:
+        return False
+    return (Path(nv.__file__).parent / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="needs Triton's NVIDIA backend (its ptxas)")
+def test_exact_kernels_compile_one_float_path_for_sm90():
+    """Compiled for sm_90 with no GPU (tests/exact_ptx.py, in a process without the
+    interpreter): the exact attention's packed (training) and paged (engine) variants have the
+    same float instructions line by line (FMA contraction included), and the head kernel's lse
+    and lp lines are the same with and without the entropy (GRPO's fused head vs the sampler)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = Path(__file__).parent
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), str(here), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, str(here / "exact_ptx.py")], capture_output=True, text=True, env=env,
+                       timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["attention_equal"] and r["attention_lines"] > 5, r
+    assert r["head_lines"] > 5 and r["head_own_file"] and not r["head_differs"] and not r["head_not_within"], r
