@@ -11,7 +11,10 @@ Per layer, over the N new tokens of the step (packed, any mix of prefill chunks 
     (qkv_prep, one kernel: q, k normed and rotated, k and v written to their cache slots)
     o = paged_attention(q, cache); x += o Wo^T
     x += swiglu(rmsnorm(x) Wgu^T) Wd^T
-then the final norm and the LM head only on the rows that sample a token.
+then the final norm and the LM head only on the rows that sample a token. In exact mode
+(ops/exact.py) `_hidden_exact` runs the trainer's ops in the trainer's order instead (no fused
+qkv_prep, the batch-invariant GEMM, the exact attention over the cache) and the sampled token's
+logprob is taken by the trainer's head kernel (`_sample`).
 
 KV pool: one tensor [2, layers, num_blocks, block_size, Hk, D]. On CUDA its size is what
 `gpu_memory_utilization` of the device's memory leaves after everything already allocated

@@ -12,6 +12,10 @@ materialises [tokens, vocab] logits in training: `forward` goes through the fuse
 op. When the loss's gradient is an elementwise function of each token's lp (and entropy),
 `forward_backward` does both passes in one sweep of the head, which then skips the logits
 recompute (3 vocabulary GEMMs, not 4).
+
+In exact mode (rlcu.set_exact, ops/exact.py) the forward's matmuls and attention are the
+batch-invariant ones the engine runs too, so `forward`'s lp of a token is bit for bit the
+engine's sampling logprob of it; the backward is the same either way.
 """
 
 from __future__ import annotations

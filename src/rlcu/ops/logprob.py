@@ -25,6 +25,12 @@ surrogate of lp, old lp and advantage, an entropy bonus -- a caller-supplied
 `grad_fn(lp_c, ent_c, rows) -> (dlp_c, dent_c)` is evaluated on each chunk while its logits
 are still in the tile, and the chunk goes straight on to dlogits, dh and dW. Three GEMMs
 per chunk instead of four (no recompute), and no lse kept between two calls.
+
+Exact mode (ops/exact.py): the forward's logits tile comes from the batch-invariant GEMM and
+the kernel takes log2(e) / T from a per-row temperature tensor (ROW_T), so that
+`token_logprob` -- the engine's logprob of its sampled tokens, on logits from the same GEMM --
+runs the same instructions on the same bits as the trainer's head. The backward's recompute
+stays on cuBLAS (its logits need not match the forward's to the bit).
 """
 
 from __future__ import annotations
