@@ -128,6 +128,17 @@ def case_kernels(quick: bool) -> dict:
     out["attention"]["train_fwd"] = {"tokens": N, "exact_ms": _timed(lambda: attention_exact_varlen(q, k, v, cu, T, sc)),
                                      "default_ms": _timed(lambda: attention_fwd(q, k, v, cu, T, sc)),
                                      "seq_alone_equal": torch.equal(alone, o[T:2 * T])}
+    from rlcu.ops import attention_exact as ae
+
+    keep = ae.CONFIG["SUB_TRAIN"]
+    try:  # sub-tiles a training program: K/V traffic / SUB, the same bits
+        for sub in (1, 2, 4):
+            ae.CONFIG["SUB_TRAIN"] = sub
+            o_s, _ = attention_exact_varlen(q, k, v, cu, T, sc)
+            out["attention"][f"train_fwd SUB={sub}"] = {
+                "exact_ms": _timed(lambda: attention_exact_varlen(q, k, v, cu, T, sc)), "same_bits": torch.equal(o_s, o)}
+    finally:
+        ae.CONFIG["SUB_TRAIN"] = keep
     # decode: S sequences of context L in a paged cache of 16-token blocks
     S, L, BS = (64, 512) if quick else (256, 1024), 16
     nb = S * L // BS

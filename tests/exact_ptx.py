@@ -39,9 +39,13 @@ def main():
     attn = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "BLOCK_TABLES": "*i32",
             "CU_Q": "*i32", "SEQ_LENS": "*i32", "N_LSE": "i32", "scale_log2": "fp32",
             **{f"stride_{s}": "i32" for s in ("qn", "qh", "kn", "kh", "vn", "vh", "bt", "on", "oh")}}
-    base = {"G": 2, "BM": 16, "BMT": 8, "D": 128, "BD": 128, "BS": 16, "BN": 64, "BY_SUM": False}
-    train = float_ops(_ptx(ae._attn_exact_kernel, attn, {**base, "PAGED": False, "WITH_LSE": False}, 4, 2))
-    paged = float_ops(_ptx(ae._attn_exact_kernel, attn, {**base, "PAGED": True, "WITH_LSE": False}, 4, 2))
+    base = {"G": 2, "BM": 16, "BMT": 8, "D": 128, "BD": 128, "BS": 16, "BN": 64, "BY_SUM": False, "WITH_LSE": False}
+    decode = float_ops(_ptx(ae._attn_exact_kernel, attn, {**base, "PAGED": True, "SUB": 1}, 4, 2))
+    train1 = float_ops(_ptx(ae._attn_exact_kernel, attn, {**base, "PAGED": False, "SUB": 1}, 4, 2))
+    # SUB sub-tiles sharing a key tile: each runs a lone sub-tile's instructions, SUB times over
+    train4 = float_ops(_ptx(ae._attn_exact_kernel, attn, {**base, "PAGED": False, "SUB": 4}, 4, 2))
+    prefill2 = float_ops(_ptx(ae._attn_exact_kernel, attn, {**base, "PAGED": True, "SUB": 2}, 4, 2))
+    times = lambda ops, n: {k: collections.Counter({i: n * c for i, c in v.items()}) for k, v in ops.items()}
     head = {"Z": "*bf16", "Tgt": "*i64", "Lp": "*fp32", "Ent": "*fp32", "Lse": "*fp32", "stride_z": "i32",
             "scale2": "fp32", "TEMP": "*fp32"}
     kw = {"V": 151936, "BV": 8192, "ROW_T": True}
@@ -53,7 +57,8 @@ def main():
     own = {f for f, ln in plain if ln == _line(lpm, "s = s * alpha + tl.sum(p, 0)")}
     differs = {f"{k}": (dict(plain[k]), dict(ent.get(k, {}))) for k in plain if k[0] in own and plain[k] != ent.get(k)}
     not_within = [f"{k}" for k in plain if k[0] not in own and plain[k] - ent.get(k, collections.Counter())]
-    print(json.dumps({"attention_equal": train == paged, "attention_lines": len(train), "head_lines": len(plain),
+    print(json.dumps({"attention_equal": train1 == decode and train4 == times(decode, 4) and prefill2 == times(decode, 2),
+                      "attention_lines": len(decode), "head_lines": len(plain),
                       "head_own_file": sorted(own), "head_differs": differs, "head_not_within": not_within}))
 
 

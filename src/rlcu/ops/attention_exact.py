@@ -10,7 +10,9 @@ tile that holds its own position, with the FlashAttention online softmax in base
     acc' = acc 2^(m - m') + 2^(s - m') v,   o = acc / l,   lse = (m + log2 l) ln 2.
 Keys past a row's position give it p = 0 and leave m, l and acc bit for bit unchanged (alpha
 = 2^0 = 1), so the tiles its tile mates need beyond it change nothing; a row's result is a
-function of its position and its own keys only. Every tile goes through the same masked code
+function of its position and its own keys only. A program may hold SUB such sub-tiles of
+consecutive tokens (training, prefill chunks) sharing each K/V tile's load; each runs a lone
+sub-tile's instructions. Every tile goes through the same masked code
 (no unmasked fast path below the diagonal): the float ops of a tile, and so what the compiler
 fuses into FMAs, are the same whichever rows share it. No split-KV (the default decode kernel
 splits a context by the batch's size): a long context with few sequences runs on fewer SMs.
@@ -40,28 +42,40 @@ if HAS_TRITON:
     from rlcu.ops.matmul_invariant import dot_invariant
 
 _LOG2E = 1.4426950408889634
-CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 2}  # fixed: both paths run these tiles
-_INTERPRET_CONFIG = {"BM": 16, "BN": 16, "num_warps": 4, "num_stages": 1}
+# BM rows a sub-tile, BN keys a tile: fixed, both paths run them. SUB_*: sub-tiles a program of
+# the training kernel / of an engine prefill chunk (1, 2 or 4; decode has one): they share each
+# key tile's load (K/V traffic / SUB) and change no bits (compiled for sm_90 at D = 128: the
+# float instructions are SUB times a decode program's; 118 registers at SUB = 1, 218 at 2, 255
+# and a 56-byte spill at 4; bench/exact.py times each)
+CONFIG = {"BM": 16, "BN": 64, "num_warps": 4, "num_stages": 2, "SUB_TRAIN": 2, "SUB_PREFILL": 2}
+_INTERPRET_CONFIG = {"BM": 16, "BN": 16, "num_warps": 4, "num_stages": 1, "SUB_TRAIN": 2, "SUB_PREFILL": 4}
 _REF_ELEMS = 1 << 22
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _tile(acc, l, m, q, K, V, bt_row, q_start, hk, stride_kn, stride_kh, stride_vn, stride_vh,
-              n, last, pos_q, scale_log2, PAGED: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-              BN: tl.constexpr, BY_SUM: tl.constexpr):
+    def _kv_tile(K, V, bt_row, q_start, hk, stride_kn, stride_kh, stride_vn, stride_vh, n, last,
+                 PAGED: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+                 BN: tl.constexpr):
+        # keys n .. n + BN - 1 (those past `last` load as zeros) -> (k, v [BN, BD], pos, pmask)
         d = tl.arange(0, BD)
-        dmask = d < D
         pos = n + tl.arange(0, BN)
         pmask = pos <= last
         if PAGED:  # [BN] int64 rows of K / V
             r = tl.load(bt_row + pos // BS, mask=pmask, other=0).to(tl.int64) * BS + pos % BS
         else:
             r = q_start + pos
-        kvm = pmask[:, None] & dmask[None, :]
+        kvm = pmask[:, None] & (d < D)[None, :]
         k = tl.load(K + r[:, None] * stride_kn + hk * stride_kh + d[None, :], mask=kvm, other=0.0)
         v = tl.load(V + r[:, None] * stride_vn + hk * stride_vh + d[None, :], mask=kvm, other=0.0)
+        return k, v, pos, pmask
+
+    @triton.jit
+    def _tile(acc, l, m, q, k, v, pos, pmask, pos_q, scale_log2, BM: tl.constexpr, BN: tl.constexpr,
+              BY_SUM: tl.constexpr):
+        # one key tile into one 16-row sub-tile's online softmax: the same instructions for every
+        # sub-tile of every variant (the keys a row may not see are masked, never skipped)
         sc = dot_invariant(q, tl.trans(k), tl.zeros([BM, BN], tl.float32), False, BY_SUM)
         sc = tl.where(pmask[None, :] & (pos[None, :] <= pos_q[:, None]), sc * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
@@ -71,13 +85,39 @@ if HAS_TRITON:
         acc = dot_invariant(p.to(v.dtype), v, acc * alpha[:, None], False, BY_SUM)
         return acc, l, m_new
 
+    @triton.jit
+    def _rows(Q, K, q_start, q_len, L, t0, hk, stride_qn, stride_qh, G: tl.constexpr,
+              BM: tl.constexpr, BMT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+        # sub-tile rows: BMT tokens from t0 x the G heads of KV head hk -> (q, t, h, rmask, pos_q)
+        r = tl.arange(0, BM)
+        t = t0 + r // G  # [BM] query token of each row
+        h = hk * G + r % G  # [BM] its query head
+        d = tl.arange(0, BD)
+        rmask = (r < BMT * G) & (t < q_len)
+        q = tl.load(Q + (q_start + t)[:, None] * stride_qn + h[:, None] * stride_qh + d[None, :],
+                    mask=rmask[:, None] & (d < D)[None, :], other=0.0).to(K.dtype.element_ty)
+        return q, t, h, rmask, L - q_len + t
+
+    @triton.jit
+    def _finish(acc, l, m, O, LSE, N_LSE, q_start, t, h, rmask, stride_on, stride_oh,
+                WITH_LSE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+        d = tl.arange(0, BD)
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        rows = q_start + t
+        tl.store(O + rows[:, None] * stride_on + h[:, None] * stride_oh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=rmask[:, None] & (d < D)[None, :])
+        if WITH_LSE:
+            tl.store(LSE + h * N_LSE + rows, (m + tl.log2(l)) * 0.6931471805599453, mask=rmask)
+
     @triton.jit(do_not_specialize=["stride_bt", "N_LSE"])
     def _attn_exact_kernel(Q, K, V, O, LSE, BLOCK_TABLES, CU_Q, SEQ_LENS, N_LSE,
                            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                            stride_bt, stride_on, stride_oh, scale_log2,
                            PAGED: tl.constexpr, WITH_LSE: tl.constexpr, G: tl.constexpr, BM: tl.constexpr,
-                           BMT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                           BN: tl.constexpr, BY_SUM: tl.constexpr):
+                           BMT: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                           BS: tl.constexpr, BN: tl.constexpr, BY_SUM: tl.constexpr):
+        # SUB (1, 2 or 4) sub-tiles of BM rows share each key tile's load: a sub-tile's math is
+        # the one a lone sub-tile runs, so SUB changes traffic, never bits
         tile = tl.program_id(0).to(tl.int64)
         s = tl.program_id(1).to(tl.int64)
         hk = tl.program_id(2).to(tl.int64)
@@ -87,37 +127,41 @@ if HAS_TRITON:
             L = tl.load(SEQ_LENS + s).to(tl.int64)
         else:
             L = q_len
-        t0 = tile * BMT
+        t0 = tile * (BMT * SUB)
         if t0 >= q_len:
             return
-        r = tl.arange(0, BM)
-        t = t0 + r // G  # [BM] query token of each row
-        h = hk * G + r % G  # [BM] its query head
-        d = tl.arange(0, BD)
-        dmask = d < D
-        rmask = (r < BMT * G) & (t < q_len)
-        q = tl.load(Q + (q_start + t)[:, None] * stride_qn + h[:, None] * stride_qh + d[None, :],
-                    mask=rmask[:, None] & dmask[None, :], other=0.0).to(K.dtype.element_ty)
-        pos_q = L - q_len + t  # [BM] absolute positions
-        first = L - q_len + t0
-        last = tl.minimum(first + BMT - 1, L - 1)
+        last = tl.minimum(L - q_len + t0 + SUB * BMT - 1, L - 1)  # the last key any row sees
         bt_row = BLOCK_TABLES + s * stride_bt
-        m = tl.full([BM], float("-inf"), tl.float32)
-        l = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, BD], tl.float32)
-        # one loop, every tile masked: an unmasked copy of the loop would let the compiler fuse
-        # s * scale - m into one FMA there and not across the mask's select, and a key tile is
-        # unmasked for a decode row but masked for the same row in a training tile
+        q0, t_0, h0, rm0, pq0 = _rows(Q, K, q_start, q_len, L, t0, hk, stride_qn, stride_qh, G, BM, BMT, D, BD)
+        m0 = tl.full([BM], float("-inf"), tl.float32)
+        l0 = tl.zeros([BM], tl.float32)
+        a0 = tl.zeros([BM, BD], tl.float32)
+        if SUB >= 2:
+            q1, t_1, h1, rm1, pq1 = _rows(Q, K, q_start, q_len, L, t0 + BMT, hk, stride_qn, stride_qh, G, BM,
+                                          BMT, D, BD)
+            m1, l1, a1 = m0, l0, a0
+        if SUB >= 4:
+            q2, t_2, h2, rm2, pq2 = _rows(Q, K, q_start, q_len, L, t0 + 2 * BMT, hk, stride_qn, stride_qh, G,
+                                          BM, BMT, D, BD)
+            q3, t_3, h3, rm3, pq3 = _rows(Q, K, q_start, q_len, L, t0 + 3 * BMT, hk, stride_qn, stride_qh, G,
+                                          BM, BMT, D, BD)
+            m2, l2, a2 = m0, l0, a0
+            m3, l3, a3 = m0, l0, a0
         for n in range(0, last + 1, BN):
-            acc, l, m = _tile(acc, l, m, q, K, V, bt_row, q_start, hk, stride_kn, stride_kh,
-                              stride_vn, stride_vh, n, last, pos_q, scale_log2, PAGED, BM, D, BD, BS,
-                              BN, BY_SUM)
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        rows = q_start + t
-        tl.store(O + rows[:, None] * stride_on + h[:, None] * stride_oh + d[None, :],
-                 out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
-        if WITH_LSE:
-            tl.store(LSE + h * N_LSE + rows, (m + tl.log2(l)) * 0.6931471805599453, mask=rmask)
+            k, v, pos, pm = _kv_tile(K, V, bt_row, q_start, hk, stride_kn, stride_kh, stride_vn, stride_vh, n,
+                                     last, PAGED, D, BD, BS, BN)
+            a0, l0, m0 = _tile(a0, l0, m0, q0, k, v, pos, pm, pq0, scale_log2, BM, BN, BY_SUM)
+            if SUB >= 2:
+                a1, l1, m1 = _tile(a1, l1, m1, q1, k, v, pos, pm, pq1, scale_log2, BM, BN, BY_SUM)
+            if SUB >= 4:
+                a2, l2, m2 = _tile(a2, l2, m2, q2, k, v, pos, pm, pq2, scale_log2, BM, BN, BY_SUM)
+                a3, l3, m3 = _tile(a3, l3, m3, q3, k, v, pos, pm, pq3, scale_log2, BM, BN, BY_SUM)
+        _finish(a0, l0, m0, O, LSE, N_LSE, q_start, t_0, h0, rm0, stride_on, stride_oh, WITH_LSE, D, BD)
+        if SUB >= 2:
+            _finish(a1, l1, m1, O, LSE, N_LSE, q_start, t_1, h1, rm1, stride_on, stride_oh, WITH_LSE, D, BD)
+        if SUB >= 4:
+            _finish(a2, l2, m2, O, LSE, N_LSE, q_start, t_2, h2, rm2, stride_on, stride_oh, WITH_LSE, D, BD)
+            _finish(a3, l3, m3, O, LSE, N_LSE, q_start, t_3, h3, rm3, stride_on, stride_oh, WITH_LSE, D, BD)
 
 
 def _tiles(G: int):
@@ -126,7 +170,7 @@ def _tiles(G: int):
     return cfg, BM, BM // G
 
 
-def _launch(q, k, v, o, lse, tables, cu_q, seq_lens, max_q, scale, paged, BS):
+def _launch(q, k, v, o, lse, tables, cu_q, seq_lens, max_q, scale, paged, BS, sub):
     N, Hq, D = q.shape
     Hk = k.shape[-2]
     S = cu_q.numel() - 1
@@ -135,11 +179,14 @@ def _launch(q, k, v, o, lse, tables, cu_q, seq_lens, max_q, scale, paged, BS):
     BD = max(16, triton.next_power_of_2(D))
     if q.stride(2) != 1:
         q = q.contiguous()
-    _attn_exact_kernel[(triton.cdiv(max(max_q, 1), BMT), S, Hk)](
+    if sub not in (1, 2, 4):
+        raise ValueError(f"attention_exact: CONFIG's SUB_TRAIN / SUB_PREFILL must be 1, 2 or 4, got {sub}")
+    sub = sub if max_q > BMT else 1  # decode and short chunks: one sub-tile
+    _attn_exact_kernel[(triton.cdiv(max(max_q, 1), BMT * sub), S, Hk)](
         q, k, v, o, lse if lse is not None else o, tables, cu_q, seq_lens, N,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         tables.stride(0), o.stride(0), o.stride(1), scale * _LOG2E, PAGED=paged, WITH_LSE=lse is not None,
-        G=G, BM=BM, BMT=BMT, D=D, BD=BD, BS=BS, BN=cfg["BN"], BY_SUM=interpreting(),
+        G=G, BM=BM, BMT=BMT, SUB=sub, D=D, BD=BD, BS=BS, BN=cfg["BN"], BY_SUM=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -215,7 +262,7 @@ def attention_exact_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float):
     lse = torch.zeros(Hq, N, device=q.device, dtype=torch.float32)
     if N:
         cu = cu_seqlens.contiguous()
-        _launch(q, k, v, o, lse, cu, cu, cu, max_seqlen, scale, False, 1)
+        _launch(q, k, v, o, lse, cu, cu, cu, max_seqlen, scale, False, 1, _tiles(1)[0]["SUB_TRAIN"])
     return o, lse
 
 
@@ -235,5 +282,5 @@ def attention_exact_paged(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_l
     kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
     tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
     _launch(q, kc, vc, o, None, tables, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
-            max_seqlen_q, scale, True, BS)
+            max_seqlen_q, scale, True, BS, _tiles(1)[0]["SUB_PREFILL"])
     return o
