@@ -11,7 +11,10 @@ Per layer, over the N new tokens of the step (packed, any mix of prefill chunks 
     (qkv_prep, one kernel: q, k normed and rotated, k and v written to their cache slots)
     o = paged_attention(q, cache); x += o Wo^T
     x += swiglu(rmsnorm(x) Wgu^T) Wd^T
-then the final norm and the LM head only on the rows that sample a token.
+then the final norm and the LM head only on the rows that sample a token. In exact mode
+(ops/exact.py) `_hidden_exact` runs the trainer's ops in the trainer's order instead (no fused
+qkv_prep, the batch-invariant GEMM, the exact attention over the cache) and the sampled token's
+logprob is taken by the trainer's head kernel (`_sample`).
 
 KV pool: one tensor [2, layers, num_blocks, block_size, Hk, D]. On CUDA its size is what
 `gpu_memory_utilization` of the device's memory leaves after everything already allocated
@@ -49,10 +52,16 @@ import torch
 
 from rlcu.engine.scheduler import ScheduledBatch
 from rlcu.model.qwen3 import Qwen3
+from rlcu.ops.attention_exact import attention_exact_paged
 from rlcu.ops.embedding import embedding_fwd
+from rlcu.ops.exact import is_exact
+from rlcu.ops.kv_cache import kv_write
+from rlcu.ops.logprob import token_logprob
+from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.paged_attention import paged_attention
 from rlcu.ops.qkv_prep import qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
+from rlcu.ops.rope import rope_fwd
 from rlcu.ops.sampling import sample
 from rlcu.ops.swiglu import swiglu_fwd
 
@@ -236,6 +245,7 @@ class ModelRunner:
         self._pool = None
         self._capture_stream: torch.cuda.Stream | None = None
         self._graph_flat_ptr = model.flat.data_ptr()
+        self._graph_exact = is_exact()  # the mode the graphs were captured in
         self._last_tokens: torch.Tensor | None = None  # the samples of the last launch (placeholder values)
         self._dec: _DecodeState | None = None  # decode steps' staging buffers and per-slot block tables
         self.num_continued = 0  # decode steps that continued the one before on the device (_decode)
@@ -255,6 +265,8 @@ class ModelRunner:
         qs = c.q_size
         scale = D**-0.5
         x = embedding_fwd(ids, w["embed"])
+        if is_exact():
+            return self._hidden_exact(x, pos, slots, block_tables, cu_q, seq_lens, max_q, rows)
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             h, _ = rmsnorm_fwd(x, w[p + "input_norm"], eps)
@@ -269,10 +281,45 @@ class ModelRunner:
             x = x.index_select(0, rows)
         return rmsnorm_fwd(x, w["final_norm"], eps)[0]
 
+    def _hidden_exact(self, x, pos, slots, block_tables, cu_q, seq_lens, max_q: int, rows):
+        """Exact mode's layers (ops/exact.py): the trainer's ops in the trainer's order (norms
+        and rope as Qwen3._layer_fwd runs them, not the fused qkv_prep), the batch-invariant
+        GEMM, and the attention kernel the trainer runs, here over the paged cache."""
+        c, w = self.cfg, self.model.w
+        N, Hq, Hk, D, eps = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        qs, ks = c.q_size, c.kv_size
+        for i in range(c.num_hidden_layers):
+            p = f"layers.{i}."
+            h, _ = rmsnorm_fwd(x, w[p + "input_norm"], eps)
+            qkv = mm_invariant(h, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
+            q = rmsnorm_fwd(qkv[:, :qs].reshape(N * Hq, D), w[p + "q_norm"], eps)[0]
+            k = rmsnorm_fwd(qkv[:, qs:qs + ks].reshape(N * Hk, D), w[p + "k_norm"], eps)[0]
+            q, k = rope_fwd(q.view(N, Hq, D), pos, c.rope_theta), rope_fwd(k.view(N, Hk, D), pos, c.rope_theta)
+            kc, vc = self.kv[0, i], self.kv[1, i]
+            kv_write(k, qkv[:, qs + ks:].reshape(N, Hk, D), kc, vc, slots)
+            o = attention_exact_paged(q, kc, vc, block_tables, cu_q, seq_lens, max_q, D**-0.5)
+            mm_invariant(o.view(N, qs), w[p + "o"], x, out=x)  # x += o Wo^T, in place
+            h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps)
+            mm_invariant(swiglu_fwd(mm_invariant(h, w[p + "gate_up"])), w[p + "down"], x, out=x)
+        if rows is not None:
+            x = x.index_select(0, rows)
+        return rmsnorm_fwd(x, w["final_norm"], eps)[0]
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """[R, V] in the model's dtype (the sampler computes in fp32; as the trainer's logprob
         op does, the logits are rounded to the model's dtype first)."""
+        if is_exact():
+            return mm_invariant(h, self.model.lm_head)
         return h @ self.model.lm_head.t()
+
+    def _sample(self, h: torch.Tensor, samp: tuple):
+        """The LM head and the sampler on final hidden rows -> (tokens, logprobs). In exact mode
+        the logprob of each sampled token is the trainer's head kernel's on the same logits."""
+        logits = self._logits(h)
+        tokens, logprobs = sample(logits, *samp)
+        if is_exact():
+            logprobs = token_logprob(logits, tokens, samp[0])
+        return tokens, logprobs
 
     # ------------------------------------------------------------------ one step
     def prepare(self, batch: ScheduledBatch):
@@ -359,8 +406,7 @@ class ModelRunner:
             h = self._hidden(ids, pos, slots, tables, cu, lens, a["max_q"], a["max_k"], rows)
             if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
                 return None, graph
-            samp = self._sampling_tensors(batch)
-            out = sample(self._logits(h), *samp)
+            out = self._sample(h, self._sampling_tensors(batch))
         self._last_tokens = out[0]
         return self._readback(out), graph
 
@@ -422,9 +468,11 @@ class ModelRunner:
         max_k = d.prev_max_k + 1 if cont else max(s.num_computed_tokens for s in seqs) + 1
         graph = self.use_graphs
         if graph:
-            if self.model.flat.data_ptr() != self._graph_flat_ptr:  # the weights moved: old graphs are stale
+            if self.model.flat.data_ptr() != self._graph_flat_ptr or self._graph_exact != is_exact():
+                # the weights moved, or exact mode was switched: the graphs hold other kernels
                 self.graphs, self._static, self._pool = {}, None, None
                 self._graph_flat_ptr = self.model.flat.data_ptr()
+                self._graph_exact = is_exact()
             key = self._graph_key(S, max_k)
             b, W = key[0], math.ceil(key[1] / bs)
         else:
@@ -465,7 +513,7 @@ class ModelRunner:
         tables = d.slot_tables[v["row_slot"][:S], :max(W, 1)]
         cu = torch.arange(S + 1, device=self.device, dtype=torch.int32)
         h = self._hidden(v["ids"][:S], v["pos"][:S], v["slots"][:S], tables, cu, v["lens"][:S], 1, max_k)
-        return sample(self._logits(h), *self._decode_sampling(S))
+        return self._sample(h, self._decode_sampling(S))
 
     def _stage(self, d: _DecodeState, k: int, seqs: list, b: int) -> None:
         """A decode step's fields from the host: one pass over the rows into staging buffer k,
@@ -629,7 +677,7 @@ class ModelRunner:
         samp = self._decode_sampling(b)
 
         def step():
-            return sample(self._logits(self._hidden(*args)), *samp)
+            return self._sample(self._hidden(*args), samp)
 
         step()  # compiles the kernels outside the capture
         self.graphs[(b, kb)] = self._record(step)

@@ -12,6 +12,10 @@ materialises [tokens, vocab] logits in training: `forward` goes through the fuse
 op. When the loss's gradient is an elementwise function of each token's lp (and entropy),
 `forward_backward` does both passes in one sweep of the head, which then skips the logits
 recompute (3 vocabulary GEMMs, not 4).
+
+In exact mode (rlcu.set_exact, ops/exact.py) the forward's matmuls and attention are the
+batch-invariant ones the engine runs too, so `forward`'s lp of a token is bit for bit the
+engine's sampling logprob of it; the backward is the same either way.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from rlcu.model.config import Qwen3Config
 from rlcu.model.layout import ParamLayout
 from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.attention import attention_bwd, attention_fwd
+from rlcu.ops.attention_exact import attention_exact_varlen
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
+from rlcu.ops.exact import is_exact
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
+from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from rlcu.ops.rope import positions_from_cu_seqlens, rope_bwd, rope_fwd
 from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
@@ -170,8 +177,12 @@ class Qwen3:
         p = f"layers.{i}."
         N, Hq, Hk, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps = c.rms_norm_eps
+        if is_exact():  # batch-invariant GEMMs and the attention the engine runs (ops/exact.py)
+            mm, addmm, attend = mm_invariant, lambda x, a, wt: mm_invariant(a, wt.t(), x), attention_exact_varlen
+        else:
+            mm, addmm, attend = lambda a, wt: a @ wt.t(), torch.addmm, attention_fwd
         h1, r1 = rmsnorm_fwd(x, w[p + "input_norm"], eps)
-        qkv = h1 @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
+        qkv = mm(h1, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
         q0 = qkv[:, : c.q_size].reshape(N * Hq, D)
         k0 = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(N * Hk, D)
         v = qkv[:, c.q_size + c.kv_size :].reshape(N, Hk, D)
@@ -179,12 +190,12 @@ class Qwen3:
         kn, rk = rmsnorm_fwd(k0, w[p + "k_norm"], eps)
         q = rope_fwd(qn.view(N, Hq, D), pos, c.rope_theta)
         k = rope_fwd(kn.view(N, Hk, D), pos, c.rope_theta)
-        o, lse = attn if attn is not None else attention_fwd(q, k, v, cu, max_seqlen, D**-0.5)
-        x2 = torch.addmm(x, o.view(N, c.q_size), w[p + "o"].t())  # residual add in the GEMM epilogue
+        o, lse = attn if attn is not None else attend(q, k, v, cu, max_seqlen, D**-0.5)
+        x2 = addmm(x, o.view(N, c.q_size), w[p + "o"].t())  # residual add in the GEMM epilogue
         h2, r2 = rmsnorm_fwd(x2, w[p + "post_norm"], eps)
-        gu = h2 @ w[p + "gate_up"].t()  # [N, 2I]
+        gu = mm(h2, w[p + "gate_up"])  # [N, 2I]
         a = swiglu_fwd(gu)
-        y = torch.addmm(x2, a, w[p + "down"].t())
+        y = addmm(x2, a, w[p + "down"].t())
         acts = dict(x=x, h1=h1, r1=r1, q0=q0, k0=k0, v=v, rq=rq, rk=rk, q=q, k=k, o=o, lse=lse,
                     x2=x2, h2=h2, r2=r2, gu=gu, a=a)
         return y, acts
@@ -258,7 +269,8 @@ class Qwen3:
         cu = torch.arange(0, (B + 1) * T, T, device=self.device, dtype=torch.int32)
         x, _, _ = self._trunk_fwd(tokens, cu, T, keep="none")
         h, _ = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps)
-        return (h @ self.lm_head.t()).float().view(B, T, -1)
+        z = mm_invariant(h, self.lm_head) if is_exact() else h @ self.lm_head.t()
+        return z.float().view(B, T, -1)
 
     def hidden_forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *, grad: bool = True):
         """The trunk: tokens [N], cu_seqlens [S+1] int32 -> final-normed hidden states h [N, H].

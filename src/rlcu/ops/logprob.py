@@ -25,6 +25,12 @@ surrogate of lp, old lp and advantage, an entropy bonus -- a caller-supplied
 `grad_fn(lp_c, ent_c, rows) -> (dlp_c, dent_c)` is evaluated on each chunk while its logits
 are still in the tile, and the chunk goes straight on to dlogits, dh and dW. Three GEMMs
 per chunk instead of four (no recompute), and no lse kept between two calls.
+
+Exact mode (ops/exact.py): the forward's logits tile comes from the batch-invariant GEMM and
+the kernel takes log2(e) / T from a per-row temperature tensor (ROW_T), so that
+`token_logprob` -- the engine's logprob of its sampled tokens, on logits from the same GEMM --
+runs the same instructions on the same bits as the trainer's head. The backward's recompute
+stays on cuBLAS (its logits need not match the forward's to the bit).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import torch
 
 from rlcu.ops._backend import HAS_TRITON, use_triton
 from rlcu.ops._matmul import acc_wgrad
+from rlcu.ops.exact import is_exact, tree_sum
+from rlcu.ops.matmul_invariant import mm as mm_invariant
 
 if HAS_TRITON:
     import triton
@@ -49,13 +57,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _logprob_fwd_kernel(Z, Tgt, Lp, Ent, Lse, stride_z, scale2, V: tl.constexpr,
-                            WITH_ENT: tl.constexpr, BV: tl.constexpr):
+                            WITH_ENT: tl.constexpr, BV: tl.constexpr, TEMP, ROW_T: tl.constexpr):
         # One program per row of the chunk. Base-2 online softmax over V tiles, with
         # x = z log2(e):  m = max x,  s = sum 2^(x - m),  t = sum 2^(x - m) x, so that
         # lse = ln2 (m + log2 s)  and  sum_j p_j z_j = ln2 t / s.
         # V is constexpr: one compile per vocabulary, and no loop over a runtime bound
         # (which the Triton interpreter cannot take with numpy >= 2.4).
+        # ROW_T (exact mode): the scale log2(e) / T from the row's own temperature, in the
+        # kernel, so that the trainer (one T) and the engine's sampler (a T a row) agree.
         row = tl.program_id(0).to(tl.int64)
+        if ROW_T:
+            scale2 = 1.4426950408889634 / tl.load(TEMP + row)
         Z += row * stride_z
         m = float("-inf")
         s = 0.0
@@ -162,6 +174,14 @@ def chunk_rows(V: int, dtype: torch.dtype) -> int:
     return min(CHUNK_ROWS, 1 << (fit.bit_length() - 1))
 
 
+def _logits_tile(h, W, z, exact: bool) -> None:
+    """z = h W^T: cuBLAS, or in exact mode the batch-invariant GEMM (the engine's too)."""
+    if exact:
+        mm_invariant(h, W, out=z)
+    else:
+        torch.mm(h, W.t(), out=z)
+
+
 def _logprob_fwd_triton(h, W, targets, temperature, with_entropy):
     N, V = h.shape[0], W.shape[0]
     lp = torch.empty(N, device=h.device, dtype=torch.float32)
@@ -173,13 +193,16 @@ def _logprob_fwd_triton(h, W, targets, temperature, with_entropy):
     C = min(N, chunk_rows(V, h.dtype))
     buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits tile
     BV, warps = _tiles(V)
+    exact = is_exact()
+    temp = torch.full((C,), temperature, device=h.device, dtype=torch.float32) if exact else None
     for s in range(0, N, C):
         n = min(C, N - s)
         z = buf[:n]
-        torch.mm(h[s : s + n], W.t(), out=z)
+        _logits_tile(h[s : s + n], W, z, exact)
         _logprob_fwd_kernel[(n,)](
             z, targets[s:], lp[s:], ent[s:] if with_entropy else lp, lse[s:], z.stride(0),
-            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, num_warps=warps)
+            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, TEMP=temp if exact else lse, ROW_T=exact,
+            num_warps=warps)
     return lp, ent, lse
 
 
@@ -221,13 +244,16 @@ def _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entrop
     C = min(N, chunk_rows(V, h.dtype))
     buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits, then dlogits
     BV, warps = _tiles(V)
+    exact = is_exact()
+    temp = torch.full((C,), temperature, device=h.device, dtype=torch.float32) if exact else None
     for s in range(0, N, C):
         n = min(C, N - s)
         z, hs, rows = buf[:n], h[s : s + n], slice(s, s + n)
-        torch.mm(hs, W.t(), out=z)
+        _logits_tile(hs, W, z, exact)
         _logprob_fwd_kernel[(n,)](
             z, targets[s:], lp[s:], ent[s:] if with_entropy else lp, lse[s:], z.stride(0),
-            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, num_warps=warps)
+            _LOG2E / temperature, V=V, WITH_ENT=with_entropy, BV=BV, TEMP=temp if exact else lse, ROW_T=exact,
+            num_warps=warps)
         dlp, dent = _chunk_grads(grad_fn, lp[rows], ent[rows] if with_entropy else None, rows,
                                  h.device)
         if dlp is None and dent is None:
@@ -244,11 +270,32 @@ def _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entrop
     return lp, ent, dh
 
 
+def _rows_exact_ref(z, targets, temp, with_entropy):
+    """Exact mode's twin of the head on a logits tile z [n, V] (model dtype) at per-row
+    temperatures temp [n] fp32 -> (lp, ent | None, lse): max, then fixed trees for the sums."""
+    x = z.float() / temp[:, None]
+    m = x.max(-1).values
+    p = torch.exp(x - m[:, None])
+    s = tree_sum(p)
+    lse = m + torch.log(s)
+    lp = x.gather(1, targets.long()[:, None])[:, 0] - lse
+    ent = lse - tree_sum(p * x) / s if with_entropy else None
+    return lp, ent, lse
+
+
 def logprob_fwd_ref(h, W, targets, temperature=1.0, with_entropy=False, chunk=_CHUNK):
     N = h.shape[0]
     lp = torch.empty(N, device=h.device, dtype=torch.float32)
     lse = torch.empty(N, device=h.device, dtype=torch.float32)
     ent = torch.empty(N, device=h.device, dtype=torch.float32) if with_entropy else None
+    if is_exact():
+        for s in range(0, N, chunk):
+            r = slice(s, min(s + chunk, N))
+            temp = torch.full((r.stop - s,), temperature, device=h.device, dtype=torch.float32)
+            lp[r], e, lse[r] = _rows_exact_ref(mm_invariant(h[r], W), targets[r], temp, with_entropy)
+            if with_entropy:
+                ent[r] = e
+        return lp, ent, lse
     for s in range(0, N, chunk):
         z = (h[s : s + chunk] @ W.t()).float() / temperature  # [n, V]
         m = z.logsumexp(-1)
@@ -339,3 +386,24 @@ def logprob_fwd_bwd(h, W, targets, grad_fn, dW, temperature: float = 1.0,
     if use_triton(h):
         return _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entropy)
     return logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature, with_entropy, _CHUNK)
+
+
+def token_logprob(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Exact mode's logprob of the engine's sampled tokens, taken as the trainer's head takes
+    it: logits [B, V] (from the batch-invariant GEMM, the model's dtype), tokens [B] int,
+    temperature [B] fp32 (<= 0: greedy, scored at T = 1 as the sampler does) -> lp [B] fp32,
+    bit for bit `logprob_fwd`'s lp of the same row in exact mode."""
+    B, V = logits.shape
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float().contiguous()
+    if not use_triton(logits):
+        return _rows_exact_ref(logits, tokens, temp, False)[0]
+    lp = torch.empty(B, device=logits.device, dtype=torch.float32)
+    if B == 0:
+        return lp
+    lse = torch.empty_like(lp)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    BV, warps = _tiles(V)
+    _logprob_fwd_kernel[(B,)](logits, tokens.contiguous(), lp, lp, lse, logits.stride(0), 1.0,
+                              V=V, WITH_ENT=False, BV=BV, TEMP=temp, ROW_T=True, num_warps=warps)
+    return lp

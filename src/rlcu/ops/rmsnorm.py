@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from rlcu.ops._backend import use_triton
+from rlcu.ops.exact import is_exact, tree_sum
 
 MAX_D = 8192  # a row lives in one block
 _TILE = 4096  # elements a program handles at once: BN rows of BD columns
@@ -211,7 +212,10 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd:
 
 def rmsnorm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
     xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)  # [N]
+    if is_exact():  # a fixed tree, and sqrt / division (torch's CPU rsqrt rounds by position)
+        rstd = 1.0 / torch.sqrt(tree_sum(xf * xf) / x.shape[-1] + eps)
+    else:
+        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)  # [N]
     y = (xf * rstd[:, None]).to(x.dtype) * w
     return y.to(x.dtype), rstd
 

@@ -112,6 +112,10 @@ class RLTrainer(abc.ABC):
         from rlcu.train.optimizer import FlatAdamW
 
         self.cfg = cfg = _config(self.config_cls, config)
+        if cfg.exact:  # process-wide, before the engine and the first forward
+            from rlcu.ops.exact import set_exact
+
+            set_exact(True)
         torch.manual_seed(cfg.seed)
         self.model = model if model is not None else build_model(cfg.model)
         self._model_given = model is not None

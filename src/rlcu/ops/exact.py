@@ -1,0 +1,52 @@
+"""Exact on-policy mode: one switch that makes every op on the engine's path and the trainer's
+batch-invariant, with shared reduction orders, so that the engine's logprob of a sampled token
+is bit for bit `Qwen3.forward`'s.
+
+    RLCU_EXACT=1                 # in the environment, read at import
+    rlcu.set_exact(True)         # or at run time (`exact: true` in a GRPO / PPO config)
+
+What changes with it on (the default mode's kernels and speed are untouched when off):
+- every forward matmul goes through `matmul_invariant.mm` (fixed tiles and K order, no
+  split-K: a row's result does not depend on how many rows there are);
+- attention, in training and in the engine (chunked prefill and decode alike), goes through
+  `attention_exact` (one kernel: fixed KV tiles from position 0, combined in order);
+- the engine's q/k norm and rope run as the trainer's ops (rmsnorm, rope, kv_write) instead
+  of the fused qkv_prep;
+- the engine's logprob of a sampled token is taken by the trainer's fused-head kernel on the
+  same logits (`logprob.token_logprob`), not by the sampler's own log-softmax.
+
+On the CPU twins every reduction of those ops is a fixed halving tree (`tree_sum`): zero
+padding does not change it, so a row's sum is the same whatever its length is padded to.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_STATE = {"on": os.environ.get("RLCU_EXACT", "").strip().lower() in ("1", "true", "yes", "on")}
+
+
+def set_exact(on: bool = True) -> None:
+    """Turn exact mode on or off for the whole process (graphs captured in the other mode are
+    dropped by the engine on its next step)."""
+    _STATE["on"] = bool(on)
+
+
+def is_exact() -> bool:
+    return _STATE["on"]
+
+
+def tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim by a fixed halving tree (x[:h] + x[h:], zero-padded to a power of
+    two): elementwise adds only, so each row's result depends on its own values alone, and
+    padding a row with more zeros gives the same bits."""
+    n = x.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        x = torch.cat([x, x.new_zeros(*x.shape[:-1], p - n)], -1)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]

@@ -1,0 +1,149 @@
+"""A batch-invariant matmul, y = x W^T (+ c): the result for a row does not depend on how many
+rows x has, nor on where the row sits among them. Exact mode's GEMM for every forward matmul
+of the model and the engine (qkv, o with the residual, gate_up, down, the LM head).
+
+cuBLAS (and a CPU BLAS) picks its kernel, tiles and split-K by the problem's M, so one row
+of a 1-row product and of a 300-row product differ in the last bits (on the CPU here: 4 of 9
+row counts give other bits than the 300-row product). This kernel fixes everything a row's
+sums depend on: one tile configuration per (N, K) (never per M), K walked from 0 in BK steps
+into one fp32 accumulator (no split-K, no stream-K), the optional c added to the fp32
+accumulator in the epilogue and rounded once (as cuBLAS's beta = 1 does).
+
+The twin (the CPU path): y[m, n] = tree_sum over k of x[m, k] w[n, k] in fp32 (exact
+elementwise products, then a fixed halving tree), in row and column blocks that bound the
+[rows, cols, K] product's memory; no BLAS call, so no M-dependent kernel choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcu.ops._backend import HAS_TRITON, interpreting, use_triton
+from rlcu.ops.exact import tree_sum
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+# (BM, BN, BK, GROUP_M, num_warps, num_stages): fixed for every M (the invariance); sm_90 bf16
+CONFIG = (128, 128, 64, 8, 8, 3)
+# per weight shape (N, K) -> a config in CONFIG's form: a shape may have its own tiles (the
+# trainer and the engine meet the same shape, so they still share them), never an M of its own
+CONFIG_FOR: dict[tuple[int, int], tuple] = {}
+_INTERPRET_CONFIG = (32, 32, 32, 4, 4, 1)  # few programs: the interpreter's cost is per op
+_REF_ELEMS = 1 << 22  # the twin's [rows, cols, K] product block, at most
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def dot_invariant(a, b, acc, IEEE: tl.constexpr, BY_SUM: tl.constexpr):
+        """acc + a b, with a row's result independent of the other rows of a. On the GPU the
+        tensor-core dot (each element's K sum is one fixed instruction sequence); under the
+        interpreter (BY_SUM) an elementwise product summed over K in order, since numpy's
+        matmul (BLAS) gives a row other bits when it sits at another row of the tile."""
+        if BY_SUM:
+            out = acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        elif IEEE:
+            out = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            out = tl.dot(a, b, acc)
+        return out
+
+    @triton.jit(do_not_specialize=["M"])
+    def _mm_kernel(X, W, C, Y, M, stride_xm, stride_wn, stride_cm, stride_ym,
+                   N: tl.constexpr, K: tl.constexpr, HAS_C: tl.constexpr, IEEE: tl.constexpr, BY_SUM: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+        pid = tl.program_id(0)
+        n_m = tl.cdiv(M, BM)
+        n_n = tl.cdiv(N, BN)
+        # grouped order (GROUP_M row tiles sweep the column tiles together: W stays in L2)
+        per_group = GROUP_M * n_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = tl.minimum(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        offs_m = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+        offs_n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        xp = X + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BM, BK]
+        wp = W + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] = W^T tile
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):  # one K order for every row, one accumulator
+            kmask = offs_k < K - k0
+            a = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(wp, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc = dot_invariant(a, b, acc, IEEE, BY_SUM)
+            xp += BK
+            wp += BK
+        omask = mmask[:, None] & nmask[None, :]
+        if HAS_C:
+            acc += tl.load(C + offs_m[:, None] * stride_cm + offs_n[None, :], mask=omask,
+                           other=0.0).to(tl.float32)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=omask)
+
+
+def _check(x, w, c, out):
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"mm: x must be [M, K] and w [N, K], got {list(x.shape)} and {list(w.shape)}")
+    if x.dtype != w.dtype:
+        raise TypeError(f"mm: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    shape = (x.shape[0], w.shape[0])
+    for name, t in (("c", c), ("out", out)):
+        if t is not None and (t.shape != shape or t.dtype != x.dtype):
+            raise ValueError(f"mm: {name} must be {x.dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+
+
+def mm_triton(x, w, c=None, out=None):
+    M, K = x.shape
+    N = w.shape[0]
+    y = out if out is not None else torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M == 0:
+        return y
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    if c is not None and c.stride(1) != 1:
+        c = c.contiguous()
+    if y.stride(1) != 1:
+        raise ValueError("mm: out must have a unit column stride")
+    BM, BN, BK, GM, warps, stages = _INTERPRET_CONFIG if interpreting() else CONFIG_FOR.get((N, K), CONFIG)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+    _mm_kernel[grid](x, w, c if c is not None else y, y, M, x.stride(0), w.stride(0),
+                     c.stride(0) if c is not None else 0, y.stride(0), N=N, K=K, HAS_C=c is not None,
+                     IEEE=x.dtype == torch.float32, BY_SUM=interpreting(), BM=BM, BN=BN, BK=BK, GROUP_M=GM,
+                     num_warps=warps, num_stages=stages)
+    return y
+
+
+def mm_ref(x, w, c=None, out=None):
+    M, K = x.shape
+    N = w.shape[0]
+    y = out if out is not None else torch.empty(M, N, device=x.device, dtype=x.dtype)
+    xf, wf = x.float(), w.float()
+    kp = 1 << max(K - 1, 0).bit_length()
+    bn = max(1, min(N, _REF_ELEMS // kp))
+    bm = max(1, _REF_ELEMS // (bn * kp))
+    for n0 in range(0, N, bn):
+        wb = wf[None, n0:n0 + bn]  # [1, bn, K]
+        for m0 in range(0, M, bm):
+            acc = tree_sum(xf[m0:m0 + bm, None, :] * wb)  # [bm, bn]
+            if c is not None:
+                acc = acc + c[m0:m0 + bm, n0:n0 + bn].float()
+            y[m0:m0 + bm, n0:n0 + bn] = acc.to(y.dtype)
+    return y
+
+
+def mm(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
+       out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, K] (a weight as stored, [out, in]), c: [M, N] or None -> x w^T + c in
+    x's dtype, written to `out` when given (out may be c itself: each element is read, then
+    written, by one program). A row's result depends on that row of x, w and c only."""
+    _check(x, w, c, out)
+    if use_triton(x):
+        return mm_triton(x, w, c, out)
+    return mm_ref(x, w, c, out)

@@ -1,0 +1,259 @@
+"""Exact mode (ops/exact.py) on the CPU twins in fp32: bit-for-bit equality (torch.equal,
+tolerance 0) of the engine's sampled-token logprobs with Qwen3.forward's, and of every output
+across batch compositions: a sequence alone or packed with others, decode against the packed
+training forward, chunked prefill, preemption and recompute, prefix sharing and n > 1, any
+max_num_seqs. The ops underneath (the GEMM, attention, the head) are checked alone too."""
+
+import pytest
+import torch
+
+from rlcu import Qwen3
+from rlcu.engine import LLM, SamplingParams
+from rlcu.model.config import Qwen3Config
+from rlcu.ops.attention import attention_fwd_ref
+from rlcu.ops.attention_exact import attention_exact_paged, attention_exact_varlen
+from rlcu.ops.exact import is_exact, set_exact, tree_sum
+from rlcu.ops.logprob import logprob_fwd, token_logprob
+from rlcu.ops.matmul_invariant import mm
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+# odd shapes: 7 query heads over 1 KV head (G = 7), head dim 20, vocabulary 257
+SHAPE = {"vocab_size": 257, "hidden_size": 56, "intermediate_size": 90, "num_attention_heads": 7,
+             "num_key_value_heads": 1, "head_dim": 20}
+PROMPTS = [[5, 17, 3], list(range(40, 61)), [7] * 9, [100 + (i * 37) % 150 for i in range(30)], [1]]
+SP = SamplingParams(n=2, temperature=0.8, max_tokens=8, ignore_eos=True, seed=11, logprobs=True)
+
+
+@pytest.fixture
+def exact():
+    was = is_exact()
+    set_exact(True)
+    yield
+    set_exact(was)
+
+
+def tiny_model(device="cpu", seed=0, **shape):
+    """A random fp32 Qwen3 (no transformers import: the oracle here is the model itself),
+    norm weights randomised too so that every parameter matters."""
+    cfg = Qwen3Config(**{"num_hidden_layers": 2, "max_position_embeddings": 512, "tie_word_embeddings": False,
+                         "rope_theta": 10000.0, "eos_token_id": None, "bos_token_id": None, **shape})
+    m = Qwen3.from_config(cfg, seed=seed, init_std=0.05)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, v in m.w.items():
+        if name.endswith("norm"):
+            v.add_(0.1 * torch.randn(v.shape, generator=gen))
+    if device != "cpu":
+        m = Qwen3(cfg, m.flat.to(device))
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(**SHAPE)
+
+
+def _packed(seqs):
+    tokens = torch.tensor([t for s in seqs for t in s])
+    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+    return tokens, cu
+
+
+def _generate(model, prompts, sp=SP, **engine):
+    llm = LLM(model, enforce_eager=True, **engine)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [(c.token_ids, c.logprobs) for o in outs for c in o.outputs], llm
+
+
+def test_tree_sum_ignores_zero_padding():
+    x = torch.randn(5, 37)
+    pad = torch.cat([x, torch.zeros(5, 91)], 1)
+    assert torch.equal(tree_sum(x), tree_sum(pad))
+    assert torch.allclose(tree_sum(x), x.sum(-1), atol=1e-5)
+
+
+def test_mm_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    x, w, c = torch.randn(41, 37), torch.randn(29, 37), torch.randn(41, 29)
+    full = mm(x, w, c)
+    assert (full - torch.addmm(c, x, w.t())).abs().max() < 1e-4
+    for lo, hi in ((0, 1), (3, 4), (5, 22), (40, 41)):
+        assert torch.equal(mm(x[lo:hi], w, c[lo:hi]), full[lo:hi])
+    y = c.clone()
+    mm(x, w, y, out=y)  # in place on c, as the engine's residual
+    assert torch.equal(y, full)
+
+
+def test_attention_decode_and_chunks_equal_packed_training():
+    torch.manual_seed(0)
+    Hq, Hk, D, BS, scale = 6, 2, 20, 4, 20**-0.5
+    lens = [13, 21, 5]
+    N = sum(lens)
+    cu = torch.tensor([0, 13, 34, 39], dtype=torch.int32)
+    q, k, v = torch.randn(N, Hq, D), torch.randn(N, Hk, D), torch.randn(N, Hk, D)
+    o, lse = attention_exact_varlen(q, k, v, cu, 21, scale)
+    o_ref, lse_ref = attention_fwd_ref(q, k, v, cu, 21, scale)
+    assert (o - o_ref).abs().max() < 1e-5 and (lse - lse_ref).abs().max() < 1e-5
+    alone, _ = attention_exact_varlen(q[13:34], k[13:34], v[13:34], torch.tensor([0, 21], dtype=torch.int32),
+                                      21, scale)
+    assert torch.equal(alone, o[13:34])
+    blocks = [7, 2, 11, 0, 5, 9]  # sequence 1 in scattered cache blocks
+    kc, vc = torch.zeros(16, BS, Hk, D), torch.zeros(16, BS, Hk, D)
+    for p in range(21):
+        kc[blocks[p // BS], p % BS], vc[blocks[p // BS], p % BS] = k[13 + p], v[13 + p]
+    bt = torch.tensor([blocks], dtype=torch.int32)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    for L in (1, 4, 5, 16, 17, 21):  # decode at every kind of position
+        od = attention_exact_paged(q[12 + L:13 + L], kc, vc, bt, one, torch.tensor([L], dtype=torch.int32), 1, scale)
+        assert torch.equal(od[0], o[12 + L])
+    chunk = attention_exact_paged(q[19:28], kc, vc, bt, torch.tensor([0, 9], dtype=torch.int32),
+                                  torch.tensor([15], dtype=torch.int32), 9, scale)  # a prefill chunk
+    assert torch.equal(chunk, o[19:28])
+
+
+def test_token_logprob_equals_the_trainer_head(exact):
+    torch.manual_seed(0)
+    h, W = torch.randn(23, 40), torch.randn(257, 40)
+    tgt = torch.randint(0, 257, (23,))
+    lp, _, _ = logprob_fwd(h, W, tgt, 0.7)
+    for lo, hi in ((0, 23), (4, 5), (10, 17)):
+        got = token_logprob(mm(h[lo:hi], W), tgt[lo:hi], torch.full((hi - lo,), 0.7))
+        assert torch.equal(got, lp[lo:hi])
+
+
+def test_forward_is_batch_invariant(model, exact):
+    torch.manual_seed(1)
+    seqs = [torch.randint(0, 257, (n,)).tolist() for n in (13, 29, 7, 40)]
+    tokens, cu = _packed(seqs)
+    lp = model.forward(tokens, cu, temperature=0.7, grad=False)
+    lp_e, _ = model.forward(tokens, cu, temperature=0.7, return_entropy=True, grad=False)
+    assert torch.equal(lp_e, lp)
+    for i, s in enumerate(seqs):
+        for L in {len(s), 2, len(s) // 2 + 1}:  # alone, and every prefix of it
+            t1, c1 = _packed([s[:L]])
+            assert torch.equal(model.forward(t1, c1, temperature=0.7, grad=False), lp[cu[i]:cu[i] + L])
+
+
+def _assert_engine_equals_forward(model, gens, prompts, n, temperature):
+    seqs = [p + toks for p, (toks, _) in zip([p for p in prompts for _ in range(n)], gens)]
+    tokens, cu = _packed(seqs)
+    lp = model.forward(tokens, cu, temperature=temperature, grad=False)
+    for k, (p, (toks, lps)) in enumerate(zip([p for p in prompts for _ in range(n)], gens)):
+        start = int(cu[k]) + len(p)
+        assert torch.equal(torch.tensor(lps, dtype=torch.float32), lp[start:start + len(toks)]), k
+
+
+@pytest.mark.parametrize("engine", [
+    {"num_kv_blocks": 64},
+    {"num_kv_blocks": 80, "block_size": 4, "max_num_batched_tokens": 7},  # chunked prefill mixed with decode
+    {"num_kv_blocks": 12, "block_size": 4, "max_num_batched_tokens": 64},  # preemption and recompute
+    {"num_kv_blocks": 64, "block_size": 4, "max_num_seqs": 3},  # a few sequences a step
+], ids=["plain", "chunked", "preempt", "max_num_seqs"])
+def test_engine_logprobs_equal_forward_and_do_not_depend_on_batching(model, exact, engine):
+    gens, llm = _generate(model, PROMPTS, **engine)
+    _assert_engine_equals_forward(model, gens, PROMPTS, SP.n, SP.temperature)
+    if engine["num_kv_blocks"] == 12:
+        assert llm.stats["preemptions"] > 0
+    alone = [g for p in PROMPTS for g in _generate(model, [p], num_kv_blocks=64)[0]]
+    assert gens == alone  # tokens and logprobs, each request alone vs in this engine's batches
+
+
+def test_prefix_sharing_and_many_samples(model, exact):
+    """n = 5 forks of one prompt (shared blocks, copy-on-write); then, one sequence a step, a
+    second request whose first 36 tokens come from the first's cached blocks."""
+    a, b = list(range(3, 40)), list(range(3, 40)) + [9, 9]
+    sp = SamplingParams(n=5, temperature=1.0, max_tokens=5, ignore_eos=True, seed=2, logprobs=True)
+    gens, _ = _generate(model, [a, b], sp, num_kv_blocks=64, block_size=4)
+    _assert_engine_equals_forward(model, gens, [a, b], 5, 1.0)
+    sp1 = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=2, logprobs=True)
+    gens, llm = _generate(model, [a, b], sp1, num_kv_blocks=64, block_size=4, max_num_seqs=1)
+    assert llm.stats["cached_tokens"] == 36
+    _assert_engine_equals_forward(model, gens, [a, b], 1, 1.0)
+
+
+def test_default_mode_is_not_exact(model):
+    """The point of the mode: the default engine's logprobs are not the trainer's bits."""
+    assert not is_exact()
+    gens, _ = _generate(model, PROMPTS, num_kv_blocks=64)
+    seqs = [p + t for p, (t, _) in zip([p for p in PROMPTS for _ in range(2)], gens)]
+    tokens, cu = _packed(seqs)
+    lp = model.forward(tokens, cu, temperature=SP.temperature, grad=False)
+    diffs = [lp[int(cu[k]) + len(p):int(cu[k]) + len(p) + len(t)] - torch.tensor(lps)
+             for k, (p, (t, lps)) in enumerate(zip([p for p in PROMPTS for _ in range(2)], gens))]
+    d = torch.cat(diffs).abs()
+    assert d.max() < 1e-4 and (d > 0).any()
+
+
+def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
+    """`exact: true` in a GRPO config: at the first update (the policy that sampled) the
+    trainer's logprob of every completion token is the engine's sampling logprob, bit for bit,
+    so the PPO ratio is exactly 1; in the default mode it is not."""
+    import rlcu.train.rl_trainer as rt
+    from rlcu.config import _build
+    from rlcu.data import synthetic as syn
+    from rlcu.train.grpo import GRPOTrainer
+    from rlcu.train.rl_config import GRPOConfig
+
+    tok = syn.make_tokenizer()
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "max_position_embeddings": 32, "tie_word_embeddings": True,
+            "rope_theta": 10000.0, "bos_token_id": None, "vocab_size": tok.vocab_size,
+            "eos_token_id": tok.eos_token_id}
+
+    def _trainer(out, **kw):
+        cfg = _build(GRPOConfig, {
+            "model": {"tiny": tiny, "init_seed": 3}, "steps": 1, "prompts_per_step": 4, "group_size": 4,
+            "max_new_tokens": 4, "micro_batch_tokens": 64, "optim": {"lr": 3e-3},
+            "rewards": [{"fn": "rlcu.data.synthetic:exact_match_reward"}], "engine": {"block_size": 16}, "seed": 5,
+            "log": {"out_dir": str(out), "progress": False, "tensorboard": False, "plot": False},
+            "checkpoint": {"save_at_end": False}, **kw})
+        return GRPOTrainer(cfg, syn.sort_rows(64, "train", min_len=2, max_len=3), tokenizer=tok)
+
+    seen = []
+
+    def spy(lp, old_lp, ref, adv, w, *a, **kw):
+        seen.append((lp.clone(), old_lp.clone(), w > 0))
+        return policy_loss(lp, old_lp, ref, adv, w, *a, **kw)
+
+    policy_loss = rt.policy_loss
+    monkeypatch.setattr(rt, "policy_loss", spy)
+    was = is_exact()
+    try:
+        for exact_on in (True, False):
+            set_exact(False)
+            seen.clear()
+            tr = _trainer(tmp_path / str(exact_on), exact=exact_on, temperature=0.9)
+            assert is_exact() == exact_on
+            tr.train()
+            lp, old, on = (torch.cat(x) for x in zip(*seen))
+            assert on.sum() > 20
+            if exact_on:
+                assert torch.equal(lp[on], old[on])
+            else:
+                assert not torch.equal(lp[on], old[on]) and (lp[on] - old[on]).abs().max() < 1e-4
+    finally:
+        set_exact(was)
+
+
+@pytest.mark.parametrize("ckpt", [True, "attention", False])
+def test_exact_gradients_match_the_default_mode(ckpt):
+    """The backward is the default one over the exact forward's saved tensors (attention's o and
+    lse included): the same gradient up to rounding, and lp close to the default's."""
+    m = tiny_model(**SHAPE)
+    m.gradient_checkpointing = ckpt
+    torch.manual_seed(3)
+    tokens, cu = _packed([torch.randint(0, 257, (n,)).tolist() for n in (11, 30, 4)])
+    grads, lps = [], []
+    was = is_exact()
+    try:
+        for on in (False, True):
+            set_exact(on)
+            m.zero_grad()
+            lp = m.forward(tokens, cu, temperature=0.9)
+            m.backward(torch.linspace(-1, 1, lp.numel()))
+            grads.append(m.grad_flat.clone())
+            lps.append(lp)
+    finally:
+        set_exact(was)
+    assert (lps[0] - lps[1]).abs().max() < 1e-5
+    assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-5
