@@ -1,0 +1,175 @@
+"""The services' one front door: authority, validation, operation ids, error replies.
+
+The socket server (server.py) and the Ray actor (ray_backend.py) both put a `Front` before
+their `Core`, so both answer every message the same way:
+
+    front = Front(core, token)
+    caller = front.authenticate(head)            # from the head alone (before any body is read)
+    reply = front.handle(msg, caller)            # never raises
+
+Authority. The service `token` is admin authority: register a job, cancel any job, drain,
+read status. A job's own operations (request, withdraw, release, work, heartbeat, wait,
+finish, cancelling itself, attaching to it) need that job's *secret*, which `register`
+returns: the token alone does not act for a job, so one job's process cannot release,
+heartbeat or attach to another's. A job's secret is HMAC(key, name), the key derived from
+the token (a restarted service on the same state knows every job's secret; a new token
+revokes them all).
+
+Operation ids. A mutating op may carry an `id` made by the client; the reply to the first
+call with that id is kept (per job, the last `keep_ops`), and a call with the same id gets
+it again instead of acting twice. A resend after a lost reply that finds no kept reply (the
+service restarted in between) carries `retry`: the front then reconciles with the state
+(a request for a phase the job already awaits or holds returns that request; a release of a
+lease already ended, or a finish of a job already ended, succeeds).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import secrets
+import threading
+
+from rlcu.sched.protocol import (
+    ADMIN_OPS,
+    JOB_OPS,
+    MUTATING,
+    SchedError,
+    error,
+    validate,
+)
+
+LIVE = ("queued", "running")
+ADMIN = None  # the caller who gave the service token
+
+
+class Front:
+    def __init__(self, core, token: str | None, keep_ops: int = 64):
+        """token None: no service token (a Ray actor reached only from its cluster): every
+        caller who gives no job secret has admin authority."""
+        self.core, self.token = core, token
+        seed = token.encode() if token is not None else secrets.token_bytes(32)
+        self._key = hashlib.sha256(b"rlcu-sched job secrets\0" + seed).digest()
+        self.keep_ops = keep_ops
+        self.draining = False
+        self._ops: dict[str, collections.OrderedDict] = {}  # job -> op id -> reply
+        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ authority
+    def secret(self, job: str) -> str:
+        return hmac.new(self._key, job.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def authenticate(self, head: dict):
+        """ADMIN (the service token) or the job name (its secret); SchedError code "auth"."""
+        sec, tok, job = head.get("secret"), head.get("token"), head.get("job")
+        if sec is not None:
+            if isinstance(sec, str) and isinstance(job, str) and hmac.compare_digest(sec.encode(),
+                                                                                     self.secret(job).encode()):
+                return job
+            raise SchedError("bad job secret (the one `register` returned for this job)", "auth")
+        if self.token is None or (isinstance(tok, str) and hmac.compare_digest(tok.encode(), self.token.encode())):
+            return ADMIN
+        raise SchedError("bad or missing token (see <state>/token, --token-file or $RLCU_SCHED_TOKEN)", "auth")
+
+    def _authorize(self, op: str, args: dict, caller) -> None:
+        job = args.get("job")
+        if caller is not ADMIN and job != caller:
+            raise SchedError(f"the secret of job {caller!r} gives no authority over job {job!r}", "auth")
+        if op in JOB_OPS and caller is ADMIN:
+            raise SchedError(f"op {op!r} acts for job {job!r}: it needs the job's secret (returned by register), "
+                             "not the service token", "auth")
+        if op in ADMIN_OPS and caller is not ADMIN:
+            raise SchedError(f"op {op!r} needs the service token", "auth")
+        if op == "register" and caller is not ADMIN and not args.get("attach"):
+            raise SchedError(f"job {job!r} exists: its secret only attaches to it (attach: true)", "auth")
+
+    # ------------------------------------------------------------------ dispatch
+    def handle(self, msg, caller=ADMIN, authenticated: bool = False) -> dict:
+        """One message -> one reply; never raises. Without `authenticated` the message's own
+        token/secret is checked first (the Ray actor's path)."""
+        try:
+            if not authenticated:
+                caller = self.authenticate(msg if isinstance(msg, dict) else {})
+            op, args = validate(msg)
+            self._authorize(op, args, caller)
+            if op in MUTATING and "id" in msg:
+                return self._once(op, args, msg, caller)
+            return self._do(op, args, msg, caller)
+        except SchedError as e:
+            return error(str(e), e.code)
+        except Exception as e:  # noqa: BLE001  (a defect: the caller gets a reply, not a dead connection)
+            op = msg.get("op") if isinstance(msg, dict) else None
+            return error(f"op {op!r:.40} failed inside the service: {type(e).__name__}: {e}", "internal")
+
+    def _job_lock(self, job: str) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(job, threading.Lock())
+
+    def _once(self, op: str, args: dict, msg: dict, caller) -> dict:
+        scope = args.get("job", "")
+        with self._job_lock(scope):
+            kept = self._ops.get(scope, {})
+            if msg["id"] in kept:
+                return {**kept[msg["id"]], "replayed": True}
+            reply = self._do(op, args, msg, caller)
+            if reply.get("code") not in ("unavailable", "busy", "internal"):
+                kept = self._ops.setdefault(scope, collections.OrderedDict())
+                kept[msg["id"]] = reply
+                while len(kept) > self.keep_ops:
+                    kept.popitem(last=False)
+            return reply
+
+    def _core(self, op: str, **args) -> dict:
+        return self.core.handle({"op": op, **args})
+
+    def _do(self, op: str, args: dict, msg: dict, caller) -> dict:
+        if op == "drain":
+            self.draining = bool(args.get("on", True))
+            return {"ok": True, "draining": self.draining}
+        if op == "register":
+            return self._register(args, caller)
+        if msg.get("retry"):
+            done = self._reconcile(op, args)
+            if done is not None:
+                return done
+        reply = self._core(op, **args)
+        if op in ("ping", "status") and reply.get("ok"):
+            reply["draining"] = self.draining
+        return reply
+
+    def _register(self, args: dict, caller) -> dict:
+        job = args["job"]
+        with self._job_lock(job):
+            known = self._core("heartbeat", job=job) if args.get("attach") else None
+            if known is not None and known.get("ok"):
+                if caller is ADMIN and known["state"] != "queued" and self.token is not None:
+                    raise SchedError(f"job {job!r} is {known['state']}: attaching to it needs its secret", "auth")
+            elif self.draining:
+                raise SchedError("the scheduler is draining: it takes no new job", "draining")
+            reply = self._core("register", **args)
+            if reply.get("ok"):
+                reply["secret"] = self.secret(job)
+            return reply
+
+    def _reconcile(self, op: str, args: dict) -> dict | None:
+        """What a resent op already did, when the state shows it (None: do it now)."""
+        job = args.get("job")
+        if op not in ("request", "release", "withdraw", "finish", "cancel") or job is None:
+            return None
+        v = self._core("heartbeat", job=job)
+        if not v.get("ok"):
+            return None
+        if op == "request":
+            held = [p["id"] for p in v["pending"] if p["phase"] == args["phase"]]
+            held += [le["request"] for le in v["leases"] if le["phase"] == args["phase"] and le["request"]]
+            return {**v, "request": held[0], "reconciled": True} if held else None
+        if op == "release":
+            gone = all(le["id"] != args["lease"] for le in v["leases"])
+            return {**v, "reconciled": True} if gone and v["state"] in LIVE else None
+        if op == "withdraw":
+            gone = all(p["id"] != args["request"] for p in v["pending"])
+            return {**v, "reconciled": True} if gone and v["state"] in LIVE else None
+        ended = v["state"] in ("done", "failed") if op == "finish" else v["state"] == "cancelled"
+        return {**v, "reconciled": True} if ended else None
