@@ -54,7 +54,7 @@ class Front:
         self.keep_ops = keep_ops
         self.draining = False
         self._ops: dict[str, collections.OrderedDict] = {}  # job -> op id -> reply
-        self._locks: dict[str, threading.Lock] = {}
+        self._locks: dict[str, threading.RLock] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ authority
@@ -103,9 +103,9 @@ class Front:
             op = msg.get("op") if isinstance(msg, dict) else None
             return error(f"op {op!r:.40} failed inside the service: {type(e).__name__}: {e}", "internal")
 
-    def _job_lock(self, job: str) -> threading.Lock:
+    def _job_lock(self, job: str):
         with self._lock:
-            return self._locks.setdefault(job, threading.Lock())
+            return self._locks.setdefault(job, threading.RLock())
 
     def _once(self, op: str, args: dict, msg: dict, caller) -> dict:
         scope = args.get("job", "")
