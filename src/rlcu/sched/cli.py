@@ -313,7 +313,14 @@ def _trace(a) -> int:
 
 def _simulate(a) -> int:
     from rlcu.sched.metrics import write_trace
-    from rlcu.sched.simulator import TraceError, load_trace, public, report, simulate, trace_of
+    from rlcu.sched.simulator import (
+        TraceError,
+        load_trace,
+        public,
+        report,
+        simulate,
+        trace_of,
+    )
 
     try:
         res = simulate(load_trace(a.trace), a.policy)

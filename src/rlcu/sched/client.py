@@ -88,15 +88,19 @@ def find_token(addr: str, token: str | None = None, token_file: str | Path | Non
 
 class SocketTransport:
     """One call = one connection: connect (retrying a refused or full socket within
-    retry_s), send the frames, read one reply line."""
+    retry_s; a service never reached yet: within first_s), send the frames, read one reply
+    line."""
 
-    def __init__(self, addr: str, token: str | None, timeout: float = 30.0, retry_s: float = 10.0):
+    def __init__(self, addr: str, token: str | None, timeout: float = 30.0, retry_s: float = 10.0,
+                 first_s: float = 2.0):
         self.kind, self.where = parse_address(addr)
         if self.kind == "ray":
             raise SchedError("a ray: address needs RayTransport")
-        self.token, self.timeout, self.retry_s = token, timeout, retry_s
+        self.token, self.timeout, self.retry_s, self.first_s = token, timeout, retry_s, first_s
+        self.reached = False  # a reply came once: a later refusal is a restart, worth riding out
 
     def _connect(self, timeout: float, end: float) -> socket.socket:
+        first_end = time.monotonic() + self.first_s
         while True:
             try:
                 if self.kind == "tcp":
@@ -111,7 +115,8 @@ class SocketTransport:
                 return s
             except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BlockingIOError) as e:
                 # (BlockingIOError: a Unix socket's listen backlog is full; the service is busy, not gone)
-                if time.monotonic() >= end:
+                now = time.monotonic()
+                if now >= end or (not self.reached and not isinstance(e, BlockingIOError) and now >= first_end):
                     if isinstance(e, BlockingIOError):
                         raise SchedError(f"the scheduler at {self.kind}:{self.where} accepted no connection "
                                          f"for {self.retry_s:g} s (its listen backlog stayed full)",
@@ -138,6 +143,7 @@ class SocketTransport:
                         raise SchedError("the scheduler's reply is too long", "protocol")
         except OSError as e:  # reset or timed out mid-call (a service going down)
             raise SchedError(f"lost the scheduler at {self.kind}:{self.where}: {e}", "unavailable") from None
+        self.reached = True
         try:
             return json.loads(buf)
         except ValueError as e:
@@ -226,7 +232,7 @@ class SchedClient:
             try:
                 reply = self.transport.call(msg, max(0.0, end - time.monotonic()))
             except SchedError as e:
-                if e.code not in _RETRY_CODES or time.monotonic() >= end:
+                if e.code not in _RETRY_CODES or time.monotonic() >= end or not getattr(self.transport, "reached", 1):
                     raise
                 reply = None
             if reply is not None and (reply.get("ok") or reply.get("code") not in _RETRY_CODES

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import reprlib
 from pathlib import Path
 
 MAX_HEAD = 4096  # bytes of the head line (auth) read before the sender is known
@@ -289,7 +290,16 @@ def _field(check, v, what: str):
     try:
         return check(v)
     except _Bad as e:
-        raise SchedError(f"{what} {e}, got {v!r:.80}", "invalid") from None
+        raise SchedError(f"{what} {e}, got {short(v)}", "invalid") from None
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def short(v) -> str:
+    """A bounded repr (of any depth or size) for error messages."""
+    return _REPR.repr(v)
 
 
 _DEVICES = _int(1, MAX_DEVICES)
@@ -337,11 +347,11 @@ def validate(msg) -> tuple[str, dict]:
         raise SchedError("a message is a JSON object with an 'op'", "protocol")
     op = msg.get("op")
     if not isinstance(op, str) or op not in OPS:
-        raise SchedError(f"unknown op {op!r:.40}; ops: {', '.join(sorted(OPS))}", "protocol")
+        raise SchedError(f"unknown op {short(op)}; ops: {', '.join(sorted(OPS))}", "protocol")
     need, may = OPS[op]
     for k in msg:
         if k != "op" and k not in need and k not in may and k not in AUTH_FIELDS:
-            raise SchedError(f"op {op!r} takes no argument {k!r:.40} (takes: {', '.join(need + may) or 'none'})",
+            raise SchedError(f"op {op!r} takes no argument {short(k)} (takes: {', '.join(need + may) or 'none'})",
                              "protocol")
     for k in need:
         if k not in msg:

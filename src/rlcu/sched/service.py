@@ -37,6 +37,7 @@ from rlcu.sched.protocol import (
     MUTATING,
     SchedError,
     error,
+    short,
     validate,
 )
 
@@ -80,8 +81,6 @@ class Front:
         if op in JOB_OPS and caller is ADMIN:
             raise SchedError(f"op {op!r} acts for job {job!r}: it needs the job's secret (returned by register), "
                              "not the service token", "auth")
-        if op in ADMIN_OPS and caller is not ADMIN:
-            raise SchedError(f"op {op!r} needs the service token", "auth")
         if op == "register" and caller is not ADMIN and not args.get("attach"):
             raise SchedError(f"job {job!r} exists: its secret only attaches to it (attach: true)", "auth")
 
@@ -92,6 +91,8 @@ class Front:
         try:
             if not authenticated:
                 caller = self.authenticate(msg if isinstance(msg, dict) else {})
+            if msg.get("op") in ADMIN_OPS and caller is not ADMIN:
+                raise SchedError(f"op {msg['op']!r} needs the service token", "auth")
             op, args = validate(msg)
             self._authorize(op, args, caller)
             if op in MUTATING and "id" in msg:
@@ -101,7 +102,7 @@ class Front:
             return error(str(e), e.code)
         except Exception as e:  # noqa: BLE001  (a defect: the caller gets a reply, not a dead connection)
             op = msg.get("op") if isinstance(msg, dict) else None
-            return error(f"op {op!r:.40} failed inside the service: {type(e).__name__}: {e}", "internal")
+            return error(f"op {short(op)} failed inside the service: {type(e).__name__}: {e}", "internal")
 
     def _job_lock(self, job: str):
         with self._lock:
