@@ -132,8 +132,14 @@ class SocketTransport:
         end = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
         try:
             with self._connect(self.timeout + wait, end) as s:
-                s.sendall(encode(msg))
+                self.reached = True  # something listens: a refusal from now on is a restart
                 buf = bytearray()
+                try:
+                    s.sendall(encode(msg))
+                except OSError:  # refused mid-send (busy, or a head too long): its reply may be there
+                    buf += s.recv(1 << 16)
+                    if not buf:
+                        raise
                 while not buf.endswith(b"\n"):
                     chunk = s.recv(1 << 16)
                     if not chunk:
@@ -143,7 +149,6 @@ class SocketTransport:
                         raise SchedError("the scheduler's reply is too long", "protocol")
         except OSError as e:  # reset or timed out mid-call (a service going down)
             raise SchedError(f"lost the scheduler at {self.kind}:{self.where}: {e}", "unavailable") from None
-        self.reached = True
         try:
             return json.loads(buf)
         except ValueError as e:
