@@ -162,13 +162,13 @@ class RayTransport:
     def __init__(self, target, token: str | None = None):
         self.token = token
         if isinstance(target, str):
-            ray = _ray()
+            ray = import_ray()
             self.actor = ray.get_actor(parse_address(target)[1], namespace=RAY_NAMESPACE)
         else:
             self.actor = target
 
     def call(self, msg: dict, retry_s: float | None = None) -> dict:
-        ray = _ray()
+        ray = import_ray()
         if "token" not in msg and "secret" not in msg and self.token is not None:
             msg = {**msg, "token": self.token}
         try:
@@ -177,7 +177,7 @@ class RayTransport:
             raise SchedError(f"the scheduler actor is gone: {e}", "unavailable") from None
 
 
-def _ray():
+def import_ray():
     try:
         import ray
     except ImportError:

@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 
-from rlcu.sched.client import RAY_NAMESPACE, RayTransport, _ray
+from rlcu.sched.client import RAY_NAMESPACE, RayTransport, import_ray
 from rlcu.sched.core import Core
 from rlcu.sched.service import Front
 
@@ -71,7 +71,7 @@ def start_actor(capacity, names=None, *, name: str = "rlcu-sched", policy: str =
     """Start the scheduler actor (named, in namespace "rlcu"); returns its handle. token:
     the admin token callers must give (None: anyone on the Ray cluster is admin; jobs still
     act only with their secrets)."""
-    ray = _ray()
+    ray = import_ray()
     cls = ray.remote(num_cpus=0, max_concurrency=256)(_CoreActor)
     opts = {"name": name, "namespace": NAMESPACE}
     if detached:
@@ -83,13 +83,13 @@ def start_actor(capacity, names=None, *, name: str = "rlcu-sched", policy: str =
 
 
 def get_actor(name: str = "rlcu-sched"):
-    return _ray().get_actor(name, namespace=NAMESPACE)
+    return import_ray().get_actor(name, namespace=NAMESPACE)
 
 
 def ray_gpu_pool(mem_gib: float | None = None) -> tuple[list[float], list[str]]:
     """Every GPU of every alive node: capacities (GiB; probed on each node unless given) and
     names "NODE_ID/cuda:K"."""
-    ray = _ray()
+    ray = import_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0, num_gpus=0)
@@ -116,7 +116,7 @@ def serve_ray(capacity, names, *, name: str = "rlcu-sched", policy: str = "phase
               heartbeat_timeout: float = 30.0, state=None, token: str | None = None) -> int:
     """The CLI's `serve --ray`: join (or start) a Ray cluster, start the named actor, stay
     until interrupted (the actor lives while this process does)."""
-    ray = _ray()
+    ray = import_ray()
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, log_to_driver=False)
     if capacity is None:
         capacity, names = ray_gpu_pool()

@@ -10,7 +10,7 @@ secret, asks for init again on those devices and goes on as any job does (rlcu.s
 
 from __future__ import annotations
 
-from rlcu.sched.client import SchedClient, _ray
+from rlcu.sched.client import SchedClient, import_ray
 
 
 class _GRPOJobActor:
@@ -38,7 +38,7 @@ def launch_grpo(config, name: str, *, addr: str = "ray:rlcu-sched", overrides=()
                 **trainer_kw):
     """Place a GRPO job (its init phase, from here), then run it as a Ray actor on the node
     of its leased device. Returns (actor, ObjectRef of its last metrics)."""
-    ray = _ray()
+    ray = import_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rlcu.sched.job import job_memory
