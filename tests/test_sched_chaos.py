@@ -117,6 +117,49 @@ def audit(db_path: Path) -> dict:
     return {"leases": len(rows), "jobs": len(jobs), "states": sorted(set(jobs.values()))}
 
 
+def test_calls_in_flight_ride_out_a_kill9_restart(tmp_path):
+    """A job waiting for a phase and a release sent while the service is down both go on
+    once the service is back on the same state (they used to fail, or wait out 30 s)."""
+    import threading
+
+    state = tmp_path / "state"
+    svc = Service(state, f"unix:{state / 'sched.sock'}")
+    svc.start()
+    try:
+        c = SchedClient(svc.addr, TOKEN, retry_s=20)
+        holder, waiter = c.job("holder", {"c": 2}, heartbeat_s=0.2), c.job("waiter", {"c": 2}, heartbeat_s=0.2)
+        held = holder.acquire("actor_train")  # both devices
+        got, errs = [], []
+
+        def run(fn, *a):
+            try:
+                got.append(fn(*a))
+            except Exception as e:  # noqa: BLE001  (reported below)
+                errs.append(e)
+
+        w = threading.Thread(target=run, args=(waiter.acquire, "actor_train"))
+        w.start()
+        time.sleep(0.3)  # the waiter is in a long poll
+        svc.kill9()
+        r = threading.Thread(target=run, args=(holder.release, held))  # sent while the service is down
+        r.start()
+        time.sleep(0.5)
+        t = time.monotonic()
+        svc.start()
+        r.join(20)
+        w.join(20)
+        assert not errs, errs
+        lease = next(x for x in got if x is not None)  # (the release returns None)
+        assert len(got) == 2 and lease.phase == "actor_train" and time.monotonic() - t < 10
+        waiter.release(lease)
+        holder.finish()
+        waiter.finish()
+        assert c.retries >= 1  # (the long poll cut by the kill; refused connects are retried inside a call)
+    finally:
+        svc.kill9()
+    audit(state / "sched.db")
+
+
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
 def test_chaos_kill9_service_and_jobs(tmp_path, kind):
     state = tmp_path / "state"

@@ -112,7 +112,7 @@ def test_deep_nesting_is_an_error_reply(service):
 
 
 def test_a_handler_error_is_an_error_reply(service, monkeypatch):
-    srv, c = service()
+    srv, _ = service()
 
     def broken():
         raise OverflowError("Python int too large to convert to SQLite INTEGER")
@@ -154,7 +154,7 @@ def test_validate_names_the_op_and_field():
 
 
 def test_a_large_message_goes_as_head_and_body(service):
-    srv, c = service()
+    _, c = service()
     spec = {"notes": "x" * 50_000}
     assert len(encode({"op": "register", "job": "a", "clusters": {"c": 1}, "spec": spec}).split(b"\n")[0]) < MAX_HEAD
     j = c.job("a", {"c": 1}, spec=spec, heartbeat_s=10)
@@ -193,7 +193,7 @@ def test_a_job_acts_only_for_itself(service):
 
 
 def test_lease_lost_and_drain(service):
-    srv, admin = service(capacity=(1.0,))
+    _, admin = service(capacity=(1.0,))
     a = admin.job("a", {"c": 1}, heartbeat_s=10, poll_s=0.0)
     le = a.acquire("rollout")
     assert not a.should_yield(le)
@@ -221,7 +221,7 @@ def test_submitted_job_attaches_with_its_secret(service):
 
 # ---------------------------------------------------------------------- item 4: operation ids
 def test_a_resent_op_returns_the_first_reply(service):
-    srv, c = service(capacity=(1.0,))
+    _, c = service(capacity=(1.0,))
     a = c.job("a", {"c": 1}, heartbeat_s=10)
     tr = c.transport
     msg = {"op": "request", "job": "a", "secret": a.secret, "phase": "actor_train", "id": "op-1"}
@@ -238,3 +238,47 @@ def test_a_resent_op_returns_the_first_reply(service):
     assert tr.call({**rel, "id": "op-5", "retry": True})["reconciled"]
     assert not tr.call({**rel, "id": "op-6"})["ok"]  # a new release of it is an error
     a.finish()
+
+
+def test_a_committed_op_whose_reply_is_lost_is_not_done_twice(service, monkeypatch):
+    """The reply is lost after the op took effect (a service going down): the client resends
+    with the same id, marked as a retry, and gets what the first call did. This used to fail
+    with "already holds or awaits phase" and "already released"."""
+    from rlcu.sched.protocol import error
+
+    srv, c = service(capacity=(1.0,))
+    a = c.job("a", {"c": 1}, heartbeat_s=10)
+    real, lost = srv.front._do, []
+
+    def lossy(op, args, msg, caller):
+        reply = real(op, args, msg, caller)
+        if op in ("request", "release") and op not in lost:
+            lost.append(op)
+            return error("the connection dropped", "unavailable")
+        return reply
+
+    monkeypatch.setattr(srv.front, "_do", lossy)
+    le = a.acquire("actor_train")
+    a.release(le)
+    assert lost == ["request", "release"] and c.retries == 2
+    st = c.status()
+    assert st["devices"][0]["used"] == 0.0 and st["jobs"][0]["waiting"] == []
+    a.finish()
+
+
+def test_a_view_version_from_before_a_restart_is_not_current(tmp_path):
+    """Versions used to restart at 0 with the service: a job waiting on the version it saw
+    before the restart slept through the change that gave it the same number again."""
+    from rlcu.sched.service import Front
+
+    core = Core([1.0], state=tmp_path / "s.db")
+    v = Front(core, "t").handle({"op": "register", "token": "t", "job": "a", "clusters": {"c": 1}})
+    core.close()
+    core = Core(None, state=tmp_path / "s.db")  # the restarted service
+    front = Front(core, "t")
+    auth = {"job": "a", "secret": v["secret"]}
+    assert front.handle({"op": "request", "phase": "actor_train", **auth})["ok"]  # granted: the view changes
+    t = time.monotonic()
+    r = front.handle({"op": "wait", "version": v["version"], "timeout": 3.0, **auth})
+    assert r["ok"] and r["leases"] and time.monotonic() - t < 1.0
+    core.close()

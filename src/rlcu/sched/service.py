@@ -54,6 +54,9 @@ class Front:
         self._key = hashlib.sha256(b"rlcu-sched job secrets\0" + seed).digest()
         self.keep_ops = keep_ops
         self.draining = False
+        # a job's view version, as callers see it, is the core's plus a base drawn per start: a
+        # version a client kept from before a restart is then never taken for a current one
+        self._base = (secrets.randbelow(1 << 40) + 1) << 20
         self._ops: dict[str, collections.OrderedDict] = {}  # job -> op id -> reply
         self._locks: dict[str, threading.RLock] = {}
         self._lock = threading.Lock()
@@ -135,9 +138,17 @@ class Front:
             done = self._reconcile(op, args)
             if done is not None:
                 return done
+        if "version" in args:
+            v = args["version"] - self._base
+            args = {**args, "version": v if 0 <= v < 1 << 20 else -2}  # (-2: no version: answer at once)
         reply = self._core(op, **args)
         if op in ("ping", "status") and reply.get("ok"):
             reply["draining"] = self.draining
+        return self._out(reply)
+
+    def _out(self, reply: dict) -> dict:
+        if isinstance(reply.get("version"), int):
+            reply["version"] += self._base
         return reply
 
     def _register(self, args: dict, caller) -> dict:
@@ -149,7 +160,7 @@ class Front:
                     raise SchedError(f"job {job!r} is {known['state']}: attaching to it needs its secret", "auth")
             elif self.draining:
                 raise SchedError("the scheduler is draining: it takes no new job", "draining")
-            reply = self._core("register", **args)
+            reply = self._out(self._core("register", **args))
             if reply.get("ok"):
                 reply["secret"] = self.secret(job)
             return reply
@@ -159,7 +170,7 @@ class Front:
         job = args.get("job")
         if op not in ("request", "release", "withdraw", "finish", "cancel") or job is None:
             return None
-        v = self._core("heartbeat", job=job)
+        v = self._out(self._core("heartbeat", job=job))
         if not v.get("ok"):
             return None
         if op == "request":
