@@ -44,7 +44,7 @@ def wait_for(cond, timeout=5.0):
 
 
 def test_phases_share_and_yield(service):
-    srv, c = service()
+    _srv, c = service()
     spec = {"actor": {"devices": 1, "resident": 10, "peak": 40}}
     a, b = c.job("a", spec, heartbeat_s=0.2), c.job("b", spec, heartbeat_s=0.2)
     for j in (a, b):
@@ -76,7 +76,7 @@ def test_restart_recovers_jobs_requests_and_leases(service):
     la = a.acquire("actor_train")  # whole device
     rid = c.call("request", job="b", phase="values")["request"]
     srv.stop()  # the service dies with a lease held and a request pending
-    srv2, c2 = service(capacity=None)  # same state folder: the pool comes from the database
+    _srv2, c2 = service(capacity=None)  # same state folder: the pool comes from the database
     st = {j["job"]: j for j in c2.status()["jobs"]}
     assert st["a"]["phases"] == ["actor_train"] and st["b"]["waiting"][0]["phase"] == "values"
     a.release(la)  # the old handle finds the new service
@@ -96,7 +96,7 @@ def test_state_of_another_pool_is_refused(tmp_path):
 
 
 def test_dead_job_lease_reclaimed(service):
-    srv, c = service(capacity=(1.0,), hb=0.4)
+    _srv, c = service(capacity=(1.0,), hb=0.4)
     a = c.job("a", {"c": 1}, heartbeat_s=0.1)
     b = c.job("b", {"c": 1}, heartbeat_s=0.1)
     la = a.acquire("actor_train")
@@ -154,7 +154,7 @@ def raw(srv, msg: bytes) -> dict:
     ("request", {"job": "a", "phase": "rollout", "devices": "two"}, "devices must be an integer"),
 ])
 def test_invalid_requests(service, op, args, msg):
-    srv, c = service(capacity=(80.0, 80.0))
+    _srv, c = service(capacity=(80.0, 80.0))
     c.call("register", job="a", clusters={"c": 1})
     with pytest.raises(SchedError, match=msg):
         c.call(op, **args)
@@ -162,13 +162,13 @@ def test_invalid_requests(service, op, args, msg):
 
 
 def test_double_release_and_resident_release(service):
-    srv, c = service()
+    _srv, c = service()
     a = c.job("a", {"actor": {"devices": 1, "resident": 5}}, heartbeat_s=1)
     le = a.acquire("init", mem=1)
     a.release(le)
     with pytest.raises(SchedError, match="already released"):
         a.release(le)
-    res = [x for x in a.view["leases"] if x["phase"] == "resident"][0]
+    res = next(x for x in a.view["leases"] if x["phase"] == "resident")
     with pytest.raises(SchedError, match="resident memory .* ends with the job"):
         a.release(res["id"])
     b = c.job("b", {"c": 1}, heartbeat_s=1)

@@ -16,8 +16,9 @@ the token (a restarted service on the same state knows every job's secret; a new
 revokes them all).
 
 Operation ids. A mutating op may carry an `id` made by the client; the reply to the first
-call with that id is kept (per job, the last `keep_ops`), and a call with the same id gets
-it again instead of acting twice. A resend after a lost reply that finds no kept reply (the
+call with that id is kept (per job, the last `keep_ops`, without the view, for `keep_s` after
+the job's last op), and a call with the same id gets it again (with the job's view as it is
+now) instead of acting twice. A resend after a lost reply that finds no kept reply (the
 service restarted in between) carries `retry`: the front then reconciles with the state
 (a request for a phase the job already awaits or holds returns that request; a release of a
 lease already ended, or a finish of a job already ended, succeeds).
@@ -30,6 +31,7 @@ import hashlib
 import hmac
 import secrets
 import threading
+import time
 
 from rlcu.sched.protocol import (
     ADMIN_OPS,
@@ -42,24 +44,26 @@ from rlcu.sched.protocol import (
 )
 
 LIVE = ("queued", "running")
+_VIEW = ("job", "state", "version", "leases", "pending")  # a reply's view of its job
 ADMIN = None  # the caller who gave the service token
 
 
 class Front:
-    def __init__(self, core, token: str | None, keep_ops: int = 64):
+    def __init__(self, core, token: str | None, keep_ops: int = 8, keep_s: float = 300.0):
         """token None: no service token (a Ray actor reached only from its cluster): every
         caller who gives no job secret has admin authority."""
         self.core, self.token = core, token
         seed = token.encode() if token is not None else secrets.token_bytes(32)
         self._key = hashlib.sha256(b"rlcu-sched job secrets\0" + seed).digest()
-        self.keep_ops = keep_ops
+        self.keep_ops, self.keep_s = keep_ops, keep_s
         self.draining = False
         # a job's view version, as callers see it, is the core's plus a base drawn per start: a
         # version a client kept from before a restart is then never taken for a current one
         self._base = (secrets.randbelow(1 << 40) + 1) << 20
-        self._ops: dict[str, collections.OrderedDict] = {}  # job -> op id -> reply
-        self._locks: dict[str, threading.RLock] = {}
+        self._ops: dict[str, tuple[float, collections.OrderedDict]] = {}  # job -> (last use, op id -> reply)
+        self._stripes = [threading.RLock() for _ in range(64)]  # one job's mutating ops, one at a time
         self._lock = threading.Lock()
+        self._swept = time.monotonic()
 
     # ------------------------------------------------------------------ authority
     def secret(self, job: str) -> str:
@@ -108,21 +112,32 @@ class Front:
             return error(f"op {short(op)} failed inside the service: {type(e).__name__}: {e}", "internal")
 
     def _job_lock(self, job: str):
-        with self._lock:
-            return self._locks.setdefault(job, threading.RLock())
+        return self._stripes[hash(job) % len(self._stripes)]
 
     def _once(self, op: str, args: dict, msg: dict, caller) -> dict:
         scope = args.get("job", "")
         with self._job_lock(scope):
-            kept = self._ops.get(scope, {})
+            now = time.monotonic()
+            with self._lock:
+                kept = self._ops.get(scope, (now, {}))[1]
             if msg["id"] in kept:
-                return {**kept[msg["id"]], "replayed": True}
+                reply = {**kept[msg["id"]], "replayed": True}
+                if reply.get("ok") and scope:
+                    view = self._out(self._core("heartbeat", job=scope))
+                    reply = {**view, **reply} if view.get("ok") else reply
+                return reply
             reply = self._do(op, args, msg, caller)
             if reply.get("code") not in ("unavailable", "busy", "internal"):
-                kept = self._ops.setdefault(scope, collections.OrderedDict())
-                kept[msg["id"]] = reply
-                while len(kept) > self.keep_ops:
-                    kept.popitem(last=False)
+                with self._lock:
+                    kept = self._ops.setdefault(scope, (now, collections.OrderedDict()))[1]
+                    kept[msg["id"]] = {k: v for k, v in reply.items() if k not in _VIEW}
+                    while len(kept) > self.keep_ops:
+                        kept.popitem(last=False)
+                    self._ops[scope] = (now, kept)
+                    if now - self._swept > self.keep_s / 10:  # forget the jobs quiet for keep_s
+                        self._swept = now
+                        for k in [k for k, (t, _) in self._ops.items() if now - t > self.keep_s]:
+                            del self._ops[k]
             return reply
 
     def _core(self, op: str, **args) -> dict:
