@@ -7,8 +7,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rlcu.sched.client import JobEnded, SchedClient, SchedError
-from rlcu.sched.ray_backend import RayTransport, start_actor
+from rlcu.sched.client import JobEnded, SchedClient, SchedError  # noqa: E402
+from rlcu.sched.ray_backend import RayTransport, start_actor  # noqa: E402
 
 
 @pytest.fixture(scope="module")
