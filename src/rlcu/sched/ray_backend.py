@@ -8,6 +8,10 @@ name (the client's RayTransport):
 
     SchedClient("ray:rlcu-sched")              # from any process attached to the Ray cluster
 
+`serve --ray` gives the actor the state folder's token: registering jobs and the admin ops
+need it ($RLCU_SCHED_TOKEN where the file is not at hand); a job's own ops need only its
+secret, which `launch_grpo` hands to the job's actor.
+
 The pool is every GPU of every alive node (device names "NODE_ID/cuda:K"), or CPU slots.
 Jobs run as Ray actors with `num_gpus=0`: Ray places the process, the rlcu scheduler shares
 the GPU; `rlcu.sched.ray_launch.launch_grpo` starts a GRPO job so (a job, not a service:
