@@ -78,7 +78,14 @@ class Service:
                                       str(CAP), "--state", str(self.state), "--addr", self.addr,
                                       "--heartbeat-timeout", "2"], env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        SchedClient(self.addr, TOKEN, retry_s=10, timeout=5).ping()  # up (the client rides out its start)
+        end = time.monotonic() + 20
+        while True:  # up (a first contact gives up after 2 s: a loaded machine may take longer)
+            try:
+                SchedClient(self.addr, TOKEN, retry_s=10, timeout=5).ping()
+                return
+            except SchedError:
+                if time.monotonic() > end or self.proc.poll() is not None:
+                    raise
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

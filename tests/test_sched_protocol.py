@@ -282,3 +282,15 @@ def test_a_view_version_from_before_a_restart_is_not_current(tmp_path):
     r = front.handle({"op": "wait", "version": v["version"], "timeout": 3.0, **auth})
     assert r["ok"] and r["leases"] and time.monotonic() - t < 1.0
     core.close()
+
+
+def test_a_register_resent_after_a_restart_finds_its_job(service):
+    srv, c = service()
+    tr = c.transport
+    msg = {"op": "register", "token": TOKEN, "job": "a", "clusters": {"c": 1}, "pid": 4242, "host": "h"}
+    first = tr.call({**msg, "id": "r-1"})
+    srv.front._ops.clear()  # what a restart forgets
+    again = tr.call({**msg, "id": "r-1", "retry": True})
+    assert again["ok"] and again["reconciled"] and again["secret"] == first["secret"]
+    other = tr.call({**msg, "id": "r-2", "pid": 4243, "retry": True})  # another process: the name is taken
+    assert not other["ok"] and "already exists" in other["error"]

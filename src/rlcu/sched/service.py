@@ -148,7 +148,7 @@ class Front:
             self.draining = bool(args.get("on", True))
             return {"ok": True, "draining": self.draining}
         if op == "register":
-            return self._register(args, caller)
+            return self._register(args, caller, bool(msg.get("retry")))
         if msg.get("retry"):
             done = self._reconcile(op, args)
             if done is not None:
@@ -166,19 +166,29 @@ class Front:
             reply["version"] += self._base
         return reply
 
-    def _register(self, args: dict, caller) -> dict:
+    def _register(self, args: dict, caller, retry: bool = False) -> dict:
         job = args["job"]
         with self._job_lock(job):
-            known = self._core("heartbeat", job=job) if args.get("attach") else None
+            known = self._core("heartbeat", job=job) if args.get("attach") or retry else None
             if known is not None and known.get("ok"):
-                if caller is ADMIN and known["state"] != "queued" and self.token is not None:
-                    raise SchedError(f"job {job!r} is {known['state']}: attaching to it needs its secret", "auth")
+                if args.get("attach"):
+                    if caller is ADMIN and known["state"] != "queued" and self.token is not None:
+                        raise SchedError(f"job {job!r} is {known['state']}: attaching to it needs its secret", "auth")
+                elif self._registered_by(job, args):  # a resend whose first reply was lost in a restart
+                    return {**self._out(known), "secret": self.secret(job), "reconciled": True}
             elif self.draining:
                 raise SchedError("the scheduler is draining: it takes no new job", "draining")
             reply = self._out(self._core("register", **args))
             if reply.get("ok"):
                 reply["secret"] = self.secret(job)
             return reply
+
+    def _registered_by(self, job: str, args: dict) -> bool:
+        """Whether the live job `job` is the one these register fields made (same process)."""
+        if args.get("pid") is None:
+            return False
+        rows = [r for r in self._core("status").get("jobs", []) if r.get("job") == job]
+        return bool(rows) and rows[0].get("pid") == args["pid"] and rows[0].get("state") in LIVE
 
     def _reconcile(self, op: str, args: dict) -> dict | None:
         """What a resent op already did, when the state shows it (None: do it now)."""
