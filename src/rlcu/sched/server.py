@@ -262,7 +262,7 @@ class SchedServer:
         body, c.buf = bytes(c.buf[:c.need]), c.buf[c.need:]
         head, c.head, need, c.need = c.head, None, c.need, 0
         try:
-            msg = merge(head, decode(body, "body")) if need else head
+            msg = merge(head, decode(body, "body") if need else {})
         except SchedError as e:
             self._close(c, error(str(e), e.code))
             return
