@@ -255,6 +255,8 @@ def test_cli_submit_launches_a_command_job(service, tmp_path, capsys):
     assert main(["sched", "submit", str(job), "--addr", srv.address, "--token", TOKEN]) == 0
     assert "submitted cmd-job" in capsys.readouterr().out
     wait_for(lambda: c.status()["jobs"][0]["state"] == "done", timeout=60)
+    log = tmp_path / "logs" / "cmd-job.log"  # the worker's log is its user's alone
+    assert log.stat().st_mode & 0o777 == 0o600 and (tmp_path / "logs").stat().st_mode & 0o777 == 0o700
     assert main(["sched", "submit", str(job), "--addr", srv.address, "--token", TOKEN, "--no-launch"]) == 1
     assert "already exists" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
