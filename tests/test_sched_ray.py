@@ -62,7 +62,11 @@ def test_policy_as_ray_actor(cluster):
     me.finish()
     m = c.metrics()
     assert m["yields"] == 1 and m["jobs_done"] == 2 and m["mem_in_use"] == [0.0, 0.0]
+    with pytest.raises(SchedError, match="pid must be a process id"):  # the same guards as the socket service
+        c.call("register", job="bad", clusters={"x": 1}, pid=2 ** 70)
     c.call("register", job="z", clusters={"x": 1})
+    with pytest.raises(SchedError, match="needs the job's secret"):
+        SchedClient(transport=RayTransport(cluster)).call("heartbeat", job="z")
     with pytest.raises(SchedError, match="outside the pool"):
         c.call("request", job="z", phase="rollout", only=[9])
     c.call("cancel", job="z")

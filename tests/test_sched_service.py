@@ -44,7 +44,7 @@ def wait_for(cond, timeout=5.0):
 
 
 def test_phases_share_and_yield(service):
-    srv, c = service()
+    _srv, c = service()
     spec = {"actor": {"devices": 1, "resident": 10, "peak": 40}}
     a, b = c.job("a", spec, heartbeat_s=0.2), c.job("b", spec, heartbeat_s=0.2)
     for j in (a, b):
@@ -76,12 +76,12 @@ def test_restart_recovers_jobs_requests_and_leases(service):
     la = a.acquire("actor_train")  # whole device
     rid = c.call("request", job="b", phase="values")["request"]
     srv.stop()  # the service dies with a lease held and a request pending
-    srv2, c2 = service(capacity=None)  # same state folder: the pool comes from the database
+    _srv2, c2 = service(capacity=None)  # same state folder: the pool comes from the database
     st = {j["job"]: j for j in c2.status()["jobs"]}
     assert st["a"]["phases"] == ["actor_train"] and st["b"]["waiting"][0]["phase"] == "values"
     a.release(la)  # the old handle finds the new service
-    view = c2.call("wait", job="b", version=-1, timeout=0)
-    wait_for(lambda: any(le["request"] == rid for le in c2.call("heartbeat", job="b")["leases"]))
+    view = c.call("wait", job="b", version=-1, timeout=0)  # (the job's secret holds across the restart)
+    wait_for(lambda: any(le["request"] == rid for le in c.call("heartbeat", job="b")["leases"]))
     assert view["state"] == "running"
     with pytest.raises(SchedError, match="already released"):
         a.release(la)
@@ -96,7 +96,7 @@ def test_state_of_another_pool_is_refused(tmp_path):
 
 
 def test_dead_job_lease_reclaimed(service):
-    srv, c = service(capacity=(1.0,), hb=0.4)
+    _srv, c = service(capacity=(1.0,), hb=0.4)
     a = c.job("a", {"c": 1}, heartbeat_s=0.1)
     b = c.job("b", {"c": 1}, heartbeat_s=0.1)
     la = a.acquire("actor_train")
@@ -135,26 +135,26 @@ def raw(srv, msg: bytes) -> dict:
 
 
 @pytest.mark.parametrize("op, args, msg", [
-    ("request", {"job": "ghost", "phase": "rollout"}, "unknown job 'ghost'"),
+    ("request", {"job": "ghost", "phase": "rollout"}, "needs the job's secret"),
     ("request", {"job": "a", "phase": "rollout", "only": [5]}, "device 5 is outside the pool"),
     ("request", {"job": "a", "phase": "actor_train", "mem": 500}, "only 0 devices have that much"),
     ("request", {"job": "a", "phase": "actor_train", "devices": 3}, "wants 3 devices; the pool has 2"),
     ("request", {"job": "a", "phase": "lunch"}, "unknown phase 'lunch'"),
     ("request", {"job": "a", "phase": "rollout", "cluster": "critic"}, "no cluster 'critic'"),
     ("release", {"job": "a", "lease": 12345}, "unknown lease 12345"),
-    ("release", {"job": "a", "lease": "x"}, "lease must be a lease id"),
+    ("release", {"job": "a", "lease": "x"}, "lease must be a lease or request id"),
     ("register", {"job": "a", "clusters": {"c": 1}}, "already exists"),
     ("register", {"job": "b", "clusters": {"c": 3}}, "wants 3 devices; the pool has 2"),
     ("register", {"job": "b", "clusters": {"c": {"devices": 1, "resident": 100}}}, "largest device has 80"),
-    ("register", {"job": "bad name!", "clusters": {"c": 1}}, "job name"),
+    ("register", {"job": "bad name!", "clusters": {"c": 1}}, "job must be 1-128 characters"),
     ("frobnicate", {}, "unknown op 'frobnicate'"),
     ("request", {"job": "a"}, "needs 'phase'"),
     ("request", {"job": "a", "phase": "rollout", "colour": 1}, "takes no argument 'colour'"),
-    ("request", {"job": "a", "phase": ["rollout"]}, "bad arguments"),
+    ("request", {"job": "a", "phase": ["rollout"]}, "phase must be 1-128 characters"),
     ("request", {"job": "a", "phase": "rollout", "devices": "two"}, "devices must be an integer"),
 ])
 def test_invalid_requests(service, op, args, msg):
-    srv, c = service(capacity=(80.0, 80.0))
+    _srv, c = service(capacity=(80.0, 80.0))
     c.call("register", job="a", clusters={"c": 1})
     with pytest.raises(SchedError, match=msg):
         c.call(op, **args)
@@ -162,13 +162,13 @@ def test_invalid_requests(service, op, args, msg):
 
 
 def test_double_release_and_resident_release(service):
-    srv, c = service()
+    _srv, c = service()
     a = c.job("a", {"actor": {"devices": 1, "resident": 5}}, heartbeat_s=1)
     le = a.acquire("init", mem=1)
     a.release(le)
     with pytest.raises(SchedError, match="already released"):
         a.release(le)
-    res = [x for x in a.view["leases"] if x["phase"] == "resident"][0]
+    res = next(x for x in a.view["leases"] if x["phase"] == "resident")
     with pytest.raises(SchedError, match="resident memory .* ends with the job"):
         a.release(res["id"])
     b = c.job("b", {"c": 1}, heartbeat_s=1)
@@ -235,9 +235,10 @@ def test_cli_submit_launches_a_command_job(service, tmp_path, capsys):
     worker = tmp_path / "worker.py"
     worker.write_text(  # speaks the wire protocol itself (importing rlcu would import torch: slow here)
         "import json, os, socket, sys\n"
+        "assert 'RLCU_SCHED_TOKEN' not in os.environ\n"  # the worker acts with its job's secret alone
         "def call(**m):\n"
         "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1][len('unix:'):])\n"
-        "    s.sendall((json.dumps({**m, 'token': os.environ['RLCU_SCHED_TOKEN']}) + '\\n').encode())\n"
+        "    s.sendall((json.dumps({**m, 'secret': os.environ['RLCU_SCHED_JOB_SECRET']}) + '\\n').encode())\n"
         "    r = json.loads(s.makefile().readline()); s.close(); assert r['ok'], r; return r\n"
         "job = os.environ['RLCU_SCHED_JOB']\n"
         "assert job == sys.argv[2]\n"
@@ -254,6 +255,8 @@ def test_cli_submit_launches_a_command_job(service, tmp_path, capsys):
     assert main(["sched", "submit", str(job), "--addr", srv.address, "--token", TOKEN]) == 0
     assert "submitted cmd-job" in capsys.readouterr().out
     wait_for(lambda: c.status()["jobs"][0]["state"] == "done", timeout=60)
+    log = tmp_path / "logs" / "cmd-job.log"  # the worker's log is its user's alone
+    assert log.stat().st_mode & 0o777 == 0o600 and (tmp_path / "logs").stat().st_mode & 0o777 == 0o700
     assert main(["sched", "submit", str(job), "--addr", srv.address, "--token", TOKEN, "--no-launch"]) == 1
     assert "already exists" in capsys.readouterr().err
     bad = tmp_path / "bad.yaml"
@@ -298,9 +301,7 @@ def test_client_rides_out_a_full_listen_backlog(tmp_path):
     refuses at once with EAGAIN. The client retries until the service accepts (within its
     retry_s), and the service listens with room for a pool's worth of jobs."""
     from rlcu.sched.client import SocketTransport
-    from rlcu.sched.server import _TCPServer, _UnixServer
 
-    assert _UnixServer.request_queue_size >= 128 and _TCPServer.request_queue_size >= 128
     path = str(tmp_path / "s.sock")
     lsn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     lsn.bind(path)

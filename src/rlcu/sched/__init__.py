@@ -9,9 +9,15 @@ a scheduler that knows each job's phase overlaps them across jobs. The pieces:
     metrics.py     idle fraction, jobs/hour, latency, memory, fragmentation, Chrome trace
     store.py       the service's state in SQLite
     core.py        the service's logic (transport-free): ops, heartbeats, reclaim
-    server.py      Unix-socket / loopback-TCP transport;  ray_backend.py: the Ray actor
-    client.py      the Python API jobs use;  job.py: a GRPO job under the scheduler
-    cli.py         `rlcu sched serve|submit|status|cancel|simulate|trace|metrics`
+
+and, in one-way layers (each imports only those above it):
+
+    protocol.py    messages, errors, addresses, frames, every op's field schema
+    client.py      the Python API jobs use (socket and Ray transports)
+    service.py     the services' front door: authority (token, job secrets), op ids
+    server.py      Unix-socket / loopback-TCP service;  ray_backend.py: the Ray actor service
+    job.py         a GRPO job under the scheduler;  ray_launch.py: one started on a Ray cluster
+    cli.py         `rlcu sched serve|submit|status|cancel|drain|simulate|trace|metrics`
 
 Submodules are imported on first use, so `import rlcu.sched` is light.
 """
@@ -23,9 +29,9 @@ _LAZY = {
     "PolicyError": "rlcu.sched.pool", "PHASES": "rlcu.sched.pool",
     "simulate": "rlcu.sched.simulator", "load_trace": "rlcu.sched.simulator",
     "Core": "rlcu.sched.core", "SchedServer": "rlcu.sched.server",
-    "SchedClient": "rlcu.sched.client", "JobHandle": "rlcu.sched.client", "SchedError": "rlcu.sched.client",
-    "JobEnded": "rlcu.sched.client",
-    "ScheduledGRPO": "rlcu.sched.job", "run_grpo": "rlcu.sched.job",
+    "SchedClient": "rlcu.sched.client", "JobHandle": "rlcu.sched.client", "LeaseLost": "rlcu.sched.client",
+    "SchedError": "rlcu.sched.protocol", "JobEnded": "rlcu.sched.protocol", "Front": "rlcu.sched.service",
+    "ScheduledGRPO": "rlcu.sched.job", "run_grpo": "rlcu.sched.job", "launch_grpo": "rlcu.sched.ray_launch",
 }
 
 

@@ -1,9 +1,10 @@
-"""`rlcu sched ...`: serve, submit, status, cancel, simulate, trace, metrics.
+"""`rlcu sched ...`: serve, submit, status, cancel, drain, simulate, trace, metrics.
 
     rlcu sched serve --gpus all                      # or --cpu-slots 2 [--mem 64]; --addr 127.0.0.1:7777
     rlcu sched submit job.yaml                       # a job file, or a GRPO config itself
     rlcu sched status                                # jobs, phases, devices, memory, waits
     rlcu sched cancel JOB
+    rlcu sched drain [--off]                         # take no new job (the live ones go on)
     rlcu sched simulate TRACE.json --policy fifo|phase [--json] [--trace-out chrome.json]
     rlcu sched trace OUT.json                        # Chrome/Perfetto trace of every lease
     rlcu sched metrics [--json]
@@ -20,7 +21,12 @@ A job file (YAML) for `submit`:
     clusters: {actor: {devices: 1, resident: 8, peak: 30}}    # with command: the job's clusters
 
 `submit` registers the job and starts its worker in the background (log in
-<state>/logs/NAME.log); the worker attaches to the job within the heartbeat timeout.
+<state>/logs/NAME.log, mode 0600); the worker gets RLCU_SCHED_JOB_SECRET, its job's secret,
+and attaches to the job within the heartbeat timeout.
+
+The token: `--token-file PATH`, else $RLCU_SCHED_TOKEN, else <state>/token (made by `serve`,
+mode 0600, in a state folder of mode 0700). `--token X` still works but puts the token in
+the process list (`ps`): it is deprecated and warns.
 """
 
 from __future__ import annotations
@@ -33,20 +39,35 @@ import subprocess
 import sys
 from pathlib import Path
 
-SUBCOMMANDS = ("serve", "submit", "status", "cancel", "simulate", "trace", "metrics")
+SUBCOMMANDS = ("serve", "submit", "status", "cancel", "drain", "simulate", "trace", "metrics")
 JOB_KEYS = {"name", "grpo", "set", "mem", "command", "clusters"}
 
 
 def _addr_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=None, help="scheduler address: unix:PATH, 127.0.0.1:PORT or ray:NAME "
                                                 "(default $RLCU_SCHED_ADDR or <state>/sched.sock)")
-    p.add_argument("--token", default=None, help="the service's token (default $RLCU_SCHED_TOKEN or <state>/token)")
+    p.add_argument("--token-file", default=None, help="a file holding the service's token (default "
+                                                      "$RLCU_SCHED_TOKEN, else <state>/token)")
+    p.add_argument("--token", default=None, help=argparse.SUPPRESS)  # deprecated: visible in `ps`
+
+
+def _token(a) -> str | None:
+    """The token the command line gives (--token-file, else the deprecated --token), else None."""
+    if a.token is not None:
+        print("rlcu sched: --token puts the token in the process list (ps); it is deprecated: use --token-file "
+              "or $RLCU_SCHED_TOKEN", file=sys.stderr)
+    if a.token_file is not None:
+        try:
+            return Path(a.token_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --token-file {a.token_file}: {e.strerror}") from None
+    return a.token
 
 
 def _client(a):
     from rlcu.sched.client import SchedClient
 
-    return SchedClient(a.addr, a.token, retry_s=0.5)
+    return SchedClient(a.addr, _token(a), retry_s=0.5)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("cancel", help="cancel a job (its leases are released; its worker stops)")
     _addr_args(s)
     s.add_argument("job")
+    s = sub.add_parser("drain", help="take no new job (the live ones go on); --off takes them again")
+    _addr_args(s)
+    s.add_argument("--off", action="store_true")
     s = sub.add_parser("simulate", help="replay a job-mix trace through the policy in simulated time")
     s.add_argument("trace", help="trace JSON (see rlcu.sched.simulator)")
     s.add_argument("--policy", default="phase", choices=("phase", "fifo"))
@@ -94,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """argv[0] == "sched"."""
-    from rlcu.sched.client import SchedError
+    from rlcu.sched.protocol import SchedError
 
     a = _parser().parse_args(argv[1:])
     try:
@@ -133,21 +157,22 @@ def _pool(a) -> tuple[list[float], list[str]]:
 
 
 def _serve(a) -> int:
-    from rlcu.sched.client import default_state_dir
     from rlcu.sched.core import Core
-    from rlcu.sched.server import SchedServer, load_token
+    from rlcu.sched.protocol import default_state_dir
+    from rlcu.sched.server import SchedServer, load_token, secure_state_dir
 
-    state = Path(a.state) if a.state else default_state_dir()
+    os.umask(0o077)  # what the service makes (database, -wal/-shm, socket, logs) is its user's alone
+    state = secure_state_dir(Path(a.state) if a.state else default_state_dir())
+    token = load_token(state, _token(a) or os.environ.get("RLCU_SCHED_TOKEN") or None)
     fresh = not (state / "sched.db").exists()
     cap, names = _pool(a) if (fresh or a.gpus or a.cpu_slots) else (None, None)
     if a.ray:
         from rlcu.sched.ray_backend import serve_ray
 
         return serve_ray(cap, names, name=a.ray_name, policy=a.policy, aging_s=a.aging_s,
-                         heartbeat_timeout=a.heartbeat_timeout, state=state / "sched.db")
+                         heartbeat_timeout=a.heartbeat_timeout, state=state / "sched.db", token=token)
     core = Core(cap, state=state / "sched.db", policy=a.policy, aging_s=a.aging_s,
                 heartbeat_timeout=a.heartbeat_timeout, device_names=names)
-    token = load_token(state, a.token)
     srv = SchedServer(core, a.addr or f"unix:{state / 'sched.sock'}", token)
     signal.signal(signal.SIGTERM, lambda *_: srv._stop.set())
     pool = ", ".join(f"{n} ({c:.1f})" for n, c in zip(core.pool["names"], core.pool["capacity"]))
@@ -185,7 +210,7 @@ def _job_file(path: Path, overrides: list[str]) -> dict:
 
 
 def _submit(a) -> int:
-    from rlcu.sched.client import default_state_dir, find_token, parse_address
+    from rlcu.sched.protocol import default_state_dir, parse_address
 
     path = Path(a.config)
     job = _job_file(path, a.overrides)
@@ -201,19 +226,19 @@ def _submit(a) -> int:
                "{name}", "--attach", *[f"--set={s}" for s in job["set"]], *[f"--mem={k}={v}" for k, v in mem.items()]]
     else:
         clusters, cmd = job["clusters"], [str(x) for x in job["command"]]
-    client.submit(name, clusters, {"command": cmd, "file": str(path)})
+    secret = client.submit(name, clusters, {"command": cmd, "file": str(path)})["secret"]
     addr = client.addr
     if a.no_launch:
         print(f"submitted {name} (not launched)")
         return 0
     kind, where = parse_address(addr)
     logs = (Path(where).parent if kind == "unix" else default_state_dir()) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(mode=0o700, parents=True, exist_ok=True)
     log = logs / f"{name}.log"
-    env = dict(os.environ, RLCU_SCHED_ADDR=addr, RLCU_SCHED_JOB=name,
-               RLCU_SCHED_TOKEN=find_token(addr, a.token) or "")
+    env = {k: v for k, v in os.environ.items() if k != "RLCU_SCHED_TOKEN"}  # the worker acts with its secret
+    env.update(RLCU_SCHED_ADDR=addr, RLCU_SCHED_JOB=name, RLCU_SCHED_JOB_SECRET=secret)
     argv = [x.replace("{addr}", addr).replace("{name}", name) for x in cmd]
-    with open(log, "ab") as f:
+    with os.fdopen(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
     print(f"submitted {name}: worker pid {proc.pid}, log {log}")
@@ -261,6 +286,12 @@ def _cancel(a) -> int:
     return 0
 
 
+def _drain(a) -> int:
+    r = _client(a).drain(not a.off)
+    print("draining: no new job is taken" if r["draining"] else "taking new jobs")
+    return 0
+
+
 def _metrics(a) -> int:
     m = _client(a).metrics()
     m.pop("ok", None)
@@ -282,7 +313,14 @@ def _trace(a) -> int:
 
 def _simulate(a) -> int:
     from rlcu.sched.metrics import write_trace
-    from rlcu.sched.simulator import TraceError, load_trace, public, report, simulate, trace_of
+    from rlcu.sched.simulator import (
+        TraceError,
+        load_trace,
+        public,
+        report,
+        simulate,
+        trace_of,
+    )
 
     try:
         res = simulate(load_trace(a.trace), a.policy)

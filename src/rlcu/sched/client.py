@@ -11,83 +11,68 @@
     job.release(lease)
     job.finish()
 
-Messages are JSON lines; each call opens its own connection (cheap on a Unix socket, and a
-restarted service is simply found again: a refused connection is retried for `retry_s`).
-A `JobHandle` heartbeats from a daemon thread; `should_yield` reads the latest view of the
-job (refreshing it at most every `poll_s`). A job the service has ended (cancelled, reclaimed
-as dead) raises `JobEnded` from its next call.
+Messages are framed by protocol.py; each call opens its own connection (cheap on a Unix
+socket). Authority: the service token registers jobs and runs admin ops; `register` returns
+the job's secret, which the client keeps and sends with every op of that job (a worker
+started by `rlcu sched submit` gets it in $RLCU_SCHED_JOB_SECRET).
 
-Token: given, else $RLCU_SCHED_TOKEN, else the `token` file beside a Unix socket, else the
-one in the default state folder ($RLCU_SCHED_DIR or ~/.rlcu/sched).
+Faults. Every call carries an operation id; a call that finds no service (refused, reset,
+closed without a reply, "busy", "unavailable") is sent again with the same id, marked as a
+retry, until `retry_s` has passed, so a service restarted on the same state within that
+bound is found again and no request or release happens twice. A `JobHandle` heartbeats
+from a daemon thread; `should_yield` reads the latest view of the job (refreshing it at most
+every `poll_s`). A job the service ended (cancelled, reclaimed as dead) raises `JobEnded`
+from its next call; a lease the job believes held but the service does not raises
+`LeaseLost`.
+
+Token: given, else read from `token_file`, else $RLCU_SCHED_TOKEN, else the `token` file
+beside a Unix socket, else the one in the default state folder ($RLCU_SCHED_DIR or
+~/.rlcu/sched).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import ipaddress
+import itertools
 import json
 import os
+import secrets
 import socket
 import threading
 import time
 from pathlib import Path
 
-MAX_LINE = 1 << 24
+from rlcu.sched.protocol import (
+    MAX_REPLY,
+    MUTATING,
+    JobEnded,
+    SchedError,
+    default_address,
+    default_state_dir,
+    encode,
+    parse_address,
+    raise_for,
+)
+
+__all__ = ["JobEnded", "JobHandle", "LeaseInfo", "LeaseLost", "RayTransport", "SchedClient", "SchedError",
+           "SocketTransport", "default_address", "default_state_dir", "find_token", "parse_address"]
+RAY_NAMESPACE = "rlcu"
+_RETRY_CODES = ("unavailable", "busy")
 
 
-class SchedError(RuntimeError):
-    """The service refused a request (its message says why) or could not be reached."""
-
-    def __init__(self, msg: str, code: str = "invalid"):
-        super().__init__(msg)
-        self.code = code
+class LeaseLost(SchedError):
+    """A lease the job holds by its own books is no longer held by the service."""
 
 
-class JobEnded(SchedError):
-    """The job was cancelled, declared dead or finished: it must stop."""
-
-
-def default_state_dir() -> Path:
-    return Path(os.environ.get("RLCU_SCHED_DIR") or Path.home() / ".rlcu" / "sched")
-
-
-def default_address() -> str:
-    return os.environ.get("RLCU_SCHED_ADDR") or f"unix:{default_state_dir() / 'sched.sock'}"
-
-
-def parse_address(addr: str) -> tuple[str, object]:
-    """'unix:PATH' | a path with '/' or ending in .sock -> ("unix", path); 'tcp://H:P' | 'H:P' ->
-    ("tcp", (host, port)); 'ray:NAME' -> ("ray", name)."""
-    if not isinstance(addr, str) or not addr:
-        raise SchedError(f"a scheduler address is a non-empty string, got {addr!r}")
-    for pre in ("unix://", "unix:"):
-        if addr.startswith(pre):
-            return "unix", addr[len(pre):]
-    for pre in ("ray://", "ray:"):
-        if addr.startswith(pre):
-            return "ray", addr[len(pre):] or "rlcu-sched"
-    rest = addr[len("tcp://"):] if addr.startswith("tcp://") else addr
-    host, sep, port = rest.rpartition(":")
-    if sep and port.isdigit() and host:
-        return "tcp", (host.strip("[]"), int(port))
-    if "/" in addr or addr.endswith(".sock"):
-        return "unix", addr
-    raise SchedError(f"cannot read scheduler address {addr!r}: use unix:PATH, HOST:PORT (loopback) or ray:NAME")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def find_token(addr: str, token: str | None = None) -> str | None:
+def find_token(addr: str, token: str | None = None, token_file: str | Path | None = None) -> str | None:
     if token:
         return token
+    if token_file:
+        try:
+            return Path(token_file).read_text().strip()
+        except OSError as e:
+            raise SchedError(f"cannot read the token file {token_file}: {e.strerror}") from None
     if os.environ.get("RLCU_SCHED_TOKEN"):
         return os.environ["RLCU_SCHED_TOKEN"]
     kind, where = parse_address(addr)
@@ -102,14 +87,20 @@ def find_token(addr: str, token: str | None = None) -> str | None:
 
 
 class SocketTransport:
-    def __init__(self, addr: str, token: str | None, timeout: float = 30.0, retry_s: float = 10.0):
+    """One call = one connection: connect (retrying a refused or full socket within
+    retry_s; a service never reached yet: within first_s), send the frames, read one reply
+    line."""
+
+    def __init__(self, addr: str, token: str | None, timeout: float = 30.0, retry_s: float = 10.0,
+                 first_s: float = 2.0):
         self.kind, self.where = parse_address(addr)
         if self.kind == "ray":
-            raise SchedError("a ray: address needs RayTransport (rlcu.sched.ray_backend)")
-        self.token, self.timeout, self.retry_s = token, timeout, retry_s
+            raise SchedError("a ray: address needs RayTransport")
+        self.token, self.timeout, self.retry_s, self.first_s = token, timeout, retry_s, first_s
+        self.reached = False  # a reply came once: a later refusal is a restart, worth riding out
 
-    def _connect(self, timeout: float) -> socket.socket:
-        end = time.monotonic() + self.retry_s
+    def _connect(self, timeout: float, end: float) -> socket.socket:
+        first_end = time.monotonic() + self.first_s
         while True:
             try:
                 if self.kind == "tcp":
@@ -124,7 +115,8 @@ class SocketTransport:
                 return s
             except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BlockingIOError) as e:
                 # (BlockingIOError: a Unix socket's listen backlog is full; the service is busy, not gone)
-                if time.monotonic() >= end:
+                now = time.monotonic()
+                if now >= end or (not self.reached and not isinstance(e, BlockingIOError) and now >= first_end):
                     if isinstance(e, BlockingIOError):
                         raise SchedError(f"the scheduler at {self.kind}:{self.where} accepted no connection "
                                          f"for {self.retry_s:g} s (its listen backlog stayed full)",
@@ -133,22 +125,64 @@ class SocketTransport:
                                      "start one with `rlcu sched serve`", "unavailable") from None
                 time.sleep(0.05)
 
-    def call(self, msg: dict) -> dict:
+    def call(self, msg: dict, retry_s: float | None = None) -> dict:
+        if "token" not in msg and "secret" not in msg and self.token is not None:
+            msg = {**msg, "token": self.token}
         wait = float(msg.get("timeout", 0)) if msg.get("op") == "wait" else 0.0
+        end = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
         try:
-            with self._connect(self.timeout + wait) as s:
-                s.sendall((json.dumps({**msg, "token": self.token}) + "\n").encode())
-                buf = b""
+            with self._connect(self.timeout + wait, end) as s:
+                self.reached = True  # something listens: a refusal from now on is a restart
+                buf = bytearray()
+                try:
+                    s.sendall(encode(msg))
+                except OSError:  # refused mid-send (busy, or a head too long): its reply may be there
+                    buf += s.recv(1 << 16)
+                    if not buf:
+                        raise
                 while not buf.endswith(b"\n"):
                     chunk = s.recv(1 << 16)
                     if not chunk:
                         raise SchedError("the scheduler closed the connection without a reply", "unavailable")
                     buf += chunk
-                    if len(buf) > MAX_LINE:
+                    if len(buf) > MAX_REPLY:
                         raise SchedError("the scheduler's reply is too long", "protocol")
         except OSError as e:  # reset or timed out mid-call (a service going down)
             raise SchedError(f"lost the scheduler at {self.kind}:{self.where}: {e}", "unavailable") from None
-        return json.loads(buf)
+        try:
+            return json.loads(buf)
+        except ValueError as e:
+            raise SchedError(f"the scheduler's reply is not JSON: {e}", "protocol") from None
+
+
+class RayTransport:
+    """SchedClient transport to the scheduler's Ray actor: RayTransport("ray:NAME") or
+    RayTransport(handle). Ray itself is imported only here, on first use."""
+
+    def __init__(self, target, token: str | None = None):
+        self.token = token
+        if isinstance(target, str):
+            ray = import_ray()
+            self.actor = ray.get_actor(parse_address(target)[1], namespace=RAY_NAMESPACE)
+        else:
+            self.actor = target
+
+    def call(self, msg: dict, retry_s: float | None = None) -> dict:
+        ray = import_ray()
+        if "token" not in msg and "secret" not in msg and self.token is not None:
+            msg = {**msg, "token": self.token}
+        try:
+            return ray.get(self.actor.handle.remote(msg))
+        except ray.exceptions.RayActorError as e:
+            raise SchedError(f"the scheduler actor is gone: {e}", "unavailable") from None
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("a ray: scheduler address needs Ray: pip install ray") from None
+    return ray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,29 +196,60 @@ class LeaseInfo:
     start: float
 
     @classmethod
-    def of(cls, d: dict) -> "LeaseInfo":
+    def of(cls, d: dict) -> LeaseInfo:
         return cls(d["id"], d["phase"], d["cluster"], tuple(d["devices"]), tuple(d["names"]), tuple(d["mem"]),
                    d["start"])
 
 
 class SchedClient:
-    def __init__(self, addr: str | None = None, token: str | None = None, *, transport=None, timeout: float = 30.0,
-                 retry_s: float = 10.0):
+    def __init__(self, addr: str | None = None, token: str | None = None, *, token_file: str | Path | None = None,
+                 transport=None, timeout: float = 30.0, retry_s: float = 30.0):
         self.addr = addr or default_address()
+        self.retry_s = retry_s
         if transport is None:
+            tok = find_token(self.addr, token, token_file)
             if parse_address(self.addr)[0] == "ray":
-                from rlcu.sched.ray_backend import RayTransport
-
-                transport = RayTransport(self.addr)
+                transport = RayTransport(self.addr, tok)
             else:
-                transport = SocketTransport(self.addr, find_token(self.addr, token), timeout, retry_s)
+                transport = SocketTransport(self.addr, tok, timeout, retry_s)
         self.transport = transport
+        self._secrets: dict[str, str] = {}
+        self._cid = secrets.token_hex(4)
+        self._seq = itertools.count(1)
+        self.retries = 0  # calls sent again after a lost reply (tests, logs)
 
-    def call(self, op: str, **args) -> dict:
-        reply = self.transport.call({"op": op, **{k: v for k, v in args.items() if v is not None}})
-        if not reply.get("ok"):
-            code = reply.get("code", "invalid")
-            raise (JobEnded if code == "ended" else SchedError)(reply.get("error", "unknown error"), code)
+    def set_secret(self, job: str, secret: str) -> None:
+        """Act for `job` with its secret (a worker given it by whoever registered the job)."""
+        self._secrets[job] = secret
+
+    def call(self, op: str, *, retry_s: float | None = None, **args) -> dict:
+        """One op; resent with the same operation id while the service is away (retry_s)."""
+        msg = {"op": op, **{k: v for k, v in args.items() if v is not None}}
+        if op in MUTATING:
+            msg["id"] = f"{self._cid}-{next(self._seq)}"
+        job = msg.get("job")
+        if isinstance(job, str) and job in self._secrets and (op != "register" or msg.get("attach")):
+            msg["secret"] = self._secrets[job]
+        budget = self.retry_s if retry_s is None else retry_s
+        end = time.monotonic() + budget
+        pause = 0.05
+        while True:
+            try:
+                reply = self.transport.call(msg, max(0.0, end - time.monotonic()))
+            except SchedError as e:
+                if e.code not in _RETRY_CODES or time.monotonic() >= end or not getattr(self.transport, "reached", 1):
+                    raise
+                reply = None
+            if reply is not None and (reply.get("ok") or reply.get("code") not in _RETRY_CODES
+                                      or time.monotonic() >= end):
+                break
+            time.sleep(min(pause, max(0.0, end - time.monotonic())))
+            pause = min(1.0, pause * 2)
+            msg["retry"] = True
+            self.retries += 1
+        raise_for(reply)
+        if op == "register" and isinstance(reply.get("secret"), str):
+            self._secrets[msg["job"]] = reply["secret"]
         return reply
 
     # ------------------------------------------------------------------ admin
@@ -203,15 +268,29 @@ class SchedClient:
     def cancel(self, job: str) -> dict:
         return self.call("cancel", job=job)
 
+    def drain(self, on: bool = True) -> dict:
+        """Stop (on) or go on (off) taking new jobs; the live ones go on."""
+        return self.call("drain", on=on)
+
     def submit(self, job: str, clusters: dict, spec: dict | None = None) -> dict:
-        """Register a job whose worker attaches later (`job(..., attach=True)`)."""
+        """Register a job whose worker attaches later (`job(..., attach=True)`); the reply's
+        `secret` is what the worker needs."""
         return self.call("register", job=job, clusters=clusters, spec=spec, queued=True)
 
     def job(self, name: str, clusters: dict | None = None, *, spec: dict | None = None, attach: bool = False,
-            heartbeat_s: float = 2.0, poll_s: float = 0.1) -> "JobHandle":
+            heartbeat_s: float = 2.0, poll_s: float = 0.1, secret: str | None = None) -> JobHandle:
+        """Register a job (or attach to one: with the secret given here, in $RLCU_SCHED_JOB_SECRET
+        when $RLCU_SCHED_JOB names it, or with the service token while it is queued)."""
+        secret = secret or (os.environ.get("RLCU_SCHED_JOB_SECRET") if os.environ.get("RLCU_SCHED_JOB") == name
+                            else None)
+        if secret:
+            self.set_secret(name, secret)
         view = self.call("register", job=name, clusters=clusters or {}, spec=spec, pid=os.getpid(),
-                         host=socket.gethostname(), attach=attach)
+                         host=socket.gethostname()[:255], attach=attach)
         return JobHandle(self, name, view, heartbeat_s, poll_s)
+
+
+_VIEW = ("job", "state", "version", "leases", "pending")
 
 
 class JobHandle:
@@ -219,48 +298,46 @@ class JobHandle:
 
     def __init__(self, client: SchedClient, name: str, view: dict, heartbeat_s: float, poll_s: float):
         self.client, self.name, self.poll_s = client, name, poll_s
-        self.view, self._seen = view, time.monotonic()
+        self.heartbeat_s = heartbeat_s
+        self.view, self._seen = {k: view[k] for k in _VIEW}, time.monotonic()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, args=(heartbeat_s,), name=f"sched-heartbeat-{name}",
                                     daemon=True)
         self._hb.start()
 
+    @property
+    def secret(self) -> str | None:
+        return self.client._secrets.get(self.name)
+
     def _update(self, view: dict) -> dict:
-        with self._lock:
-            self.view, self._seen = view, time.monotonic()
+        with self._lock:  # (versions restart with the service: the latest reply wins)
+            self.view, self._seen = {k: view[k] for k in _VIEW}, time.monotonic()
         return view
 
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
             try:
-                v = self.client.call("heartbeat", job=self.name)
-                self._update({k: v[k] for k in ("job", "state", "version", "leases", "pending")})
+                self._update(self.client.call("heartbeat", job=self.name, retry_s=every))
             except SchedError:
                 continue  # the service is restarting: keep trying; JobEnded shows in the view
 
     def _call(self, op: str, **args) -> dict:
-        """A job-scoped call; the idempotent ones (wait, heartbeat) ride out a service restart."""
-        end = time.monotonic() + 30.0
-        while True:
-            try:
-                r = self.client.call(op, job=self.name, **args)
-                break
-            except SchedError as e:
-                if e.code != "unavailable" or op not in ("wait", "heartbeat") or time.monotonic() > end:
-                    raise
-                time.sleep(0.1)
+        r = self.client.call(op, job=self.name, **args)
         if "state" in r:
-            self._update({k: r[k] for k in ("job", "state", "version", "leases", "pending")})
+            self._update(r)
         return r
 
     @property
     def state(self) -> str:
         return self.view["state"]
 
-    def _check_live(self) -> None:
-        if self.view["state"] not in ("queued", "running"):
-            raise JobEnded(f"job {self.name!r} is {self.view['state']}", "ended")
+    def _check_live(self, lease_id: int | None = None) -> None:
+        v = self.view
+        if v["state"] not in ("queued", "running"):
+            raise JobEnded(f"job {self.name!r} is {v['state']}", "ended")
+        if lease_id is not None and all(le["id"] != lease_id for le in v["leases"]):
+            raise LeaseLost(f"lease {lease_id} of job {self.name!r} is no longer held by the scheduler", "lease_lost")
 
     def acquire(self, phase: str, cluster: str | None = None, *, mem: float | None = None, devices: int | None = None,
                 min_devices: int | None = None, work: float | None = None, only: list[int] | None = None,
@@ -298,16 +375,17 @@ class JobHandle:
 
     def should_yield(self, lease: LeaseInfo | int | None = None) -> bool:
         """Whether the service asked this job to give back `lease` (default: any lease). The
-        view is refreshed when older than poll_s; raises JobEnded when the job was ended."""
+        view is refreshed when older than poll_s; raises JobEnded when the job was ended and
+        LeaseLost when `lease` is no longer held."""
         if time.monotonic() - self._seen >= self.poll_s:
             self._call("heartbeat")
-        self._check_live()
         lid = lease.id if isinstance(lease, LeaseInfo) else lease
+        self._check_live(lid)
         return any(le["yield"] for le in self.view["leases"] if lid is None or le["id"] == lid)
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         with contextlib.suppress(JobEnded):
-            self._call("finish")
+            self._call("finish", failed=failed)
         self.close()
 
     def close(self) -> None:

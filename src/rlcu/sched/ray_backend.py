@@ -1,54 +1,64 @@
 """`rlcu sched serve --ray`: the same scheduler as a named Ray actor, for several machines.
 
-The actor wraps one `Core` (the same policy, state and operations as the socket service)
-and answers `handle(msg)` from many callers at once (a threaded actor; the core has its own
-lock, and `wait` long-polls inside it). Clients reach it by name:
+The actor wraps one `Core` behind the same `Front` as the socket service (service.py: the
+same authority, field validation, op ids and error replies) and answers `handle(msg)` from
+many callers at once (a threaded actor; the core has its own lock, and `wait` long-polls
+inside it). A ticker that fails ends the actor's process (fail fast). Clients reach it by
+name (the client's RayTransport):
 
     SchedClient("ray:rlcu-sched")              # from any process attached to the Ray cluster
 
+`serve --ray` gives the actor the state folder's token: registering jobs and the admin ops
+need it ($RLCU_SCHED_TOKEN where the file is not at hand); a job's own ops need only its
+secret, which `launch_grpo` hands to the job's actor.
+
 The pool is every GPU of every alive node (device names "NODE_ID/cuda:K"), or CPU slots.
 Jobs run as Ray actors with `num_gpus=0`: Ray places the process, the rlcu scheduler shares
-the GPU. `launch_grpo` first places the job's cluster (its `init` phase, from the driver),
-then starts the job's actor on the node that holds the leased device, where the job asks for
-init again on those devices and goes on as any job does (rlcu.sched.job).
+the GPU; `rlcu.sched.ray_launch.launch_grpo` starts a GRPO job so (a job, not a service:
+it lives in the layer above).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+import traceback
 
-NAMESPACE = "rlcu"
+from rlcu.sched.client import RAY_NAMESPACE, RayTransport, import_ray
+from rlcu.sched.core import Core
+from rlcu.sched.service import Front
 
-
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("`--ray` needs Ray: pip install ray") from None
-    return ray
+NAMESPACE = RAY_NAMESPACE
+__all__ = ["NAMESPACE", "RayTransport", "get_actor", "ray_gpu_pool", "serve_ray", "start_actor"]
 
 
 class _CoreActor:
-    """The Core behind a threaded Ray actor, with its heartbeat ticker."""
+    """The Core behind a threaded Ray actor and the same Front as the socket service
+    (authority, validation, op ids), with its heartbeat ticker."""
 
-    def __init__(self, capacity, names, policy, aging_s, heartbeat_timeout, state, tick_s):
-        from rlcu.sched.core import Core
-
+    def __init__(self, capacity, names, policy, aging_s, heartbeat_timeout, state, tick_s, token=None):
         self.core = Core(capacity, state=state, policy=policy, aging_s=aging_s, heartbeat_timeout=heartbeat_timeout,
                          device_names=names)
+        self.front = Front(self.core, token)
         self._stop = threading.Event()
         tick = tick_s if tick_s is not None else max(0.05, min(1.0, heartbeat_timeout / 4))
         self._ticker = threading.Thread(target=self._tick, args=(tick,), daemon=True)
         self._ticker.start()
 
     def _tick(self, every: float) -> None:
-        while not self._stop.wait(every):
-            self.core.tick()
+        try:
+            while not self._stop.wait(every):
+                self.core.tick()
+        except BaseException:  # noqa: BLE001  (fail fast: a service that cannot reclaim must not go on answering)
+            if not self._stop.is_set():
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(70)
 
-    def handle(self, msg: dict) -> dict:
-        return self.core.handle(msg)
+    def handle(self, msg) -> dict:
+        return self.front.handle(msg)
 
     def pool(self) -> dict:
         return dict(self.core.pool)
@@ -60,45 +70,30 @@ class _CoreActor:
 
 
 def start_actor(capacity, names=None, *, name: str = "rlcu-sched", policy: str = "phase", aging_s: float = 60.0,
-                heartbeat_timeout: float = 30.0, state=None, tick_s: float | None = None, detached: bool = False):
-    """Start the scheduler actor (named, in namespace "rlcu"); returns its handle."""
-    ray = _ray()
+                heartbeat_timeout: float = 30.0, state=None, tick_s: float | None = None, detached: bool = False,
+                token: str | None = None):
+    """Start the scheduler actor (named, in namespace "rlcu"); returns its handle. token:
+    the admin token callers must give (None: anyone on the Ray cluster is admin; jobs still
+    act only with their secrets)."""
+    ray = import_ray()
     cls = ray.remote(num_cpus=0, max_concurrency=256)(_CoreActor)
     opts = {"name": name, "namespace": NAMESPACE}
     if detached:
         opts["lifetime"] = "detached"
     h = cls.options(**opts).remote(capacity, names, policy, aging_s, heartbeat_timeout,
-                                   None if state is None else str(state), tick_s)
+                                   None if state is None else str(state), tick_s, token)
     ray.get(h.pool.remote())  # raises here if the core refused its arguments
     return h
 
 
 def get_actor(name: str = "rlcu-sched"):
-    return _ray().get_actor(name, namespace=NAMESPACE)
-
-
-class RayTransport:
-    """SchedClient transport to the actor: RayTransport("ray:NAME") or RayTransport(handle)."""
-
-    def __init__(self, target):
-        from rlcu.sched.client import parse_address
-
-        self.actor = get_actor(parse_address(target)[1]) if isinstance(target, str) else target
-
-    def call(self, msg: dict) -> dict:
-        ray = _ray()
-        try:
-            return ray.get(self.actor.handle.remote(msg))
-        except ray.exceptions.RayActorError as e:
-            from rlcu.sched.client import SchedError
-
-            raise SchedError(f"the scheduler actor is gone: {e}", "unavailable") from None
+    return import_ray().get_actor(name, namespace=NAMESPACE)
 
 
 def ray_gpu_pool(mem_gib: float | None = None) -> tuple[list[float], list[str]]:
     """Every GPU of every alive node: capacities (GiB; probed on each node unless given) and
     names "NODE_ID/cuda:K"."""
-    ray = _ray()
+    ray = import_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0, num_gpus=0)
@@ -122,15 +117,15 @@ def ray_gpu_pool(mem_gib: float | None = None) -> tuple[list[float], list[str]]:
 
 
 def serve_ray(capacity, names, *, name: str = "rlcu-sched", policy: str = "phase", aging_s: float = 60.0,
-              heartbeat_timeout: float = 30.0, state=None) -> int:
+              heartbeat_timeout: float = 30.0, state=None, token: str | None = None) -> int:
     """The CLI's `serve --ray`: join (or start) a Ray cluster, start the named actor, stay
     until interrupted (the actor lives while this process does)."""
-    ray = _ray()
+    ray = import_ray()
     ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, log_to_driver=False)
     if capacity is None:
         capacity, names = ray_gpu_pool()
     h = start_actor(capacity, names, name=name, policy=policy, aging_s=aging_s, heartbeat_timeout=heartbeat_timeout,
-                    state=state)
+                    state=state, token=token)
     print(f"rlcu sched: {policy} policy over {len(capacity)} devices as Ray actor {name!r} "
           f"(clients: SchedClient('ray:{name}'))", flush=True)
     try:
@@ -139,40 +134,3 @@ def serve_ray(capacity, names, *, name: str = "rlcu-sched", policy: str = "phase
     except KeyboardInterrupt:
         ray.get(h.stop.remote())
     return 0
-
-
-class _GRPOJobActor:
-    def run(self, config, addr, name, overrides, mem, trainer_kw):
-        from rlcu.sched.job import run_grpo
-
-        hist = run_grpo(config, addr, name, overrides=overrides, attach=True, mem=mem, **trainer_kw)
-        return hist[-1] if hist else {}
-
-
-def launch_grpo(config, name: str, *, addr: str = "ray:rlcu-sched", overrides=(), mem: dict | None = None,
-                **trainer_kw):
-    """Place a GRPO job (its init phase, from here), then run it as a Ray actor on the node
-    of its leased device. Returns (actor, ObjectRef of its last metrics)."""
-    ray = _ray()
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from rlcu.config import load_config
-    from rlcu.sched.client import SchedClient
-    from rlcu.sched.job import job_memory
-    from rlcu.train.rl_trainer import _config
-    from rlcu.train.rl_config import GRPOConfig
-
-    cfg = _config(GRPOConfig, config) if not isinstance(config, str) else load_config(GRPOConfig, config,
-                                                                                      list(overrides))
-    clusters, mem = job_memory(cfg, mem)
-    client = SchedClient(addr)
-    h = client.job(name, clusters, spec={"kind": "grpo", "mem": mem}, heartbeat_s=2.0)
-    lease = h.acquire("init", mem=mem["init"])  # places the cluster: its resident memory stays
-    h.release(lease)
-    h.close()
-    node = lease.names[0].rsplit("/", 1)[0] if "/" in lease.names[0] else None
-    opts = {"num_cpus": 1, "num_gpus": 0}
-    if node:
-        opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-    actor = ray.remote(_GRPOJobActor).options(**opts).remote()
-    return actor, actor.run.remote(config, addr, name, list(overrides), mem, trainer_kw)

@@ -1,10 +1,23 @@
 """`rlcu sched serve`: the scheduler service on a Unix socket or on loopback TCP.
 
-One thread per connection, JSON lines in and out, one `Core` behind a lock (core.py). Every
-message must carry the service's token (compared in constant time); the token lives in
-`<state>/token` (mode 0600) beside the database `<state>/sched.db` and, by default, the
-socket `<state>/sched.sock`, so a client on the same machine finds all three. TCP is
-refused on anything but a loopback address: several machines go through `--ray`.
+One event-loop thread accepts connections and reads every frame without blocking; a
+message, once whole, goes to a worker thread that runs it through the `Front` (service.py:
+authority, validation, op ids) and the `Core` (core.py) and writes the reply, and the
+connection goes back to the loop for its next message. So an idle or slow connection costs
+a file descriptor and no thread, and a stranger is read for at most `MAX_HEAD` bytes (the
+head, which carries the token or job secret) before the service knows who it is:
+
+    read_timeout   a head (and its body) must arrive within this many seconds of the
+                   connection or of the last reply, else the connection is closed
+    idle_timeout   an authenticated connection with no message for this long is closed
+    max_conns      connections beyond this are answered "busy" and closed at once
+    accept errors  (EMFILE: out of file descriptors) pause accepting with a growing back-off
+                   instead of spinning, while the open connections are still served
+
+TCP is refused on anything but a loopback address (several machines go through `--ray`).
+A Unix socket path that exists is replaced only when it is a stale socket. The token lives
+in `<state>/token` (0600) beside `<state>/sched.db` and the socket `<state>/sched.sock`, in
+a state folder of mode 0700, so a client of the same user finds all three.
 
 A ticker thread calls `core.tick()` every `tick_s` (reclaiming the leases of jobs that stopped
 heartbeating, and letting waits age).
@@ -12,17 +25,44 @@ heartbeating, and letting waits age).
 
 from __future__ import annotations
 
-import hmac
+import errno
 import json
 import os
+import queue
 import secrets
+import selectors
 import socket
-import socketserver
+import stat
 import threading
+import time
 from pathlib import Path
 
-from rlcu.sched.client import MAX_LINE, is_loopback, parse_address
-from rlcu.sched.core import Core
+from rlcu.sched.protocol import (
+    MAX_HEAD,
+    SchedError,
+    body_length,
+    decode,
+    error,
+    is_loopback,
+    merge,
+    parse_address,
+)
+from rlcu.sched.service import Front
+
+_ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def secure_state_dir(state_dir: Path) -> Path:
+    """Make the state folder (0700) and tighten what is in it: the database, its -wal/-shm,
+    the token and the logs to 0600."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    for p in [*state_dir.glob("sched.db*"), state_dir / "token", *state_dir.glob("logs/*")]:
+        if p.is_file():
+            os.chmod(p, 0o600)
+    if (state_dir / "logs").is_dir():
+        os.chmod(state_dir / "logs", 0o700)
+    return state_dir
 
 
 def load_token(state_dir: Path, token: str | None = None) -> str:
@@ -39,68 +79,32 @@ def load_token(state_dir: Path, token: str | None = None) -> str:
     return token
 
 
-class _Handler(socketserver.StreamRequestHandler):
-    def _send(self, reply: dict) -> None:
-        self.wfile.write((json.dumps(reply) + "\n").encode())
-        self.wfile.flush()
+class _Conn:
+    __slots__ = ("authed", "broken", "buf", "busy", "caller", "deadline", "head", "need", "sock")
 
-    def handle(self) -> None:
-        srv = self.server.sched
-        while True:
-            try:
-                line = self.rfile.readline(MAX_LINE + 1)
-            except OSError:
-                return
-            if not line:
-                return
-            if len(line) > MAX_LINE:
-                self._send({"ok": False, "error": f"message longer than {MAX_LINE} bytes", "code": "protocol"})
-                return
-            try:
-                msg = json.loads(line)
-            except ValueError as e:
-                self._send({"ok": False, "error": f"not JSON: {e}", "code": "protocol"})
-                continue
-            if not isinstance(msg, dict):
-                self._send({"ok": False, "error": "a message is a JSON object with an 'op'", "code": "protocol"})
-                continue
-            tok = msg.pop("token", None)
-            if not isinstance(tok, str) or not hmac.compare_digest(tok.encode(), srv.token.encode()):
-                self._send({"ok": False, "error": "bad or missing token (see <state>/token or $RLCU_SCHED_TOKEN)",
-                            "code": "auth"})
-                continue
-            try:
-                self._send(srv.core.handle(msg))
-            except OSError:
-                return
-
-
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-    # the listen backlog: socketserver's default, 5, is full as soon as a few jobs call at once
-    request_queue_size = 256
-
-
-class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 256
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.buf, self.deadline = sock, bytearray(), deadline
+        self.head, self.need, self.caller, self.authed = None, 0, None, False
+        self.busy = self.broken = False  # busy: a worker has it (no deadline); broken: its reply failed
 
 
 class SchedServer:
     """SchedServer(core, "unix:run/sched.sock", token).start() ... .stop()"""
 
-    def __init__(self, core: Core, addr: str, token: str, tick_s: float | None = None):
+    def __init__(self, core, addr: str, token: str | None, tick_s: float | None = None, *,
+                 read_timeout: float = 10.0, idle_timeout: float = 300.0, max_conns: int = 1024,
+                 max_workers: int = 512):
         self.core, self.token = core, token
+        self.front = Front(core, token)
+        self.read_timeout, self.idle_timeout, self.max_conns = read_timeout, idle_timeout, max_conns
+        self.max_workers = max_workers
         self.kind, where = parse_address(addr)
         if self.kind == "unix":
             path = Path(where)
             path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists():
-                if _alive(path):
-                    raise OSError(f"a scheduler already listens on {path}")
-                path.unlink()  # a stale socket from a service that died
-            self.srv = _UnixServer(str(path), _Handler)
+            _clear_stale_socket(path)
+            self.lsn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.lsn.bind(str(path))
             os.chmod(path, 0o600)
             self.address = f"unix:{path}"
         elif self.kind == "tcp":
@@ -108,28 +112,218 @@ class SchedServer:
             if not is_loopback(host):
                 raise ValueError(f"refusing to listen on {host}: the service serves loopback only "
                                  "(127.0.0.1 / ::1); several machines go through `rlcu sched serve --ray`")
-            cls = type("_TCP", (_TCPServer,), {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
-            self.srv = cls((host, port), _Handler)
-            self.address = f"{host}:{self.srv.server_address[1]}"
+            self.lsn = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            self.lsn.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.lsn.bind((host, port))
+            self.address = f"{host}:{self.lsn.getsockname()[1]}"
         else:
             raise ValueError(f"{addr!r} is a Ray address: use `rlcu sched serve --ray`")
-        self.srv.sched = self
+        self.lsn.listen(256)  # room for a pool's worth of jobs connecting at once
+        self.lsn.setblocking(False)
         self.tick_s = tick_s if tick_s is not None else max(0.05, min(1.0, core.heartbeat_timeout / 4))
+        self.accept_errors = 0  # accept() calls that failed for lack of descriptors (tests, metrics)
+        self._accept_failed = False
+        self.failed: BaseException | None = None  # what stopped the loop or the ticker (serve_forever raises it)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._conns: dict[int, _Conn] = {}  # by fd: every open connection, in the loop or in a worker
+        self._back: queue.SimpleQueue = queue.SimpleQueue()  # connections a worker hands back to the loop
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._pool_lock = threading.Lock()
+        self._workers = self._idle = 0
+
+    # ------------------------------------------------------------------ the loop
+    def _guard(self, fn) -> None:
+        """Run a service thread; if it dies the whole service stops (and serve_forever raises)
+        rather than going on half alive."""
+        try:
+            fn()
+        except BaseException as e:
+            if not self._stop.is_set():
+                self.failed = e
+                self._stop.set()
+                raise
+
+    def _loop(self) -> None:
+        sel = self._sel
+        sel.register(self.lsn, selectors.EVENT_READ, "accept")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        paused_until, backoff = None, 0.01
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if paused_until is not None and now >= paused_until:
+                sel.register(self.lsn, selectors.EVENT_READ, "accept")
+                paused_until = None
+            for key, _ in sel.select(timeout=0.1):
+                if key.data == "accept":
+                    if self._accept():
+                        backoff = 0.01
+                    elif self._accept_failed:
+                        sel.unregister(self.lsn)  # out of descriptors: stop accepting for a while
+                        paused_until = time.monotonic() + backoff
+                        backoff = min(1.0, backoff * 2)
+                elif key.data == "wake":
+                    self._drain_wake()
+                else:
+                    self._read(key.data)
+            now = time.monotonic()
+            for c in [c for c in self._conns.values() if c.deadline < now and not c.busy]:
+                self._close(c, error(f"no complete message within {self.read_timeout:g} s", "protocol")
+                            if c.buf or not c.authed else None)
+
+    def _accept(self) -> bool:
+        """Accept what is waiting; False when nothing was (or accept failed: see _accept_failed)."""
+        self._accept_failed = False
+        got = False
+        for _ in range(64):
+            try:
+                sock, _ = self.lsn.accept()
+            except (BlockingIOError, InterruptedError):
+                return got
+            except OSError as e:
+                if e.errno in _ACCEPT_ERRORS:
+                    self.accept_errors += 1
+                    self._accept_failed = True
+                    return False
+                if self._stop.is_set():
+                    return got
+                continue  # ECONNABORTED and the like: that one connection is gone
+            got = True
+            if len(self._conns) >= self.max_conns:
+                _send_now(sock, error(f"the scheduler is at its {self.max_conns} connections: try again", "busy"))
+                sock.close()
+                continue
+            sock.setblocking(False)
+            c = _Conn(sock, time.monotonic() + self.read_timeout)
+            self._conns[sock.fileno()] = c
+            self._sel.register(sock, selectors.EVENT_READ, c)
+        return got
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while True:
+            try:
+                c = self._back.get_nowait()
+            except queue.Empty:
+                return
+            c.busy = False
+            if c.sock.fileno() < 0:
+                continue
+            if c.broken:
+                self._close(c)
+                continue
+            c.deadline = time.monotonic() + self.idle_timeout
+            self._sel.register(c.sock, selectors.EVENT_READ, c)
+            if c.buf:  # a client that sent its next message before this reply
+                self._parse(c)
+
+    def _read(self, c: _Conn) -> None:
+        try:
+            data = c.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(c)
+            return
+        if not c.buf and c.head is None:
+            c.deadline = min(c.deadline, time.monotonic() + self.read_timeout)  # a message has begun
+        c.buf += data
+        self._parse(c)
+
+    def _parse(self, c: _Conn) -> None:
+        if c.head is None:
+            i = c.buf.find(b"\n", 0, MAX_HEAD)
+            if i < 0:
+                if len(c.buf) >= MAX_HEAD:
+                    self._close(c, error(f"the head line (the auth part of a message) is longer than {MAX_HEAD} "
+                                         "bytes", "protocol"))
+                return
+            line, c.buf = bytes(c.buf[:i]), c.buf[i + 1:]
+            try:
+                head = decode(line, "head")
+                c.caller, c.authed = self.front.authenticate(head), True
+                c.need = body_length(head)
+            except SchedError as e:
+                self._close(c, error(str(e), e.code))
+                return
+            c.head = head
+        if len(c.buf) < c.need:
+            return
+        body, c.buf = bytes(c.buf[:c.need]), c.buf[c.need:]
+        head, c.head, need, c.need = c.head, None, c.need, 0
+        try:
+            msg = merge(head, decode(body, "body") if need else {})
+        except SchedError as e:
+            self._close(c, error(str(e), e.code))
+            return
+        self._sel.unregister(c.sock)
+        c.busy = True
+        self._submit(c, msg)
+
+    def _close(self, c: _Conn, reply: dict | None = None) -> None:
+        if reply is not None:
+            _send_now(c.sock, reply)
+        self._conns.pop(c.sock.fileno(), None)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
+
+    # ------------------------------------------------------------------ workers
+    def _submit(self, c: _Conn, msg: dict) -> None:
+        with self._pool_lock:
+            spawn = self._idle == 0 and self._workers < self.max_workers
+            if spawn:
+                self._workers += 1
+        if spawn:
+            t = threading.Thread(target=self._work, name="sched-worker", daemon=True)
+            t.start()
+        self._tasks.put((c, msg))
+
+    def _work(self) -> None:
+        while True:
+            with self._pool_lock:
+                self._idle += 1
+            task = self._tasks.get()
+            with self._pool_lock:
+                self._idle -= 1
+            if task is None:
+                with self._pool_lock:
+                    self._workers -= 1
+                return
+            c, msg = task
+            reply = self.front.handle(msg, c.caller, authenticated=True)
+            try:
+                c.sock.settimeout(self.read_timeout)
+                c.sock.sendall((json.dumps(reply) + "\n").encode())
+                c.sock.setblocking(False)
+            except OSError:
+                c.broken = True  # the loop closes it
+            self._back.put(c)
+            try:
+                self._wake_w.send(b"x")
+            except (BlockingIOError, OSError):
+                pass
 
     def _tick(self) -> None:
         while not self._stop.wait(self.tick_s):
-            try:
-                self.core.tick()
-            except Exception as e:  # noqa: BLE001  (a closed database during stop)
-                if not self._stop.is_set():
-                    raise e
+            self.core.tick()
 
-    def start(self) -> "SchedServer":
-        serve = lambda: self.srv.serve_forever(poll_interval=0.05)  # noqa: E731  (stop() returns within 50 ms)
-        for fn, name in ((serve, "sched-serve"), (self._tick, "sched-tick")):
-            t = threading.Thread(target=fn, name=name, daemon=True)
+    # ------------------------------------------------------------------ life
+    def start(self) -> SchedServer:
+        for fn, name in ((self._loop, "sched-serve"), (self._tick, "sched-tick")):
+            t = threading.Thread(target=self._guard, args=(fn,), name=name, daemon=True)
             t.start()
             self._threads.append(t)
         return self
@@ -140,15 +334,25 @@ class SchedServer:
             self._stop.wait()
         finally:
             self.stop()
+        if self.failed is not None:
+            raise RuntimeError(f"the scheduler service stopped: {type(self.failed).__name__}: {self.failed}") \
+                from self.failed
 
     def stop(self, close_core: bool = True) -> None:
-        if self._threads:
-            self._stop.set()
-            self.srv.shutdown()
-            for t in self._threads:
-                t.join(timeout=5)
-            self._threads = []
-        self.srv.server_close()
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads = []
+        with self._pool_lock:
+            n = self._workers
+        for _ in range(n):
+            self._tasks.put(None)
+        for c in list(self._conns.values()):
+            self._close(c)
+        self._sel.close()
+        self.lsn.close()
+        self._wake_r.close()
+        self._wake_w.close()
         if self.kind == "unix":
             Path(self.address[len("unix:"):]).unlink(missing_ok=True)
         if close_core:
@@ -161,12 +365,28 @@ class SchedServer:
         self.stop()
 
 
-def _alive(path: Path) -> bool:
+def _send_now(sock: socket.socket, reply: dict) -> None:
+    """A short reply to a connection about to be closed, without waiting on a slow reader."""
+    try:
+        sock.setblocking(False)
+        sock.send((json.dumps(reply) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _clear_stale_socket(path: Path) -> None:
+    """Remove `path` when it is a socket nobody listens on; refuse anything else there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(f"{path} exists and is not a socket: refusing to replace it (choose another --addr)")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(str(path))
-        return True
-    except OSError:
-        return False
+        raise OSError(f"a scheduler already listens on {path}")
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink()  # a stale socket from a service that died
     finally:
         s.close()

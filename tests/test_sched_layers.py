@@ -1,0 +1,46 @@
+"""The scheduler's one-way layers (issue 13): protocol <- client <- services (socket
+server, Ray actor) <- jobs, checked on the source, function-local imports included (they
+once held a circle of client, job and ray_backend together)."""
+
+import ast
+from pathlib import Path
+
+import rlcu.sched
+
+SCHED = Path(rlcu.sched.__file__).parent
+LOGIC = {"core", "policy", "pool", "store", "metrics", "simulator"}  # the transport-free service logic
+ALLOWED = {  # module -> the rlcu.sched modules it may import
+    "protocol": set(),
+    "client": {"protocol"},
+    "service": {"protocol"},
+    "server": {"protocol", "service"},
+    "ray_backend": {"protocol", "client", "service"} | LOGIC,
+    "job": {"protocol", "client"},
+    "ray_launch": {"protocol", "client", "job"},
+    **{m: LOGIC for m in LOGIC},
+}
+
+
+def imports(mod: str) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse((SCHED / f"{mod}.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return out
+
+
+def test_sched_layers_are_one_way():
+    for mod, allowed in ALLOWED.items():
+        got = {m.split(".")[2] for m in imports(mod) if m.startswith("rlcu.sched.") and m.count(".") >= 2}
+        got = {m for m in got if (SCHED / f"{m}.py").exists()}
+        assert got <= allowed, f"rlcu.sched.{mod} imports {sorted(got - allowed)}: the layers are one-way"
+
+
+def test_sched_uses_no_private_name_of_train():
+    # job.py still coerces its config through rlcu.train.rl_trainer._config until the trainer
+    # has a public one; every other module keeps to public names
+    for mod in sorted(set(ALLOWED) - {"job"}):
+        bad = [m for m in imports(mod) if m.startswith("rlcu.train") and any(p.startswith("_") for p in m.split("."))]
+        assert not bad, f"rlcu.sched.{mod} reaches into rlcu.train through {bad}"
