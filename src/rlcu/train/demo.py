@@ -176,7 +176,7 @@ def run(cfg: DemoConfig) -> dict:
         raise ConfigError("model", f"is not a valid Qwen3Config: {e}") from None
     model = Qwen3.from_config(qc, device=device, dtype=dtype, seed=cfg.seed)
     model.gradient_checkpointing = False  # tiny activations: recomputing them only costs time
-    log = dict(progress=cfg.progress, every=1, tensorboard=True)
+    log = dict(progress=cfg.progress, every=1, tensorboard=True, overwrite=True)  # a demo always starts afresh
 
     # 1. SFT warm-up on the sloppy demonstrations
     t0 = time.perf_counter()
@@ -203,7 +203,7 @@ def run(cfg: DemoConfig) -> dict:
     before_s = accuracy(grpo, held, temperature=cfg.temperature, n=4)
     t_eval = time.perf_counter() - t0
     t0 = time.perf_counter()
-    hist = grpo.train()
+    hist = [h for h in grpo.train() if h["step"] > 0]  # step 0 is the trainer's baseline evaluation
     t_grpo = time.perf_counter() - t0
     t0 = time.perf_counter()
     after = accuracy(grpo, held)

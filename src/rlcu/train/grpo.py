@@ -27,7 +27,6 @@ import torch
 from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.rl_config import GRPOConfig
-
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
 
@@ -85,7 +84,7 @@ class GRPOTrainer(RLTrainer):
     def train_step(self, step: int) -> dict:
         c = self.cfg
         t0 = time.perf_counter()
-        samples, keep, m = self._engine_phase(lambda: self._collect(step))
+        samples, keep, m = self._engine_phase(lambda: self._collect(step), work=self._rollout_work())
         t1 = time.perf_counter()
         G = c.group_size
         m.update(self._length_metrics(samples))
@@ -101,15 +100,17 @@ class GRPOTrainer(RLTrainer):
         m["adv_abs"] = float(adv[ok].abs().mean()) if ok.any() else 0.0
         m["groups_all_equal"] = float(torch.isnan(gstd).sum() + (gstd == 0).sum()) / max(gstd.numel(), 1)
         if self.ref is not None:
-            batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
+            with self.hooks.phase("ref_logprobs"):
+                batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
         t2 = time.perf_counter()
         if float(batch.mask.sum()) == 0:
             self._warn(f"step {step + 1}: every sample is masked; no update")
             m["skipped"] = 1
             upd = []
         else:
-            upd = [self._policy_update(batch, step * c.mu + u, c.steps * c.mu, c.loss_agg, c.kl_coef)
-                   for u in range(c.mu)]
+            with self.hooks.phase("actor_train"):
+                upd = [self._policy_update(batch, step * c.mu + u, c.steps * c.mu, c.loss_agg, c.kl_coef)
+                       for u in range(c.mu)]
         self._end_train_phase()
         t3 = time.perf_counter()
         if upd:
