@@ -248,13 +248,24 @@ class Trainer(abc.ABC):
 
         self.step += 1
         self.logger.log(self.step, e.info)
-        if all(bool(torch.isfinite(t).all()) for t in self._finite_tensors()):
+        if self._state_finite():
             ck = self.save()  # the skipped steps changed nothing: this is the last good state
             raise RuntimeError(f"{e} The last good state is saved in {ck}.") from e
         prev = latest_checkpoint(self.ckpt_root)
         where = (f"the last checkpoint is {prev}" if prev is not None
                  else "no checkpoint was written before")
         raise RuntimeError(f"{e} The weights are not finite, so nothing was saved; {where}.") from e
+
+    def _state_finite(self) -> bool:
+        return all(bool(torch.isfinite(t).all()) for t in self._finite_tensors())
+
+    def _save_if_finite(self) -> Path | None:
+        """A checkpoint, unless the weights are not finite (a NaN state is worth nothing and
+        keep_last would prune good checkpoints for it)."""
+        if self._state_finite():
+            return self.save()
+        self._warn(f"step {self.step}: the weights are not finite: no checkpoint written")
+        return None
 
     def _eval_due(self) -> bool:
         c = self.cfg
@@ -288,14 +299,14 @@ class Trainer(abc.ABC):
                         m.update(self.eval_metrics())
                     self._record(self.step, m)
                     if c.checkpoint.every and self.step % c.checkpoint.every == 0:
-                        self.save()
+                        self._save_if_finite()
                         saved_at = self.step
                 if sig.signum and self.step < end:
                     lg.warn(f"received {sig.name} during step {self.step}: the step finished; checkpointing")
-                    ck = self.last_checkpoint if saved_at == self.step else self.save()
+                    ck = self.last_checkpoint if saved_at == self.step else self._save_if_finite()
                     raise TrainingInterrupted(sig.signum, ck, self.step)
             if self.step > start and saved_at != self.step and (c.checkpoint.save_at_end or self.step < c.steps):
-                self.save()
+                self._save_if_finite()
         finally:
             lg.close()
         return self._result()

@@ -29,6 +29,7 @@ SAFE = ("log.", "checkpoint.", "engine.", "eval_every", "eval_max_prompts", "dat
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "tie_word_embeddings")
 RL_KINDS = ("grpo", "ppo")
+NOT_SETTINGS = ("checkpoint.resume", "checkpoint.allow_config_change", "log.overwrite")  # how to start, not the run
 
 
 def resolve(resume, ckpt_root) -> Path | None:
@@ -126,7 +127,7 @@ def check_config(path: Path, state: dict, cfg, note) -> dict:
         return {}
     old, new = flatten(saved), flatten(config_to_dict(cfg))
     changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k) and k != "checkpoint.resume"}
+               if old.get(k) != new.get(k) and k not in NOT_SETTINGS}
     if not changed:
         return {}
     listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
