@@ -72,8 +72,8 @@ def _sft(out, resume=None):
     from rlcu.train.sft import SFTTrainer
 
     g = torch.Generator().manual_seed(0)
-    rows = [{"prompt_token_ids": torch.randint(0, 20, (3,), generator=g).tolist(),
-             "completion_token_ids": torch.randint(0, 20, (int(torch.randint(1, 5, (1,), generator=g)),),
+    rows = [{"prompt_token_ids": torch.randint(0, 15, (3,), generator=g).tolist(),
+             "completion_token_ids": torch.randint(0, 15, (int(torch.randint(1, 5, (1,), generator=g)),),
                                                    generator=g).tolist()} for _ in range(14)]
     cfg = {"steps": STEPS, "batch_tokens": 16, "grad_accum": 2, "eval_every": 2, "data": {"eval_size": 2},
            "optim": {"lr": 3e-3, "schedule": "cosine", "warmup_steps": 2, "weight_decay": 0.1},
@@ -111,7 +111,7 @@ def _cli_run(tmp_path) -> Path:
         with open(tmp_path / f"{name}.jsonl", "w") as f:
             for r in part:
                 f.write(json.dumps(r) + "\n")
-    cfg = rl_config(tmp_path / "out", steps=8, group_size=1,
+    cfg = rl_config(tmp_path / "out", steps=6, group_size=1,
                     critic=dict(warmup_steps=2, optim=dict(lr=3e-3, schedule="cosine")))
     cfg["model"]["tokenizer"] = str(tmp_path / "tok")
     cfg["data"] = {"path": str(tmp_path / "train.jsonl"), "eval_path": str(tmp_path / "eval.jsonl")}
@@ -156,7 +156,7 @@ def test_ppo_killed_at_random_moments_resumes_bit_exact(tmp_path):
     rng = random.Random(int(time.time()))
     kills, t_end = 0, time.monotonic() + 90
     while True:
-        rc, err = run(tmp_path / "k", kill_after=rng.uniform(3.0, 7.0) if kills < 2 else None)
+        rc, err = run(tmp_path / "k", kill_after=rng.uniform(2.5, 5.0) if kills < 2 else None)
         if rc is None:
             kills += 1
             continue
