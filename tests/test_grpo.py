@@ -205,7 +205,9 @@ def test_cli_help_lists_every_option(capsys):
     assert main(["grpo", "--help"]) == 0
     out = capsys.readouterr().out
     for key in ("mu = 1", "clip_high = 0.2", "loss_agg = token", "optim.lr = 1.0e-05", "engine.max_num_seqs = 256",
-                "checkpoint.resume = null", "dynamic_sampling = false", "--resume", "--set"):
+                "checkpoint.resume = null", "dynamic_sampling = false", "--resume", "--set", "--overwrite",
+                "--allow-config-change", "log.overwrite = false", "checkpoint.allow_config_change = false",
+                "engine.gpu_memory_utilization = null"):
         assert key in out, key
     assert main(["ppo", "--help"]) == 0
     out = capsys.readouterr().out

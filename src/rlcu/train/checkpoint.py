@@ -6,7 +6,9 @@ Layout of one checkpoint, `root/step-000123/`:
                         the working weights are bf16)
     <name>.pt           extra state_dict()s (e.g. a critic and its optimizer)
     rng.pt              Python, NumPy, torch CPU/CUDA and named torch.Generator RNG states
-    trainer_state.json  step, data position, metrics tail, whatever the trainer adds
+    trainer_state.json  step, the kind of trainer, the run's config, data position, metrics
+                        tail, whatever the trainer adds (resume checks the kind, the model
+                        and the settings against the run's: rlcu.train.resume)
 
 Atomicity: everything is written into `root/.tmp-step-000123-<pid>/`, every file and folder
 is fsynced, then the folder is renamed to its final name (a rename within one file system is
