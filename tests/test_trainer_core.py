@@ -265,3 +265,27 @@ def test_gpu_memory_utilization_one_default_and_honoured(tmp_path):
     tr = grpo(tmp_path / "c", engine=dict(num_kv_blocks=40, gpu_memory_utilization=0.3))
     assert tr.llm.runner.num_blocks == 40
     assert torch.get_num_threads() == 1
+
+
+@pytest.mark.gpu
+def test_engine_graphs_are_captured_once_through_sleeps_and_yields(tmp_path):
+    """On CUDA the engine sleeps after every rollout and on a yield; the decode graphs are kept
+    through both (the pool comes back at its address), so later steps capture none."""
+
+    class YieldOnce(Recorder):
+        def yield_check(self):
+            self.checks += 1
+            return self.checks == 40  # once, in the middle of a later rollout
+
+        def on_yield(self, tokens_left):
+            self.yielded = tokens_left
+
+    tr = grpo(tmp_path, steps=4, max_new_tokens=8, model=dict(device="cuda", dtype="bfloat16"))
+    h = tr.hooks = YieldOnce()
+    runner = tr.llm.runner
+    captures, orig = [], runner._capture
+    runner._capture = lambda b, kb: (captures.append((tr.step, b, kb)), orig(b, kb))
+    tr.train()
+    assert captures and all(s == 0 for s, _, _ in captures), captures  # all in the first step
+    assert getattr(h, "yielded", None) is not None
+    assert runner.graph_wakes["kept"] >= 3 and runner.graph_wakes["recaptured"] == 0, runner.graph_wakes

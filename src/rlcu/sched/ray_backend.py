@@ -159,10 +159,10 @@ def launch_grpo(config, name: str, *, addr: str = "ray:rlcu-sched", overrides=()
     from rlcu.config import load_config
     from rlcu.sched.client import SchedClient
     from rlcu.sched.job import job_memory
-    from rlcu.train.core import coerce_config as _config
+    from rlcu.train.core import coerce_config
     from rlcu.train.rl_config import GRPOConfig
 
-    cfg = _config(GRPOConfig, config) if not isinstance(config, str) else load_config(GRPOConfig, config,
+    cfg = coerce_config(GRPOConfig, config) if not isinstance(config, str) else load_config(GRPOConfig, config,
                                                                                       list(overrides))
     clusters, mem = job_memory(cfg, mem)
     client = SchedClient(addr)
