@@ -6,9 +6,9 @@
 `ScheduledGRPO` is the GRPO trainer driven through its phase hooks (`JobHooks`, on
 rlcu.train.core.Hooks; it changes nothing in the math): building the model, engine and
 optimizer is `init`; sampling is `rollout`; the reference model's forward is `ref_logprobs`;
-the optimizer updates are `actor_train`. Each boundary gives back the lease of the phase before and asks for the next, with the memory
-that phase needs on the job's one cluster, `actor`, whose weights and optimizer state stay
-resident on its device (a `resident` lease) for the job's life.
+the optimizer updates are `actor_train`. Each boundary gives back the lease of the phase
+before and asks for the next, with the memory that phase needs on the job's one cluster,
+`actor`, whose weights and optimizer state stay resident on its device (a `resident` lease) for the job's life.
 
 Preemption. Rollout is the one preemptible phase. Between two engine steps the engine asks
 the job whether to yield (`LLM.generate(yield_check=..., on_yield=...)`); on a yield notice

@@ -81,7 +81,8 @@ def check_model(path: Path, model) -> None:
             if getattr(saved, k, None) != getattr(model.cfg, k, None)]
     if diff:
         raise SetupError(f"{path} holds another model than this run's ({', '.join(diff)}): resume with the model "
-                         f"config it was trained with, or start from its weights with model.path={Path(path) / 'model'}")
+                         f"config it was trained with, or start from its weights with "
+                         f"model.path={Path(path) / 'model'}")
 
 
 def flatten(d, prefix: str = "") -> dict:
