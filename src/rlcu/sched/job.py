@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError
-from rlcu.train.core import Hooks, SetupError, coerce_config
+from rlcu.train.core import Hooks, SetupError, TrainingInterrupted, coerce_config
 from rlcu.train.grpo import GRPOTrainer
 from rlcu.train.rl_config import GRPOConfig
 
@@ -228,7 +228,8 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
 
 def run_grpo_exit_code(prog: str, *args, **kw) -> int:
     """run_grpo for a command line: 0 when the job finished, 3 when the scheduler ended it
-    (cancelled, or its leases reclaimed), 2 on a scheduler error; the reason goes to stderr."""
+    (cancelled, or its leases reclaimed), 2 on a scheduler error or a run that cannot start,
+    128 + N when signal N stopped it (after its checkpoint); the reason goes to stderr."""
     try:
         run_grpo(*args, **kw)
     except JobEnded as e:
@@ -240,6 +241,9 @@ def run_grpo_exit_code(prog: str, *args, **kw) -> int:
     except SetupError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 
