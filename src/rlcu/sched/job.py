@@ -157,11 +157,15 @@ class ScheduledGRPO(GRPOTrainer):
         cfg = coerce_config(GRPOConfig, config)
         hooks = JobHooks(sched, cluster, mem)
         with hooks.phase("init") as lease:
-            _use_device(lease)
+            self._use_device(lease)
             if cfg.engine.num_kv_blocks is None and hooks.mem.get("rollout") and _on_cuda(cfg):
                 kvb = estimate_memory(cfg)["kv_bytes_per_token"] * cfg.engine.block_size
                 cfg.engine.num_kv_blocks = max(16, int(hooks.mem["rollout"] * GiB * 0.8 // kvb))
             super().__init__(cfg, dataset, reward_fns, hooks=hooks, **kw)
+
+    def _use_device(self, lease) -> None:
+        """Make the lease's device current (benchmarks extend this, e.g. with a stream)."""
+        _use_device(lease)
 
     @property
     def sched(self) -> JobHandle:
