@@ -58,7 +58,8 @@ class PPOTrainer(RLTrainer):
                 "score_stats": self.score_stats}
 
     def _finite_tensors(self) -> list[torch.Tensor]:
-        return [*super()._finite_tensors(), self.critic.flat]
+        out = [*super()._finite_tensors(), self.critic.flat]
+        return out if self.critic_opt.master_is_model else [*out, self.critic_opt.master]
 
     # ---------------------------------------------------------------- the step
     def _values(self, batch: ro.RolloutBatch) -> torch.Tensor:
