@@ -137,6 +137,26 @@ def test_resume_refusals_are_one_line(tmp_path, capsys):
     assert again["seed"] == 6 and again["steps"] == 3
     log = (tmp_path / "out" / "log.txt").read_text()
     assert "settings changed since step-000002: seed: 5 -> 6; steps: 2 -> 3" in log
+    # a checkpoint written before an option existed: the option at its default is no change
+    from rlcu.train.resume import check_config
+    from rlcu.train.rl_config import GRPOConfig
+
+    ck = tmp_path / "out" / "checkpoints" / "step-000003"
+    state = json.loads((ck / "trainer_state.json").read_text())
+    del state["config"]["mu"], state["config"]["log"]["every"]
+    now = load_config_like(state["config"])
+    assert check_config(ck, state, now, print) == {}
+    now.mu, now.checkpoint.allow_config_change = 2, False
+    with pytest.raises(Exception, match="mu: None -> 2"):
+        check_config(ck, state, now, print)
+    assert GRPOConfig().mu == 1
+
+
+def load_config_like(d: dict):
+    from rlcu.config import config_from_dict
+    from rlcu.train.rl_config import GRPOConfig
+
+    return config_from_dict(GRPOConfig, d)
 
 
 # ---------------------------------------------------------------- item 8: the abort after non-finite steps

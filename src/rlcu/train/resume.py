@@ -127,8 +127,12 @@ def check_config(path: Path, state: dict, cfg, note) -> dict:
         note(f"{path}: no saved config to compare the run's settings with")
         return {}
     old, new = flatten(saved), flatten(config_to_dict(cfg))
+    defaults = flatten(config_to_dict(type(cfg)()))
+    # an option the checkpoint's version did not have, now at its default, changes nothing;
+    # nor does one this version no longer has
     changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-               if old.get(k) != new.get(k) and k not in NOT_SETTINGS}
+               if k in new and old.get(k) != new[k] and k not in NOT_SETTINGS
+               and not (k not in old and new[k] == defaults.get(k))}
     if not changed:
         return {}
     listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
