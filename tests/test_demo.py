@@ -47,7 +47,7 @@ def test_demo_short_run(tmp_path, capsys):
     assert s["grpo_steps"] == 2 and s["wall_seconds"] > 0
     assert (out / "demo.png").exists()
     assert (out / "sft" / "metrics.jsonl").exists() and (out / "grpo" / "metrics.jsonl").exists()
-    assert len((out / "grpo" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len((out / "grpo" / "metrics.jsonl").read_text().splitlines()) == 3  # the step-0 baseline + 2
     assert (out / "checkpoints" / "step-000002" / "trainer_state.json").exists()
     assert (out / "model" / "config.json").exists() and (out / "model" / "tokenizer.json").exists()
     assert "held-out accuracy" in capsys.readouterr().out

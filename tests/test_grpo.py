@@ -205,7 +205,9 @@ def test_cli_help_lists_every_option(capsys):
     assert main(["grpo", "--help"]) == 0
     out = capsys.readouterr().out
     for key in ("mu = 1", "clip_high = 0.2", "loss_agg = token", "optim.lr = 1.0e-05", "engine.max_num_seqs = 256",
-                "checkpoint.resume = null", "dynamic_sampling = false", "--resume", "--set"):
+                "checkpoint.resume = null", "dynamic_sampling = false", "--resume", "--set", "--overwrite",
+                "--allow-config-change", "log.overwrite = false", "checkpoint.allow_config_change = false",
+                "engine.gpu_memory_utilization = null"):
         assert key in out, key
     assert main(["ppo", "--help"]) == 0
     out = capsys.readouterr().out
@@ -219,7 +221,11 @@ def test_cli_runs_and_resumes(tmp_path, capsys):
     assert main(["grpo", str(y), "--set", "optim.lr=1e-3"]) == 0
     ck = tmp_path / "out" / "checkpoints"
     assert (ck / "step-000002" / "model" / "config.json").exists()
-    assert main(["grpo", str(y), "--set", "steps=3", "--resume", "auto"]) == 0
+    # a changed lr breaks an exact resume: refused with one line, unless asked for
+    assert main(["grpo", str(y), "--set", "steps=3", "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lr: 0.001 -> 1e-05" in err and "--allow-config-change" in err and "Traceback" not in err
+    assert main(["grpo", str(y), "--set", "optim.lr=1e-3", "--set", "steps=3", "--resume", "auto"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
 
@@ -276,7 +282,7 @@ def test_nonfinite_steps_abort_with_checkpoint(tmp_path):
     before = tr.model.flat.clone()
     with pytest.raises(RuntimeError, match="last good state is saved"):
         tr.train()
-    ck = tmp_path / "run" / "checkpoints" / "step-000001"
+    ck = tmp_path / "run" / "checkpoints" / "step-000002"  # the aborted step 2 (its data consumed, no update)
     assert (ck / "trainer_state.json").exists()
     assert torch.equal(before, tr.model.flat)
     assert "non-finite" in (tmp_path / "run" / "log.txt").read_text()

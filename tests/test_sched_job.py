@@ -80,6 +80,8 @@ def test_preempted_grpo_job_loses_nothing(tmp_path, service):
             time.sleep(0.01)
 
     tr.on_engine_step = on_step
+    sleeps, sleep = [], tr.llm.sleep
+    tr.llm.sleep = lambda keep_graphs=False: (sleeps.append(keep_graphs), sleep(keep_graphs))
     hist = tr.train()
     job.finish()
     rival.finish()
@@ -104,6 +106,9 @@ def test_preempted_grpo_job_loses_nothing(tmp_path, service):
     err = (tr.model.flat - base.model.flat).norm() / base.model.flat.norm()
     assert err < 1e-5, f"weights differ: rel err {err:.2e}"
     assert hist[-1]["sched/yields"] == 1
+    # the engine is the trainer's own LLM (no proxy), and every sleep, between phases and on the
+    # yield, keeps the decode graphs for the next wake: a scheduled job captures them once
+    assert type(tr.llm).__name__ == "LLM" and len(sleeps) == 3 and all(sleeps), sleeps
     assert core.op_metrics()["mem_in_use"] == [0.0]
 
 

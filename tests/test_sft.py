@@ -113,8 +113,8 @@ def test_nonfinite_skip_and_abort(tmp_path):
     tr.model.forward = bad_forward
     step = tr.train_step
 
-    def recording_step():
-        out = step()
+    def recording_step(*a):
+        out = step(*a)
         snaps.append(tr.model.flat.clone())
         return out
 
@@ -156,7 +156,9 @@ def test_chat_sft_end_to_end(tmp_path):
     assert len(tr.examples) == 12
     tr.train()
     rows = _rows_of(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [3, 6, 9, 12]
+    assert [r["step"] for r in rows] == [0, 3, 6, 9, 12]  # step 0: the baseline evaluation, before training
+    base, rows = rows[0], rows[1:]
+    assert sorted(base) == ["eval/loss", "step"] and rows[1]["eval/loss"] < base["eval/loss"]
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
     assert "eval/loss" not in rows[0] and rows[-1]["eval/loss"] < rows[1]["eval/loss"]
     log = (tmp_path / "run" / "log.txt").read_text()

@@ -217,6 +217,9 @@ def _unknown(key, names, prefix, source) -> ConfigError:
 
 
 # ---------------------------------------------------------------- sections
+GPU_MEMORY_UTILIZATION = 0.6  # the engine's default (LLM and engine.gpu_memory_utilization: null)
+
+
 @dataclasses.dataclass
 class ModelConfig(Section):
     path: str | None = opt(None, "HF folder of a Qwen3 checkpoint (config.json + safetensors); "
@@ -307,11 +310,17 @@ class CheckpointConfig(Section):
     resume: str | None = opt(None, "null: start fresh; 'auto': the newest checkpoint under dir if any; "
                                    "or a checkpoint folder")
     save_at_end: bool = opt(True, "save a checkpoint after the last step")
+    allow_config_change: bool = opt(False, "resume even when settings that change what the remaining steps "
+                                           "compute (lr, batch and group sizes, seeds, data, model...) differ "
+                                           "from the checkpoint's (the changes are listed in the log either way)")
 
 
 @dataclasses.dataclass
 class LogConfig(Section):
-    out_dir: str = opt("runs/rlcu", "run folder: metrics.jsonl, TensorBoard events, plots, log.txt")
+    out_dir: str = opt("runs/rlcu", "run folder: metrics.jsonl, TensorBoard events, plots, log.txt; a fresh run "
+                                    "refuses a folder that holds another run unless overwrite")
+    overwrite: bool = opt(False, "a fresh run into a log.out_dir that holds another run first removes that run's "
+                                 "files and checkpoints (else it is refused; resume it with checkpoint.resume)")
     every: int = opt(1, "write metrics every N steps", ge=1)
     tensorboard: bool = opt(True, "write a TensorBoard event file (scalars; needs the tensorboard package: "
                                   "pip install 'rlcu[tensorboard]', else a warning)")
@@ -331,11 +340,16 @@ class LogConfig(Section):
 class EngineConfig(Section):
     max_num_seqs: int = opt(256, "most sequences decoded at once", ge=1)
     max_num_batched_tokens: int = opt(8192, "token budget of one engine step (prefill chunking)", ge=1)
-    gpu_memory_utilization: float = opt(0.5, "fraction of free GPU memory given to the KV pool when "
-                                             "num_kv_blocks is null", gt=0, le=1)
+    gpu_memory_utilization: float | None = opt(
+        None, "fraction of the device's total memory this process may use once the KV pool is allocated "
+              "(weights, trainer state, activations and the pool together, as in vLLM); sizes the pool when "
+              f"num_kv_blocks is null. null: {GPU_MEMORY_UTILIZATION} for the engine alone; GRPO/PPO size the "
+              "pool to one step's sequences instead (set it to size the pool from memory)", gt=0, le=1)
     block_size: int = opt(16, "tokens per KV-cache block", ge=1)
-    num_kv_blocks: int | None = opt(None, "KV-cache blocks; null: sized from gpu_memory_utilization "
-                                          "(on the CPU: enough for the batch)", ge=1)
+    num_kv_blocks: int | None = opt(None, "KV-cache blocks; null: GRPO/PPO hold one step's (or one "
+                                          "evaluation's) sequences unless gpu_memory_utilization is set, which "
+                                          "then sizes the pool (on the CPU the engine holds 4 longest sequences)",
+                                    ge=1)
     enforce_eager: bool = opt(False, "never capture CUDA graphs")
 
 

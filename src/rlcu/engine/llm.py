@@ -111,8 +111,10 @@ class LLM:
     with config.json and safetensors. device: default the model's, else "cuda" when there is
     one. dtype: default bfloat16 on CUDA, float32 on the CPU. max_num_seqs: sequences in one
     step (also the largest CUDA-graph batch). max_num_batched_tokens: tokens per step (the
-    chunked-prefill budget). gpu_memory_utilization: the fraction of the device's memory that
-    everything in the process, the KV pool included, may use. block_size: tokens per KV
+    chunked-prefill budget). gpu_memory_utilization: the fraction of the device's total memory
+    that this process may use once the KV pool is allocated (weights, trainer state,
+    activations and the pool together, as in vLLM); None: rlcu.config.GPU_MEMORY_UTILIZATION,
+    the default engine.gpu_memory_utilization shares. block_size: tokens per KV
     block. num_kv_blocks: the pool's size, overriding gpu_memory_utilization (the CPU default
     holds 4 sequences of max_model_len, at most 1 GiB). max_model_len: the longest sequence (default: the model's
     max_position_embeddings, lowered to what the pool holds). enforce_eager: no CUDA graphs.
@@ -123,12 +125,15 @@ class LLM:
     from the model's folder the first time a prompt is text (or a chat)."""
 
     def __init__(self, model: Qwen3 | str | Path, *, device: str | torch.device | None = None, dtype=None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, gpu_memory_utilization: float = 0.6,
-                 block_size: int | None = None, num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 gpu_memory_utilization: float | None = None, block_size: int | None = None, num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  tokenizer: Any = None):
+        from rlcu.config import GPU_MEMORY_UTILIZATION
         from rlcu.ops.paged_attention import DEFAULT_BLOCK_SIZE
 
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = GPU_MEMORY_UTILIZATION
         block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
         _check_int("max_num_seqs", max_num_seqs, 1)
         _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
@@ -315,7 +320,7 @@ class LLM:
         live = self.scheduler.preempt_all()
         left = sum(s.num_samples * max(min(s.params.max_tokens - s.num_generated, self.max_model_len - len(s)), 0)
                    for s in live)
-        self.sleep()
+        self.sleep(keep_graphs=True)  # a pool that comes back at its address keeps them (see sleep)
         if on_yield is not None:
             on_yield(left)  # an exception leaves the engine asleep: the pool may no longer be ours
         self.wake()

@@ -3,12 +3,12 @@
     python -m rlcu.sched.job --config grpo.yaml --addr unix:~/.rlcu/sched/sched.sock [--set k=v ...]
     run_grpo("grpo.yaml", addr)                                   # the Python API
 
-`ScheduledGRPO` is the GRPO trainer with hooks at its phase boundaries (it changes nothing
-in the math): building the model, engine and optimizer is `init`; sampling is `rollout`; the
-reference model's forward is `ref_logprobs`; the optimizer updates are `actor_train`. Each
-boundary gives back the lease of the phase before and asks for the next, with the memory
-that phase needs on the job's one cluster, `actor`, whose weights and optimizer state stay
-resident on its device (a `resident` lease) for the job's life.
+`ScheduledGRPO` is the GRPO trainer driven through its phase hooks (`JobHooks`, on
+rlcu.train.core.Hooks; it changes nothing in the math): building the model, engine and
+optimizer is `init`; sampling is `rollout`; the reference model's forward is `ref_logprobs`;
+the optimizer updates are `actor_train`. Each boundary gives back the lease of the phase
+before and asks for the next, with the memory that phase needs on the job's one cluster,
+`actor`, whose weights and optimizer state stay resident on its device (a `resident` lease) for the job's life.
 
 Preemption. Rollout is the one preemptible phase. Between two engine steps the engine asks
 the job whether to yield (`LLM.generate(yield_check=..., on_yield=...)`); on a yield notice
@@ -27,15 +27,16 @@ never take more than they were leased.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import sys
 from pathlib import Path
 
 from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError
+from rlcu.train.core import Hooks, SetupError, TrainingInterrupted, coerce_config
 from rlcu.train.grpo import GRPOTrainer
 from rlcu.train.rl_config import GRPOConfig
-from rlcu.train.rl_trainer import _config
 
 GiB = float(1 << 30)
 CLUSTER = "actor"
@@ -87,117 +88,108 @@ def generate_resumable(llm, prompts, sampling_params, should_yield, pause, **kw)
     return llm.generate(prompts, sampling_params, yield_check=should_yield, on_yield=pause, **kw)
 
 
-class _PreemptibleEngine:
-    """The trainer's engine, whose generate stops for yield notices (everything else passes through)."""
+class JobHooks(Hooks):
+    """The trainer's phase hooks (rlcu.train.core.Hooks) on scheduler leases: each phase
+    gives back the lease of the one before and asks for its own, with the memory it needs;
+    the rollout is preemptible (yield_check / on_yield between engine steps)."""
 
-    def __init__(self, llm, job: "ScheduledGRPO"):
-        self._llm, self._job = llm, job
+    preemptible = True
 
-    def generate(self, prompts, sampling_params=None, **kw):
-        return generate_resumable(self._llm, prompts, sampling_params, self._job._check_yield, self._job._yield_rollout,
-                                  **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._llm, name)
-
-
-class _PhaseModel:
-    """A model whose forward first moves the job into `phase` (the reference model)."""
-
-    def __init__(self, model, job: "ScheduledGRPO", phase: str):
-        self._model, self._job, self._phase = model, job, phase
-
-    def forward(self, *a, **k):
-        self._job._enter(self._phase)
-        return self._model.forward(*a, **k)
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-
-class ScheduledGRPO(GRPOTrainer):
-    """GRPOTrainer whose phases run on scheduler leases; `sched` is the job's JobHandle and
-    `mem` the memory per phase (and `resident`) on its device, as registered."""
-
-    def __init__(self, config, dataset=None, reward_fns=None, *, sched: JobHandle, mem: dict | None = None,
-                 cluster: str = CLUSTER, **kw):
-        cfg = _config(GRPOConfig, config)
+    def __init__(self, sched: JobHandle, cluster: str = CLUSTER, mem: dict | None = None):
         self.sched, self.cluster, self.mem = sched, cluster, dict(mem or {})
-        self._held = None
+        self.held = None
         self.yields = 0
         self.engine_steps = 0
         self.on_engine_step = None  # called with the step count at each yield check (tests)
-        self._enter("init")
+
+    @contextlib.contextmanager
+    def phase(self, name: str, work: float | None = None, **info):
+        self.enter(name, work)
         try:
-            self._use_device(self._held)
-            if cfg.engine.num_kv_blocks is None and self.mem.get("rollout") and self._on_cuda(cfg):
-                kvb = estimate_memory(cfg)["kv_bytes_per_token"] * cfg.engine.block_size
-                cfg.engine.num_kv_blocks = max(16, int(self.mem["rollout"] * GiB * 0.8 // kvb))
-            super().__init__(cfg, dataset, reward_fns, **kw)
-            self.llm.sleep()
+            yield self.held
         finally:
-            self._leave()
+            self.leave()
 
-    # ------------------------------------------------------------------ leases
-    @staticmethod
-    def _on_cuda(cfg) -> bool:
-        return cfg.model.resolve_device() == "cuda"
-
-    def _use_device(self, lease) -> None:
-        name = lease.names[0].rsplit("/", 1)[-1] if lease.names else ""  # "cuda:K" or "NODE/cuda:K"
-        if name.startswith("cuda:"):
-            import torch
-
-            torch.cuda.set_device(int(name.split(":")[1]))
-
-    def _enter(self, phase: str, work: float | None = None) -> None:
-        if self._held is not None and self._held.phase == phase:
+    def enter(self, phase: str, work: float | None = None) -> None:
+        if self.held is not None and self.held.phase == phase:
             return
-        self._leave()
-        self._held = self.sched.acquire(phase, self.cluster, mem=self.mem.get(phase), work=work)
+        self.leave()
+        self.held = self.sched.acquire(phase, self.cluster, mem=self.mem.get(phase), work=work)
 
-    def _leave(self) -> None:
-        if self._held is not None:
-            lease, self._held = self._held, None
+    def leave(self) -> None:
+        if self.held is not None:
+            lease, self.held = self.held, None
             self.sched.release(lease)
 
-    def _check_yield(self) -> bool:
+    def yield_check(self) -> bool:
         self.engine_steps += 1
         if self.on_engine_step is not None:
             self.on_engine_step(self.engine_steps)
-        return self._held is not None and self._held.phase == "rollout" and self.sched.should_yield(self._held)
+        return self.held is not None and self.held.phase == "rollout" and self.sched.should_yield(self.held)
 
-    def _yield_rollout(self, tokens_left: int) -> None:
+    def on_yield(self, tokens_left: int) -> None:
         self.yields += 1
-        self._leave()
-        self._enter("rollout", work=float(tokens_left))
+        self.leave()
+        self.enter("rollout", work=float(tokens_left))
 
-    # ------------------------------------------------------------------ trainer hooks
-    def _make_engine(self):
-        return _PreemptibleEngine(super()._make_engine(), self)
+    def metrics(self) -> dict:
+        return {"sched/yields": self.yields}
 
-    def _make_ref(self):
-        return _PhaseModel(super()._make_ref(), self, "ref_logprobs")
 
-    def _engine_phase(self, fn):
-        c = self.cfg
-        self._enter("rollout", work=float(c.prompts_per_step * c.group_size * c.max_new_tokens))
-        try:
-            return super()._engine_phase(fn)
-        finally:
-            self._leave()
+def _use_device(lease) -> None:
+    name = lease.names[0].rsplit("/", 1)[-1] if lease.names else ""  # "cuda:K" or "NODE/cuda:K"
+    if name.startswith("cuda:"):
+        import torch
 
-    def _policy_update(self, *a, **k):
-        self._enter("actor_train")
-        return super()._policy_update(*a, **k)
+        torch.cuda.set_device(int(name.split(":")[1]))
 
-    def train_step(self, step: int) -> dict:
-        try:
-            m = super().train_step(step)
-        finally:
-            self._leave()
-        m["sched/yields"] = self.yields
-        return m
+
+class ScheduledGRPO(GRPOTrainer):
+    """GRPOTrainer whose phases run on scheduler leases through its phase hooks (`JobHooks`):
+    `sched` is the job's JobHandle and `mem` the memory per phase (and `resident`) on its
+    device, as registered. Nothing of the trainer is overridden: building it is the `init`
+    phase; the trainer's own hooks.phase calls do the rest. The engine keeps its decode
+    graphs through every sleep (between phases and on a yield): a wake whose pool comes back
+    at the same address replays them, so they are captured once, not every step."""
+
+    def __init__(self, config, dataset=None, reward_fns=None, *, sched: JobHandle, mem: dict | None = None,
+                 cluster: str = CLUSTER, **kw):
+        cfg = coerce_config(GRPOConfig, config)
+        hooks = JobHooks(sched, cluster, mem)
+        with hooks.phase("init") as lease:
+            self._use_device(lease)
+            if cfg.engine.num_kv_blocks is None and hooks.mem.get("rollout") and _on_cuda(cfg):
+                kvb = estimate_memory(cfg)["kv_bytes_per_token"] * cfg.engine.block_size
+                cfg.engine.num_kv_blocks = max(16, int(hooks.mem["rollout"] * GiB * 0.8 // kvb))
+            super().__init__(cfg, dataset, reward_fns, hooks=hooks, **kw)
+
+    def _use_device(self, lease) -> None:
+        """Make the lease's device current (benchmarks extend this, e.g. with a stream)."""
+        _use_device(lease)
+
+    @property
+    def sched(self) -> JobHandle:
+        return self.hooks.sched
+
+    @property
+    def yields(self) -> int:
+        return self.hooks.yields
+
+    @property
+    def engine_steps(self) -> int:
+        return self.hooks.engine_steps
+
+    @property
+    def on_engine_step(self):
+        return self.hooks.on_engine_step
+
+    @on_engine_step.setter
+    def on_engine_step(self, fn) -> None:
+        self.hooks.on_engine_step = fn
+
+
+def _on_cuda(cfg) -> bool:
+    return cfg.model.resolve_device() == "cuda"
 
 
 def job_memory(cfg: GRPOConfig, given: dict | None = None) -> tuple[dict, dict]:
@@ -219,7 +211,7 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
     if isinstance(config, (str, Path)) or config is None:
         cfg = load_config(GRPOConfig, config, list(overrides))
     else:
-        cfg = _config(GRPOConfig, config)
+        cfg = coerce_config(GRPOConfig, config)
     clusters, mem = job_memory(cfg, mem)
     client = client or SchedClient(addr, token)
     name = name or f"grpo-{secrets.token_hex(3)}"
@@ -240,7 +232,8 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
 
 def run_grpo_exit_code(prog: str, *args, **kw) -> int:
     """run_grpo for a command line: 0 when the job finished, 3 when the scheduler ended it
-    (cancelled, or its leases reclaimed), 2 on a scheduler error; the reason goes to stderr."""
+    (cancelled, or its leases reclaimed), 2 on a scheduler error or a run that cannot start,
+    128 + N when signal N stopped it (after its checkpoint); the reason goes to stderr."""
     from rlcu.rewards import RewardsFailed
 
     try:
@@ -254,6 +247,12 @@ def run_grpo_exit_code(prog: str, *args, **kw) -> int:
     except SchedError as e:
         print(f"{prog}: scheduler error: {e}", file=sys.stderr)
         return 2
+    except SetupError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except TrainingInterrupted as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 128 + e.signum
     return 0
 
 

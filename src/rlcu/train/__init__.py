@@ -6,6 +6,8 @@ import importlib
 
 _LAZY = {
     "SFTTrainer": "rlcu.train.sft",
+    "Trainer": "rlcu.train.core",
+    "Hooks": "rlcu.train.core",
     "FlatAdamW": "rlcu.train.optimizer",
     "RunLogger": "rlcu.train.logging",
     "lr_at": "rlcu.train.schedule",

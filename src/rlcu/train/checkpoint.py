@@ -6,7 +6,9 @@ Layout of one checkpoint, `root/step-000123/`:
                         the working weights are bf16)
     <name>.pt           extra state_dict()s (e.g. a critic and its optimizer)
     rng.pt              Python, NumPy, torch CPU/CUDA and named torch.Generator RNG states
-    trainer_state.json  step, data position, metrics tail, whatever the trainer adds
+    trainer_state.json  step, the kind of trainer, the run's config, data position, metrics
+                        tail, whatever the trainer adds (resume checks the kind, the model
+                        and the settings against the run's: rlcu.train.resume)
 
 Atomicity: everything is written into `root/.tmp-step-000123-<pid>/`, every file and folder
 is fsynced, then the folder is renamed to its final name (a rename within one file system is
@@ -109,7 +111,9 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: int, *,
                     extra: dict | None = None, generators: dict | None = None, tokenizer=None) -> Path:
-    """Write root/step-{step:06d}/ atomically and keep the newest `keep_last` (0: all).
+    """Write root/step-{step:06d}/ atomically and keep it and the newest `keep_last` - 1
+    checkpoints of earlier steps (0: keep all); checkpoints of later steps (another branch of
+    the run) are never pruned, and the one just written never is.
     `state` must be JSON-serialisable; `extra` maps names to objects with state_dict();
     `generators` maps names to torch.Generators whose states are saved; `tokenizer` (with
     save_pretrained) is written into model/. Returns the folder."""
@@ -151,8 +155,9 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep_last > 0:
-        for _, p in _step_dirs(root)[:-keep_last]:
+    if keep_last > 0:  # the newest keep_last - 1 of the earlier steps stay beside this one
+        older = [p for s, p in _step_dirs(root) if s < int(step)]
+        for p in older[: max(len(older) - (keep_last - 1), 0)]:
             shutil.rmtree(p, ignore_errors=True)
     return final
 

@@ -1,9 +1,12 @@
-"""`rlcu sft | grpo | ppo CONFIG.yaml [--set a.b=c ...] [--resume DIR|auto]`.
+"""`rlcu sft | grpo | ppo CONFIG.yaml [--set a.b=c ...] [--resume DIR|auto] [--overwrite]
+[--allow-config-change]`.
 
 The YAML file and the overrides build the run's config (rlcu.config.SFTConfig,
 rlcu.train.rl_config.GRPOConfig / PPOConfig); `--help` lists every option with its
-default. A bad option is reported with its dotted name and where it came from, and the
-command exits with status 2 before anything heavy happens.
+default. Exit status: 0 done; 1 aborted after too many non-finite steps; 2 a run that cannot
+start as asked, with one line naming why (a bad option with its dotted name and where it came
+from, a log.out_dir that holds another run, a checkpoint that does not fit); 128 + N stopped
+by signal N (SIGTERM: 143, SIGINT: 130) after checkpointing the step in flight.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
                    help="override one option, e.g. --set optim.lr=1e-5 (repeatable; values are YAML)")
     p.add_argument("--resume", default=None, metavar="DIR|auto",
                    help="continue from a checkpoint folder, or 'auto': the newest under checkpoint.dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="a fresh run into a log.out_dir that holds another run replaces it (log.overwrite=true)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume even with settings that differ from the checkpoint's in ways that change what "
+                        "the remaining steps compute (checkpoint.allow_config_change=true)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     if cmd == "grpo":
         p.add_argument("--scheduler", default=None, metavar="ADDR",
@@ -65,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={args.resume}")
+    if args.overwrite:
+        overrides.append("log.overwrite=true")
+    if args.allow_config_change:
+        overrides.append("checkpoint.allow_config_change=true")
     try:
         cfg = load_config(cls, args.config, overrides)
     except (ConfigError, FileNotFoundError) as e:
@@ -90,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"rlcu {cmd}: {e}", file=sys.stderr)
         return 2
+    from rlcu.train.core import SetupError, TrainingInterrupted
     from rlcu.train.optimizer import NonFiniteError
 
     try:
@@ -97,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     except RewardsFailed as e:
         print(f"rlcu {cmd}: {e}", file=sys.stderr)
         return 1
+    except SetupError as e:
+        print(f"rlcu {cmd}: {e}", file=sys.stderr)
+        return 2
+    except TrainingInterrupted as e:
+        print(f"rlcu {cmd}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except RuntimeError as e:
         if isinstance(e.__cause__, NonFiniteError):  # a clean abort, with its checkpoint
             print(f"rlcu {cmd}: {e}", file=sys.stderr)

@@ -178,8 +178,10 @@ def run(cfg: DemoConfig) -> dict:
     model.gradient_checkpointing = False  # tiny activations: recomputing them only costs time
     import importlib.util
 
-    # event files when the tensorboard extra is installed (a bare install gets no warning for them)
-    log = dict(progress=cfg.progress, every=1, tensorboard=importlib.util.find_spec("tensorboard") is not None)
+    # event files when the tensorboard extra is installed (a bare install gets no warning for them);
+    # a demo always starts afresh
+    log = dict(progress=cfg.progress, every=1, tensorboard=importlib.util.find_spec("tensorboard") is not None,
+               overwrite=True)
 
     # 1. SFT warm-up on the sloppy demonstrations
     t0 = time.perf_counter()
@@ -206,7 +208,7 @@ def run(cfg: DemoConfig) -> dict:
     before_s = accuracy(grpo, held, temperature=cfg.temperature, n=4)
     t_eval = time.perf_counter() - t0
     t0 = time.perf_counter()
-    hist = grpo.train()
+    hist = [h for h in grpo.train() if h["step"] > 0]  # step 0 is the trainer's baseline evaluation
     t_grpo = time.perf_counter() - t0
     t0 = time.perf_counter()
     after = accuracy(grpo, held)

@@ -28,7 +28,6 @@ from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.mismatch import StepCorrection
 from rlcu.train.rl_config import GRPOConfig
-
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
 
@@ -86,7 +85,7 @@ class GRPOTrainer(RLTrainer):
     def train_step(self, step: int) -> dict:
         c = self.cfg
         t0 = time.perf_counter()
-        samples, keep, m = self._engine_phase(lambda: self._collect(step))
+        samples, keep, m = self._engine_phase(lambda: self._collect(step), work=self._rollout_work())
         t1 = time.perf_counter()
         G = c.group_size
         m.update(self._length_metrics(samples))
@@ -102,7 +101,8 @@ class GRPOTrainer(RLTrainer):
         m["adv_abs"] = float(adv[ok].abs().mean()) if ok.any() else 0.0
         m["groups_all_equal"] = float(torch.isnan(gstd).sum() + (gstd == 0).sum()) / max(gstd.numel(), 1)
         if self.ref is not None:
-            batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
+            with self.hooks.phase("ref_logprobs"):
+                batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
         sc = StepCorrection(c, self.model, batch)  # old_logprobs, behaviour correction, mismatch metrics
         pb = sc.policy_batch()
         t2 = time.perf_counter()
@@ -111,9 +111,10 @@ class GRPOTrainer(RLTrainer):
             m["skipped"] = 1
             upd = []
         else:
-            upd = [self._policy_update(pb, step * c.mu + u, c.steps * c.mu, c.loss_agg, c.kl_coef,
-                                       record=sc.record if u == 0 else None)
-                   for u in range(c.mu)]
+            with self.hooks.phase("actor_train"):
+                upd = [self._policy_update(pb, step * c.mu + u, c.steps * c.mu, c.loss_agg, c.kl_coef,
+                                           record=sc.record if u == 0 else None)
+                       for u in range(c.mu)]
         self._end_train_phase()
         t3 = time.perf_counter()
         if upd:

@@ -30,7 +30,6 @@ import torch
 from rlcu.config import OptimConfig
 from rlcu.ops.adamw import adamw_step, clip_scale, grad_norm
 
-
 _STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -33,10 +33,11 @@ class PPOTrainer(RLTrainer):
     kind = "ppo"
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
-                 critic: Critic | None = None):
+                 critic: Critic | None = None, hooks=None):
         from rlcu.train.optimizer import FlatAdamW
 
-        super().__init__(config, dataset, reward_fns, model=model, tokenizer=tokenizer, eval_dataset=eval_dataset)
+        super().__init__(config, dataset, reward_fns, model=model, tokenizer=tokenizer, eval_dataset=eval_dataset,
+                         hooks=hooks)
         cc = self.cfg.critic
         if critic is None:
             if cc.path is not None:
@@ -53,9 +54,13 @@ class PPOTrainer(RLTrainer):
     def _grad_holders(self) -> list:
         return [*super()._grad_holders(), (self.critic, self.cfg.critic.optim)]
 
-    def _checkpoint_extra(self) -> dict:
-        return {**super()._checkpoint_extra(), "critic": self.critic, "critic_optim": self.critic_opt,
+    def _checkpoint_extra(self, loading: bool = False) -> dict:
+        return {**super()._checkpoint_extra(loading), "critic": self.critic, "critic_optim": self.critic_opt,
                 "score_stats": self.score_stats}
+
+    def _finite_tensors(self) -> list[torch.Tensor]:
+        out = [*super()._finite_tensors(), self.critic.flat]
+        return out if self.critic_opt.master_is_model else [*out, self.critic_opt.master]
 
     # ---------------------------------------------------------------- the step
     def _values(self, batch: ro.RolloutBatch) -> torch.Tensor:
@@ -123,7 +128,7 @@ class PPOTrainer(RLTrainer):
             ss = self.rollout(self.sampler.next(c.prompts_per_step), c.group_size, seed=self._step_seed(step))
             return ss, self.score(ss)
 
-        samples, m = self._engine_phase(collect)
+        samples, m = self._engine_phase(collect, work=self._rollout_work())
         t1 = time.perf_counter()
         m.update(self._length_metrics(samples))
         scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
@@ -143,8 +148,10 @@ class PPOTrainer(RLTrainer):
         batch = ro.pack(samples, keep, device=self.device)
         sc = StepCorrection(c, self.model, batch)  # old_logprobs (the KL reward reads them), correction
         if self.ref is not None:
-            batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
-        batch.fields["values"] = self._values(batch)
+            with self.hooks.phase("ref_logprobs"):
+                batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
+        with self.hooks.phase("critic_values"):
+            batch.fields["values"] = self._values(batch)
         m.update(self.advantages(batch, scores))
         t2 = time.perf_counter()
         upd = []
@@ -153,14 +160,17 @@ class PPOTrainer(RLTrainer):
             m["skipped"] = 1
         else:
             pb = sc.policy_batch()
-            train_policy = step >= c.critic.warmup_steps and float(pb.mask.sum()) > 0
-            for u in range(c.mu):
-                d = {}
-                if train_policy:
-                    d.update(self._policy_update(pb, step * c.mu + u, c.steps * c.mu, c.loss_agg, 0.0,
-                                                 record=sc.record if u == 0 else None))
-                d.update(self._critic_update(batch, step * c.mu + u, c.steps * c.mu))
-                upd.append(d)
+            # the policy's and the critic's updates read the same fixed batch and touch
+            # disjoint state, so all of one then all of the other computes what interleaving would
+            upd = [{} for _ in range(c.mu)]
+            if step >= c.critic.warmup_steps and float(pb.mask.sum()) > 0:
+                with self.hooks.phase("actor_train"):
+                    for u in range(c.mu):
+                        upd[u].update(self._policy_update(pb, step * c.mu + u, c.steps * c.mu, c.loss_agg, 0.0,
+                                                          record=sc.record if u == 0 else None))
+            with self.hooks.phase("critic_train"):
+                for u in range(c.mu):
+                    upd[u].update(self._critic_update(batch, step * c.mu + u, c.steps * c.mu))
             m.update(_mean_update_metrics(upd))
         m.update(sc.metrics())
         self._end_train_phase()

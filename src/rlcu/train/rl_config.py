@@ -6,8 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlcu.config import (CheckpointConfig, ConfigError, DataConfig, EngineConfig, LogConfig, ModelConfig,
-                         OptimConfig, Section, opt)
+from rlcu.config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    EngineConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    Section,
+    opt,
+)
 
 _REWARD_KEYS = ("name", "fn", "weight", "kwargs")
 

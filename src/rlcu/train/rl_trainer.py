@@ -1,11 +1,16 @@
-"""The machinery GRPO and PPO share: `RLTrainer` (model, tokenizer, engine, frozen reference,
-prompt data, rewards, optimizer, logger, checkpoints, evaluation, the step loop) and its pieces.
+"""The machinery GRPO and PPO share on top of the trainer core (rlcu.train.core.Trainer: the
+step loop, checkpoints, resume, signals, logging): `RLTrainer` (model, tokenizer, engine,
+frozen reference, prompt data, rewards, optimizer, evaluation) and its pieces.
 
 A subclass implements `train_step(step)`; the shared `_policy_update` is one optimizer step of
 the policy over a packed rollout batch, micro-batch by micro-batch through
 model.forward_backward, whose LM-head sweep applies the fused policy loss (clipped ratio
 against the sampling logprobs, k3 KL to the reference, entropy bonus) chunk by chunk and takes
 dlp, dent from it at once -> FlatAdamW.
+
+Phases: each step calls hooks.phase("rollout") around sampling and scoring,
+"ref_logprobs" around the frozen reference's forward and "actor_train" around the policy's
+updates (PPO adds "critic_train"); a scheduler drives the trainer through these hooks.
 
 Memory by phase: the engine's KV pool (sized to one step's sequences) lives only through the
 rollout (llm.sleep() / wake()), the gradient buffer only through the updates
@@ -31,6 +36,7 @@ import torch
 from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
 from rlcu.train import losses
 from rlcu.train import rollout as ro
+from rlcu.train.core import Hooks, Trainer, coerce_config, load_tokenizer, nanmean, split_eval
 from rlcu.train.rl_config import RLConfig
 
 
@@ -64,18 +70,7 @@ class PromptSampler:
         return out
 
 
-def _config(cls, config):
-    from rlcu.config import _build, load_config
-
-    if config is None:
-        return cls()
-    if isinstance(config, cls):
-        return config
-    if isinstance(config, dict):
-        return _build(cls, config)
-    if isinstance(config, (str, Path)):
-        return load_config(cls, config)
-    raise TypeError(f"config must be a {cls.__name__}, a dict or a YAML path, got {type(config).__name__}")
+_config = coerce_config  # the old private name (the scheduler's Ray backend)
 
 
 def _reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
@@ -99,57 +94,42 @@ def _reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
     return specs
 
 
-class RLTrainer(abc.ABC):
-    """Setup and loop shared by GRPO and PPO: model, tokenizer, engine, reference model, data,
-    rewards, optimizer, logger, checkpoints, evaluation. Subclasses implement `train_step`."""
+class RLTrainer(Trainer):
+    """Setup shared by GRPO and PPO on the trainer core (rlcu.train.core.Trainer: the loop,
+    checkpoints, resume, signals): model, tokenizer, engine, reference model, data, rewards,
+    optimizer, evaluation. Subclasses implement `train_step`. hooks: rlcu.train.core.Hooks."""
 
     config_cls = RLConfig
     kind = "rl"
 
-    def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None):
+    def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
+                 hooks: Hooks | None = None):
         from rlcu.rewards import RewardSet, reward_options
         from rlcu.train.checkpoint import build_model
         from rlcu.train.optimizer import FlatAdamW
 
-        self.cfg = cfg = _config(self.config_cls, config)
+        super().__init__(config, hooks)
+        cfg = self.cfg
         if cfg.exact:  # process-wide, before the engine and the first forward
             from rlcu.ops.exact import set_exact
 
             set_exact(True)
-        torch.manual_seed(cfg.seed)
         self.model = model if model is not None else build_model(cfg.model)
         self._model_given = model is not None
         self.device = self.model.device
-        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, "RL prompts")
         self.rewards = RewardSet(_reward_specs(reward_fns, cfg.rewards), **reward_options(cfg))
         self.rows, self.eval_rows, self.n_filtered = self._load_data(dataset, eval_dataset)
         self.sampler = PromptSampler(self.rows, cfg.data.seed, cfg.data.shuffle)
         self.ref = self._make_ref() if self._needs_ref() else None
         self.opt = FlatAdamW(self.model, cfg.optim)
         self.llm = self._make_engine()
+        self.llm.sleep(keep_graphs=True)  # its pool is taken back by the first rollout
         self.stop_ids = ro.stop_ids(self.tokenizer, self.model) if cfg.stop_at_eos else []
-        self.out_dir = Path(cfg.log.out_dir)
-        self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
-        self.step = 0
-        self.history: list[dict] = []
-        self.logger = None
         self.last_eval: dict = {}
+        self._notes += [rep.message() for rep in self.prompt_reports if rep.message()]  # dropped prompts, by row
 
     # ---------------------------------------------------------------- setup
-    def _load_tokenizer(self):
-        from rlcu.data.tokenizer import Tokenizer
-
-        src = self.cfg.model.tokenizer or self.cfg.model.path
-        if src is None:
-            raise ValueError("model.tokenizer must be set for a model made from scratch (model.tiny), "
-                             "or pass tokenizer= to the trainer")
-        p = Path(src)
-        if p.is_file():
-            from tokenizers import Tokenizer as Backend
-
-            return Tokenizer(Backend.from_file(str(p)))
-        return Tokenizer.from_pretrained(p)
-
     def _load_data(self, dataset, eval_dataset):
         from rlcu.data.prompt_check import checked_prompts, prompt_limit
 
@@ -168,14 +148,9 @@ class RLTrainer(abc.ABC):
         if eval_dataset is not None:
             eval_rows, rep = checked_prompts(eval_dataset, d.prompt_field, self._prompt_len, limit, "eval_dataset")
             self.prompt_reports.append(rep)
-        elif d.eval_size > 0:
-            g = torch.Generator().manual_seed(d.seed + 7919)
-            perm = torch.randperm(len(rows), generator=g).tolist()
-            held = set(perm[: d.eval_size])
-            eval_rows = [r for i, r in enumerate(rows) if i in held]
-            rows = [r for i, r in enumerate(rows) if i not in held]
         else:
-            eval_rows = []
+            rows, eval_rows = split_eval(rows, d.eval_size, d.seed, str(dataset) if isinstance(dataset, (str, Path))
+                                         else "the dataset")
         return rows, eval_rows, sum(r.n_dropped for r in self.prompt_reports)
 
     def _prompt_len(self, row) -> int:
@@ -199,13 +174,17 @@ class RLTrainer(abc.ABC):
         return ref
 
     def _make_engine(self):
+        """The rollout engine on the policy's weights. Its KV pool: engine.num_kv_blocks when
+        set; else, with engine.gpu_memory_utilization set, what that fraction of the device
+        leaves (the engine's own sizing); else (the default) one step's sequences or one
+        evaluation's, whichever is more, and no more, so that the rollout's peak stays small."""
         from rlcu.engine import LLM
 
         c, e = self.cfg, self.cfg.engine
         kw = dict(device=str(self.device), max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                   num_kv_blocks=e.num_kv_blocks, block_size=e.block_size, enforce_eager=e.enforce_eager,
                   gpu_memory_utilization=e.gpu_memory_utilization)
-        if kw["num_kv_blocks"] is None:
+        if kw["num_kv_blocks"] is None and e.gpu_memory_utilization is None:
             # RL knows its batch: a pool that holds one step's sequences (or one evaluation's),
             # and no more, so that the generation phase's peak memory stays small
             longest = max([r.longest for r in self.prompt_reports] + [1])  # over every prompt kept
@@ -218,12 +197,21 @@ class RLTrainer(abc.ABC):
             kw = {k: v for k, v in kw.items() if k in params}
         return LLM(self.model, **kw)
 
-    def _checkpoint_extra(self) -> dict:
-        """Objects with state_dict() saved beside the model and optimizer."""
+    def _checkpoint_extra(self, loading: bool = False) -> dict:
+        """Objects with state_dict() saved beside the model and optimizer. A reference model
+        rebuilt from the config is already the initial weights: it is saved only when the
+        model was given (then nothing else can rebuild it)."""
         extra = {}
         if self.ref is not None and self._model_given:
             extra["ref_model"] = _FlatState(self.ref)
         return extra
+
+    def _checkpoint_objects(self, loading: bool = False) -> tuple:
+        return self.model, self.opt, self._checkpoint_extra(loading)
+
+    def _start_message(self) -> str:
+        return (f"{self.kind}: {len(self.rows)} prompts, {len(self.eval_rows)} held out, "
+                f"{self.model.num_params() / 1e6:.2f}M parameters on {self.device}")
 
     # ---------------------------------------------------------------- rollouts
     def _step_seed(self, step: int, rnd: int = 0) -> int:
@@ -237,7 +225,13 @@ class RLTrainer(abc.ABC):
                          temperature=c.temperature if temperature is None else temperature,
                          top_p=c.top_p, top_k=c.top_k, max_tokens=max_tokens or c.max_new_tokens, seed=seed,
                          stop_token_ids=self.stop_ids, ignore_eos=not c.stop_at_eos, tokenizer=self.tokenizer,
-                         prompt_texts=[e[1] for e in enc], group_offset=group_offset)
+                         prompt_texts=[e[1] for e in enc], group_offset=group_offset,
+                         generate_kw=self._generate_kw())
+
+    def _generate_kw(self) -> dict:
+        """The engine's preemption callbacks when the hooks ask for them."""
+        h = self.hooks
+        return dict(yield_check=h.yield_check, on_yield=h.on_yield) if h.preemptible else {}
 
     def score(self, samples: list[ro.Sample]) -> dict:
         """Fill sample.reward (nan = masked); returns reward metrics."""
@@ -254,7 +248,7 @@ class RLTrainer(abc.ABC):
             s.reward = r
         for e in errors[:3]:
             self._warn(e)  # names the function, the error and its first sample
-        m = {f"reward/{k}": _nanmean(v) for k, v in breakdown.items()} if len(breakdown) > 1 else {}
+        m = {f"reward/{k}": nanmean(v) for k, v in breakdown.items()} if len(breakdown) > 1 else {}
         m["errors/reward"] = len(errors)
         m.update(self.rewards.last_metrics)
         return m
@@ -276,20 +270,22 @@ class RLTrainer(abc.ABC):
         if freed and self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _engine_phase(self, fn):
-        """fn() with the engine awake; it sleeps after (its KV pool freed for training), keeping
-        its decode graphs, which the next wake reuses if the pool returns at the same address."""
-        from rlcu.engine import LLM
-
-        if hasattr(self.llm, "wake"):
+    def _engine_phase(self, fn, phase: str = "rollout", work: float | None = None):
+        """fn() in hooks.phase(phase) with the engine awake; it sleeps after (its KV pool freed
+        for training), keeping its decode graphs, which the next wake reuses if the pool returns
+        at the same address (so a scheduled job, whose pool comes and goes with its leases,
+        captures them once, not every step)."""
+        with self.hooks.phase(phase, work=work):
             self.llm.wake()
-        try:
-            return fn()
-        finally:
-            if isinstance(self.llm, LLM):
+            try:
+                return fn()
+            finally:
                 self.llm.sleep(keep_graphs=True)
-            elif hasattr(self.llm, "sleep"):
-                self.llm.sleep()
+
+    def _rollout_work(self) -> float:
+        """Tokens one step's rollout may generate (the scheduler's work estimate)."""
+        c = self.cfg
+        return float(c.prompts_per_step * c.group_size * c.max_new_tokens)
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, rows: list[dict] | None = None) -> dict:
@@ -299,7 +295,8 @@ class RLTrainer(abc.ABC):
         if not rows:
             return {}
         t0 = time.perf_counter()
-        samples = self._engine_phase(lambda: self.rollout(rows, 1, seed=0, temperature=0.0))
+        samples = self._engine_phase(lambda: self.rollout(rows, 1, seed=0, temperature=0.0),
+                                     work=float(len(rows) * self.cfg.max_new_tokens))
         self.score(samples)
         r = torch.tensor([s.reward for s in samples])
         ok = ~torch.isnan(r)
@@ -310,88 +307,20 @@ class RLTrainer(abc.ABC):
         self.last_eval = out
         return out
 
-    # ---------------------------------------------------------------- the loop
-    def _warn(self, msg: str) -> None:
-        if self.logger is not None:
-            self.logger.warn(msg)
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_rows)
 
+    def eval_metrics(self) -> dict:
+        return self.evaluate()
+
+    # ---------------------------------------------------------------- state
     def _trainer_state(self) -> dict:
         return {"data_pos": self.sampler.pos, "metrics_tail": self.history[-20:]}
 
     def _load_state(self, state: dict) -> None:
         self.sampler.pos = int(state["data_pos"])
         self.history = list(state.get("metrics_tail", []))
-
-    def save(self) -> Path:
-        from rlcu.train.checkpoint import save_checkpoint
-
-        path = save_checkpoint(self.ckpt_root, self.step, self.model, self.opt, self._trainer_state(),
-                               self.cfg.checkpoint.keep_last, extra=self._checkpoint_extra(), tokenizer=self.tokenizer)
-        if self.logger is not None:
-            self.logger.info(f"checkpoint: {path}")
-        return path
-
-    def resume(self, path=None) -> int:
-        """Load a checkpoint (path, or checkpoint.resume: 'auto' / a folder); returns its step."""
-        from rlcu.train.checkpoint import load_checkpoint, resolve_resume
-
-        p = resolve_resume(path or self.cfg.checkpoint.resume, self.ckpt_root)
-        if p is None:
-            return 0
-        extra = self._checkpoint_extra()
-        if self.ref is not None and not self._model_given:
-            extra.pop("ref_model", None)  # rebuilt from the config: already the initial weights
-        state = load_checkpoint(p, self.model, self.opt, extra=extra)
-        self.step = int(state["step"])
-        self._load_state(state)
-        return self.step
-
-    def train(self) -> list[dict]:
-        """Run the remaining steps; returns the per-step metrics (after a resume: the
-        checkpoint's last 20 steps, then the new ones)."""
-        from rlcu.train.logging import RunLogger
-        from rlcu.train.optimizer import NonFiniteError
-
-        c = self.cfg
-        resumed = self.resume() if c.checkpoint.resume else 0
-        from rlcu.config import config_to_dict
-
-        self.logger = RunLogger(self.out_dir, c.log, c.steps, resume_step=resumed if resumed else None,
-                                run_config=config_to_dict(c))
-        lg = self.logger
-        try:
-            from rlcu.config import save_config
-
-            save_config(c, self.out_dir / "config.yaml")
-            if resumed:
-                lg.info(f"resumed from step {resumed} ({self.ckpt_root})")
-            for rep in self.prompt_reports:
-                if rep.message():
-                    lg.warn(rep.message())
-            lg.info(f"{self.kind}: {len(self.rows)} prompts, {len(self.eval_rows)} held out, "
-                    f"{self.model.num_params() / 1e6:.2f}M parameters on {self.device}")
-            while self.step < c.steps:
-                try:
-                    m = self.train_step(self.step)
-                except NonFiniteError as e:
-                    lg.log(self.step + 1, e.info)
-                    ck = self.save()  # the skipped steps changed nothing: this is the last good state
-                    raise RuntimeError(f"{e} The last good state is saved in {ck}.") from e
-                self.step += 1
-                if m.get("skipped") and "grad_norm" in m:
-                    lg.warn(f"step {self.step}: non-finite loss or gradient norm (grad_norm {m['grad_norm']}): "
-                            f"update skipped")
-                if self.eval_rows and ((c.eval_every and self.step % c.eval_every == 0) or self.step == c.steps):
-                    m.update(self.evaluate())
-                self.history.append({"step": self.step, **m})
-                lg.log(self.step, m)
-                if c.checkpoint.every and self.step % c.checkpoint.every == 0 and self.step < c.steps:
-                    self.save()
-            if c.checkpoint.save_at_end and resumed < c.steps:
-                self.save()
-        finally:
-            lg.close()
-        return self.history
 
     @abc.abstractmethod
     def train_step(self, step: int) -> dict:
@@ -462,12 +391,6 @@ class _FlatState:
 
     def load_state_dict(self, d):
         self.model.flat.copy_(d["flat"])
-
-
-def _nanmean(x) -> float:
-    t = torch.as_tensor(x, dtype=torch.float64)
-    ok = ~torch.isnan(t)
-    return float(t[ok].mean()) if ok.any() else math.nan
 
 
 def _mean_update_metrics(updates: list[dict]) -> dict:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from rlcu.config import SFTConfig, config_from_dict, config_to_dict, load_config, save_config
+from rlcu.config import SFTConfig
 from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_rows
-from rlcu.train.checkpoint import build_model, load_checkpoint, resolve_resume, save_checkpoint
-from rlcu.train.logging import RunLogger
-from rlcu.train.optimizer import FlatAdamW, NonFiniteError
+from rlcu.train.checkpoint import build_model
+from rlcu.train.core import Hooks, Trainer, load_tokenizer, split_eval
+from rlcu.train.optimizer import FlatAdamW
 from rlcu.train.schedule import lr_at
 
 
@@ -72,34 +72,22 @@ class PackedStream:
         self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
 
 
-def _load_tokenizer(cfg: SFTConfig):
-    src = cfg.model.tokenizer or cfg.model.path
-    if src is None:
-        raise ValueError("text SFT rows need a tokenizer: pass tokenizer=, or set model.tokenizer / model.path")
-    from rlcu.data.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(src)
-
-
-class SFTTrainer:
-    """`SFTTrainer(config, dataset=None, model=None, tokenizer=None).train()`.
+class SFTTrainer(Trainer):
+    """`SFTTrainer(config, dataset=None, model=None, tokenizer=None).train()` on the trainer
+    core (rlcu.train.core.Trainer: the loop, checkpoints, resume, signals, logging).
 
     dataset: a list of rows, a file path, or None for `config.data.path`. model: a Qwen3,
     or None to build one from `config.model`. tokenizer: needed for text rows (None: loaded
-    from model.tokenizer / model.path when required)."""
+    from model.tokenizer / model.path when required). hooks: rlcu.train.core.Hooks (each step
+    is phase "actor_train", each evaluation "eval")."""
+
+    config_cls = SFTConfig
+    kind = "sft"
 
     def __init__(self, config: SFTConfig | dict | str | Path | None = None, dataset=None, model=None,
-                 tokenizer=None):
-        if isinstance(config, (str, Path)):
-            config = load_config(SFTConfig, config)
-        elif isinstance(config, dict):
-            config = config_from_dict(SFTConfig, config)
-        elif config is None:
-            config = SFTConfig()
-        self.cfg = cfg = config
-        self.out_dir = Path(cfg.log.out_dir)
-        self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
-        torch.manual_seed(cfg.seed)
+                 tokenizer=None, hooks: Hooks | None = None):
+        super().__init__(config, hooks)
+        cfg = self.cfg
         self.model = model if model is not None else build_model(cfg.model)
         self.device = self.model.device
         d = cfg.data
@@ -119,27 +107,17 @@ class SFTTrainer:
                 if not isinstance(r, dict):
                     raise ValueError(f"dataset[{i}]: a row must be a dict, got {type(r).__name__}")
                 check_sft_row(r, f"dataset[{i}]", **fields)
-        eval_rows: list[dict] = []
         if d.eval_path is not None:
             eval_rows = load_sft_rows(d.eval_path, **fields)
-        elif d.eval_size:
-            if d.eval_size >= len(rows):
-                raise ValueError(f"data.eval_size ({d.eval_size}) must be smaller than the {len(rows)} rows of {src}")
-            perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(d.seed)).tolist()
-            held = set(perm[:d.eval_size])
-            eval_rows = [rows[i] for i in sorted(held)]
-            rows = [r for i, r in enumerate(rows) if i not in held]
+        else:
+            rows, eval_rows = split_eval(rows, d.eval_size, d.seed, src)
         self.tokenizer = tokenizer
         if self.tokenizer is None and any("prompt_token_ids" not in r for r in rows + eval_rows):
-            self.tokenizer = _load_tokenizer(cfg)
-        self._notes: list[str] = []
+            self.tokenizer = load_tokenizer(cfg.model, "text SFT rows")
         self.examples = self._encode(rows, src, fields)
         self.eval_examples = self._encode(eval_rows, d.eval_path or f"{src} (held out)", fields) if eval_rows else []
         self.stream = PackedStream([len(e[0]) for e in self.examples], cfg.batch_tokens, d.shuffle, d.seed)
         self.optimizer = FlatAdamW(self.model, cfg.optim)
-        self.step = 0
-        self.logger: RunLogger | None = None
-        self.last_checkpoint: Path | None = None
 
     def _encode(self, rows: list[dict], src: str, fields: dict) -> list[tuple[list[int], list[int]]]:
         """Tokenise rows to (ids, mask), dropping (and counting) too long or empty ones."""
@@ -187,27 +165,29 @@ class SFTTrainer:
         return tokens, cu, torch.tensor(mask, dtype=torch.float32, device=dev), sum(mask)
 
     # ---------------------------------------------------------------- checkpoints
-    def _state(self) -> dict:
-        hist = self.logger.history[-20:] if self.logger else []
-        return {"step": self.step, "data": self.stream.state_dict(), "metrics_tail": hist, "trainer": "sft"}
+    def _trainer_state(self) -> dict:
+        return {"data": self.stream.state_dict(), "metrics_tail": self.history[-20:]}
 
-    def save(self) -> Path:
-        self.last_checkpoint = save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, self._state(),
-                                               self.cfg.checkpoint.keep_last, tokenizer=self.tokenizer)
-        if self.logger:
-            self.logger.info(f"checkpoint: {self.last_checkpoint}")
-        return self.last_checkpoint
-
-    def resume(self, path) -> None:
-        state = load_checkpoint(path, self.model, self.optimizer)
-        self.step = int(state["step"])
+    def _load_state(self, state: dict) -> None:
         self.stream.load_state_dict(state["data"])
+        self.history = list(state.get("metrics_tail", []))
+
+    def _checkpoint_objects(self, loading: bool = False) -> tuple:
+        return self.model, self.optimizer, {}
+
+    def _start_message(self) -> str:
+        return (f"SFT: {len(self.examples)} examples, {self.model.num_params():,} parameters, "
+                f"{self.cfg.steps} steps on {self.device}")
 
     # ---------------------------------------------------------------- training
-    def train_step(self) -> dict:
+    def train_step(self, step: int | None = None) -> dict:
+        with self.hooks.phase("actor_train"):
+            return self._step(self.step if step is None else step)
+
+    def _step(self, step: int) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
-        lr = lr_at(self.step, cfg.optim, cfg.steps)
+        lr = lr_at(step, cfg.optim, cfg.steps)
         batches = [self._micro_batch() for _ in range(cfg.grad_accum)]
         n_tok = sum(b[3] for b in batches)
         self.model.zero_grad()
@@ -224,63 +204,27 @@ class SFTTrainer:
                 "sequences": sum(b[1].numel() - 1 for b in batches), "epoch": self.stream.epoch,
                 "tokens_per_s": n_all / dt, "step_seconds": dt}
 
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_examples)
+
+    def eval_metrics(self) -> dict:
+        return {"eval/loss": self.evaluate()} if self.eval_examples else {}
+
     def evaluate(self) -> float | None:
         """Mean completion-token loss over the held-out examples (None when there are none)."""
         if not self.eval_examples:
             return None
-        ev = PackedStream([len(e[0]) for e in self.eval_examples], self.cfg.batch_tokens, False, 0)
-        total, n = 0.0, 0
-        while ev.epoch == 0:
-            tokens, cu, mask, n_mask = self._micro_batch(ev.next_batch(), self.eval_examples)
-            lp = self.model.forward(tokens, cu, grad=False)
-            total += float(-(lp * mask).sum())
-            n += n_mask
+        with self.hooks.phase("eval"):
+            ev = PackedStream([len(e[0]) for e in self.eval_examples], self.cfg.batch_tokens, False, 0)
+            total, n = 0.0, 0
+            while ev.epoch == 0:
+                tokens, cu, mask, n_mask = self._micro_batch(ev.next_batch(), self.eval_examples)
+                lp = self.model.forward(tokens, cu, grad=False)
+                total += float(-(lp * mask).sum())
+                n += n_mask
         return total / n
 
-    def train(self, until: int | None = None) -> dict:
-        """Run to `config.steps` (or stop after step `until`, checkpointing there). Returns
-        the last step's metrics."""
-        cfg = self.cfg
-        path = resolve_resume(cfg.checkpoint.resume, self.ckpt_root)
-        if path is not None:
-            self.resume(path)
-        self.logger = log = RunLogger(self.out_dir, cfg.log, cfg.steps,
-                                      resume_step=self.step if path is not None else None,
-                                      run_config=config_to_dict(cfg))
-        save_config(cfg, self.out_dir / "config.yaml")
-        if path is not None:
-            log.info(f"resumed from {path} at step {self.step}")
-        elif cfg.checkpoint.resume == "auto":
-            log.info(f"no checkpoint under {self.ckpt_root}: starting from scratch")
-        for n in self._notes:
-            log.info(n)
-        log.info(f"SFT: {len(self.examples)} examples, {self.model.num_params():,} parameters, "
-                 f"{cfg.steps} steps on {self.device}")
-        end = cfg.steps if until is None else min(until, cfg.steps)
-        metrics: dict = {}
-        saved_at, start = None, self.step
-        try:
-            while self.step < end:
-                try:
-                    metrics = self.train_step()
-                except NonFiniteError as e:
-                    self.step += 1
-                    log.log(self.step, e.info)
-                    ck = self.save()
-                    raise RuntimeError(f"{e} The last good state is saved in {ck}.") from e
-                self.step += 1
-                if metrics["skipped"]:
-                    log.warn(f"step {self.step}: non-finite loss ({metrics['loss']}) or gradient norm "
-                             f"({metrics['grad_norm']}): step skipped ({metrics['nonfinite_in_row']} in a row)")
-                if self.eval_examples and ((cfg.eval_every and self.step % cfg.eval_every == 0)
-                                           or self.step == cfg.steps):
-                    metrics["eval/loss"] = self.evaluate()
-                log.log(self.step, metrics)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
-                    self.save()
-                    saved_at = self.step
-            if saved_at != self.step and (cfg.checkpoint.save_at_end or end < cfg.steps) and self.step > start:
-                self.save()
-        finally:
-            log.close()
-        return metrics
+    def _result(self) -> dict:
+        """SFT's train() returns the last step's metrics."""
+        return {k: v for k, v in self.history[-1].items() if k != "step"} if self.history else {}
