@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                                                                           "leases are reclaimed")
     s.add_argument("--ray", action="store_true", help="run the policy as a named Ray actor (multi-node)")
     s.add_argument("--ray-name", default="rlcu-sched", help="the Ray actor's name")
+    s.add_argument("--dashboard", default=None, metavar="127.0.0.1:PORT",
+                   help="also serve a live read-only web page on this loopback address (rlcu.sched.dashboard)")
     s = sub.add_parser("submit", help="register a job and start its worker")
     _addr_args(s)
     s.add_argument("config", help="job file (YAML) or a GRPO config")
@@ -133,7 +135,7 @@ def _pool(a) -> tuple[list[float], list[str]]:
 
 
 def _serve(a) -> int:
-    from rlcu.sched.client import default_state_dir
+    from rlcu.sched.client import SchedClient, default_state_dir
     from rlcu.sched.core import Core
     from rlcu.sched.server import SchedServer, load_token
 
@@ -150,6 +152,11 @@ def _serve(a) -> int:
     token = load_token(state, a.token)
     srv = SchedServer(core, a.addr or f"unix:{state / 'sched.sock'}", token)
     signal.signal(signal.SIGTERM, lambda *_: srv._stop.set())
+    if a.dashboard:
+        from rlcu.sched.dashboard import start_dashboard
+
+        dash = start_dashboard(SchedClient(srv.address, token), a.dashboard, token)
+        print(f"rlcu sched: dashboard on {dash.url} (open {dash.url}?token=<state>/token once)", flush=True)
     pool = ", ".join(f"{n} ({c:.1f})" for n, c in zip(core.pool["names"], core.pool["capacity"]))
     print(f"rlcu sched: {core.pool['policy']} policy over {pool} on {srv.address}; state {state}", flush=True)
     if not fresh:
