@@ -18,7 +18,7 @@ V = 48
 MEM = {"resident": 0.1, "rollout": 0.2, "actor_train": 0.3}  # of a CPU slot's 1.0
 
 
-def _trainer(tmp_path, name: str, steps: int):
+def _trainer(tmp_path, name: str, steps: int, use_cpu: bool = True):
     import datasets
     import torch
     import trl
@@ -43,7 +43,7 @@ def _trainer(tmp_path, name: str, steps: int):
 
     args = trl.GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=2,
                           max_completion_length=4, max_steps=steps, learning_rate=1e-3, beta=0.0, logging_steps=1,
-                          report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+                          report_to=[], save_strategy="no", use_cpu=use_cpu, seed=0, disable_tqdm=True)
     return trl.GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok)
 
 
@@ -155,3 +155,32 @@ def test_without_trl_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_trl)
     with pytest.raises(ImportError, match=r"pip install 'rlcu\[trl\]'"):
         integ.scheduled(object(), "unix:/nonexistent/s.sock", "x")
+
+
+
+@pytest.mark.gpu
+def test_trl_job_on_cuda_measures_its_footprint(tmp_path):
+    """On a GPU: the job's leases are on the trainer's device, each phase's peak is measured,
+    and the requests after the first of a phase come from the measured peak (x1.1)."""
+    pytest.importorskip("trl")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from rlcu.sched.integrations.trl import HEADROOM, scheduled
+
+    core = Core([40.0, 40.0], state=tmp_path / "s.db", device_names=["cuda:1", "cuda:0"])
+    with SchedServer(core, f"unix:{tmp_path / 's.sock'}", TOKEN, tick_s=0.05) as srv:
+        t = _trainer(tmp_path, "g", 4, use_cpu=False)
+        assert t.accelerator.device.type == "cuda"
+        scheduled(t, srv.address, "g", token=TOKEN, rollout_chunk=2).train()
+        run = t.sched
+        ev = [e for e in SchedClient(srv.address, TOKEN).trace()["traceEvents"] if e["ph"] == "X"]
+    print("measured GiB", run.measured, "estimated", run.mem, "peak", run.peak)
+    assert run.measured["rollout"] > 0 and run.measured["actor_train"] > 0
+    assert {e["pid"] for e in ev} == {1}  # the pool's "cuda:0", where the trainer runs
+    for phase in ("rollout", "actor_train"):
+        mems = [e["args"]["mem"] for e in ev if e["name"] == phase]
+        assert mems[0] == pytest.approx(min(run.peak, run.mem[phase]))
+        cap = min(run.peak, run.measured[phase] * HEADROOM)
+        assert all(0 < m <= cap + 1e-9 for m in mems[1:]), (phase, mems, cap)

@@ -31,7 +31,8 @@ Memory (GiB per device). `mem={"resident": R, "rollout": X, "actor_train": Y}` d
 the footprint; what is not declared is estimated from the model and the config (weights,
 gradients and AdamW moments; the KV cache of one generation batch; one micro-batch's
 activations and logits) and, on CUDA, measured: each phase's peak above what was allocated
-when it began becomes its next request (x1.1), capped at the peak declared at registration.
+when it began becomes its next request (x1.1), capped at the peak registered (the larger
+estimate doubled, at least 0.5 GiB, at most a device less the resident memory).
 
 Versions. Tested with TRL 1.16.0 (transformers 5.24, accelerate 1.15, datasets 5.2); the
 wrapped methods exist from TRL 1.0 on, and `scheduled` refuses a trainer without them,
@@ -53,6 +54,7 @@ TESTED = "1.16.0"
 WRAPPED = ("_generate", "_generate_single_turn")
 PHASES = ("resident", "rollout", "actor_train")
 HEADROOM = 1.1
+MIN_PEAK_GIB = 0.5  # the least peak registered for a measured (CUDA) job
 
 
 def require_trl():
@@ -133,7 +135,11 @@ class SchedRun:
                 p.numel() * p.element_size() * 3 for p in self.trainer.model.parameters() if p.requires_grad)
             est["resident"] = max(est["resident"], (torch.cuda.memory_allocated(dev) + missing) / GiB)
         self.mem = {**est, **self.declared}
-        peak = max(self.mem["rollout"], self.mem["actor_train"]) * (1 if self._cuda is None else 1.25)
+        peak = max(self.mem["rollout"], self.mem["actor_train"])
+        if self._cuda is not None and not {"rollout", "actor_train"} <= set(self.declared):
+            # room for measured peaks above the estimates (the allocator's and cuBLAS's own), within a device
+            cap = min(d["capacity"] for d in self.client.status()["devices"])
+            peak = max(peak, min(cap - self.mem["resident"], max(2 * peak, MIN_PEAK_GIB)))
         self.peak = peak
         clusters = {self.cluster: {"devices": 1, "resident": self.mem["resident"], "peak": peak}}
         self.job = self.client.job(self.name, clusters, spec={"kind": "trl-grpo", "mem": self.mem},
