@@ -18,7 +18,7 @@ V = 48
 MEM = {"resident": 0.1, "rollout": 0.2, "actor_train": 0.3}  # of a CPU slot's 1.0
 
 
-def _trainer(tmp_path, name: str, steps: int, use_cpu: bool = True):
+def _trainer(tmp_path, name: str, steps: int, use_cpu: bool = True, reward=None):
     import datasets
     import torch
     import trl
@@ -38,13 +38,13 @@ def _trainer(tmp_path, name: str, steps: int, use_cpu: bool = True):
     ds = datasets.Dataset.from_list(
         [{"prompt": " ".join(f"t{i}" for i in torch.randint(2, V, (4,), generator=g).tolist())} for _ in range(32)])
 
-    def reward(completions, **kw):  # more distinct words, more reward
+    def distinct(completions, **kw):  # more distinct words, more reward
         return [float(len(set(c.split()))) for c in completions]
 
     args = trl.GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=2,
                           max_completion_length=4, max_steps=steps, learning_rate=1e-3, beta=0.0, logging_steps=1,
                           report_to=[], save_strategy="no", use_cpu=use_cpu, seed=0, disable_tqdm=True)
-    return trl.GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok)
+    return trl.GRPOTrainer(model=model, reward_funcs=[reward or distinct], args=args, train_dataset=ds, processing_class=tok)
 
 
 def _no_double_booking(trace: dict, capacity: float = 1.0) -> None:
@@ -126,6 +126,27 @@ def test_two_trl_jobs_share_a_slot_and_a_yield_is_honoured(tmp_path, service):
     yielded = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["args"]["end"] == "yielded"]
     assert any(e["args"]["job"] == "a" and e["name"] == "rollout" for e in yielded)
     assert a.state.global_step == b.state.global_step == 3
+
+
+def test_a_failing_trl_job_is_marked_failed_and_frees_its_slot(tmp_path, service):
+    pytest.importorskip("trl")
+    from rlcu.sched.integrations.trl import scheduled
+
+    srv, c = service
+    calls = []
+
+    def breaks(completions, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("reward server down")
+        return [0.0] * len(completions)
+
+    t = scheduled(_trainer(tmp_path, "f", 3, reward=breaks), srv.address, "f", token=TOKEN, mem=MEM)
+    with pytest.raises(RuntimeError, match="reward server down"):
+        t.train()
+    st = c.status()
+    assert [j["state"] for j in st["jobs"]] == ["failed"] and st["devices"][0]["used"] == 0.0
+    assert t.sched.events[-1] == (pytest.approx(time.time(), abs=30), "finish", {"failed": True})
 
 
 def test_scheduled_refuses_what_it_cannot_drive(tmp_path):

@@ -162,6 +162,7 @@ class Dashboard:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "rlcu-sched-dashboard"
+    timeout = 10  # seconds a connection may stay silent (no thread held by an idle socket)
     sys_version = ""
 
     def log_message(self, *a) -> None:  # quiet: the service's own log is what matters

@@ -36,7 +36,8 @@ estimate doubled, at least 0.5 GiB, at most a device less the resident memory).
 
 Versions. Tested with TRL 1.16.0 (transformers 5.24, accelerate 1.15, datasets 5.2); the
 wrapped methods exist from TRL 1.0 on, and `scheduled` refuses a trainer without them,
-naming the method. One process (one GPU, or the CPU): a multi-process (accelerate/DDP) run
+naming the method. `evaluate()` called outside `train()` runs unscheduled; one `train()` per job name.
+One process (one GPU, or the CPU): a multi-process (accelerate/DDP) run
 would register one job per rank, which this does not do. `pip install 'rlcu[trl]'`.
 """
 
@@ -215,6 +216,8 @@ class SchedRun:
 
     # ------------------------------------------------------------------ the wrapped methods
     def generate(self, orig, prompts):
+        if self.job is None:  # outside train() (a lone evaluate()): not scheduled
+            return orig(prompts)
         rows = len(prompts)
         self.enter("rollout", work=float(rows * (self.trainer.args.max_completion_length or 1)))
         out = orig(prompts)
@@ -224,7 +227,7 @@ class SchedRun:
     def generate_single_turn(self, orig, prompt_ids, images, multimodal_fields, num_generations, *a, **kw):
         k, t = self.rollout_chunk, self.trainer
         plain = not (getattr(t, "use_vllm", False) or getattr(t, "use_transformers_continuous_batching", False))
-        if k is None or not plain or images is not None or multimodal_fields or len(prompt_ids) <= k:
+        if k is None or self.job is None or not plain or images is not None or multimodal_fields or len(prompt_ids) <= k:
             return orig(prompt_ids, images, multimodal_fields, num_generations, *a, **kw)
         ids, lps = [], []
         for i in range(0, len(prompt_ids), k):
