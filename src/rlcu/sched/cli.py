@@ -143,6 +143,8 @@ def _serve(a) -> int:
     fresh = not (state / "sched.db").exists()
     cap, names = _pool(a) if (fresh or a.gpus or a.cpu_slots) else (None, None)
     if a.ray:
+        if a.dashboard:
+            raise ValueError("--dashboard serves beside the socket service, not --ray")
         from rlcu.sched.ray_backend import serve_ray
 
         return serve_ray(cap, names, name=a.ray_name, policy=a.policy, aging_s=a.aging_s,
