@@ -190,3 +190,12 @@ def test_serve_dashboard_flag(tmp_path):
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_serve_refuses_a_dashboard_off_loopback(tmp_path, capsys):
+    from rlcu.sched.cli import main
+
+    state = tmp_path / "state"
+    assert main(["sched", "serve", "--cpu-slots", "1", "--state", str(state), "--dashboard", "0.0.0.0:8080"]) == 2
+    assert "loopback only" in capsys.readouterr().err
+    assert not (state / "sched.sock").exists()  # the service it had opened is closed again

@@ -157,7 +157,11 @@ def _serve(a) -> int:
     if a.dashboard:
         from rlcu.sched.dashboard import start_dashboard
 
-        dash = start_dashboard(SchedClient(srv.address, token), a.dashboard, token)
+        try:
+            dash = start_dashboard(SchedClient(srv.address, token), a.dashboard, token)
+        except (OSError, ValueError):
+            srv.stop()  # the socket and the database, as on any exit
+            raise
         print(f"rlcu sched: dashboard on {dash.url} (open {dash.url}?token=<state>/token once)", flush=True)
     pool = ", ".join(f"{n} ({c:.1f})" for n, c in zip(core.pool["names"], core.pool["capacity"]))
     print(f"rlcu sched: {core.pool['policy']} policy over {pool} on {srv.address}; state {state}", flush=True)
