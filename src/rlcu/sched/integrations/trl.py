@@ -166,7 +166,11 @@ class SchedRun:
             else:
                 job.finish()
         except JobEnded:
-            pass
+            pass  # the service had ended it already
+        except SchedError:
+            if not failed:  # a job that trained but could not say so: the caller must know
+                raise
+            # (on an error, the error is what matters: the service reclaims the job once it falls silent)
         finally:
             job.close()
 
