@@ -3,7 +3,7 @@ lease, its scoring and update on an `actor_train` lease.
 
     from rlcu.sched.integrations.trl import scheduled
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...)
-    scheduled(trainer, addr="unix:~/.rlcu/sched/sched.sock", job="exp-1").train()
+    scheduled(trainer, addr="unix:/path/sched.sock", job="exp-1").train()   # addr None: the default
 
 `scheduled` changes no math. It adds a `TrainerCallback` (it registers the job when training
 begins and finishes it when training ends) and wraps two of the trainer's methods, because
