@@ -86,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                                                                           "leases are reclaimed")
     s.add_argument("--ray", action="store_true", help="run the policy as a named Ray actor (multi-node)")
     s.add_argument("--ray-name", default="rlcu-sched", help="the Ray actor's name")
+    s.add_argument("--dashboard", default=None, metavar="127.0.0.1:PORT",
+                   help="also serve a live read-only web page on this loopback address (rlcu.sched.dashboard)")
     s = sub.add_parser("submit", help="register a job and start its worker")
     _addr_args(s)
     s.add_argument("config", help="job file (YAML) or a GRPO config")
@@ -157,6 +159,7 @@ def _pool(a) -> tuple[list[float], list[str]]:
 
 
 def _serve(a) -> int:
+    from rlcu.sched.client import SchedClient
     from rlcu.sched.core import Core
     from rlcu.sched.protocol import default_state_dir
     from rlcu.sched.server import SchedServer, load_token, secure_state_dir
@@ -167,6 +170,8 @@ def _serve(a) -> int:
     fresh = not (state / "sched.db").exists()
     cap, names = _pool(a) if (fresh or a.gpus or a.cpu_slots) else (None, None)
     if a.ray:
+        if a.dashboard:
+            raise ValueError("--dashboard serves beside the socket service, not --ray")
         from rlcu.sched.ray_backend import serve_ray
 
         return serve_ray(cap, names, name=a.ray_name, policy=a.policy, aging_s=a.aging_s,
@@ -175,6 +180,15 @@ def _serve(a) -> int:
                 heartbeat_timeout=a.heartbeat_timeout, device_names=names)
     srv = SchedServer(core, a.addr or f"unix:{state / 'sched.sock'}", token)
     signal.signal(signal.SIGTERM, lambda *_: srv._stop.set())
+    if a.dashboard:
+        from rlcu.sched.dashboard import start_dashboard
+
+        try:
+            dash = start_dashboard(SchedClient(srv.address, token), a.dashboard, token)
+        except (OSError, ValueError):
+            srv.stop()  # the socket and the database, as on any exit
+            raise
+        print(f"rlcu sched: dashboard on {dash.url} (open {dash.url}?token=<state>/token once)", flush=True)
     pool = ", ".join(f"{n} ({c:.1f})" for n, c in zip(core.pool["names"], core.pool["capacity"]))
     print(f"rlcu sched: {core.pool['policy']} policy over {pool} on {srv.address}; state {state}", flush=True)
     if not fresh:
