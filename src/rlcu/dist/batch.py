@@ -1,0 +1,113 @@
+"""The global batch across ranks: which part of a step's work a rank does, and the statistics
+that must be taken over the whole batch rather than a rank's share.
+
+* Prompts: rank r rolls out the contiguous block `rank_block(P)` of a step's P prompts (each
+  prompt is one group of G samples, so a group is never split), and prompt i draws from seed
+  index i whatever rank it lands on (`rollout.sample(seed_offset=lo)`), so N ranks draw the
+  samples one process draws.
+* SFT micro-batches: every rank builds the step's micro-batch list (cheap, host-side), takes
+  every N-th (`rank_share`) and normalises by the global token count it already knows.
+* Normalisers and statistics (token / sequence counts of the loss, reward mean and std,
+  PPO's whitening and running reward moments) are sums over ranks (`world.all_sum`), so they
+  equal one process's up to the order of the sums.
+* With overlapped gradient reduction every rank must run the same number of backward passes
+  in a step: `equal_passes` agrees on the largest count, and a rank with fewer runs
+  `dummy_backward` (two tokens, zero gradient) for the rest.
+One process: every helper is the identity (or the local statistic).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlcu.dist.world import all_max, all_sum, world
+
+
+def rank_block(n: int, w=None) -> tuple[int, int]:
+    """[lo, hi): this rank's contiguous share of n items (sizes differ by at most one)."""
+    w = w or world()
+    return n * w.rank // w.size, n * (w.rank + 1) // w.size
+
+
+def rank_share(items: list, w=None) -> list:
+    """Every N-th item, from this rank's index (SFT's micro-batches)."""
+    w = w or world()
+    return items[w.rank :: w.size]
+
+
+def equal_passes(n_local: int) -> int:
+    """The number of backward passes every rank runs this step (the largest over ranks)."""
+    return int(all_max(n_local))
+
+
+def dummy_backward(model) -> None:
+    """One backward pass that adds nothing to the gradient (a rank short of micro-batches
+    keeps the overlapped reduce-scatters of the other ranks company)."""
+    dev = model.device
+    tokens = torch.zeros(2, dtype=torch.long, device=dev)
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=dev)
+    model.forward_backward(tokens, cu, lambda lp_c, ent_c, idx: (torch.zeros_like(lp_c), None))
+
+
+def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased std over every rank's non-nan entries of x (nan, 0 when undefined)."""
+    x = x.double().flatten()
+    x = x[~torch.isnan(x)]
+    s = torch.tensor([x.numel(), float(x.sum()) if x.numel() else 0.0], dtype=torch.float64)
+    s = all_sum(s)
+    n, tot = float(s[0]), float(s[1])
+    if n == 0:
+        return math.nan, 0.0
+    mean = tot / n
+    ss = all_sum(float(((x - mean) ** 2).sum()) if x.numel() else 0.0)
+    return mean, math.sqrt(ss / (n - 1)) if n > 1 else 0.0
+
+
+def global_whiten(x: torch.Tensor, w: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """losses.whiten over the whole batch: (x - mean) / (std + eps), the moments over every
+    rank's entries with w > 0 (all entries when w is None)."""
+    if not world().distributed:
+        from rlcu.train.losses import whiten
+
+        return whiten(x, w, eps)
+    sel = x if w is None else x[w > 0]
+    mean, std = global_mean_std(sel)
+    n = all_sum(float(sel.numel()))
+    if n < 2:
+        return x - (mean if n else 0.0)
+    return (x - mean) / (std + eps)
+
+
+def update_moments(moments, x: torch.Tensor) -> None:
+    """RunningMoments.update with the whole batch's scores (every rank gets the same state)."""
+    if not world().distributed:
+        moments.update(x)
+        return
+    x = x[~torch.isnan(x)].double()
+    s = all_sum(torch.tensor([x.numel(), float(x.sum()) if x.numel() else 0.0], dtype=torch.float64))
+    n = float(s[0])
+    if n == 0:
+        return
+    bm = float(s[1]) / n
+    bv = all_sum(float(((x - bm) ** 2).sum()) if x.numel() else 0.0) / n
+    tot = moments.count + n
+    d = bm - moments.mean
+    m2 = moments.var * moments.count + bv * n + d * d * moments.count * n / tot
+    moments.mean += d * n / tot
+    moments.var = m2 / tot
+    moments.count = tot
+
+
+def mean_metrics(m: dict) -> dict:
+    """Numeric metrics averaged over ranks (the keys every rank has, in rank 0's order)."""
+    if not world().distributed:
+        return m
+    from rlcu.dist.world import all_gather_objects
+
+    mine = [k for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    every = all_gather_objects(mine)
+    keys = [k for k in every[0] if all(k in set(e) for e in every)]
+    t = all_sum(torch.tensor([float(m[k]) for k in keys], dtype=torch.float64)) / world().size
+    return {**m, **dict(zip(keys, t.tolist()))}

@@ -1,0 +1,370 @@
+"""ZeRO-style data parallelism over the flat buffers: the gradient reduce-scattered in buckets,
+the optimizer state (fp32 master or none, m, v) as 1/N shards, each rank updating its shard,
+the shards all-gathered back into every rank's flat bf16 weights (which its engine reads).
+
+Buckets split the flat layout at layer boundaries (the embedding, each decoder layer, the final
+norm with the LM head); a model without that layout (the critic) is cut into equal chunks.
+Bucket k = flat[a, b) is cut into N chunks of s = ceil((b - a) / N) elements, and rank r owns
+chunk r of every bucket: flat[a + r s, min(a + (r + 1) s, b)). A rank's shard buffers (master,
+m, v, the reduced gradient) are those chunks end to end, S = sum_k s elements (padding zero).
+Chunk boundaries are the same on every rank, so a collective per bucket moves each chunk to
+its owner (reduce-scatter) and back (all-gather), and a shard's AdamW is one launch per bucket
+over contiguous views (with `index_base`, the stochastic-rounding bits of a chunk are those
+of the same elements in one process).
+
+Two ways the gradient reaches the shards:
+  * overlapped (a Qwen3, `model.grad_sink`): the backward writes each bucket's gradient into
+    its own buffer, and as soon as a layer's backward is done (`GradSink.done`) its bucket is
+    reduce-scattered asynchronously while the next layer's backward runs, added into the shard
+    gradient and freed; no full-size gradient buffer exists. Every backward (each micro-batch)
+    reduces, so every rank must run the same number of backward passes in a step
+    (`equal_passes` / `dummy_backward` in batch.py).
+  * at the step (any object with .flat, .grad_flat, .layout): the full gradient buffer is
+    reduce-scattered bucket by bucket inside `step`.
+Gradient clipping and the non-finite check use the global norm (one all-reduce of the shards'
+sums of squares and of the loss's finiteness, so every rank takes the same decision).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from rlcu.config import OptimConfig
+from rlcu.dist.world import World, world
+from rlcu.ops.adamw import adamw_step, clip_scale
+from rlcu.train.optimizer import _STATE_DTYPES, NonFiniteError
+
+CHUNK_NUMEL = 1 << 25  # bucket size for a model without a layer layout (32M elements)
+MAX_INFLIGHT = 2  # overlapped reduce-scatters in flight before the oldest is waited on
+
+
+def bucket_bounds(model) -> list[int]:
+    """[0 = b_0 < b_1 < ... < b_K = numel]: a Qwen3's layer boundaries, else equal chunks."""
+    lay = model.layout
+    slots = getattr(lay, "slots", None)
+    L = getattr(getattr(model, "cfg", None), "num_hidden_layers", None)
+    if slots and L and all(f"layers.{i}.input_norm" in slots for i in range(L)) and "final_norm" in slots:
+        b = [0] + [slots[f"layers.{i}.input_norm"].offset for i in range(L)] + [slots["final_norm"].offset, lay.numel]
+        return sorted(set(b))
+    n = lay.numel
+    return list(range(0, n, CHUNK_NUMEL)) + [n]
+
+
+class Buckets:
+    """Bucket ranges and rank `rank`'s chunk of each: see the module docstring."""
+
+    def __init__(self, bounds: list[int], rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.ranges = list(zip(bounds[:-1], bounds[1:]))
+        self.chunk = [-(-(b - a) // size) for a, b in self.ranges]
+        self.shard_off = [0]
+        for s in self.chunk:
+            self.shard_off.append(self.shard_off[-1] + s)
+        self.shard_numel = self.shard_off[-1]
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+    def piece(self, k: int, rank: int | None = None) -> tuple[int, int]:
+        """(flat start, valid length) of `rank`'s chunk of bucket k (length 0 past the end)."""
+        r = self.rank if rank is None else rank
+        a, b = self.ranges[k]
+        start = a + r * self.chunk[k]
+        return start, max(0, min(self.chunk[k], b - start))
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """[(flat start, length, offset in the shard)] of this rank's chunks."""
+        return [(*self.piece(k), self.shard_off[k]) for k in range(len(self))]
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, async_op=async_op)
+
+
+class GradSink:
+    """The gradient buckets of an overlapped Qwen3 (`model.grad_sink = sink`): `grads` maps a
+    slot name to a view of its bucket's buffer (allocated zeroed on first use); `done(part)`
+    reduce-scatters the bucket `part` completes; `shard` accumulates the reduced chunks."""
+
+    def __init__(self, model, buckets: Buckets, dtype: torch.dtype):
+        self.model, self.buckets, self.dtype = model, buckets, dtype
+        self.device = model.flat.device
+        self._slot_bucket = {}
+        starts = [a for a, _ in buckets.ranges]
+        import bisect
+
+        for name, sl in model.layout.slots.items():
+            k = bisect.bisect_right(starts, sl.offset) - 1
+            self._slot_bucket[name] = k
+        L = model.cfg.num_hidden_layers
+        first = {bisect.bisect_right(starts, model.layout.slots[f"layers.{i}.input_norm"].offset) - 1: i
+                 for i in range(L)}
+        self._part_bucket = {i: k for k, i in first.items()}
+        self._part_bucket["final_norm"] = self._slot_bucket["final_norm"]
+        self._part_bucket["embed"] = self._slot_bucket["embed"]
+        self.grads = _LazyViews(self)
+        self._buf: dict[int, torch.Tensor] = {}
+        self._pending: list = []
+        self.shard: torch.Tensor | None = None
+        self.passes = 0  # backward passes reduced since zero_grad
+
+    def buffer(self, k: int) -> torch.Tensor:
+        if k not in self._buf:
+            self._buf[k] = torch.zeros(self.buckets.chunk[k] * self.buckets.size, device=self.device, dtype=self.dtype)
+        return self._buf[k]
+
+    def zero_grad(self) -> None:
+        self.flush()
+        self._buf.clear()
+        if self.shard is None:
+            self.shard = torch.zeros(self.buckets.shard_numel, device=self.device, dtype=self.dtype)
+        else:
+            self.shard.zero_()
+        self.passes = 0
+
+    def release(self) -> None:
+        self.flush()
+        self._buf.clear()
+        self.shard = None
+
+    def done(self, part) -> None:
+        k = self._part_bucket[part]
+        if self.shard is None:
+            self.zero_grad()
+        buf = self._buf.pop(k, None)
+        if buf is None:
+            buf = self.buffer(k)  # a bucket this backward never touched (zeros): still reduced, in order
+            self._buf.pop(k)
+        out = torch.empty(self.buckets.chunk[k], device=self.device, dtype=self.dtype)
+        work = _reduce_scatter(out, buf, async_op=True)
+        self._pending.append((work, buf, out, k))
+        while len(self._pending) > MAX_INFLIGHT:
+            self._finish(self._pending.pop(0))
+        if part == "embed":  # the last bucket of a backward
+            self.flush()
+            self.passes += 1
+
+    def _finish(self, item) -> None:
+        work, _buf, out, k = item
+        work.wait()
+        o = self.buckets.shard_off[k]
+        self.shard[o : o + out.numel()] += out
+
+    def flush(self) -> None:
+        while self._pending:
+            self._finish(self._pending.pop(0))
+
+
+class _LazyViews(dict):
+    """slot name -> view of its bucket's buffer, the buffer allocated on first use."""
+
+    def __init__(self, sink: GradSink):
+        super().__init__()
+        self.sink = sink
+
+    def __missing__(self, name):
+        s = self.sink
+        k = s._slot_bucket[name]
+        buf = s.buffer(k)
+        sl = s.model.layout.slots[name]
+        o = sl.offset - s.buckets.ranges[k][0]
+        return buf[o : o + sl.numel].view(sl.shape)  # not cached: the buffer is new each backward
+
+    def __setitem__(self, name, value):  # `g[name] += dw` writes back the same view
+        pass
+
+
+class ShardedAdamW:
+    """FlatAdamW's interface (zero_grad, step(lr, loss) -> info, state_dict / load_state_dict,
+    state_bytes, step_count) with the state sharded over the ranks of `world` (module docstring).
+    `overlap`: None = when the model offers `grad_sink` (a Qwen3)."""
+
+    sharded = True
+
+    def __init__(self, model, cfg: OptimConfig, w: World | None = None, overlap: bool | None = None):
+        self.model, self.cfg = model, cfg
+        self.world = w = w or world()
+        flat = model.flat
+        self.buckets = bk = Buckets(bucket_bounds(model), w.rank, w.size)
+        self.master_is_model = flat.dtype == torch.float32 or not cfg.master_weights
+        if self.master_is_model and flat.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"optim.master_weights: false needs bfloat16 (or float32) weights, got {flat.dtype}")
+        self.grad_dtype = _STATE_DTYPES[cfg.grad_dtype] if flat.dtype == torch.bfloat16 else torch.float32
+        sd = _STATE_DTYPES[cfg.state_dtype]
+        S = bk.shard_numel
+        self.m = torch.zeros(S, device=flat.device, dtype=sd)
+        self.v = torch.zeros(S, device=flat.device, dtype=sd)
+        self.master = None
+        if not self.master_is_model:
+            self.master = torch.zeros(S, device=flat.device, dtype=torch.float32)
+            self._copy_master_from_model()
+        self.overlap = hasattr(model, "grad_sink") if overlap is None else overlap
+        self.sink = None
+        if self.overlap:
+            model.release_grads()
+            self.sink = GradSink(model, bk, self.grad_dtype)
+            model.grad_sink = self.sink
+        else:
+            if getattr(model, "grad_dtype", self.grad_dtype) != self.grad_dtype:
+                model.release_grads()
+            model.grad_dtype = self.grad_dtype
+        self._gshard: torch.Tensor | None = None  # the step-time reduce-scatter's output
+        self.step_count = 0
+        self.nonfinite_in_row = 0
+        self.skipped_total = 0
+
+    def _copy_master_from_model(self) -> None:
+        for start, n, o in self.buckets.pieces():
+            self.master[o : o + n].copy_(self.model.flat[start : start + n])
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad()
+
+    def state_bytes(self) -> dict:
+        out = {"m": self.m.numel() * self.m.element_size(), "v": self.v.numel() * self.v.element_size()}
+        out["master"] = 0 if self.master is None else self.master.numel() * 4
+        return out
+
+    # ---------------------------------------------------------------- the step
+    def _reduced_grads(self) -> torch.Tensor:
+        if self.sink is not None:
+            if self.sink.shard is None or self.sink.passes == 0:
+                raise RuntimeError("optimizer step without gradients: call model.backward first")
+            self.sink.flush()
+            return self.sink.shard
+        g = self.model.grad_flat
+        if g is None:
+            raise RuntimeError("optimizer step without gradients: call model.backward first")
+        bk = self.buckets
+        out = torch.empty(bk.shard_numel, device=g.device, dtype=g.dtype)
+        for k, (a, b) in enumerate(bk.ranges):
+            s, o = bk.chunk[k], bk.shard_off[k]
+            inp = g[a:b]
+            if s * bk.size != b - a:  # pad the bucket to N equal chunks
+                inp = torch.cat([inp, inp.new_zeros(s * bk.size - (b - a))])
+            _reduce_scatter(out[o : o + s], inp)
+        self._gshard = out
+        return out
+
+    def _all_gather(self) -> None:
+        """Every rank's updated chunks into every rank's flat weights, bucket by bucket."""
+        bk, flat = self.buckets, self.model.flat
+        gloo = self.world.backend == "gloo"
+        for k, (a, b) in enumerate(bk.ranges):
+            s = bk.chunk[k]
+            start, n = bk.piece(k)
+            if s * bk.size == b - a:
+                inp = flat[start : start + s]
+                dist.all_gather_into_tensor(flat[a:b], inp.clone() if gloo else inp)
+            else:
+                inp = flat.new_zeros(s)
+                inp[:n] = flat[start : start + n]
+                out = flat.new_empty(s * bk.size)
+                dist.all_gather_into_tensor(out, inp)
+                flat[a:b] = out[: b - a]
+
+    def step(self, lr: float, loss: float | torch.Tensor | None = None) -> dict:
+        """One update from the ranks' summed gradients (each rank's gradient must already be its
+        share of the global loss's); `loss` is the global loss (only its finiteness is used).
+        Returns {grad_norm, clip_scale, skipped, nonfinite_in_row, lr} (the same on every rank)."""
+        g = self._reduced_grads()
+        lossf = None if loss is None else float(loss)
+        stats = torch.stack([g.float().pow(2).sum(),
+                             torch.tensor(0.0 if lossf is None or math.isfinite(lossf) else 1.0, device=g.device)])
+        dist.all_reduce(stats)
+        gn_t = stats[0].sqrt()
+        gn, bad_loss = float(gn_t), float(stats[1]) > 0
+        info = {"grad_norm": gn, "lr": float(lr)}
+        if bad_loss or not math.isfinite(gn):
+            self.nonfinite_in_row += 1
+            self.skipped_total += 1
+            info.update(clip_scale=0.0, skipped=1, nonfinite_in_row=self.nonfinite_in_row)
+            self._gshard = None
+            if self.nonfinite_in_row >= self.cfg.max_nonfinite_in_row:
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_row} optimizer steps in a row had a non-finite "
+                    f"{'loss' if bad_loss else 'gradient norm'} (loss={lossf}, grad_norm={gn}); aborting "
+                    f"(optim.max_nonfinite_in_row={self.cfg.max_nonfinite_in_row}). Lower optim.lr or check the data.",
+                    info)
+            return info
+        self.nonfinite_in_row = 0
+        if self.cfg.max_grad_norm > 0:
+            scale = clip_scale(gn_t, self.cfg.max_grad_norm)
+        else:
+            scale = torch.ones((), device=g.device, dtype=torch.float32)
+        self.step_count += 1
+        b1, b2 = self.cfg.betas
+        flat = self.model.flat
+        for start, n, o in self.buckets.pieces():
+            if n == 0:
+                continue
+            sl = slice(o, o + n)
+            p = flat[start : start + n] if self.master is None else self.master[sl]
+            adamw_step(p, g[sl], self.m[sl], self.v[sl], None if self.master is None else flat[start : start + n],
+                       lr=float(lr), beta1=b1, beta2=b2, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
+                       step=self.step_count, grad_scale=scale, seed=self.cfg.rounding_seed, index_base=start)
+        self._gshard = None
+        self._all_gather()
+        info.update(clip_scale=float(scale), skipped=0, nonfinite_in_row=0)
+        return info
+
+    # ---------------------------------------------------------------- state (see ckpt.py for the files)
+    def state_dict(self) -> dict:
+        """This rank's shard: CPU copies of m, v (and the fp32 master), with the flat ranges they
+        hold, so that a checkpoint of N ranks loads at M (ckpt.load_optimizer)."""
+        d = {"format": "rlcu-zero", "rank": self.world.rank, "world_size": self.world.size,
+             "numel": self.model.layout.numel, "pieces": self.buckets.pieces(),
+             "step_count": self.step_count, "nonfinite_in_row": self.nonfinite_in_row,
+             "skipped_total": self.skipped_total, "m": self.m.cpu().clone(), "v": self.v.cpu().clone()}
+        if self.master is not None:
+            d["master"] = self.master.cpu().clone()
+        return d
+
+    def load_sources(self, sources: list[dict]) -> None:
+        """Fill this rank's shard from checkpointed state: `sources` are shard dicts (any number
+        of ranks) or one full FlatAdamW dict; every rank's weights must already be loaded."""
+        from rlcu.dist.ckpt import copy_range
+
+        numel = self.model.layout.numel
+        for src in sources:
+            n = src["numel"] if "numel" in src else src["m"].numel()
+            if n != numel:
+                raise ValueError(f"optimizer state of {n} elements, this model's layout needs {numel} "
+                                 f"(a checkpoint of another model?)")
+        has_master = all("master" in s for s in sources)
+        flat = self.model.flat
+        for start, n, o in self.buckets.pieces():
+            if n == 0:
+                continue
+            copy_range(sources, "m", start, self.m[o : o + n])
+            copy_range(sources, "v", start, self.v[o : o + n])
+            if has_master:
+                dst = flat[start : start + n] if self.master is None else self.master[o : o + n]
+                copy_range(sources, "master", start, dst)
+        if has_master and self.master is not None:
+            for start, n, o in self.buckets.pieces():
+                flat[start : start + n].copy_(self.master[o : o + n])
+        elif self.master is not None:
+            self._copy_master_from_model()
+        if has_master:
+            self._all_gather()  # the weights from the masters (as FlatAdamW does), the same on every rank
+        s0 = sources[0]
+        self.step_count = int(s0["step_count"])
+        self.nonfinite_in_row = int(s0.get("nonfinite_in_row", 0))
+        self.skipped_total = int(s0.get("skipped_total", 0))
+
+    def load_state_dict(self, d: dict | list[dict]) -> None:
+        self.load_sources(d if isinstance(d, list) else [d])
+
+
+def make_optimizer(model, cfg: OptimConfig):
+    """The trainers' optimizer: FlatAdamW in one process, ShardedAdamW across ranks."""
+    w = world()
+    if w.distributed:
+        return ShardedAdamW(model, cfg, w)
+    from rlcu.train.optimizer import FlatAdamW
+
+    return FlatAdamW(model, cfg)
