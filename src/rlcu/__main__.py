@@ -14,7 +14,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from rlcu import cli
-    from rlcu.dist import world as W
+    from rlcu.dist import comm as W
 
     try:
         w = W.env_world()

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from rlcu.dist.world import all_max, all_sum, world
+from rlcu.dist.comm import all_max, all_sum, world
 
 
 def rank_block(n: int, w=None) -> tuple[int, int]:
@@ -104,7 +104,7 @@ def mean_metrics(m: dict) -> dict:
     """Numeric metrics averaged over ranks (the keys every rank has, in rank 0's order)."""
     if not world().distributed:
         return m
-    from rlcu.dist.world import all_gather_objects
+    from rlcu.dist.comm import all_gather_objects
 
     mine = [k for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     every = all_gather_objects(mine)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rlcu.dist import world as W
+from rlcu.dist import comm as W
 
 _SHARD_RE = re.compile(r"^rank-(\d+)-of-(\d+)\.pt$")
 

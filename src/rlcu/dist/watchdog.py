@@ -51,14 +51,24 @@ class Watchdog:
 
     def finish(self, wait_s: float | None = None) -> None:
         """This rank is done: mark it, wait (bounded) until every rank is, stop the thread."""
-        self.store.add(f"done/{self.rank}", 1)
-        n = self.store.add("ndone", 1)
         deadline = time.monotonic() + (wait_s if wait_s is not None else self.timeout_s * 10)
+        try:
+            self.store.add(f"done/{self.rank}", 1)
+            self._wait_count("ndone", 1, deadline)
+        finally:
+            self._stop.set()
+            self._thread.join(timeout=5 * self.interval_s + 1)
+        # the store may live in rank 0's process: it leaves after every other rank has let go
+        try:
+            self._wait_count("nleft", 1, time.monotonic() + 30 if self.rank == 0 else 0)
+        except Exception:
+            pass
+
+    def _wait_count(self, key: str, inc: int, deadline: float) -> None:
+        n = self.store.add(key, inc)
         while n < self.size and time.monotonic() < deadline:
-            time.sleep(self.interval_s / 2)
-            n = self.store.add("ndone", 0)
-        self._stop.set()
-        self._thread.join(timeout=5 * self.interval_s + 1)
+            time.sleep(self.interval_s / 4)
+            n = self.store.add(key, 0)
 
     # ---------------------------------------------------------------- the thread
     def _die(self, msg: str) -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlcu.config import OptimConfig
-from rlcu.dist.world import World, world
+from rlcu.dist.comm import World, world
 from rlcu.ops.adamw import adamw_step, clip_scale
 from rlcu.train.optimizer import _STATE_DTYPES, NonFiniteError
 
@@ -80,8 +80,13 @@ class Buckets:
         return [(*self.piece(k), self.shard_off[k]) for k in range(len(self))]
 
 
+# torch >= 2.12 names them *_single (the *_tensor names are deprecated aliases)
+_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
-    return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, async_op=async_op)
+    return _RS(out, inp, op=dist.ReduceOp.SUM, async_op=async_op)
 
 
 class GradSink:
@@ -258,12 +263,12 @@ class ShardedAdamW:
             start, n = bk.piece(k)
             if s * bk.size == b - a:
                 inp = flat[start : start + s]
-                dist.all_gather_into_tensor(flat[a:b], inp.clone() if gloo else inp)
+                _AG(flat[a:b], inp.clone() if gloo else inp)
             else:
                 inp = flat.new_zeros(s)
                 inp[:n] = flat[start : start + n]
                 out = flat.new_empty(s * bk.size)
-                dist.all_gather_into_tensor(out, inp)
+                _AG(out, inp)
                 flat[a:b] = out[: b - a]
 
     def step(self, lr: float, loss: float | torch.Tensor | None = None) -> dict:
