@@ -111,3 +111,55 @@ def mean_metrics(m: dict) -> dict:
     keys = [k for k in every[0] if all(k in set(e) for e in every)]
     t = all_sum(torch.tensor([float(m[k]) for k in keys], dtype=torch.float64)) / world().size
     return {**m, **dict(zip(keys, t.tolist()))}
+
+
+def gather_samples(samples: list) -> list:
+    """Every rank's rollout samples, in rank order (the one-process order when each rank
+    rolled out its `rank_block` of the prompts): every rank then scores, normalises and
+    filters the same global batch, and trains on its block of it (`rank_seq_range`)."""
+    if not world().distributed:
+        return samples
+    from rlcu.dist.comm import all_gather_objects
+
+    return [s for part in all_gather_objects(samples) for s in part]
+
+
+def rank_seq_range(n_seqs: int, group_size: int) -> tuple[int, int]:
+    """[a, b): the sequences of the global batch this rank trains on (whole groups)."""
+    lo, hi = rank_block(n_seqs // group_size)
+    return lo * group_size, (hi * group_size if hi < n_seqs // group_size else n_seqs)
+
+
+def local_logprobs(model, batch, temperature: float, max_tokens: int, group_size: int) -> torch.Tensor:
+    """rollout.batch_logprobs on this rank's sequences only (0 elsewhere): the reference
+    model's logprobs, which only the rank training on a sequence needs."""
+    from rlcu.train.rollout import batch_logprobs
+
+    if not world().distributed:
+        return batch_logprobs(model, batch, temperature, max_tokens)
+    a, b = rank_seq_range(batch.num_seqs, group_size)
+    out = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
+    if b > a:
+        t0, t1 = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
+        out[t0:t1] = batch_logprobs(model, batch.view(a, b), temperature, max_tokens)
+    return out
+
+
+class NullLogger:
+    """RunLogger's interface doing nothing: the logger of every rank but rank 0."""
+
+    history: list = []
+
+    def info(self, *a, **k):
+        pass
+
+    warn = log = close = info
+
+
+def run_logger(*args, **kw):
+    """RunLogger(*args, **kw) on rank 0, a NullLogger elsewhere (metrics and logs written once)."""
+    if world().is_main:
+        from rlcu.train.logging import RunLogger
+
+        return RunLogger(*args, **kw)
+    return NullLogger()

@@ -312,6 +312,8 @@ class ShardedAdamW:
                        lr=float(lr), beta1=b1, beta2=b2, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
                        step=self.step_count, grad_scale=scale, seed=self.cfg.rounding_seed, index_base=start)
         self._gshard = None
+        if self.sink is not None:
+            self.sink.release()  # the shard gradient lives through a step's backward passes only
         self._all_gather()
         info.update(clip_scale=float(scale), skipped=0, nonfinite_in_row=0)
         return info

@@ -101,7 +101,9 @@ class GRPOTrainer(RLTrainer):
         m["adv_abs"] = float(adv[ok].abs().mean()) if ok.any() else 0.0
         m["groups_all_equal"] = float(torch.isnan(gstd).sum() + (gstd == 0).sum()) / max(gstd.numel(), 1)
         if self.ref is not None:
-            batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
+            from rlcu.dist.batch import local_logprobs  # this rank's sequences only
+
+            batch.fields["ref_lp"] = local_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens, G)
         t2 = time.perf_counter()
         if float(batch.mask.sum()) == 0:
             self._warn(f"step {step + 1}: every sample is masked; no update")

@@ -33,7 +33,12 @@ class PPOTrainer(RLTrainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
                  critic: Critic | None = None):
+        from rlcu.dist.comm import world
         from rlcu.train.optimizer import FlatAdamW
+
+        if world().distributed:
+            raise NotImplementedError("PPO across ranks is not supported yet (its critic update and whitening "
+                                      "are one-process); run rlcu ppo without torchrun, or use grpo")
 
         super().__init__(config, dataset, reward_fns, model=model, tokenizer=tokenizer, eval_dataset=eval_dataset)
         cc = self.cfg.critic

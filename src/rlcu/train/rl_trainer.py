@@ -109,7 +109,7 @@ class RLTrainer(abc.ABC):
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None):
         from rlcu.rewards import RewardSet
         from rlcu.train.checkpoint import build_model
-        from rlcu.train.optimizer import FlatAdamW
+        from rlcu.dist.zero import make_optimizer
 
         self.cfg = cfg = _config(self.config_cls, config)
         torch.manual_seed(cfg.seed)
@@ -121,7 +121,7 @@ class RLTrainer(abc.ABC):
         self.rows, self.eval_rows, self.n_filtered = self._load_data(dataset, eval_dataset)
         self.sampler = PromptSampler(self.rows, cfg.data.seed, cfg.data.shuffle)
         self.ref = self._make_ref() if self._needs_ref() else None
-        self.opt = FlatAdamW(self.model, cfg.optim)
+        self.opt = make_optimizer(self.model, cfg.optim)  # ShardedAdamW across ranks
         self.llm = self._make_engine()
         self.stop_ids = ro.stop_ids(self.tokenizer, self.model) if cfg.stop_at_eos else []
         self.out_dir = Path(cfg.log.out_dir)
@@ -231,13 +231,17 @@ class RLTrainer(abc.ABC):
 
     def rollout(self, rows: list[dict], n: int, seed: int, temperature: float | None = None,
                 max_tokens: int | None = None, group_offset: int = 0) -> list[ro.Sample]:
+        from rlcu.dist import batch as dp
+
         c = self.cfg
+        lo, hi = dp.rank_block(len(rows))  # this rank's prompts; every rank gets every sample back
+        rows = rows[lo:hi]
         enc = [self._encode(r) for r in rows]
-        return ro.sample(self.llm, [e[0] for e in enc], rows, n=n,
+        return dp.gather_samples(ro.sample(self.llm, [e[0] for e in enc], rows, n=n,
                          temperature=c.temperature if temperature is None else temperature,
                          top_p=c.top_p, top_k=c.top_k, max_tokens=max_tokens or c.max_new_tokens, seed=seed,
                          stop_token_ids=self.stop_ids, ignore_eos=not c.stop_at_eos, tokenizer=self.tokenizer,
-                         prompt_texts=[e[1] for e in enc], group_offset=group_offset)
+                         prompt_texts=[e[1] for e in enc], group_offset=group_offset + lo, seed_offset=lo))
 
     def score(self, samples: list[ro.Sample]) -> dict:
         """Fill sample.reward (nan = masked); returns reward metrics."""
@@ -343,17 +347,19 @@ class RLTrainer(abc.ABC):
     def train(self) -> list[dict]:
         """Run the remaining steps; returns the per-step metrics (after a resume: the
         checkpoint's last 20 steps, then the new ones)."""
-        from rlcu.train.logging import RunLogger
+        from rlcu.dist.batch import run_logger
+        from rlcu.dist.comm import world
         from rlcu.train.optimizer import NonFiniteError
 
         c = self.cfg
         resumed = self.resume() if c.checkpoint.resume else 0
-        self.logger = RunLogger(self.out_dir, c.log, c.steps, resume_step=resumed if resumed else None)
+        self.logger = run_logger(self.out_dir, c.log, c.steps, resume_step=resumed if resumed else None)
         lg = self.logger
         try:
             from rlcu.config import save_config
 
-            save_config(c, self.out_dir / "config.yaml")
+            if world().is_main:
+                save_config(c, self.out_dir / "config.yaml")
             if resumed:
                 lg.info(f"resumed from step {resumed} ({self.ckpt_root})")
             if self.n_filtered:
@@ -405,12 +411,18 @@ class RLTrainer(abc.ABC):
     def _policy_update(self, batch: ro.RolloutBatch, update: int, total_updates: int, agg: str,
                        kl_coef: float) -> dict:
         """One optimizer step of the policy over the whole batch, micro-batch by micro-batch."""
+        from rlcu.dist import batch as dp
+
         c, model = self.cfg, self.model
-        n_tok = float(batch.mask.sum())
+        n_tok = float(batch.mask.sum())  # of the global batch: every rank holds all of it
         n_seq = batch.num_masked_in_seqs()
+        batch = batch.view(*dp.rank_seq_range(batch.num_seqs, c.group_size))  # the groups this rank trains on
         model.zero_grad()
         stats = torch.zeros(len(POLICY_STATS), dtype=torch.float64)
-        for a, b in batch.micro_batches(c.micro_batch_tokens):
+        spans = batch.micro_batches(c.micro_batch_tokens) if batch.num_seqs else []
+        for _ in range(dp.equal_passes(len(spans)) - len(spans)):
+            dp.dummy_backward(model)  # overlapped reduce-scatters: as many backward passes as every rank
+        for a, b in spans:
             mb = batch.view(a, b)
             w = losses.token_weights(mb.cu_seqlens, mb.mask, agg, n_seqs=n_seq, n_tokens=n_tok)
             ref, adv = mb.fields.get("ref_lp"), mb.fields["adv"]
@@ -428,6 +440,7 @@ class RLTrainer(abc.ABC):
             model.forward_backward(mb.tokens, mb.cu_seqlens, grad_fn, temperature=c.temperature,
                                    return_entropy=True)
             stats += torch.stack(parts).sum(0).double().cpu()
+        stats = dp.all_sum(stats)
         info = self.opt.step(self._lr(update, total_updates), loss=float(stats[0]))
         s = dict(zip(POLICY_STATS, stats.tolist()))
         wsum = s.pop("weight") or 1.0

@@ -24,7 +24,10 @@ from rlcu.config import SFTConfig, config_from_dict, load_config, save_config
 from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_rows
 from rlcu.train.checkpoint import build_model, load_checkpoint, resolve_resume, save_checkpoint
 from rlcu.train.logging import RunLogger
-from rlcu.train.optimizer import FlatAdamW, NonFiniteError
+from rlcu.dist import batch as dp
+from rlcu.dist.comm import all_sum, world
+from rlcu.dist.zero import make_optimizer
+from rlcu.train.optimizer import NonFiniteError
 from rlcu.train.schedule import lr_at
 
 
@@ -136,7 +139,10 @@ class SFTTrainer:
         self.examples = self._encode(rows, src, fields)
         self.eval_examples = self._encode(eval_rows, d.eval_path or f"{src} (held out)", fields) if eval_rows else []
         self.stream = PackedStream([len(e[0]) for e in self.examples], cfg.batch_tokens, d.shuffle, d.seed)
-        self.optimizer = FlatAdamW(self.model, cfg.optim)
+        if cfg.grad_accum % world().size:
+            raise ValueError(f"grad_accum ({cfg.grad_accum}) must be a multiple of the number of ranks "
+                             f"({world().size}): each rank takes every N-th micro-batch of a step")
+        self.optimizer = make_optimizer(self.model, cfg.optim)  # ShardedAdamW across ranks
         self.step = 0
         self.logger: RunLogger | None = None
         self.last_checkpoint: Path | None = None
@@ -210,18 +216,19 @@ class SFTTrainer:
         lr = lr_at(self.step, cfg.optim, cfg.steps)
         batches = [self._micro_batch() for _ in range(cfg.grad_accum)]
         n_tok = sum(b[3] for b in batches)
+        n_all, n_seq = sum(b[0].numel() for b in batches), sum(b[1].numel() - 1 for b in batches)
+        batches = dp.rank_share(batches)  # the global batch's every N-th micro-batch; n_tok is global
         self.model.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for tokens, cu, mask, _ in batches:
             lp = self.model.forward(tokens, cu)
             loss_sum += -(lp * mask).sum()
             self.model.backward(mask * (-1.0 / n_tok))
-        loss = float(loss_sum) / n_tok
+        loss = all_sum(float(loss_sum)) / n_tok
         info = self.optimizer.step(lr, loss)  # may raise NonFiniteError
         dt = time.perf_counter() - t0
-        n_all = sum(b[0].numel() for b in batches)
         return {"loss": loss, **info, "tokens": n_all, "completion_tokens": n_tok,
-                "sequences": sum(b[1].numel() - 1 for b in batches), "epoch": self.stream.epoch,
+                "sequences": n_seq, "epoch": self.stream.epoch,
                 "tokens_per_s": n_all / dt, "step_seconds": dt}
 
     def evaluate(self) -> float | None:
@@ -229,13 +236,17 @@ class SFTTrainer:
         if not self.eval_examples:
             return None
         ev = PackedStream([len(e[0]) for e in self.eval_examples], self.cfg.batch_tokens, False, 0)
-        total, n = 0.0, 0
+        total, n, i = 0.0, 0, 0
         while ev.epoch == 0:
-            tokens, cu, mask, n_mask = self._micro_batch(ev.next_batch(), self.eval_examples)
+            idx = ev.next_batch()
+            i += 1
+            if (i - 1) % world().size != world().rank:  # sharded over the ranks, the sums gathered
+                continue
+            tokens, cu, mask, n_mask = self._micro_batch(idx, self.eval_examples)
             lp = self.model.forward(tokens, cu, grad=False)
             total += float(-(lp * mask).sum())
             n += n_mask
-        return total / n
+        return all_sum(total) / all_sum(n)
 
     def train(self, until: int | None = None) -> dict:
         """Run to `config.steps` (or stop after step `until`, checkpointing there). Returns
@@ -244,9 +255,10 @@ class SFTTrainer:
         path = resolve_resume(cfg.checkpoint.resume, self.ckpt_root)
         if path is not None:
             self.resume(path)
-        self.logger = log = RunLogger(self.out_dir, cfg.log, cfg.steps,
+        self.logger = log = dp.run_logger(self.out_dir, cfg.log, cfg.steps,
                                       resume_step=self.step if path is not None else None)
-        save_config(cfg, self.out_dir / "config.yaml")
+        if world().is_main:
+            save_config(cfg, self.out_dir / "config.yaml")
         if path is not None:
             log.info(f"resumed from {path} at step {self.step}")
         elif cfg.checkpoint.resume == "auto":
