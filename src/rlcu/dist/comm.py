@@ -121,10 +121,21 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None,
     return _WORLD
 
 
+_COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "timed out", "nccl", "gloo", "peer")
+
+
 def report_failure(exc: BaseException) -> None:
-    """Tell every other rank that this one failed with `exc` (their watchdogs end them)."""
-    if _WATCHDOG is not None:
-        _WATCHDOG.report(f"{type(exc).__name__}: {exc}")
+    """Tell every other rank that this one failed with `exc` (their watchdogs end them). A
+    collective that failed because a peer died is not the root cause: the watchdog is given
+    its heartbeat bound to name the dead rank first (and ends this process with that)."""
+    if _WATCHDOG is None:
+        return
+    import torch.distributed as dist
+
+    msg = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, getattr(dist, "DistError", ())) or any(h in msg.lower() for h in _COMM_HINTS):
+        _WATCHDOG.wait_for_peer_failure()
+    _WATCHDOG.report(msg)
 
 
 def shutdown() -> None:

@@ -49,6 +49,13 @@ class Watchdog:
         except Exception:  # the store is gone too: the others find out by its absence
             pass
 
+    def wait_for_peer_failure(self) -> None:
+        """Block up to the heartbeat bound while the thread looks for another rank's failure
+        (it ends the process when it finds one); return if it finds none."""
+        deadline = time.monotonic() + self.timeout_s + 3 * self.interval_s
+        while time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(self.interval_s / 2)
+
     def finish(self, wait_s: float | None = None) -> None:
         """This rank is done: mark it, wait (bounded) until every rank is, stop the thread."""
         deadline = time.monotonic() + (wait_s if wait_s is not None else self.timeout_s * 10)
