@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-
 from dist_util import run_ranks
 from test_dist_zero import _batches, _cfg, _model
 
@@ -54,11 +53,11 @@ def test_failed_rank_ends_the_other(tmp_path, capfd, how):
 
 def test_one_process_sets_up_nothing(tmp_path, monkeypatch):
     import torch.distributed as dist
+    from test_sft import config, tiny, token_rows
 
     from rlcu.dist import comm
     from rlcu.train.optimizer import FlatAdamW
     from rlcu.train.sft import SFTTrainer
-    from test_sft import config, tiny, token_rows
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from dist_util import ok, run_ranks
 from test_grpo import _cfg as grpo_cfg
 from test_grpo import first_is_even

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_util import ok, run_ranks
 
 import rlcu
 from rlcu.config import OptimConfig
-from dist_util import ok, run_ranks
 
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)

@@ -148,7 +148,8 @@ def local_logprobs(model, batch, temperature: float, max_tokens: int, group_size
 class NullLogger:
     """RunLogger's interface doing nothing: the logger of every rank but rank 0."""
 
-    history: list = []
+    def __init__(self):
+        self.history: list = []
 
     def info(self, *a, **k):
         pass

@@ -107,9 +107,9 @@ class RLTrainer(abc.ABC):
     kind = "rl"
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None):
+        from rlcu.dist.zero import make_optimizer
         from rlcu.rewards import RewardSet
         from rlcu.train.checkpoint import build_model
-        from rlcu.dist.zero import make_optimizer
 
         self.cfg = cfg = _config(self.config_cls, config)
         torch.manual_seed(cfg.seed)
@@ -367,6 +367,9 @@ class RLTrainer(abc.ABC):
                         f"data.max_prompt_tokens={c.data.max_prompt_tokens}")
             lg.info(f"{self.kind}: {len(self.rows)} prompts, {len(self.eval_rows)} held out, "
                     f"{self.model.num_params() / 1e6:.2f}M parameters on {self.device}")
+            from rlcu.dist.memory import log_estimate
+
+            log_estimate(lg, self.model, self.opt, c.micro_batch_tokens, self.llm, self.ref is not None)
             while self.step < c.steps:
                 try:
                     m = self.train_step(self.step)

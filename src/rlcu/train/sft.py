@@ -22,11 +22,11 @@ import torch
 
 from rlcu.config import SFTConfig, config_from_dict, load_config, save_config
 from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_rows
-from rlcu.train.checkpoint import build_model, load_checkpoint, resolve_resume, save_checkpoint
-from rlcu.train.logging import RunLogger
 from rlcu.dist import batch as dp
 from rlcu.dist.comm import all_sum, world
 from rlcu.dist.zero import make_optimizer
+from rlcu.train.checkpoint import build_model, load_checkpoint, resolve_resume, save_checkpoint
+from rlcu.train.logging import RunLogger
 from rlcu.train.optimizer import NonFiniteError
 from rlcu.train.schedule import lr_at
 
@@ -267,6 +267,9 @@ class SFTTrainer:
             log.info(n)
         log.info(f"SFT: {len(self.examples)} examples, {self.model.num_params():,} parameters, "
                  f"{cfg.steps} steps on {self.device}")
+        from rlcu.dist.memory import log_estimate
+
+        log_estimate(log, self.model, self.optimizer, cfg.batch_tokens)  # across ranks only
         end = cfg.steps if until is None else min(until, cfg.steps)
         metrics: dict = {}
         saved_at, start = None, self.step
