@@ -2,19 +2,3 @@
 the world and its collectives (comm.py), the failure watchdog (watchdog.py), the ZeRO-style
 sharded optimizer (zero.py) and its checkpoints (ckpt.py), the global batch (batch.py) and the
 per-rank memory estimate (memory.py). Without torchrun none of it is active."""
-
-from rlcu.dist.comm import (
-           World,
-           all_gather_objects,
-           all_max,
-           all_sum,
-           barrier,
-           env_world,
-           init_from_env,
-           report_failure,
-           shutdown,
-           world,
-)
-
-__all__ = ["World", "all_gather_objects", "all_max", "all_sum", "barrier", "env_world", "init_from_env",
-           "report_failure", "shutdown", "world"]
