@@ -1,5 +1,5 @@
-"""SFT and GRPO at 2 ranks (gloo, CPU) end with the weights of one process; a checkpoint of 2
-ranks resumes in one process and one of one process at 2 ranks; only rank 0 writes logs."""
+"""SFT, GRPO and PPO at 2 ranks (gloo, CPU) end with the weights of one process; a checkpoint
+of 2 ranks resumes in one process and one of one process at 2 ranks; only rank 0 writes logs."""
 
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ def _grpo(out):
 
     cfg, tok = grpo_cfg(out, **GRPO_KW)
     tr = GRPOTrainer(cfg, syn.sort_rows(64, "train", min_len=2, max_len=3), [first_is_even], tokenizer=tok)
+    return tr, tr.train()
+
+
+def _ppo(tmp, **kw):
+    from test_ppo import _trainer
+
+    tr = _trainer(tmp, steps=3, micro_batch_tokens=24, optim=dict(lr=3e-2), critic=dict(optim=dict(lr=3e-2)),
+                  checkpoint=dict(every=2, save_at_end=False, keep_last=0, **kw))
     return tr, tr.train()
 
 
@@ -90,3 +98,29 @@ def _grpo_init(tmp_path):
     cfg, tok = grpo_cfg(tmp_path, **GRPO_KW)
     return GRPOTrainer(cfg, syn.sort_rows(8, "train", min_len=2, max_len=3), [first_is_even],
                        tokenizer=tok).model.flat.clone()
+
+
+def test_ppo_two_ranks_equal_one_process_and_resume_in_one(tmp_path):
+    """PPO (critic with its sharded optimizer, GAE, whitening, running reward moments over the
+    whole batch) at 2 ranks == one process; its step-2 checkpoint (the policy's and the critic's
+    optimizer shards) continued in one process ends there too."""
+    d, _ = run_ranks(_ppo_ranks, 2, tmp_path, tmp_path, timeout=240)
+    r0, r1 = ok(d)
+    assert torch.equal(r0[0], r1[0]) and torch.equal(r0[1], r1[1])
+    ref, hist = _ppo(tmp_path / "ppo1")
+    assert _rel(r0[0], ref.model.flat) < 1e-5, _rel(r0[0], ref.model.flat)
+    assert _rel(r0[1], ref.critic.flat) < 1e-5, _rel(r0[1], ref.critic.flat)
+    for a, b in zip(r0[2], hist):
+        assert a["reward"] == b["reward"] and a["vf_loss"] == pytest.approx(b["vf_loss"], rel=1e-4)
+    ck = tmp_path / "ppo2" / "run" / "checkpoints"
+    assert (ck / "step-000002" / "critic_optim" / "rank-00001-of-00002.pt").exists()
+    import shutil
+
+    shutil.rmtree(ck / "step-000003", ignore_errors=True)
+    c, _ = _ppo(tmp_path / "ppo2", resume="auto")
+    assert _rel(c.model.flat, ref.model.flat) < 1e-5 and _rel(c.critic.flat, ref.critic.flat) < 1e-5
+
+
+def _ppo_ranks(rank, tmp):
+    p, hist = _ppo(tmp / "ppo2")
+    return p.model.flat.clone(), p.critic.flat.clone(), hist

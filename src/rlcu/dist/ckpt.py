@@ -46,10 +46,10 @@ def copy_range(sources: list[dict], key: str, start: int, dst: torch.Tensor) -> 
                          f"{key}[{start}:{start + n}] (a rank's file is missing?)")
 
 
-def read_sources(path) -> list[dict]:
-    """The optimizer state dicts of a checkpoint folder: its shard files, or optim.pt."""
+def read_sources(path, name: str = "optim") -> list[dict]:
+    """The optimizer state dicts of a checkpoint folder: its shard files (name/), or name.pt."""
     path = Path(path)
-    d = path / "optim"
+    d = path / name
     if d.is_dir():
         files = sorted((f for f in d.iterdir() if _SHARD_RE.match(f.name)), key=lambda f: f.name)
         if not files:
@@ -60,15 +60,16 @@ def read_sources(path) -> list[dict]:
             missing = sorted(set(range(n)) - set(have))
             raise FileNotFoundError(f"{d}: a checkpoint of {n} ranks without the shards of ranks {missing}")
         return [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in files]
-    f = path / "optim.pt"
+    f = path / f"{name}.pt"
     if not f.exists():
-        raise FileNotFoundError(f"{path}: no optim.pt (nor optim/ shards) to restore the optimizer from")
+        raise FileNotFoundError(f"{path}: no {name}.pt (nor {name}/ shards) to restore the optimizer from")
     return [torch.load(f, map_location="cpu", weights_only=True)]
 
 
-def load_optimizer(path, optimizer) -> None:
-    """Restore `optimizer` (FlatAdamW or ShardedAdamW) from a checkpoint of any number of ranks."""
-    sources = read_sources(path)
+def load_optimizer(path, optimizer, name: str = "optim") -> None:
+    """Restore `optimizer` (FlatAdamW or ShardedAdamW) from a checkpoint of any number of ranks
+    (`name`: optim, or the name of an extra optimizer such as the critic's)."""
+    sources = read_sources(path, name)
     if getattr(optimizer, "sharded", False):
         optimizer.load_sources(sources)
         return
@@ -91,14 +92,16 @@ def _copy_full(sources, key, dst) -> None:
 
 
 class _ShardFolder:
-    """What rank 0 hands to save_checkpoint as its optimizer: the folder of every rank's shard,
-    moved into the checkpoint's temp folder (`write_into`)."""
+    """What rank 0 hands to save_checkpoint as its optimizer: the folders of every rank's
+    shards (optim/, and one a sharded extra), moved into the checkpoint's temp folder."""
 
     def __init__(self, folder: Path):
         self.folder = folder
 
     def write_into(self, tmp: Path) -> None:
-        os.replace(self.folder, tmp / "optim")
+        for d in sorted(self.folder.iterdir()):
+            os.replace(d, tmp / d.name)
+        self.folder.rmdir()
 
 
 def _fsync_file(p: Path) -> None:
@@ -119,15 +122,21 @@ def save_sharded(root, step: int, model, optimizer, state: dict, keep_last: int,
         for p in root.glob(".shards-*"):  # left by a killed save
             shutil.rmtree(p, ignore_errors=True)
         shards.mkdir()
+    extra = dict(kw.pop("extra", None) or {})
+    sharded = {"optim": optimizer, **{k: extra.pop(k) for k in list(extra) if getattr(extra[k], "sharded", False)}}
+    if w.is_main:
+        for k in sharded:
+            (shards / k).mkdir()
     W.barrier()
-    f = shards / f"rank-{w.rank:05d}-of-{w.size:05d}.pt"
-    tmpf = shards / f".{f.name}.tmp"
-    torch.save(optimizer.state_dict(), tmpf)
-    _fsync_file(tmpf)
-    os.replace(tmpf, f)
+    for k, obj in sharded.items():
+        f = shards / k / f"rank-{w.rank:05d}-of-{w.size:05d}.pt"
+        tmpf = f.parent / f".{f.name}.tmp"
+        torch.save(obj.state_dict(), tmpf)
+        _fsync_file(tmpf)
+        os.replace(tmpf, f)
     W.barrier()
     out = root / name
     if w.is_main:
-        out = save_checkpoint(root, step, model, _ShardFolder(shards), state, keep_last, **kw)
+        out = save_checkpoint(root, step, model, _ShardFolder(shards), state, keep_last, extra=extra, **kw)
     W.barrier()
     return out

@@ -212,6 +212,11 @@ def load_checkpoint(path, model, optimizer, *, extra: dict | None = None, genera
 
         load_optimizer(path, optimizer)
     for k, obj in (extra or {}).items():
+        if getattr(obj, "sharded", False) or (path / k).is_dir():  # an optimizer's shards (rlcu.dist.ckpt)
+            from rlcu.dist.ckpt import load_optimizer
+
+            load_optimizer(path, obj, k)
+            continue
         f = path / f"{k}.pt"
         if not f.exists():
             raise FileNotFoundError(f"{path}: no {k}.pt")
