@@ -78,7 +78,29 @@ def _ranks_fn(rank, out):
             model.backward(torch.full((len(s),), -1.0 / n_tok))
         opt.step(3e-2)
     res["resumed"] = model.flat.clone()
+    res["batch"] = _batch_helpers(rank)
     return res
+
+
+def _halves(rank):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(11, generator=g)
+    x[3] = float("nan")
+    return x, (x[:5] if rank == 0 else x[5:])
+
+
+def _batch_helpers(rank):
+    from rlcu.dist import batch as dp
+    from rlcu.train.losses import RunningMoments
+
+    _, mine = _halves(rank)
+    rm = RunningMoments()
+    rm.update(torch.tensor([0.5, 1.5]))
+    dp.update_moments(rm, mine)
+    w = (~torch.isnan(mine)).float()
+    return {"mean_std": dp.global_mean_std(mine), "moments": rm.state_dict(),
+            "whiten": dp.global_whiten(torch.nan_to_num(mine), w), "block": dp.rank_block(7),
+            "seqs": dp.rank_seq_range(12, 3), "gathered": dp.gather_samples([f"r{rank}a", f"r{rank}b"])}
 
 
 def _one(dtype=torch.float32, cfgkw=None):
@@ -133,3 +155,23 @@ def test_two_ranks_match_one_process(tmp_path):
     # 1 -> 2
     assert torch.equal(r0["resumed"], r1["resumed"])
     assert _rel(r0["resumed"], ref.flat) < 1e-5
+    # the global-batch helpers: the statistics of the concatenated halves
+    from rlcu.train.losses import RunningMoments, whiten
+
+    x, _ = _halves(0)
+    ok_ = x[~torch.isnan(x)]
+    b0, b1 = r0["batch"], r1["batch"]
+    for b in (b0, b1):
+        assert b["mean_std"][0] == pytest.approx(float(ok_.double().mean()), rel=1e-12)
+        assert b["mean_std"][1] == pytest.approx(float(ok_.double().std()), rel=1e-12)
+    rm = RunningMoments()
+    rm.update(torch.tensor([0.5, 1.5]))
+    rm.update(x)
+    for k, v in rm.state_dict().items():
+        assert b0["moments"][k] == pytest.approx(v, rel=1e-12) and b1["moments"][k] == pytest.approx(v, rel=1e-12)
+    w = (~torch.isnan(x)).float()
+    want = whiten(torch.nan_to_num(x), w)
+    assert torch.allclose(torch.cat([b0["whiten"], b1["whiten"]]), want, rtol=1e-5, atol=1e-6)
+    assert (b0["block"], b1["block"]) == ((0, 3), (3, 7))
+    assert (b0["seqs"], b1["seqs"]) == ((0, 6), (6, 12))
+    assert b0["gathered"] == b1["gathered"] == ["r0a", "r0b", "r1a", "r1b"]

@@ -100,19 +100,6 @@ def update_moments(moments, x: torch.Tensor) -> None:
     moments.count = tot
 
 
-def mean_metrics(m: dict) -> dict:
-    """Numeric metrics averaged over ranks (the keys every rank has, in rank 0's order)."""
-    if not world().distributed:
-        return m
-    from rlcu.dist.comm import all_gather_objects
-
-    mine = [k for k, v in m.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    every = all_gather_objects(mine)
-    keys = [k for k in every[0] if all(k in set(e) for e in every)]
-    t = all_sum(torch.tensor([float(m[k]) for k in keys], dtype=torch.float64)) / world().size
-    return {**m, **dict(zip(keys, t.tolist()))}
-
-
 def gather_samples(samples: list) -> list:
     """Every rank's rollout samples, in rank order (the one-process order when each rank
     rolled out its `rank_block` of the prompts): every rank then scores, normalises and
@@ -143,24 +130,3 @@ def local_logprobs(model, batch, temperature: float, max_tokens: int, group_size
         t0, t1 = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
         out[t0:t1] = batch_logprobs(model, batch.view(a, b), temperature, max_tokens)
     return out
-
-
-class NullLogger:
-    """RunLogger's interface doing nothing: the logger of every rank but rank 0."""
-
-    def __init__(self):
-        self.history: list = []
-
-    def info(self, *a, **k):
-        pass
-
-    warn = log = close = info
-
-
-def run_logger(*args, **kw):
-    """RunLogger(*args, **kw) on rank 0, a NullLogger elsewhere (metrics and logs written once)."""
-    if world().is_main:
-        from rlcu.train.logging import RunLogger
-
-        return RunLogger(*args, **kw)
-    return NullLogger()

@@ -149,7 +149,8 @@ class PPOTrainer(RLTrainer):
             scores = self.score_stats.normalise(scores)
         batch = ro.pack(samples, keep, device=self.device)
         if self.ref is not None:
-            from rlcu.dist.batch import all_sum, local_logprobs  # each rank its sequences, then all of them
+            from rlcu.dist.batch import local_logprobs  # each rank its sequences, then all of them
+            from rlcu.dist.comm import all_sum
 
             batch.fields["ref_lp"] = all_sum(local_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens,
                                                             c.group_size))

@@ -347,7 +347,7 @@ class RLTrainer(abc.ABC):
     def train(self) -> list[dict]:
         """Run the remaining steps; returns the per-step metrics (after a resume: the
         checkpoint's last 20 steps, then the new ones)."""
-        from rlcu.dist.batch import run_logger
+        from rlcu.dist.comm import run_logger
         from rlcu.dist.comm import world
         from rlcu.train.optimizer import NonFiniteError
 

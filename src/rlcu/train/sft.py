@@ -23,7 +23,7 @@ import torch
 from rlcu.config import SFTConfig, config_from_dict, load_config, save_config
 from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_rows
 from rlcu.dist import batch as dp
-from rlcu.dist.comm import all_sum, world
+from rlcu.dist.comm import all_sum, run_logger, world
 from rlcu.dist.zero import make_optimizer
 from rlcu.train.checkpoint import build_model, load_checkpoint, resolve_resume, save_checkpoint
 from rlcu.train.logging import RunLogger
@@ -255,7 +255,7 @@ class SFTTrainer:
         path = resolve_resume(cfg.checkpoint.resume, self.ckpt_root)
         if path is not None:
             self.resume(path)
-        self.logger = log = dp.run_logger(self.out_dir, cfg.log, cfg.steps,
+        self.logger = log = run_logger(self.out_dir, cfg.log, cfg.steps,
                                       resume_step=self.step if path is not None else None)
         if world().is_main:
             save_config(cfg, self.out_dir / "config.yaml")
