@@ -221,10 +221,10 @@ def worker(a) -> None:
         cfg = _model_cfg(a)
         res = {"gpus": w.size}
         if w.distributed:
+            import types
+
             from rlcu.dist.zero import Buckets, bucket_bounds
             from rlcu.model.layout import ParamLayout
-
-            import types
 
             lay = ParamLayout(cfg)
             bk = Buckets(bucket_bounds(types.SimpleNamespace(layout=lay, cfg=cfg)), 0, w.size)

@@ -54,13 +54,13 @@ def test_slices_with_index_base_round_as_the_whole_buffer(monkeypatch, backend):
 @pytest.mark.parametrize("mode", [dict(), dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16")])
 def test_one_rank_nccl_sharded_equals_flat_adamw(mode):
     import torch.distributed as dist
+    from dist_util import free_port
 
     import rlcu
     from rlcu.config import OptimConfig
     from rlcu.dist.comm import World
     from rlcu.dist.zero import ShardedAdamW
     from rlcu.train.optimizer import FlatAdamW
-    from dist_util import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",

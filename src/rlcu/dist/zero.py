@@ -137,8 +137,8 @@ class GradSink:
 
     def done(self, part) -> None:
         k = self._part_bucket[part]
-        if self.shard is None:
-            self.zero_grad()
+        if self.shard is None:  # a backward without zero_grad since the last step: the buckets stay
+            self.shard = torch.zeros(self.buckets.shard_numel, device=self.device, dtype=self.dtype)
         buf = self._buf.pop(k, None)
         if buf is None:
             buf = self.buffer(k)  # a bucket this backward never touched (zeros): still reduced, in order

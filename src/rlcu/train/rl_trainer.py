@@ -347,8 +347,7 @@ class RLTrainer(abc.ABC):
     def train(self) -> list[dict]:
         """Run the remaining steps; returns the per-step metrics (after a resume: the
         checkpoint's last 20 steps, then the new ones)."""
-        from rlcu.dist.comm import run_logger
-        from rlcu.dist.comm import world
+        from rlcu.dist.comm import run_logger, world
         from rlcu.train.optimizer import NonFiniteError
 
         c = self.cfg
