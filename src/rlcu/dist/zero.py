@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from rlcu.config import OptimConfig
 from rlcu.dist.comm import World, world
-from rlcu.ops.adamw import adamw_step, clip_scale
+from rlcu.ops.adamw import adamw_step, clip_scale, grad_norm
 from rlcu.train.optimizer import _STATE_DTYPES, NonFiniteError
 
 CHUNK_NUMEL = 1 << 25  # bucket size for a model without a layer layout (32M elements)
@@ -277,7 +277,9 @@ class ShardedAdamW:
         Returns {grad_norm, clip_scale, skipped, nonfinite_in_row, lr} (the same on every rank)."""
         g = self._reduced_grads()
         lossf = None if loss is None else float(loss)
-        stats = torch.stack([g.float().pow(2).sum(),
+        # the shard's squared norm (the tree-reduction kernel: no fp32 copy of the shard) and the
+        # loss's non-finiteness, summed over ranks in one all-reduce
+        stats = torch.stack([grad_norm(g).square(),
                              torch.tensor(0.0 if lossf is None or math.isfinite(lossf) else 1.0, device=g.device)])
         dist.all_reduce(stats)
         gn_t = stats[0].sqrt()

@@ -210,8 +210,11 @@ class RLTrainer(abc.ABC):
             sample = self.rows[:256] + self.eval_rows[:256]
             longest = max([self._prompt_len(r) for r in sample] + [c.data.max_prompt_tokens or 0, 1])
             per_seq = -(-(longest + c.max_new_tokens + 1) // e.block_size)
-            n_eval = min(len(self.eval_rows), c.eval_max_prompts)
-            seqs = min(e.max_num_seqs, max(c.prompts_per_step * c.group_size, n_eval))
+            from rlcu.dist.comm import world
+
+            n = world().size  # across ranks each engine rolls out its block of the prompts
+            n_eval = -(-min(len(self.eval_rows), c.eval_max_prompts) // n)
+            seqs = min(e.max_num_seqs, max(-(-c.prompts_per_step // n) * c.group_size, n_eval))
             kw["num_kv_blocks"] = per_seq * (seqs + 1) + 16
         params = inspect.signature(LLM).parameters
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
