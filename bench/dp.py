@@ -65,8 +65,8 @@ def _bus_bandwidth(sizes: list[int], reps: int) -> dict:
     """busbw GB/s of reduce-scatter and all-gather at each size (bytes, bf16), rank 0's timing."""
     import torch.distributed as dist
 
+    from rlcu.dist.buckets import all_gather, reduce_scatter
     from rlcu.dist.comm import world
-    from rlcu.dist.zero import _AG, _RS
 
     w = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if w.backend == "nccl" else torch.device("cpu")
@@ -76,7 +76,8 @@ def _bus_bandwidth(sizes: list[int], reps: int) -> dict:
         big = torch.ones(n, device=dev, dtype=torch.bfloat16)
         small = torch.ones(n // w.size, device=dev, dtype=torch.bfloat16)
         row = {}
-        for name, fn in (("reduce_scatter", lambda: _RS(small, big)), ("all_gather", lambda: _AG(big, small))):
+        ops = (("reduce_scatter", lambda: reduce_scatter(small, big)), ("all_gather", lambda: all_gather(big, small)))
+        for name, fn in ops:
             fn()
             _sync()
             dist.barrier()
@@ -223,7 +224,7 @@ def worker(a) -> None:
         if w.distributed:
             import types
 
-            from rlcu.dist.zero import Buckets, bucket_bounds
+            from rlcu.dist.buckets import Buckets, bucket_bounds
             from rlcu.model.layout import ParamLayout
 
             lay = ParamLayout(cfg)

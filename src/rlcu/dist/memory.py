@@ -45,7 +45,7 @@ def estimate(cfg: Qwen3Config, world_size: int = 1, *, weight_bytes: int = 2, ma
     """Bytes per rank by part (see the module docstring); 'peak' is the total."""
     import torch
 
-    from rlcu.dist.zero import MAX_INFLIGHT, Buckets, bucket_bounds
+    from rlcu.dist.buckets import MAX_INFLIGHT, Buckets, bucket_bounds
     from rlcu.model.layout import ParamLayout
     from rlcu.ops.logprob import chunk_rows
 
