@@ -80,5 +80,10 @@ def test_one_rank_nccl_sharded_equals_flat_adamw(mode):
                 cu = torch.tensor([0, len(s)], dtype=torch.int32, device="cuda")
                 m.forward_backward(s, cu, lambda lp, ent, idx: (torch.full_like(lp, -1e-3), None))
             o.step(1e-3)
-    assert not torch.equal(models[0].flat, rlcu.Qwen3.from_config(cfg, device="cuda", dtype=torch.bfloat16).flat)
-    assert torch.equal(models[0].flat, models[1].flat)
+    w0 = rlcu.Qwen3.from_config(cfg, device="cuda", dtype=torch.bfloat16, seed=0).flat.float()
+    w1, w2 = models[0].flat.float(), models[1].flat.float()
+    assert (w1 - w0).norm() > 0
+    if not mode:  # fp32 gradients: each pass's bucket sums into the shard as acc_wgrad sums into the buffer
+        assert torch.equal(w1, w2)
+    else:  # bf16 gradients are rounded once more (the bucket, then the shard's sum); the same rounding bits
+        assert float((w1 - w2).norm() / (w1 - w0).norm()) < 0.1
