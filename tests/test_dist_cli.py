@@ -45,3 +45,12 @@ def test_torchrun_two_ranks_sft(tmp_path):
     pr = _torchrun(["sft", "sft.yaml", "--set", "grad_accum=3"], tmp_path)
     assert pr.returncode != 0
     assert "grad_accum (3) must be a multiple of the number of ranks (2)" in pr.stderr
+
+
+def test_scheduler_refused_across_ranks(monkeypatch, capsys):
+    from rlcu.dist import comm
+    from rlcu.train import cli
+
+    monkeypatch.setattr(comm, "_WORLD", comm.World(rank=0, size=2, backend="gloo"))
+    assert cli.main(["grpo", "--scheduler", "unix:/nonexistent.sock"]) == 2
+    assert "cannot be combined with torchrun (WORLD_SIZE=2)" in capsys.readouterr().err
