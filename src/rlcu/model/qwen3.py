@@ -57,6 +57,9 @@ class Qwen3:
         self.grad_dtype = torch.float32  # bf16 halves the buffer (optim.grad_dtype)
         self.grads: dict[str, torch.Tensor] = {}
         self._g: dict[str, torch.Tensor] = {}
+        # data parallel (rlcu.dist.zero.GradSink): gradients go into the sink's per-layer buckets,
+        # which it reduce-scatters as each layer's backward ends; None: one flat gradient buffer
+        self.grad_sink = None
         # True / "full": keep each layer's input, recompute the layer in backward;
         # "attention": also keep attention's output and lse (recompute skips the attention
         # kernel, +4 bytes x q_size per token and layer); False / "none": keep everything
@@ -122,12 +125,17 @@ class Qwen3:
 
     # ---------------------------------------------------------------- gradients
     def _ensure_grads(self):
+        if self.grad_sink is not None:
+            self._g = self.grad_sink.grads
+            return
         if self.grad_flat is None:
             self.grad_flat = torch.zeros(self.layout.numel, device=self.device, dtype=self.grad_dtype)
             self._g = self.layout.views(self.grad_flat)
             self.grads = self.layout.hf_views(self.grad_flat)
 
     def zero_grad(self) -> None:
+        if self.grad_sink is not None:
+            return self.grad_sink.zero_grad()
         self._ensure_grads()
         self.grad_flat.zero_()
 
@@ -135,6 +143,12 @@ class Qwen3:
         """Free the gradient buffer and its views (between RL steps, so that the rollout
         phase does not hold it); the next zero_grad or backward allocates a zeroed one."""
         self.grad_flat, self._g, self.grads = None, {}, {}
+        if self.grad_sink is not None:
+            self.grad_sink.release()
+
+    def _grads_done(self, part) -> None:
+        if self.grad_sink is not None:  # part: 'final_norm' (with the head), a layer index, 'embed'
+            self.grad_sink.done(part)
 
     # ---------------------------------------------------------------- input checks
     def _check_ids(self, ids: torch.Tensor, what: str) -> None:
@@ -295,6 +309,7 @@ class Qwen3:
         c, g = self.cfg, self._g
         dx, dw = rmsnorm_bwd(dh, s["x"], self.w["final_norm"], s["rstd"])
         g["final_norm"] += dw
+        self._grads_done("final_norm")
         pos, cu, ms = s["pos"], s["cu"], s["max_seqlen"]
         for i in reversed(range(c.num_hidden_layers)):
             acts = s["saved"][i]
@@ -302,7 +317,9 @@ class Qwen3:
                 _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, attn=acts.get("attn"))
             s["saved"][i] = None
             dx = self._layer_bwd(i, dx, acts, pos, cu, ms)
+            self._grads_done(i)
         embedding_bwd(dx, s["tokens"], g["embed"])
+        self._grads_done("embed")
 
     def head_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor):
         """(tgt, rows): the positions that have a predicted token, and the hidden rows

@@ -85,7 +85,7 @@ if HAS_TRITON:
         return _hash32(_hash32(offs.to(tl.uint32) ^ k) + k)
 
     @triton.jit(do_not_specialize=["Key"])
-    def _adamw_kernel(P, G, M, V, Pout, Scale, n, Key, scale, beta1, omb1, beta2, omb2, eps, decay,
+    def _adamw_kernel(P, G, M, V, Pout, Scale, n, Key, Base, scale, beta1, omb1, beta2, omb2, eps, decay,
                       step_size, inv_bc2_sqrt, SCALE_PTR: tl.constexpr, HAS_OUT: tl.constexpr,
                       SR_P: tl.constexpr, SR_MV: tl.constexpr, BLOCK: tl.constexpr):
         # omb = 1 - beta, step_size = lr / c1, inv_bc2_sqrt = 1 / sqrt(c2), decay = 1 - lr wd,
@@ -107,7 +107,7 @@ if HAS_TRITON:
         p = p * decay - tl.math.div_rn(m, d) * step_size
         r = offs.to(tl.uint32)  # [BLOCK] the rounding bits (unused without rounding)
         if SR_P or SR_MV:
-            r = _rounding_bits(Key, offs)
+            r = _rounding_bits(Key, offs + Base)  # Base: the slice's first index in the full buffer
         if SR_P:
             tl.store(P + offs, _sround_bf16(p, r >> 16), mask=mask)
         else:
@@ -154,7 +154,7 @@ def rounding_key(seed: int, step: int) -> int:
     return _py_hash32(k ^ ((step >> 32) & _M32))
 
 
-def _adamw_step_triton(p, g, m, v, p_out, c: dict, key: int, grad_scale):
+def _adamw_step_triton(p, g, m, v, p_out, c: dict, key: int, grad_scale, index_base: int = 0):
     n = p.numel()
     if n == 0:
         return
@@ -166,6 +166,7 @@ def _adamw_step_triton(p, g, m, v, p_out, c: dict, key: int, grad_scale):
     _adamw_kernel[grid](
         p, g, m, v, p_out if p_out is not None else p, grad_scale if scale_ptr else p, n,
         key - (1 << 32) if key >= 1 << 31 else key,  # the key's bits as an int32
+        index_base,
         1.0 if scale_ptr else float(grad_scale), c["beta1"], c["omb1"], c["beta2"], c["omb2"], c["eps"],
         c["decay"], c["step_size"], c["inv_bc2_sqrt"],
         SCALE_PTR=scale_ptr, HAS_OUT=p_out is not None, SR_P=p.dtype == torch.bfloat16,
@@ -225,14 +226,15 @@ def _adamw_block_ref(p, g, m, v, p_out, c: dict, key: int, start: int, grad_scal
         p_out.copy_(pf)
 
 
-def adamw_step_ref(p, g, m, v, p_out, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed: int = 0):
+def adamw_step_ref(p, g, m, v, p_out, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed: int = 0,
+                   index_base: int = 0):
     c = _coefs(lr, beta1, beta2, eps, weight_decay, step)
     key = rounding_key(seed, step)
     n = p.numel()
     for a in range(0, n, REF_CHUNK):
         b = min(n, a + REF_CHUNK)
-        _adamw_block_ref(p[a:b], g[a:b], m[a:b], v[a:b], None if p_out is None else p_out[a:b], c, key, a,
-                         grad_scale)
+        _adamw_block_ref(p[a:b], g[a:b], m[a:b], v[a:b], None if p_out is None else p_out[a:b], c, key,
+                         index_base + a, grad_scale)
 
 
 def grad_norm_ref(g: torch.Tensor) -> torch.Tensor:
@@ -253,12 +255,14 @@ def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def adamw_step(p, g, m, v, p_out, *, lr: float, beta1: float, beta2: float, eps: float,
-               weight_decay: float, step: int, grad_scale, seed: int = 0):
+               weight_decay: float, step: int, grad_scale, seed: int = 0, index_base: int = 0):
     """In place. p: [P] fp32 (a master) or bf16 (the weights themselves, written back with
     stochastic rounding); m, v: [P] both fp32 or both bf16 (stochastic rounding); g: [P] any
     float dtype; p_out: [P] working weights or None (when the weights are p itself; must be
     None for a bf16 p); grad_scale: float or a 1-element fp32 tensor on p's device; step:
-    the 1-based step count; seed: with step and the element index, the rounding bits."""
+    the 1-based step count; seed: with step and the element index, the rounding bits;
+    index_base: the index in the full buffer of p[0] when p is a slice of it (a data-parallel
+    shard), so that a slice draws the rounding bits the whole buffer would."""
     if step < 1:
         raise ValueError(f"step must be >= 1 (1-based, for the bias correction), got {step}")
     if p.dtype not in (torch.float32, torch.bfloat16):
@@ -274,6 +278,6 @@ def adamw_step(p, g, m, v, p_out, *, lr: float, beta1: float, beta2: float, eps:
             if x is not None and (x.numel() != p.numel() or not x.is_contiguous()):
                 raise ValueError(f"{name} must be contiguous with p's {p.numel()} elements")
         _adamw_step_triton(p, g, m, v, p_out, _coefs(lr, beta1, beta2, eps, weight_decay, step),
-                           rounding_key(seed, step), grad_scale)
+                           rounding_key(seed, step), grad_scale, index_base)
         return
-    adamw_step_ref(p, g, m, v, p_out, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed)
+    adamw_step_ref(p, g, m, v, p_out, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed, index_base)

@@ -117,6 +117,11 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
     `state` must be JSON-serialisable; `extra` maps names to objects with state_dict();
     `generators` maps names to torch.Generators whose states are saved; `tokenizer` (with
     save_pretrained) is written into model/. Returns the folder."""
+    if getattr(optimizer, "sharded", False):  # data parallel: every rank writes its shard (rlcu.dist.ckpt)
+        from rlcu.dist.ckpt import save_sharded
+
+        return save_sharded(root, step, model, optimizer, state, keep_last, extra=extra, generators=generators,
+                            tokenizer=tokenizer)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -135,7 +140,9 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp / "model")
         _test_sleep()
-        if optimizer is not None:
+        if hasattr(optimizer, "write_into"):  # the ranks' optimizer shards (rlcu.dist.ckpt)
+            optimizer.write_into(tmp)
+        elif optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optim.pt")
             _test_sleep()
         for k, obj in (extra or {}).items():
@@ -205,11 +212,16 @@ def load_checkpoint(path, model, optimizer, *, extra: dict | None = None, genera
     if not (path / "trainer_state.json").exists():
         raise FileNotFoundError(f"{path}: not a checkpoint (no trainer_state.json)")
     io.load_into(path / "model", model.layout, model.flat)
-    if optimizer is not None:
-        if not (path / "optim.pt").exists():
-            raise FileNotFoundError(f"{path}: no optim.pt to restore the optimizer from")
-        optimizer.load_state_dict(torch.load(path / "optim.pt", map_location="cpu", weights_only=True))
+    if optimizer is not None:  # optim.pt, or the shards of any number of ranks
+        from rlcu.dist.ckpt import load_optimizer
+
+        load_optimizer(path, optimizer)
     for k, obj in (extra or {}).items():
+        if getattr(obj, "sharded", False) or (path / k).is_dir():  # an optimizer's shards (rlcu.dist.ckpt)
+            from rlcu.dist.ckpt import load_optimizer
+
+            load_optimizer(path, obj, k)
+            continue
         f = path / f"{k}.pt"
         if not f.exists():
             raise FileNotFoundError(f"{path}: no {k}.pt")

@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_import_dir(args.config)  # a reward module beside the config imports without PYTHONPATH
     if getattr(args, "scheduler", None):
+        from rlcu.dist.comm import world
+
+        if world().distributed:  # a scheduler lease of several devices: not yet
+            print(f"rlcu {cmd}: --scheduler runs one process a job; it cannot be combined with torchrun "
+                  f"(WORLD_SIZE={world().size})", file=sys.stderr)
+            return 2
         from rlcu.sched.job import run_grpo_exit_code
 
         return run_grpo_exit_code(f"rlcu {cmd}", cfg, args.scheduler, args.job_name)

@@ -212,21 +212,23 @@ class Trainer(abc.ABC):
         """Resume or claim the run folder, open the log, write the config; True if resumed."""
         from rlcu.config import config_to_dict, save_config
         from rlcu.train import run_dir
-        from rlcu.train.logging import RunLogger
+        from rlcu.dist.comm import barrier, run_logger, world
 
         c = self.cfg
         self._config_changes = {}
         resumed = bool(c.checkpoint.resume) and self.resume() > 0
-        if not resumed:
+        main = world().is_main  # across ranks, rank 0 alone owns the run folder
+        if not resumed and main:
             cleared = run_dir.claim(self.out_dir, self.ckpt_root, overwrite=c.log.overwrite,
                                     auto=c.checkpoint.resume == "auto")
             if cleared:
                 self._notes.insert(0, f"{self.out_dir}: replaced the earlier run ({cleared})")
-        self.logger = RunLogger(self.out_dir, c.log, c.steps, resume_step=self.step if resumed else None,
-                                run_config=config_to_dict(c))
-        if not resumed:
+        barrier()  # no rank writes into the folder before rank 0 has claimed it
+        self.logger = run_logger(self.out_dir, c.log, c.steps, resume_step=self.step if resumed else None,
+                                 run_config=config_to_dict(c))
+        if main and not resumed:
             save_config(c, self.out_dir / "config.yaml")  # a resumed run keeps the one it started with
-        elif self._config_changes:
+        elif main and self._config_changes:
             save_config(c, self.out_dir / f"config.resume-step-{self.step:06d}.yaml")
         if resumed:
             self.logger.info(f"resumed from {self.resumed_from} at step {self.step}")
@@ -236,7 +238,11 @@ class Trainer(abc.ABC):
             self.logger.info(n)
         self._notes = []
         self.logger.info(self._start_message())
+        self._log_estimate()
         return resumed
+
+    def _log_estimate(self) -> None:
+        """Across ranks: the per-rank memory estimate (rlcu.dist.memory); nothing by default."""
 
     def _record(self, step: int, m: dict) -> None:
         m.update(self.hooks.metrics())

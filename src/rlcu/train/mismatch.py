@@ -211,7 +211,13 @@ class StepCorrection:
     def metrics(self) -> dict[str, float]:
         """The step's mismatch and correction metrics (none from a step whose first update did
         not run, with old_logprobs: engine)."""
+        from rlcu.dist.comm import all_sum, world
+
         out = dict(self._metrics)
+        if self._first_lp is not None and world().distributed:
+            # each rank recorded its own sequences (zeros elsewhere): the sum is the whole batch's
+            self._first_lp = all_sum(self._first_lp)
+            self._recorded = int(all_sum(torch.tensor([self._recorded], dtype=torch.float64)).item())
         if self._first_lp is not None and self._recorded == self.batch.num_tokens:
             out.update(mismatch_metrics(self._first_lp, self.engine_lp, self.batch.mask, self.batch.cu_seqlens))
         return out

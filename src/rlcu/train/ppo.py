@@ -34,7 +34,7 @@ class PPOTrainer(RLTrainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
                  critic: Critic | None = None, hooks=None):
-        from rlcu.train.optimizer import FlatAdamW
+        from rlcu.dist.zero import make_optimizer
 
         super().__init__(config, dataset, reward_fns, model=model, tokenizer=tokenizer, eval_dataset=eval_dataset,
                          hooks=hooks)
@@ -48,7 +48,7 @@ class PPOTrainer(RLTrainer):
         critic.gradient_checkpointing = self.model.gradient_checkpointing
         self.critic = critic
         self.critic.zero_grad()
-        self.critic_opt = FlatAdamW(self.critic, cc.optim)
+        self.critic_opt = make_optimizer(self.critic, cc.optim)  # ShardedAdamW across ranks
         self.score_stats = losses.RunningMoments()
 
     def _grad_holders(self) -> list:
@@ -64,12 +64,16 @@ class PPOTrainer(RLTrainer):
 
     # ---------------------------------------------------------------- the step
     def _values(self, batch: ro.RolloutBatch) -> torch.Tensor:
+        from rlcu.dist import batch as dp
+
         out = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
-        for a, b in batch.micro_batches(self.cfg.micro_batch_tokens):
-            mb = batch.view(a, b)
-            t0 = int(batch.cu_seqlens[a])
+        s0, s1 = dp.rank_seq_range(batch.num_seqs, self.cfg.group_size)  # this rank's sequences ...
+        local, base = batch.view(s0, s1), int(batch.cu_seqlens[s0])
+        for a, b in (local.micro_batches(self.cfg.micro_batch_tokens) if s1 > s0 else []):
+            mb = local.view(a, b)
+            t0 = base + int(local.cu_seqlens[a])
             out[t0 : t0 + mb.num_tokens] = self.critic.forward(mb.tokens, mb.cu_seqlens, grad=False)
-        return out
+        return dp.all_sum(out)  # ... and every other rank's (zero elsewhere): the whole batch's values
 
     def advantages(self, batch: ro.RolloutBatch, scores: torch.Tensor) -> dict:
         """Per-token rewards (KL penalty + the score at the last token), GAE advantages and
@@ -101,19 +105,23 @@ class PPOTrainer(RLTrainer):
                 "explained_var": ev}
 
     def _critic_update(self, batch: ro.RolloutBatch, update: int, total: int) -> dict:
+        from rlcu.dist import batch as dp
+
         c = self.cfg
-        n_tok = float(batch.mask.sum())
+        n_tok = float(batch.mask.sum())  # of the global batch
         n_seq = batch.num_masked_in_seqs()
+        batch = batch.view(*dp.rank_seq_range(batch.num_seqs, c.group_size))  # the groups this rank trains on
         clip = c.critic.value_clip if c.critic.value_clip > 0 else math.inf
         self.critic.zero_grad()
         stats = torch.zeros(len(VALUE_STATS), dtype=torch.float64)
-        for a, b in batch.micro_batches(c.micro_batch_tokens):
+        for a, b in (batch.micro_batches(c.micro_batch_tokens) if batch.num_seqs else []):
             mb = batch.view(a, b)
             w = losses.token_weights(mb.cu_seqlens, mb.mask, c.loss_agg, n_seqs=n_seq, n_tokens=n_tok)
             v = self.critic.forward(mb.tokens, mb.cu_seqlens)
             _, dv, st = value_loss(v, mb.fields["values"], mb.fields["returns"], w, clip=clip)
             self.critic.backward(dv)
             stats += st.double().cpu()
+        stats = dp.all_sum(stats)
         info = self.critic_opt.step(self._lr(update, total, c.critic.optim), loss=float(stats[0]))
         s = dict(zip(VALUE_STATS, stats.tolist()))
         wsum = s["weight"] or 1.0
@@ -148,8 +156,12 @@ class PPOTrainer(RLTrainer):
         batch = ro.pack(samples, keep, device=self.device)
         sc = StepCorrection(c, self.model, batch)  # old_logprobs (the KL reward reads them), correction
         if self.ref is not None:
+            from rlcu.dist.batch import local_logprobs  # each rank its sequences, then all of them
+            from rlcu.dist.comm import all_sum
+
             with self.hooks.phase("ref_logprobs"):
-                batch.fields["ref_lp"] = ro.batch_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens)
+                batch.fields["ref_lp"] = all_sum(local_logprobs(self.ref, batch, c.temperature,
+                                                                c.micro_batch_tokens, c.group_size))
         with self.hooks.phase("critic_values"):
             batch.fields["values"] = self._values(batch)
         m.update(self.advantages(batch, scores))

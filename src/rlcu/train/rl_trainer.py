@@ -104,9 +104,9 @@ class RLTrainer(Trainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
                  hooks: Hooks | None = None):
+        from rlcu.dist.zero import make_optimizer
         from rlcu.rewards import RewardSet, reward_options
         from rlcu.train.checkpoint import build_model
-        from rlcu.train.optimizer import FlatAdamW
 
         super().__init__(config, hooks)
         cfg = self.cfg
@@ -122,7 +122,7 @@ class RLTrainer(Trainer):
         self.rows, self.eval_rows, self.n_filtered = self._load_data(dataset, eval_dataset)
         self.sampler = PromptSampler(self.rows, cfg.data.seed, cfg.data.shuffle)
         self.ref = self._make_ref() if self._needs_ref() else None
-        self.opt = FlatAdamW(self.model, cfg.optim)
+        self.opt = make_optimizer(self.model, cfg.optim)  # ShardedAdamW across ranks
         self.llm = self._make_engine()
         self.llm.sleep(keep_graphs=True)  # its pool is taken back by the first rollout
         self.stop_ids = ro.stop_ids(self.tokenizer, self.model) if cfg.stop_at_eos else []
@@ -130,6 +130,11 @@ class RLTrainer(Trainer):
         self._notes += [rep.message() for rep in self.prompt_reports if rep.message()]  # dropped prompts, by row
 
     # ---------------------------------------------------------------- setup
+    def _log_estimate(self) -> None:
+        from rlcu.dist.memory import log_estimate
+
+        log_estimate(self.logger, self.model, self.opt, self.cfg.micro_batch_tokens, self.llm, self.ref is not None)
+
     def _load_data(self, dataset, eval_dataset):
         from rlcu.data.prompt_check import checked_prompts, prompt_limit
 
@@ -189,8 +194,11 @@ class RLTrainer(Trainer):
             # and no more, so that the generation phase's peak memory stays small
             longest = max([r.longest for r in self.prompt_reports] + [1])  # over every prompt kept
             per_seq = -(-(longest + c.max_new_tokens + 1) // e.block_size)
-            n_eval = min(len(self.eval_rows), c.eval_max_prompts)
-            seqs = min(e.max_num_seqs, max(c.prompts_per_step * c.group_size, n_eval))
+            from rlcu.dist.comm import world
+
+            n = world().size  # across ranks each engine rolls out its block of the prompts
+            n_eval = -(-min(len(self.eval_rows), c.eval_max_prompts) // n)
+            seqs = min(e.max_num_seqs, max(-(-c.prompts_per_step // n) * c.group_size, n_eval))
             kw["num_kv_blocks"] = per_seq * (seqs + 1) + 16
         params = inspect.signature(LLM).parameters
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
@@ -219,14 +227,18 @@ class RLTrainer(Trainer):
 
     def rollout(self, rows: list[dict], n: int, seed: int, temperature: float | None = None,
                 max_tokens: int | None = None, group_offset: int = 0) -> list[ro.Sample]:
+        from rlcu.dist import batch as dp
+
         c = self.cfg
+        lo, hi = dp.rank_block(len(rows))  # this rank's prompts; every rank gets every sample back
+        rows = rows[lo:hi]
         enc = [self._encode(r) for r in rows]
-        return ro.sample(self.llm, [e[0] for e in enc], rows, n=n,
+        return dp.gather_samples(ro.sample(self.llm, [e[0] for e in enc], rows, n=n,
                          temperature=c.temperature if temperature is None else temperature,
                          top_p=c.top_p, top_k=c.top_k, max_tokens=max_tokens or c.max_new_tokens, seed=seed,
                          stop_token_ids=self.stop_ids, ignore_eos=not c.stop_at_eos, tokenizer=self.tokenizer,
-                         prompt_texts=[e[1] for e in enc], group_offset=group_offset,
-                         generate_kw=self._generate_kw())
+                         prompt_texts=[e[1] for e in enc], group_offset=group_offset + lo,
+                         seed_offset=lo, generate_kw=self._generate_kw()))
 
     def _generate_kw(self) -> dict:
         """The engine's preemption callbacks when the hooks ask for them."""
@@ -344,12 +356,19 @@ class RLTrainer(Trainer):
                        kl_coef: float, record=None) -> dict:
         """One optimizer step of the policy over the whole batch, micro-batch by micro-batch;
         record(a, b, lp), when given, receives each micro-batch's logprobs (rlcu.train.mismatch)."""
+        from rlcu.dist import batch as dp
+
         c, model = self.cfg, self.model
-        n_tok = float(batch.mask.sum())
+        n_tok = float(batch.mask.sum())  # of the global batch: every rank holds all of it
         n_seq = batch.num_masked_in_seqs()
+        s0, s1 = dp.rank_seq_range(batch.num_seqs, c.group_size)
+        batch = batch.view(s0, s1)  # the groups this rank trains on
         model.zero_grad()
         stats = torch.zeros(len(POLICY_STATS), dtype=torch.float64)
-        for a, b in batch.micro_batches(c.micro_batch_tokens):
+        spans = batch.micro_batches(c.micro_batch_tokens) if batch.num_seqs else []
+        for _ in range(dp.equal_passes(len(spans)) - len(spans)):
+            dp.dummy_backward(model)  # overlapped reduce-scatters: as many backward passes as every rank
+        for a, b in spans:
             mb = batch.view(a, b)
             w = losses.token_weights(mb.cu_seqlens, mb.mask, agg, n_seqs=n_seq, n_tokens=n_tok)
             ref, adv, bw = mb.fields.get("ref_lp"), mb.fields["adv"], mb.fields.get("is_w")
@@ -368,8 +387,9 @@ class RLTrainer(Trainer):
             lp_mb, _ = model.forward_backward(mb.tokens, mb.cu_seqlens, grad_fn, temperature=c.temperature,
                                               return_entropy=True)
             if record is not None:
-                record(a, b, lp_mb)
+                record(a + s0, b + s0, lp_mb)  # in the global batch's numbering
             stats += torch.stack(parts).sum(0).double().cpu()
+        stats = dp.all_sum(stats)
         info = self.opt.step(self._lr(update, total_updates), loss=float(stats[0]))
         s = dict(zip(POLICY_STATS, stats.tolist()))
         wsum = s.pop("weight") or 1.0

@@ -66,15 +66,16 @@ def stop_ids(tokenizer, model) -> list[int]:
 
 def sample(llm, prompts: list[list[int]], rows: list[dict], *, n: int, temperature: float, top_p: float = 1.0,
            top_k: int = -1, max_tokens: int, seed: int, stop_token_ids=(), ignore_eos: bool = False, tokenizer=None,
-           prompt_texts: list[str] | None = None, group_offset: int = 0,
+           prompt_texts: list[str] | None = None, group_offset: int = 0, seed_offset: int = 0,
            generate_kw: dict | None = None) -> list[Sample]:
-    """n samples for each prompt (consecutive, grouped), with sampling logprobs. generate_kw:
-    more arguments of llm.generate (the scheduler's yield_check / on_yield)."""
+    """n samples for each prompt (consecutive, grouped), with sampling logprobs. Prompt g draws
+    from seed index seed_offset + g (a rank's block of a step's prompts draws what one process
+    would). generate_kw: more arguments of llm.generate (the scheduler's yield_check / on_yield)."""
     from rlcu.engine import SamplingParams
 
     # one seed per prompt: the sampling noise of prompt i's samples is independent of prompt j's
     sps = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                          seed=(seed * 1_000_003 + g) % (1 << 62), logprobs=temperature > 0,
+                          seed=(seed * 1_000_003 + seed_offset + g) % (1 << 62), logprobs=temperature > 0,
                           stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
            for g in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False, **(generate_kw or {}))

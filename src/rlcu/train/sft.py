@@ -22,9 +22,11 @@ import torch
 
 from rlcu.config import SFTConfig
 from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_rows
+from rlcu.dist import batch as dp
+from rlcu.dist.comm import all_sum, world
+from rlcu.dist.zero import make_optimizer
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, split_eval
-from rlcu.train.optimizer import FlatAdamW
 from rlcu.train.schedule import lr_at
 
 
@@ -117,7 +119,10 @@ class SFTTrainer(Trainer):
         self.examples = self._encode(rows, src, fields)
         self.eval_examples = self._encode(eval_rows, d.eval_path or f"{src} (held out)", fields) if eval_rows else []
         self.stream = PackedStream([len(e[0]) for e in self.examples], cfg.batch_tokens, d.shuffle, d.seed)
-        self.optimizer = FlatAdamW(self.model, cfg.optim)
+        if cfg.grad_accum % world().size:
+            raise ValueError(f"grad_accum ({cfg.grad_accum}) must be a multiple of the number of ranks "
+                             f"({world().size}): each rank takes every N-th micro-batch of a step")
+        self.optimizer = make_optimizer(self.model, cfg.optim)  # ShardedAdamW across ranks
 
     def _encode(self, rows: list[dict], src: str, fields: dict) -> list[tuple[list[int], list[int]]]:
         """Tokenise rows to (ids, mask), dropping (and counting) too long or empty ones."""
@@ -190,18 +195,19 @@ class SFTTrainer(Trainer):
         lr = lr_at(step, cfg.optim, cfg.steps)
         batches = [self._micro_batch() for _ in range(cfg.grad_accum)]
         n_tok = sum(b[3] for b in batches)
+        n_all, n_seq = sum(b[0].numel() for b in batches), sum(b[1].numel() - 1 for b in batches)
+        batches = dp.rank_share(batches)  # the global batch's every N-th micro-batch; n_tok is global
         self.model.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for tokens, cu, mask, _ in batches:
             lp = self.model.forward(tokens, cu)
             loss_sum += -(lp * mask).sum()
             self.model.backward(mask * (-1.0 / n_tok))
-        loss = float(loss_sum) / n_tok
+        loss = all_sum(float(loss_sum)) / n_tok
         info = self.optimizer.step(lr, loss)  # may raise NonFiniteError
         dt = time.perf_counter() - t0
-        n_all = sum(b[0].numel() for b in batches)
         return {"loss": loss, **info, "tokens": n_all, "completion_tokens": n_tok,
-                "sequences": sum(b[1].numel() - 1 for b in batches), "epoch": self.stream.epoch,
+                "sequences": n_seq, "epoch": self.stream.epoch,
                 "tokens_per_s": n_all / dt, "step_seconds": dt}
 
     @property
@@ -217,13 +223,22 @@ class SFTTrainer(Trainer):
             return None
         with self.hooks.phase("eval"):
             ev = PackedStream([len(e[0]) for e in self.eval_examples], self.cfg.batch_tokens, False, 0)
-            total, n = 0.0, 0
+            total, n, i = 0.0, 0, 0
             while ev.epoch == 0:
-                tokens, cu, mask, n_mask = self._micro_batch(ev.next_batch(), self.eval_examples)
+                idx = ev.next_batch()
+                i += 1
+                if (i - 1) % world().size != world().rank:  # sharded over the ranks, the sums gathered
+                    continue
+                tokens, cu, mask, n_mask = self._micro_batch(idx, self.eval_examples)
                 lp = self.model.forward(tokens, cu, grad=False)
                 total += float(-(lp * mask).sum())
                 n += n_mask
-        return total / n
+        return all_sum(total) / all_sum(n)
+
+    def _log_estimate(self) -> None:
+        from rlcu.dist.memory import log_estimate
+
+        log_estimate(self.logger, self.model, self.optimizer, self.cfg.batch_tokens)  # across ranks only
 
     def _result(self) -> dict:
         """SFT's train() returns the last step's metrics."""
