@@ -35,7 +35,8 @@ import urllib.parse
 from pathlib import Path
 
 from rlcu.sched import metrics as mx
-from rlcu.sched.client import SchedClient, SchedError, is_loopback, parse_address
+from rlcu.sched.client import SchedClient, SchedError
+from rlcu.sched.protocol import is_loopback, parse_address
 
 COOKIE = "rlcu_sched_token"
 PAGE = Path(__file__).with_name("dashboard.html")
