@@ -275,6 +275,27 @@ class _Base(abc.ABC):
         self.pending[r.id] = r
         self._next = max(self._next, r.id + 1)
 
+    def restore(self, leases: list[Lease], requests: list[Request], yielding: dict[int, float] | None = None,
+                next_id: int = 1) -> None:
+        """Put the books back after a service restart: the held leases (and the homes their
+        resident leases imply), the pending requests, the yields asked (lease id -> when), and
+        the next id to hand out (ids of ended leases are never reused). The jobs must have
+        been added first."""
+        for le in sorted(leases, key=lambda le: le.id):
+            self.adopt(le)
+        for r in sorted(requests, key=lambda r: r.id):
+            self.adopt_request(r)
+        for lid, t in (yielding or {}).items():
+            if lid not in self.leases or self.leases[lid].phase != "rollout":
+                raise PolicyError(f"a yield was asked of lease {lid}, which is not a held rollout")
+            self.yielding[lid] = t
+        self._next = max(self._next, int(next_id))
+
+    @property
+    def next_id(self) -> int:
+        """The id the next request or lease gets."""
+        return self._next
+
     # ------------------------------------------------------------------ views
     def free(self, d: int) -> float:
         return self.capacity[d] - self.used[d]
@@ -314,3 +335,12 @@ def check_invariants(p: _Base) -> None:
         assert (r.job, r.phase, "") not in seen, f"job {r.job!r} awaits phase {r.phase!r} it already holds"
     for lid in p.yielding:
         assert lid in p.leases and p.leases[lid].phase == "rollout", f"yield asked of lease {lid}, not a held rollout"
+    for job, cluster in p.homes:
+        assert (job, RESIDENT, cluster) in seen, f"cluster {cluster!r} of job {job!r} has a home but no resident lease"
+    for le in p.leases.values():
+        if le.phase == RESIDENT:
+            assert p.homes.get((le.job, le.cluster)) == le.devices, \
+                f"resident lease {le.id} is on {le.devices}, its cluster's home is {p.homes.get((le.job, le.cluster))}"
+        assert le.id < p._next, f"lease {le.id} at or past the next id {p._next}"
+    for r in p.pending.values():
+        assert r.id < p._next, f"request {r.id} at or past the next id {p._next}"

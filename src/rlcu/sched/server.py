@@ -119,12 +119,7 @@ class SchedServer:
         self._threads: list[threading.Thread] = []
 
     def _tick(self) -> None:
-        while not self._stop.wait(self.tick_s):
-            try:
-                self.core.tick()
-            except Exception as e:  # noqa: BLE001  (a closed database during stop)
-                if not self._stop.is_set():
-                    raise e
+        self.core.run_ticks(self._stop, self.tick_s)  # never dies silently; a fatal state ends it
 
     def start(self) -> "SchedServer":
         serve = lambda: self.srv.serve_forever(poll_interval=0.05)  # noqa: E731  (stop() returns within 50 ms)

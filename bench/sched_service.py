@@ -1,0 +1,230 @@
+"""The scheduler service under load (issue 13, item 6): acquire/release cycles per second with
+many clients, acquire latency, and the cost of `status` with a long lease history.
+
+The service (one `Core` behind a `SchedServer` on a Unix socket, as `rlcu sched serve` runs
+it) lives in this process; the clients are separate processes (`--procs`, each with
+`--clients / --procs` threads, each thread one job through the public client API: register,
+then acquire a phase, release it, again). The pool has room for every client at once
+(`--devices` devices of 80, each phase takes 10), so the numbers are the service's own cost.
+
+Phases:
+1. history: `--history` leases are granted and released straight through `core.handle` (no
+   sockets), so that the service starts the timed part with that much lease history;
+2. status alone: `--status-calls` calls of `status` and `metrics` over the socket;
+3. load: `--seconds` of cycles by every client, with a `status` poll at `--poll-hz` (2 Hz)
+   from this process; throughput, acquire p50/p99, status p50/p99 under load;
+4. load without the poll, for the throughput the poll costs.
+
+    python bench/sched_service.py [--clients 32] [--procs 4] [--seconds 8] [--history 100000]
+                                  [--devices 8] [--poll-hz 2] [--profile out.prof]
+
+Targets (issue 13): >= 2,000 cycles/s with 32 clients, acquire p99 <= 20 ms, status <= 10 ms with
+100k leases of history, and a 2 Hz status poll costing little throughput. JSON:
+bench/results/sched_service.json (and $OUT). The machine's load average is recorded beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "bench"
+MEM = 10.0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# ---------------------------------------------------------------------- client processes
+def client_proc(addr: str, names: list[str], go: Path, stop_file: Path, out: Path) -> None:
+    """Threads, one job each: register, then, from `go`, acquire/release until the wall-clock
+    time written in stop_file."""
+    from rlcu.sched.client import SchedClient
+
+    res = {"cycles": 0, "acquire_ms": [], "errors": []}
+    lock = threading.Lock()
+    handles = []
+    for n in names:
+        c = SchedClient(addr, TOKEN, retry_s=10.0)
+        handles.append(c.job(n, {"c": {"devices": 1}}, heartbeat_s=1.0))
+    (out.parent / (out.name + ".ready")).write_text("")
+    while not go.exists():
+        time.sleep(0.005)
+    stop_at = float(stop_file.read_text())
+
+    def loop(h) -> None:
+        cycles, lat = 0, []
+        try:
+            while time.time() < stop_at:
+                t = time.perf_counter()
+                le = h.acquire("actor_train", mem=MEM)
+                lat.append((time.perf_counter() - t) * 1e3)
+                h.release(le)
+                cycles += 1
+        except Exception as e:  # noqa: BLE001  (reported in the JSON)
+            res["errors"].append(f"{type(e).__name__}: {e}")
+        with lock:
+            res["cycles"] += cycles
+            res["acquire_ms"] += lat
+
+    ts = [threading.Thread(target=loop, args=(h,)) for h in handles]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    for h in handles:
+        h.finish()
+    out.write_text(json.dumps(res))
+
+
+# ---------------------------------------------------------------------- the service side
+def fill_history(core, n: int) -> float:
+    """n leases granted and released by one job, straight through the core; returns seconds."""
+    t = time.perf_counter()
+    assert core.handle({"op": "register", "job": "history", "clusters": {"c": {"devices": 1}}})["ok"]
+    for _ in range(n):
+        r = core.handle({"op": "request", "job": "history", "phase": "values", "mem": MEM})
+        lease = next(le["id"] for le in r["leases"] if le["request"] == r["request"])
+        assert core.handle({"op": "release", "job": "history", "lease": lease})["ok"]
+    assert core.handle({"op": "finish", "job": "history"})["ok"]
+    return time.perf_counter() - t
+
+
+def time_calls(client, op: str, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        client.call(op)
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
+    """One timed load phase: the client processes' cycles, with a status poll at poll_hz."""
+    from rlcu.sched.client import SchedClient
+
+    per = [a.clients // a.procs + (1 if i < a.clients % a.procs else 0) for i in range(a.procs)]
+    go = work / f"go-{tag}"
+    outs = [work / f"{tag}-{i}.json" for i in range(a.procs)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p))
+    k = 0
+    procs = []
+    stop_file = work / f"stop-{tag}"
+    for i, n in enumerate(per):
+        names = [f"{tag}-c{k + j}" for j in range(n)]
+        k += n
+        procs.append(subprocess.Popen([sys.executable, __file__, "--client", srv.address, ",".join(names), str(go),
+                                       str(stop_file), str(outs[i])], env=env))
+    while not all((o.parent / (o.name + ".ready")).exists() for o in outs):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a client process died during its start-up")
+        time.sleep(0.01)
+    stop_at = time.time() + a.seconds
+    stop_file.write_text(str(stop_at))
+    go.write_text("")
+    c = SchedClient(srv.address, TOKEN)
+    status_ms = []
+    while time.time() < stop_at:
+        if poll_hz > 0:
+            t = time.perf_counter()
+            c.status()
+            status_ms.append((time.perf_counter() - t) * 1e3)
+            time.sleep(max(0.0, 1.0 / poll_hz - (time.perf_counter() - t)))
+        else:
+            time.sleep(0.05)
+    for p in procs:
+        p.wait(timeout=60)
+    rs = [json.loads(o.read_text()) for o in outs]
+    cycles = sum(r["cycles"] for r in rs)
+    lat = [x for r in rs for x in r["acquire_ms"]]
+    return {"poll_hz": poll_hz, "cycles": cycles, "cycles_per_s": cycles / a.seconds,
+            "acquire_p50_ms": _pct(lat, 0.5), "acquire_p99_ms": _pct(lat, 0.99),
+            "status_p50_ms": _pct(status_ms, 0.5), "status_p99_ms": _pct(status_ms, 0.99),
+            "status_calls": len(status_ms), "errors": [e for r in rs for e in r["errors"]][:10]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--procs", type=int, default=4, help="client processes (the clients are their threads)")
+    p.add_argument("--seconds", type=float, default=8.0, help="each timed load phase")
+    p.add_argument("--history", type=int, default=100_000, help="leases of history before the timed part")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--poll-hz", type=float, default=2.0)
+    p.add_argument("--status-calls", type=int, default=50)
+    p.add_argument("--no-unpolled", action="store_true", help="skip the load phase without the status poll")
+    p.add_argument("--profile", default=None, help="cProfile the service's threads into this file")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sched_service.json"))
+    a = p.parse_args()
+    if a.clients < 1 or a.procs < 1 or a.procs > a.clients:
+        p.error("--clients >= --procs >= 1")
+    if a.devices * 80.0 / MEM < a.clients:
+        p.error(f"--devices {a.devices} hold only {int(a.devices * 80 / MEM)} clients' phases at once")
+    sys.path.insert(0, str(ROOT / "src"))
+    from rlcu.sched.client import SchedClient
+    from rlcu.sched.core import Core
+    from rlcu.sched.server import SchedServer
+
+    prof = None
+    if a.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        threading.setprofile(lambda *_: (sys.setprofile(None), prof.enable()))
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rlcu-sched-service-") as d:
+        work = Path(d)
+        core = Core([80.0] * a.devices, state=work / "sched.db", heartbeat_timeout=60.0)
+        fill_s = fill_history(core, a.history) if a.history else 0.0
+        srv = SchedServer(core, f"unix:{work / 'sched.sock'}", TOKEN).start()
+        try:
+            c = SchedClient(srv.address, TOKEN)
+            idle = {"status_ms": time_calls(c, "status", a.status_calls),
+                    "metrics_ms": time_calls(c, "metrics", a.status_calls)}
+            t = time.perf_counter()
+            core.handle({"op": "status"})
+            inproc = (time.perf_counter() - t) * 1e3
+            polled = load(a, srv, work, "polled", a.poll_hz)
+            unpolled = None if a.no_unpolled else load(a, srv, work, "unpolled", 0.0)
+        finally:
+            srv.stop()
+    if prof is not None:
+        threading.setprofile(None)
+        prof.disable()
+        prof.dump_stats(a.profile)
+    res = {
+        "clients": a.clients, "procs": a.procs, "devices": a.devices, "seconds": a.seconds, "history": a.history,
+        "history_fill_s": fill_s, "history_fill_ops_per_s": 2 * a.history / fill_s if fill_s else None,
+        "status_idle_p50_ms": _pct(idle["status_ms"], 0.5), "status_idle_p99_ms": _pct(idle["status_ms"], 0.99),
+        "metrics_idle_p50_ms": _pct(idle["metrics_ms"], 0.5), "metrics_idle_p99_ms": _pct(idle["metrics_ms"], 0.99),
+        "status_in_process_ms": inproc, "polled": polled, "unpolled": unpolled,
+        "poll_cost_frac": (1.0 - polled["cycles_per_s"] / unpolled["cycles_per_s"]) if unpolled else None,
+        "loadavg_1m": os.getloadavg()[0], "cpus": os.cpu_count(), "wall_s": time.perf_counter() - t_all,
+        "statistics_note": "loadavg_1m is the machine's load while it ran (other processes share the cores)",
+    }
+    print(json.dumps(res, indent=2))
+    for out in [Path(a.out)] + ([Path(os.environ["OUT"]) / "sched_service.json"] if os.environ.get("OUT") else []):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        addr, names, go, stop_file, out = sys.argv[2:7]
+        sys.path.insert(0, str(ROOT / "src"))
+        client_proc(addr, names.split(","), Path(go), Path(stop_file), Path(out))
+        sys.exit(0)
+    sys.exit(main())
