@@ -125,7 +125,7 @@ class Core:
             except AssertionError as e:
                 raise StoreError(f"the state in {state} fails the scheduler's invariants ({e}); refusing to serve "
                                  "it (start with --fresh to move it aside and begin anew)") from None
-            self.store.commit()
+            self.store.commit(self._meta())
             self._last_prune = self.mono()
         except BaseException:
             if self._lock_fd is not None:
@@ -154,12 +154,13 @@ class Core:
         self.pool = pool
 
     # ------------------------------------------------------------------ loading (start, and after a failed op)
-    def _load(self, recovering: bool = False) -> None:
+    def _load(self, recovering: bool = False, tally: mx.Tally | None = None) -> None:
         """The state in memory from the database. recovering (at start): leases of jobs no
-        longer live are reclaimed, and every live job gets a heartbeat's grace."""
+        longer live are reclaimed, and every live job gets a heartbeat's grace. tally: the
+        metrics tally as it was before a failed operation (the database's is the last
+        commit's, which the operations kept since then have moved on)."""
         now, seen = self.clock(), self.mono()
         old = getattr(self, "jobs", {})
-        self._tally_dirty = False
         self.pol = make_policy(self.pool["policy"], self.pool["capacity"], self.pool["aging_s"])
         self.jobs: dict[str, Job] = {}
         self.held: dict[int, mx.Span] = {}
@@ -167,13 +168,15 @@ class Core:
         self.yield_at: dict[int, float] = {}  # held lease -> when it was asked to yield
         self.yields: collections.deque = collections.deque(maxlen=max(self.keep_spans, 1))  # (t, lease, job)
         self.asked: dict[int, float] = {}  # pending request id -> when asked
+        self._unsaved: set[int] = set()  # requests of the running op not written yet (granted at once: never)
         for j in self.store.jobs():
             self.jobs[j.name] = j
             j.last_seen = old[j.name].last_seen if j.name in old and not recovering else seen
             if j.state in LIVE:
                 self.pol.add_job(j.name, j.clusters)
-        t = self.store.get_meta("tally")
-        self.tally = mx.Tally.from_dict(t) if t is not None else self._tally_from_history()
+        t = self.store.get_meta("tally") if tally is None else None
+        self.tally = tally if tally is not None else mx.Tally.from_dict(t) if t is not None else \
+            self._tally_from_history()
         for s, _req, y in self.store.recent_leases(self.keep_spans):
             self.ended[s.id] = s
             if y is not None:
@@ -198,10 +201,8 @@ class Core:
             else:
                 self.store.drop_request(r.id)
         self.pol.restore(held, reqs, dict(self.yield_at), self.store.top_id() + 1)
-        self._tally_dirty = self._tally_dirty or bool(self.store.writes)
         for name in self.jobs:
             self._bump(name)
-        self._save_tally()
 
     def _tally_from_history(self) -> mx.Tally:
         """A tally from the lease rows (a database written before the tally was kept)."""
@@ -220,13 +221,11 @@ class Core:
         for j in self.jobs.values():
             if j.state == "done" and j.finished is not None:
                 tally.job_done(j.submitted, j.finished)
-        self._tally_dirty = True
         return tally
 
-    def _save_tally(self) -> None:
-        if self._tally_dirty:
-            self.store.set_meta("tally", self.tally.to_dict())
-            self._tally_dirty = False
+    def _meta(self) -> dict:
+        """What every commit writes beside the operations' rows: the metrics tally."""
+        return {"tally": self.tally.to_dict()}
 
     def close(self) -> None:
         """Wake every waiter, close the database (the state stays on disk) and free the state folder."""
@@ -235,7 +234,7 @@ class Core:
                 return
             self.closed = True
             self.cond.notify_all()
-            self.store.close()
+            self.store.close(self._meta())
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -263,27 +262,51 @@ class Core:
                 return {"ok": False, "error": "the scheduler is shutting down", "code": "unavailable"}
             if self.fatal is not None:
                 return self._fatal_reply()
+            tally = self.tally.copy() if op in MUTATING else None
             try:
                 out = fn(**args)
             except Exception as e:  # noqa: BLE001  (every failure becomes a reply; the state is put back)
-                return self._failed(op, args, e, op in MUTATING)
-            if op in MUTATING and not self._commit():
-                return self._fatal_reply()
-            return {"ok": True, **(out or {})}
+                reply = self._failed(op, args, e, op in MUTATING, tally)
+            else:
+                if op in MUTATING and not self._keep():
+                    return self._fatal_reply()
+                reply = {"ok": True, **(out or {})}
+            tx = self.store.tx_no if self.store.in_tx else None  # what this reply shows is not committed yet
+        if tx is not None and not self._durable(tx):
+            return self._fatal_reply()
+        return reply
+
+    def _durable(self, tx: int) -> bool:
+        """Wait until transaction `tx` is committed (commit it, with every operation kept in it
+        since: a group commit). False if the service stopped first."""
+        with self.cond:
+            if self.store.done_tx >= tx:
+                return True
+            if self.fatal is not None or self.closed:
+                return False
+            try:
+                self.store.commit(self._meta())
+            except Exception as e:  # noqa: BLE001  (a full disk, a database gone bad)
+                self._fail(f"the database could not commit: {type(e).__name__}: {e}")
+                return False
+            return True
 
     def _fatal_reply(self) -> dict:
         return {"ok": False, "error": f"the scheduler stopped on a broken invariant: {self.fatal}", "code": "fatal"}
 
-    def _failed(self, op: str, args: dict, e: Exception, mutating: bool) -> dict:
+    def _failed(self, op: str, args: dict, e: Exception, mutating: bool, tally: mx.Tally | None = None) -> dict:
+        """The reply to a failed operation, after its writes are undone and, if it had changed
+        anything (or failed unexpectedly), the state in memory is reloaded from the database."""
         expected = isinstance(e, (SchedRequestError, PolicyError))
-        if mutating or self.store.in_tx:
+        self._unsaved.clear()
+        if mutating or self.store.in_op:
             dirty = self.store.writes > 0 or not expected
-            self.store.rollback()
+            self.store.rollback_op()
             if dirty:
                 try:
-                    self._load()
+                    self._load(tally=tally)
                     self._audit()
-                    self.store.commit()
+                    self.store.end_op()
                 except Exception as e2:  # noqa: BLE001
                     self._fail(f"reloading the state after a failed {op!r} failed: {type(e2).__name__}: {e2}")
                     return self._fatal_reply()
@@ -298,15 +321,15 @@ class Core:
         return {"ok": False, "error": f"op {op!r}: bad arguments {shown} ({type(e).__name__}: {e})"[:2000],
                 "code": "invalid"}
 
-    def _commit(self) -> bool:
-        """Audit, then commit the operation's transaction; False (and fatal) on a broken invariant."""
+    def _keep(self) -> bool:
+        """Audit, then keep the operation's writes for the next commit; False (and fatal) on a
+        broken invariant."""
         try:
             self._audit()
         except AssertionError as e:
             self._fail(str(e))
             return False
-        self._save_tally()
-        self.store.commit()
+        self.store.end_op()
         return True
 
     def _audit(self) -> None:
@@ -330,7 +353,8 @@ class Core:
         """A broken invariant: commit nothing more, refuse every message, tell on_fatal."""
         self.fatal = why
         with contextlib.suppress(Exception):  # the database itself may be what broke
-            self.store.rollback()
+            self.store.rollback_op()  # the failing operation's writes, not those kept before it
+            self.store.commit(self._meta())
         print(f"rlcu sched: FATAL: {why}; the service stops (the database keeps the last good state)",
               file=sys.stderr, flush=True)
         self.cond.notify_all()
@@ -346,6 +370,7 @@ class Core:
             if self.closed or self.fatal is not None:
                 return []
             now = self.mono()
+            tally = self.tally.copy()
             try:
                 dead = [n for n, j in self.jobs.items() if j.state in LIVE and now - j.last_seen >
                         (self.start_grace_s if j.state == "queued" else self.heartbeat_timeout)]
@@ -358,9 +383,10 @@ class Core:
             except Exception as e:  # noqa: BLE001  (put the state back, say so, and tick again next time)
                 print(f"rlcu sched: tick failed (state rolled back):\n{traceback.format_exc()}", file=sys.stderr,
                       flush=True)
-                self._failed("tick", {}, e, True)
+                self._failed("tick", {}, e, True, tally)
                 return []
-            self._commit()
+            if self._keep():
+                self.store.commit(self._meta())
             if dead:
                 self.cond.notify_all()
             return dead
@@ -370,7 +396,8 @@ class Core:
         the last keep_spans ended ones) from the database; the tally keeps their counts."""
         with self.cond:
             n = self._prune(limit)
-            self._commit()
+            if self._keep():
+                self.store.commit(self._meta())
             return n
 
     def _prune(self, limit: int = 5000) -> int:
@@ -413,7 +440,6 @@ class Core:
         s = self.held.pop(le.id)
         s.end, s.reason = now, reason
         self.tally.remove(s, now)
-        self._tally_dirty = True
         self.yield_at.pop(le.id, None)
         self.store.end_lease(s)
         self._remember(s)
@@ -437,7 +463,6 @@ class Core:
         j.state, j.finished, j.rollout_since = state, now, None
         if state == "done":
             self.tally.job_done(j.submitted, now)
-            self._tally_dirty = True
         self.store.put_job(j)
         self._bump(job)
         self._schedule()
@@ -453,12 +478,14 @@ class Core:
             self.tally.add(s, now)
             self.store.put_lease(s, le.request, None)
             if le.request is not None:
-                self.store.drop_request(le.request.id)
+                if le.request.id not in self._unsaved:
+                    self.store.drop_request(le.request.id)
                 j = self.jobs[le.job]
-                j.wait_s += now - self.asked.pop(le.request.id, now)
-                if j.started is None:
-                    j.started = now
-                self.store.put_job(j)
+                waited = now - self.asked.pop(le.request.id, now)
+                if waited > 0 or j.started is None:
+                    j.wait_s += waited
+                    j.started = now if j.started is None else j.started
+                    self.store.put_job(j)
             self._bump(le.job)
         for lid in dec.yields:
             self.yield_at[lid] = now
@@ -467,7 +494,6 @@ class Core:
             self.tally.yields += 1
             self.store.set_yield(lid, now)
             self._bump(job)
-        self._tally_dirty = True
         self.cond.notify_all()
 
     def snapshot(self) -> Snapshot:
@@ -512,7 +538,6 @@ class Core:
             self.pol.add_job(job, clusters)
             if not self.jobs:  # the metrics' span begins with the first job (as summarize's t0)
                 self.tally.restart(now)
-                self._tally_dirty = True
             j = Job(job, clusters, spec or {}, "queued" if queued else "running", now, len(self.jobs),
                     pid=pid, host=host, last_seen=self.mono())
             self.jobs[job] = j
@@ -532,8 +557,11 @@ class Core:
             j.rollout_since = None
             self.store.put_job(j)
         self.asked[r.id] = now
-        self.store.put_request(r, now)
+        self._unsaved.add(r.id)
         self._schedule()
+        if r.id in self.pol.pending:  # not granted at once: it waits, on disk too
+            self.store.put_request(r, now)
+        self._unsaved.clear()
         return {"request": r.id, **self.view(job)}
 
     def op_withdraw(self, job, request) -> dict:

@@ -37,6 +37,9 @@ class Span:
     end: float | None = None  # None: still held
     reason: str = ""  # how it ended: released, yielded, reclaimed, cancelled, finished
 
+    def copy(self) -> Tally:
+        return Tally(**{f: list(v) if isinstance(v, list) else v for f, v in self.to_dict().items()})
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["devices"], d["mem"] = list(self.devices), list(self.mem)
@@ -200,8 +203,11 @@ class Tally:
                 "jobs_done": self.jobs_done, "mem_used_frac": used / span if ok else 0.0,
                 "mem_peak": peak if ok else [0.0] * len(self.capacity), "frag": frag / span if ok else 0.0}
 
+    def copy(self) -> Tally:
+        return Tally(**{f: list(v) if isinstance(v, list) else v for f, v in self.to_dict().items()})
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}  # flat: no deep copy
 
     @classmethod
     def from_dict(cls, d: dict) -> Tally:

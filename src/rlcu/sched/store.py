@@ -1,8 +1,9 @@
 """The service's state in SQLite, so that a restarted service recovers its jobs and leases.
 
-One transaction per operation: the first write of an operation opens it, `commit()` ends it
-before the reply leaves the service (WAL journal, synchronous=NORMAL: a commit survives a
-kill -9 of the service; what an operation wrote is rolled back whole when it fails). Tables:
+Every operation's writes are a savepoint inside one open transaction, committed before the
+operation's reply leaves the service (WAL journal, synchronous=NORMAL: a commit survives a
+kill -9 of the service); what a failed operation wrote is rolled back alone. Operations that
+end while a commit is pending share it (group commit). Tables:
 
     meta(key, value)           the pool (capacity, device names, policy, aging), the metrics tally
     jobs(name, ...)            every job ever registered, with its state and times
@@ -72,9 +73,9 @@ JOB_FIELDS = ("name", "clusters", "spec", "state", "submitted", "started", "fini
 def request_to_json(r: Request | None) -> str | None:
     if r is None:
         return None
-    d = dataclasses.asdict(r)
-    d["only"] = list(r.only) if r.only is not None else None
-    return json.dumps(d)
+    return json.dumps({"id": r.id, "job": r.job, "phase": r.phase, "cluster": r.cluster, "devices": r.devices,
+                       "mem": r.mem, "min_devices": r.min_devices, "work": r.work, "since": r.since,
+                       "only": list(r.only) if r.only is not None else None})
 
 
 def request_from_json(s: str | None) -> Request | None:
@@ -101,8 +102,9 @@ class Store:
         exists must be a scheduler's database (else StoreError, unless fresh)."""
         self.path = None if path is None else Path(path)
         self.moved: Path | None = None  # where `fresh` put an unusable old file
-        self.in_tx = False
-        self.writes = 0  # writes of the open transaction
+        self.in_tx = self.in_op = self.op_owns_tx = False
+        self.writes = 0  # writes of the open operation
+        self.tx_no, self.done_tx, self.commits = 1, 0, 0  # the open transaction's number, the last committed
         if self.path is not None:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             if self.path.exists():
@@ -142,28 +144,63 @@ class Store:
             return f"not a readable SQLite database ({e})"
         return None
 
-    def close(self) -> None:
-        if self.in_tx:
-            self.rollback()
+    def close(self, meta: dict | None = None) -> None:
+        """Commit what the operations kept (and `meta`), and close."""
+        self.rollback_op()
+        self.commit(meta)
         self.db.close()
 
     # ------------------------------------------------------------------ transactions
+    # An operation's writes are one savepoint inside the open transaction: `end_op` keeps them
+    # (and says which transaction holds them), `rollback_op` undoes them alone; `commit` ends
+    # the transaction, with every kept operation in it (a group commit: the service replies to
+    # an operation once the transaction that holds its writes is committed, see core.py).
     def _w(self, sql: str, args=()) -> None:
-        if not self.in_tx:
+        if not self.in_tx:  # the operation opens the transaction: no savepoint needed
             self.db.execute("BEGIN IMMEDIATE")
-            self.in_tx = True
+            self.in_tx = self.in_op = self.op_owns_tx = True
+        elif not self.in_op:
+            self.db.execute("SAVEPOINT op")
+            self.in_op, self.op_owns_tx = True, False
         self.writes += 1
         self.db.execute(sql, args)
 
-    def commit(self) -> None:
+    def end_op(self) -> int | None:
+        """Keep the operation's writes; the number of the transaction that holds them (None: no writes)."""
+        if not self.in_op:
+            return None
+        if not self.op_owns_tx:
+            self.db.execute("RELEASE op")
+        self.in_op, self.writes = False, 0
+        return self.tx_no
+
+    def rollback_op(self) -> None:
+        if self.in_op and self.op_owns_tx:
+            self.rollback()
+        elif self.in_op:
+            self.db.execute("ROLLBACK TO op")
+            self.db.execute("RELEASE op")
+        self.in_op, self.writes = False, 0
+
+    def commit(self, meta: dict | None = None) -> None:
+        """Commit the open transaction (an operation still open is kept first), writing `meta`
+        (key -> value) in it."""
+        self.end_op()
         if self.in_tx:
+            for k, v in (meta or {}).items():
+                self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (k, json.dumps(v)))
             self.db.execute("COMMIT")
-        self.in_tx, self.writes = False, 0
+            self.commits += 1
+            self.done_tx = self.tx_no
+            self.tx_no += 1
+        self.in_tx = False
 
     def rollback(self) -> None:
+        """Undo the whole open transaction (every kept operation not committed yet)."""
         if self.in_tx:
             self.db.execute("ROLLBACK")
-        self.in_tx, self.writes = False, 0
+            self.tx_no += 1
+        self.in_tx, self.in_op, self.writes = False, False, 0
 
     # ------------------------------------------------------------------ meta
     def get_meta(self, key: str):
