@@ -257,24 +257,30 @@ class Core:
         missing = [k for k in required if k not in args]
         if missing:
             return {"ok": False, "error": f"op {op!r} needs {missing[0]!r}", "code": "protocol"}
+        mutating = op in MUTATING
         with self.cond:
             if self.closed:
                 return {"ok": False, "error": "the scheduler is shutting down", "code": "unavailable"}
             if self.fatal is not None:
                 return self._fatal_reply()
-            tally = self.tally.copy() if op in MUTATING else None
-            try:
-                out = fn(**args)
-            except Exception as e:  # noqa: BLE001  (every failure becomes a reply; the state is put back)
-                reply = self._failed(op, args, e, op in MUTATING, tally)
-            else:
-                if op in MUTATING and not self._keep():
-                    return self._fatal_reply()
-                reply = {"ok": True, **(out or {})}
-            tx = self.store.tx_no if self.store.in_tx else None  # what this reply shows is not committed yet
+            reply, tx = self._run(op, fn, args, mutating)
         if tx is not None and not self._durable(tx):
             return self._fatal_reply()
         return reply
+
+    def _run(self, op: str, fn, args: dict, mutating: bool):
+        """Run one operation (under the lock): its reply, and the transaction its reply waits
+        for (None: what it shows is committed)."""
+        tally = self.tally.copy() if mutating else None
+        try:
+            out = fn(**args)
+        except Exception as e:  # noqa: BLE001  (every failure becomes a reply; the state is put back)
+            reply = self._failed(op, args, e, mutating, tally)
+        else:
+            if mutating and not self._keep():
+                return self._fatal_reply(), None
+            reply = {"ok": True, **(out or {})}
+        return reply, self.store.tx_no if self.store.in_tx else None
 
     def _durable(self, tx: int) -> bool:
         """Wait until transaction `tx` is committed (commit it, with every operation kept in it
