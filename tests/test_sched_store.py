@@ -158,3 +158,28 @@ def test_replies_wait_for_the_commit_that_holds_them(tmp_path):
     assert other.execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 1
     other.close()
     core.close()
+
+
+def test_the_tick_prunes_a_backlog_batch_by_batch(tmp_path, monkeypatch):
+    import rlcu.sched.core as core_mod
+
+    monkeypatch.setattr(core_mod, "PRUNE_BATCH", 10)
+    clock, mono = Clock(), Clock(0.0)
+    core = Core([80.0], state=tmp_path / "s.db", clock=clock, mono=mono, keep_spans=5, heartbeat_timeout=1e9)
+    ok(core, op="register", job="a", clusters=SPEC)
+    for _ in range(30):
+        r = ok(core, op="request", job="a", phase="values", mem=10)
+        ok(core, op="release", job="a", lease=r["leases"][-1]["id"])
+
+    def rows():
+        return sqlite3.connect(tmp_path / "s.db").execute("SELECT COUNT(*) FROM leases").fetchone()[0]
+
+    core.tick()
+    assert rows() == 30  # not due yet
+    mono.t = 61.0
+    counts = []
+    for _ in range(4):
+        core.tick()
+        counts.append(rows())
+    assert counts == [20, 10, 5, 5]  # a full batch is followed by another at the next tick
+    core.close()

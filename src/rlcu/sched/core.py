@@ -48,6 +48,7 @@ from rlcu.sched.views import LIVE, Snapshot, job_view, metrics_of, status_of
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_WAIT_S = 60.0
+PRUNE_BATCH = 5000  # ended leases deleted per tick at most (a backlog takes the following ticks)
 MUTATING = frozenset({"register", "request", "withdraw", "release", "work", "finish", "cancel"})
 
 
@@ -126,7 +127,7 @@ class Core:
                 raise StoreError(f"the state in {state} fails the scheduler's invariants ({e}); refusing to serve "
                                  "it (start with --fresh to move it aside and begin anew)") from None
             self.store.commit(self._meta())
-            self._last_prune = self.mono()
+            self._prune_at = self.mono() + 60.0
         except BaseException:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
@@ -319,7 +320,7 @@ class Core:
                 self.cond.notify_all()
         if expected:
             return {"ok": False, "error": str(e), "code": getattr(e, "code", "invalid")}
-        if not isinstance(e, (TypeError, ValueError, KeyError, AttributeError, OverflowError)):
+        if not isinstance(e, (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError)):
             print(f"rlcu sched: op {op!r} failed (state rolled back):\n{traceback.format_exc()}", file=sys.stderr,
                   flush=True)
         shown = repr(args)
@@ -383,9 +384,8 @@ class Core:
                 for n in dead:
                     self._end_job(n, "dead", "reclaimed")
                 self._schedule()
-                if now - self._last_prune >= 60.0:
-                    self._last_prune = now
-                    self._prune()
+                if now >= self._prune_at:  # every minute, or every tick while a backlog is left
+                    self._prune_at = now + (0.0 if self._prune() >= PRUNE_BATCH else 60.0)
             except Exception as e:  # noqa: BLE001  (put the state back, say so, and tick again next time)
                 print(f"rlcu sched: tick failed (state rolled back):\n{traceback.format_exc()}", file=sys.stderr,
                       flush=True)
@@ -397,7 +397,7 @@ class Core:
                 self.cond.notify_all()
             return dead
 
-    def prune(self, limit: int = 5000) -> int:
+    def prune(self, limit: int | None = None) -> int:
         """Delete up to `limit` ended leases past the retention (older than history_s, or beyond
         the last keep_spans ended ones) from the database; the tally keeps their counts."""
         with self.cond:
@@ -406,8 +406,8 @@ class Core:
                 self.store.commit(self._meta())
             return n
 
-    def _prune(self, limit: int = 5000) -> int:
-        return self.store.prune(self.clock() - self.history_s, max(self.keep_spans, 0), limit)
+    def _prune(self, limit: int | None = None) -> int:
+        return self.store.prune(self.clock() - self.history_s, max(self.keep_spans, 0), limit or PRUNE_BATCH)
 
     def run_ticks(self, stop: threading.Event, every: float) -> None:
         """The ticker thread's loop: tick every `every` s until `stop`; a failing tick is
