@@ -7,8 +7,9 @@ a scheduler that knows each job's phase overlaps them across jobs. The pieces:
     policy.py      the policy (phase-aware sharing, and the FIFO-exclusive baseline): pure
     simulator.py   replay a job-mix trace through the policy in simulated time
     metrics.py     idle fraction, jobs/hour, latency, memory, fragmentation, Chrome trace
-    store.py       the service's state in SQLite
-    core.py        the service's logic (transport-free): ops, heartbeats, reclaim
+    store.py       the service's state in SQLite (the `Job` record, group commit, retention)
+    core.py        the service's logic (transport-free): ops, heartbeats, reclaim, audits
+    views.py       what it shows: a job's view, status, metrics, `Snapshot`
     server.py      Unix-socket / loopback-TCP transport;  ray_backend.py: the Ray actor
     client.py      the Python API jobs use;  job.py: a GRPO job under the scheduler
     cli.py         `rlcu sched serve|submit|status|cancel|simulate|trace|metrics`

@@ -46,9 +46,10 @@ def _lease_view(core, le) -> dict:
 
 def job_view(core, job: str) -> dict:
     j = core.jobs[job]
-    leases = [_lease_view(core, le) for _, le in sorted(core.pol.leases.items()) if le.job == job]
+    # (the policy's dicts are in id order: ids grow, and restore() puts them back sorted)
+    leases = [_lease_view(core, le) for le in core.pol.leases.values() if le.job == job]
     pending = [{"id": r.id, "phase": r.phase, "cluster": r.cluster, "since": r.since, "asked": core.asked.get(r.id)}
-               for r in sorted(core.pol.pending.values(), key=lambda r: r.id) if r.job == job]
+               for r in core.pol.pending.values() if r.job == job]
     return {"job": job, "state": j.state, "version": core.versions.get(job, 0), "leases": leases, "pending": pending}
 
 
