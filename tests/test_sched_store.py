@@ -183,3 +183,21 @@ def test_the_tick_prunes_a_backlog_batch_by_batch(tmp_path, monkeypatch):
         counts.append(rows())
     assert counts == [20, 10, 5, 5]  # a full batch is followed by another at the next tick
     core.close()
+
+
+def test_checkpoints_run_on_their_own_connection(tmp_path):
+    """The ticker copies the WAL into the database from a second connection (off the
+    service's lock), and the automatic checkpoint is only a backstop."""
+    core = Core([80.0], state=tmp_path / "s.db")
+    ok(core, op="register", job="a", clusters=SPEC)
+    for _ in range(50):
+        r = ok(core, op="request", job="a", phase="values", mem=10)
+        ok(core, op="release", job="a", lease=r["leases"][-1]["id"])
+    wal = tmp_path / "s.db-wal"
+    assert wal.stat().st_size > 0
+    assert core.store.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] >= 10_000
+    core.store.checkpoint()
+    busy, log, done = core.store._ckpt.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    assert busy == 0 and log == done  # everything in the WAL is in the database
+    core.close()
+    core.store.checkpoint()  # after close: a no-op, not an error

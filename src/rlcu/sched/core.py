@@ -417,6 +417,7 @@ class Core:
                 return
             try:
                 self.tick()
+                self.store.checkpoint()  # outside the lock: the fsync holds up no operation
             except Exception:  # noqa: BLE001  (never die silently: say it, and keep reclaiming)
                 if self.closed or stop.is_set():
                     return

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,9 @@ CREATE TABLE IF NOT EXISTS leases (
   yield_at REAL, request TEXT);
 CREATE INDEX IF NOT EXISTS leases_end ON leases(end);
 """
+
+
+AUTO_CHECKPOINT_PAGES = 20_000  # the backstop: ~80 MB of WAL
 
 
 class StoreError(ValueError):
@@ -118,7 +122,11 @@ class Store:
                                   isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
+        # checkpoints (which fsync) run from the ticker on a second connection, off the
+        # service's lock (`checkpoint`); the automatic one is only a backstop
+        self.db.execute(f"PRAGMA wal_autocheckpoint={AUTO_CHECKPOINT_PAGES}")
         self.db.executescript(_SCHEMA)
+        self._ckpt, self._ckpt_lock, self.closed = None, threading.Lock(), False
         cols = {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}
         if "rollout_since" not in cols:  # a database of an older version
             self.db.execute("ALTER TABLE jobs ADD COLUMN rollout_since REAL")
@@ -149,6 +157,20 @@ class Store:
         self.rollback_op()
         self.commit(meta)
         self.db.close()
+        with self._ckpt_lock:
+            self.closed = True
+            if self._ckpt is not None:
+                self._ckpt.close()
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database (PASSIVE: never waits for, nor blocks, the writer).
+        Thread-safe against the service's own connection: it uses a second one."""
+        with self._ckpt_lock:
+            if self.path is None or self.closed:
+                return
+            if self._ckpt is None:
+                self._ckpt = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            self._ckpt.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     # ------------------------------------------------------------------ transactions
     # An operation's writes are one savepoint inside the open transaction: `end_op` keeps them
