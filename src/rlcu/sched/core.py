@@ -489,8 +489,8 @@ class Core:
                     self.store.drop_request(le.request.id)
                 j = self.jobs[le.job]
                 waited = now - self.asked.pop(le.request.id, now)
-                if waited > 0 or j.started is None:
-                    j.wait_s += waited
+                j.wait_s += waited
+                if waited > 1e-3 or j.started is None:  # (a grant at once is not worth a write)
                     j.started = now if j.started is None else j.started
                     self.store.put_job(j)
             self._bump(le.job)
