@@ -8,7 +8,8 @@ a scheduler that knows each job's phase overlaps them across jobs. The pieces:
     simulator.py   replay a job-mix trace through the policy in simulated time
     metrics.py     idle fraction, jobs/hour, latency, memory, fragmentation, Chrome trace
     store.py       the service's state in SQLite (the `Job` record, group commit, retention)
-    core.py        the service's logic (transport-free): ops, heartbeats, reclaim, audits
+    core.py        the service's logic (transport-free): dispatch, transactions, audits, ticks
+    ops.py         its operations (register, request, release, wait, ...)
     views.py       what it shows: a job's view, status, metrics, `Snapshot`
     server.py      Unix-socket / loopback-TCP transport;  ray_backend.py: the Ray actor
     client.py      the Python API jobs use;  job.py: a GRPO job under the scheduler
