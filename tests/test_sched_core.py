@@ -253,3 +253,20 @@ def test_restart_restores_the_policy_through_its_public_restore(tmp_path):
     assert lid in again.pol.yielding and again.pol.next_id == top
     assert again.view("a")["leases"][-1]["yield"]
     again.close()
+
+
+def test_a_waiting_job_is_told_when_the_service_stops_on_a_broken_invariant(tmp_path, monkeypatch):
+    core = Core([80.0], state=tmp_path / "s.db", on_fatal=lambda why: None)
+    ok(core, op="register", job="a", clusters=SPEC)
+    ok(core, op="register", job="b", clusters=SPEC)
+    ok(core, op="request", job="a", phase="values", mem=80)
+    v = ok(core, op="request", job="b", phase="values", mem=80)  # waits for a's lease
+    got = []
+    t = threading.Thread(target=lambda: got.append(core.handle({"op": "wait", "job": "b", "version": v["version"],
+                                                                 "timeout": 10})))
+    t.start()
+    monkeypatch.setattr(core, "_audit", lambda: (_ for _ in ()).throw(AssertionError("books broken")))
+    r = core.handle({"op": "finish", "job": "a"})
+    t.join(5)
+    assert r["code"] == "fatal" and got and got[0]["code"] == "fatal" and "books broken" in got[0]["error"]
+    core.close()

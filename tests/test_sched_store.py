@@ -201,3 +201,20 @@ def test_checkpoints_run_on_their_own_connection(tmp_path):
     assert busy == 0 and log == done  # everything in the WAL is in the database
     core.close()
     core.store.checkpoint()  # after close: a no-op, not an error
+
+
+def test_ids_are_never_reused_once_their_history_is_pruned(tmp_path):
+    core = Core([80.0], state=tmp_path / "s.db", keep_spans=0, history_s=0.0)
+    ok(core, op="register", job="a", clusters=SPEC)
+    seen = []
+    for _ in range(5):
+        r = ok(core, op="request", job="a", phase="values", mem=10)
+        seen.append(r["leases"][-1]["id"])
+        ok(core, op="release", job="a", lease=seen[-1])
+    core.prune()
+    assert sqlite3.connect(tmp_path / "s.db").execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 0
+    core.close()
+    again = Core(None, state=tmp_path / "s.db")
+    r = ok(again, op="request", job="a", phase="values", mem=10)
+    assert r["request"] > max(seen)
+    again.close()

@@ -190,7 +190,8 @@ class Core(Operations):
                 self.asked[r.id] = asked
             else:
                 self.store.drop_request(r.id)
-        self.pol.restore(held, reqs, dict(self.yield_at), self.store.top_id() + 1)
+        self.pol.restore(held, reqs, dict(self.yield_at), max(self.store.top_id() + 1,
+                                                              self.store.get_meta("next_id") or 1))
         for name in self.jobs:
             self._bump(name)
 
@@ -214,8 +215,9 @@ class Core(Operations):
         return tally
 
     def _meta(self) -> dict:
-        """What every commit writes beside the operations' rows: the metrics tally."""
-        return {"tally": self.tally.to_dict()}
+        """What every commit writes beside the operations' rows: the metrics tally, and the next
+        id (so that ids stay unique when the history they were seen in has been pruned)."""
+        return {"tally": self.tally.to_dict(), "next_id": self.pol.next_id}
 
     def close(self) -> None:
         """Wake every waiter, close the database (the state stays on disk) and free the state folder."""

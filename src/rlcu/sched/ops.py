@@ -232,6 +232,8 @@ class Operations:
             self.cond.wait(left)
         if self.closed:
             raise SchedRequestError("the scheduler is shutting down", "unavailable")
+        if self.fatal is not None:
+            raise SchedRequestError(f"the scheduler stopped on a broken invariant: {self.fatal}", "fatal")
         if self.jobs[job].state in LIVE:
             self.jobs[job].last_seen = self.mono()
         return self.view(job)
