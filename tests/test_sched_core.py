@@ -270,3 +270,47 @@ def test_a_waiting_job_is_told_when_the_service_stops_on_a_broken_invariant(tmp_
     t.join(5)
     assert r["code"] == "fatal" and got and got[0]["code"] == "fatal" and "books broken" in got[0]["error"]
     core.close()
+
+
+def test_the_service_exits_non_zero_on_a_broken_invariant(tmp_path):
+    """`rlcu sched serve` end to end: once the books fail their audit (a flag file makes the
+    audit fail, through a sitecustomize), the next change is refused and the process exits 70."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from rlcu.sched.client import SchedClient, SchedError
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    flag = tmp_path / "break"
+    (hook / "sitecustomize.py").write_text(
+        "import os, rlcu.sched.core as c\n"
+        "_real = c.check_invariants\n"
+        "def _check(p):\n"
+        f"    assert not os.path.exists({str(flag)!r}), 'injected: books broken'\n"
+        "    _real(p)\n"
+        "c.check_invariants = _check\n")
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), str(src)]))
+    state = tmp_path / "state"
+    proc = subprocess.Popen([sys.executable, "-m", "rlcu.cli", "sched", "serve", "--state", str(state),
+                             "--cpu-slots", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        end = time.monotonic() + 60
+        while not (state / "sched.sock").exists():
+            assert proc.poll() is None and time.monotonic() < end, proc.stderr.read().decode()
+            time.sleep(0.05)
+        c = SchedClient(f"unix:{state / 'sched.sock'}", retry_s=10.0)
+        c.call("register", job="a", clusters=SPEC)
+        flag.write_text("")
+        with pytest.raises(SchedError):
+            c.call("request", job="a", phase="values")
+        assert proc.wait(timeout=20) == 70
+        assert "FATAL: injected: books broken" in proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
