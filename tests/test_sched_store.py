@@ -102,7 +102,8 @@ def test_status_and_metrics_read_no_history(tmp_path):
 
 def test_history_is_pruned_and_the_metrics_keep_it(tmp_path):
     clock = Clock()
-    core = Core([80.0], state=tmp_path / "s.db", clock=clock, keep_spans=20, history_s=50.0)
+    core = Core([80.0], state=tmp_path / "s.db", clock=clock, keep_spans=20, history_s=50.0,
+                history_rows=30)
     ok(core, op="register", job="a", clusters=SPEC)
     for _ in range(100):
         r = ok(core, op="request", job="a", phase="values", mem=10)
@@ -110,9 +111,13 @@ def test_history_is_pruned_and_the_metrics_keep_it(tmp_path):
         ok(core, op="release", job="a", lease=r["leases"][-1]["id"])
     assert len(core.ended) == 20  # memory: the last keep_spans
     before = core.op_metrics()
-    assert core.prune() == 80
+    assert core.prune() == 70  # the database: the last history_rows (within history_s)
     rows = sqlite3.connect(tmp_path / "s.db").execute("SELECT COUNT(*) FROM leases").fetchone()[0]
-    assert rows == 20
+    assert rows == 30
+    assert core.op_metrics() == before
+    clock.t += 40.0  # and those that ended more than history_s ago: ends 1071..1089 of 1071..1100
+    before = core.op_metrics()
+    assert core.prune() == 19
     assert core.op_metrics() == before
     core.close()
 
@@ -165,7 +170,8 @@ def test_the_tick_prunes_a_backlog_batch_by_batch(tmp_path, monkeypatch):
 
     monkeypatch.setattr(core_mod, "PRUNE_BATCH", 10)
     clock, mono = Clock(), Clock(0.0)
-    core = Core([80.0], state=tmp_path / "s.db", clock=clock, mono=mono, keep_spans=5, heartbeat_timeout=1e9)
+    core = Core([80.0], state=tmp_path / "s.db", clock=clock, mono=mono, history_rows=5,
+                heartbeat_timeout=1e9)
     ok(core, op="register", job="a", clusters=SPEC)
     for _ in range(30):
         r = ok(core, op="request", job="a", phase="values", mem=10)
@@ -204,7 +210,7 @@ def test_checkpoints_run_on_their_own_connection(tmp_path):
 
 
 def test_ids_are_never_reused_once_their_history_is_pruned(tmp_path):
-    core = Core([80.0], state=tmp_path / "s.db", keep_spans=0, history_s=0.0)
+    core = Core([80.0], state=tmp_path / "s.db", history_rows=0, history_s=0.0)
     ok(core, op="register", job="a", clusters=SPEC)
     seen = []
     for _ in range(5):

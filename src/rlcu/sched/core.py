@@ -21,7 +21,8 @@ rollout lease the policy asked to yield is marked in the job's view (`"yield": t
 the job gives it back and asks for rollout again, its request keeps its original age.
 
 Cost. status/metrics read a running `Tally` (metrics.py), never the lease history; ended
-leases are kept in memory for the last `keep_spans` and in the database for `history_s` (then
+leases are kept in memory for the last `keep_spans` and in the database for `history_s`, at
+most `history_rows` of them (then
 pruned by `tick()`; the tally keeps what they counted).
 """
 
@@ -74,7 +75,8 @@ class Core(Operations):
     def __init__(self, capacity: list[float] | None = None, *, state=None, policy: str = "phase",
                  aging_s: float = 60.0, heartbeat_timeout: float = 30.0, device_names: list[str] | None = None,
                  clock=time.time, mono=time.monotonic, fresh: bool = False, start_grace_s: float | None = None,
-                 keep_spans: int = 10_000, history_s: float = 7 * 86400.0, on_fatal=None):
+                 keep_spans: int = 10_000, history_s: float = 7 * 86400.0, history_rows: int = 1_000_000,
+                 on_fatal=None):
         """capacity: memory per device (None: the pool saved in `state`); state: the SQLite file
         (None: in memory); fresh: begin anew even if `state` holds an old or unusable state
         (moved aside, never deleted); start_grace_s: how long a submitted job's worker may take
@@ -83,7 +85,7 @@ class Core(Operations):
         self.clock, self.mono = clock, mono
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.start_grace_s = float(start_grace_s) if start_grace_s is not None else max(self.heartbeat_timeout, 300.0)
-        self.keep_spans, self.history_s = int(keep_spans), float(history_s)
+        self.keep_spans, self.history_s, self.history_rows = int(keep_spans), float(history_s), int(history_rows)
         self.on_fatal, self.fatal = on_fatal, None
         self._lock_fd = None
         if state is not None:
@@ -390,7 +392,7 @@ class Core(Operations):
 
     def prune(self, limit: int | None = None) -> int:
         """Delete up to `limit` ended leases past the retention (older than history_s, or beyond
-        the last keep_spans ended ones) from the database; the tally keeps their counts."""
+        the last history_rows ended ones) from the database; the tally keeps their counts."""
         with self.cond:
             n = self._prune(limit)
             if self._keep():
@@ -398,7 +400,7 @@ class Core(Operations):
             return n
 
     def _prune(self, limit: int | None = None) -> int:
-        return self.store.prune(self.clock() - self.history_s, max(self.keep_spans, 0), limit or PRUNE_BATCH)
+        return self.store.prune(self.clock() - self.history_s, max(self.history_rows, 0), limit or PRUNE_BATCH)
 
     def run_ticks(self, stop: threading.Event, every: float) -> None:
         """The ticker thread's loop: tick every `every` s until `stop`; a failing tick is
