@@ -160,6 +160,7 @@ class Core(Operations):
         self.yield_at: dict[int, float] = {}  # held lease -> when it was asked to yield
         self.yields: collections.deque = collections.deque(maxlen=max(self.keep_spans, 1))  # (t, lease, job)
         self.asked: dict[int, float] = {}  # pending request id -> when asked
+        self.history_count = self.store.history_rows()  # ended leases in the database
         self._unsaved: set[int] = set()  # requests of the running op not written yet (granted at once: never)
         for j in self.store.jobs():
             self.jobs[j.name] = j
@@ -400,7 +401,10 @@ class Core(Operations):
             return n
 
     def _prune(self, limit: int | None = None) -> int:
-        return self.store.prune(self.clock() - self.history_s, max(self.history_rows, 0), limit or PRUNE_BATCH)
+        n = self.store.prune(self.clock() - self.history_s, self.history_count - max(self.history_rows, 0),
+                             limit or PRUNE_BATCH)
+        self.history_count -= n
+        return n
 
     def run_ticks(self, stop: threading.Event, every: float) -> None:
         """The ticker thread's loop: tick every `every` s until `stop`; a failing tick is

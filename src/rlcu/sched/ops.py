@@ -47,6 +47,7 @@ class Operations:
 
     def _remember(self, s: mx.Span) -> None:
         self.ended[s.id] = s
+        self.history_count += 1
         while len(self.ended) > self.keep_spans:
             self.ended.popitem(last=False)
 

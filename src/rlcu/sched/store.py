@@ -299,12 +299,14 @@ class Store:
     def history_rows(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM leases WHERE end IS NOT NULL").fetchone()[0]
 
-    def prune(self, before: float, keep: int, limit: int = 5000) -> int:
-        """Delete up to `limit` ended leases that ended before `before` or fall outside the last
-        `keep` ended ones (oldest first); returns how many."""
-        ids = [r[0] for r in self.db.execute(
-            "SELECT id FROM leases WHERE end IS NOT NULL AND (end < ? OR id <= COALESCE((SELECT id FROM leases "
-            "WHERE end IS NOT NULL ORDER BY id DESC LIMIT 1 OFFSET ?), -1)) ORDER BY id LIMIT ?", (before, keep, limit))]
+    def prune(self, before: float, excess: int, limit: int = 5000) -> int:
+        """Delete up to `limit` ended leases: those that ended before `before`, and the `excess`
+        oldest ended ones (by id); returns how many. Both walk an index from its start."""
+        ids = {r[0] for r in self.db.execute("SELECT id FROM leases WHERE end IS NOT NULL AND end < ? ORDER BY end "
+                                             "LIMIT ?", (before, limit))}
+        if excess > 0 and len(ids) < limit:
+            ids.update(r[0] for r in self.db.execute("SELECT id FROM leases WHERE end IS NOT NULL ORDER BY id LIMIT ?",
+                                                     (min(excess, limit - len(ids)),)))
         if ids:
-            self._w(f"DELETE FROM leases WHERE id IN ({', '.join('?' * len(ids))})", ids)
+            self._w(f"DELETE FROM leases WHERE id IN ({', '.join('?' * len(ids))})", sorted(ids))
         return len(ids)
