@@ -132,7 +132,7 @@ def test_a_database_without_a_tally_gets_one_at_start(tmp_path):
     want = summarized(core)
     core.close()
     con = sqlite3.connect(tmp_path / "s.db")
-    con.execute("DELETE FROM meta WHERE key='tally'")  # as a database of the previous version
+    con.execute("DELETE FROM meta WHERE key='live'")  # as a database of the previous version
     con.commit()
     con.close()
     again = Core(None, state=tmp_path / "s.db", clock=clock)

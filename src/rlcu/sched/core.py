@@ -167,7 +167,8 @@ class Core(Operations):
             j.last_seen = old[j.name].last_seen if j.name in old and not recovering else seen
             if j.state in LIVE:
                 self.pol.add_job(j.name, j.clusters)
-        t = self.store.get_meta("tally") if tally is None else None
+        live = self.store.get_meta("live") or {}  # what the last commit saved beside the rows
+        t = live.get("tally") if tally is None else None
         self.tally = tally if tally is not None else mx.Tally.from_dict(t) if t is not None else \
             self._tally_from_history()
         for s, _req, y in self.store.recent_leases(self.keep_spans):
@@ -194,7 +195,7 @@ class Core(Operations):
             else:
                 self.store.drop_request(r.id)
         self.pol.restore(held, reqs, dict(self.yield_at), max(self.store.top_id() + 1,
-                                                              self.store.get_meta("next_id") or 1))
+                                                              live.get("next_id", 1)))
         for name in self.jobs:
             self._bump(name)
 
@@ -220,7 +221,7 @@ class Core(Operations):
     def _meta(self) -> dict:
         """What every commit writes beside the operations' rows: the metrics tally, and the next
         id (so that ids stay unique when the history they were seen in has been pruned)."""
-        return {"tally": self.tally.to_dict(), "next_id": self.pol.next_id}
+        return {"live": {"tally": self.tally.to_dict(), "next_id": self.pol.next_id}}
 
     def close(self) -> None:
         """Wake every waiter, close the database (the state stays on disk) and free the state folder."""
@@ -339,14 +340,15 @@ class Core(Operations):
         per device is the leases'. O(leases + requests + devices): it runs after every change."""
         p = self.pol
         check_invariants(p)
-        assert self.held.keys() == p.leases.keys(), \
-            f"held spans {sorted(self.held.keys() ^ p.leases.keys())[:5]} and the policy's leases differ"
+        held, jobs = self.held, self.jobs
+        assert len(held) == len(p.leases), f"{len(held)} held spans, {len(p.leases)} leases in the policy's books"
         for lid, le in p.leases.items():
-            s = self.held[lid]
-            assert s.end is None and s.devices == le.devices and s.mem == le.mem and s.job == le.job, \
-                f"lease {lid}: span {s} does not match the policy's {le}"
-            assert self.jobs[le.job].state in LIVE, f"lease {lid} held by job {le.job!r}, which is not live"
-        assert self.asked.keys() == p.pending.keys(), "pending requests and their ask times differ"
+            s = held.get(lid)
+            assert s is not None and s.end is None and s.devices == le.devices and s.mem == le.mem \
+                and s.job == le.job, f"lease {lid}: span {s} does not match the policy's {le}"
+            assert jobs[le.job].state in LIVE, f"lease {lid} held by job {le.job!r}, which is not live"
+        assert len(self.asked) == len(p.pending) and all(r in self.asked for r in p.pending), \
+            "pending requests and their ask times differ"
         for d, (a, b) in enumerate(zip(self.tally.used, p.used)):
             assert abs(a - b) <= 1e-6, f"device {d}: the metrics tally has {a:g} in use, the books {b:g}"
 
