@@ -20,7 +20,8 @@ A job file (YAML) for `submit`:
     clusters: {actor: {devices: 1, resident: 8, peak: 30}}    # with command: the job's clusters
 
 `submit` registers the job and starts its worker in the background (log in
-<state>/logs/NAME.log); the worker attaches to the job within the heartbeat timeout.
+<state>/logs/NAME.log); the worker attaches to the job within the start-up grace
+(`serve --start-grace`, default max(heartbeat timeout, 300 s)).
 """
 
 from __future__ import annotations
