@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
 import itertools
 import json
 import math
@@ -579,12 +578,12 @@ def run_one(policy: str, mode: str, a, gpus: list[int], caps: list[float], sampl
     t_exit = time.time()
     rcs = [p.returncode for p in procs]
     logs = {p.name: p.read_text(errors="replace")[-3000:] for p in sorted(work.glob("*.log"))}
-    with core.cond:
-        spans = [dataclasses.replace(s) for s in core.spans.values()]
-        done = {j["name"]: j["finished"] for j in core.jobs.values() if j["state"] == "done"}
-        states = {j["name"]: j["state"] for j in core.jobs.values()}
-        yields = len(core.yield_at)
-        trace = core.op_trace()["trace"]
+    snap = core.snapshot()
+    spans = list(snap.spans)
+    done = {n: j.finished for n, j in snap.jobs.items() if j.state == "done"}
+    states = {n: j.state for n, j in snap.jobs.items()}
+    yields = snap.metrics["yields"]
+    trace = snap.trace()
     t_end = max(done.values()) if complete and len(done) == jobs else t_exit
     js = [{"name": n, "arrival": t_launch, "finish": done.get(n)} for n in names]
     work_spans = [s for s in spans if s.phase != mx.RESIDENT]

@@ -76,7 +76,7 @@ def test_preempted_grpo_job_loses_nothing(tmp_path, service):
 
         threading.Thread(target=rival_train, daemon=True).start()
         end = time.monotonic() + 10
-        while not core.pol.yielding and time.monotonic() < end:
+        while not core.snapshot().yielding and time.monotonic() < end:
             time.sleep(0.01)
 
     tr.on_engine_step = on_step
@@ -87,7 +87,7 @@ def test_preempted_grpo_job_loses_nothing(tmp_path, service):
     rival.finish()
 
     assert fired and tr.yields == 1  # it was preempted once, and the rival ran in between
-    spans = sorted(core.spans.values(), key=lambda s: s.id)
+    spans = list(core.snapshot().spans)
     phases = [(s.job, s.phase, s.reason) for s in spans if s.phase != "resident"]
     i = phases.index(("grpo", "rollout", "yielded"))
     assert phases[i + 1] == ("rival", "actor_train", "released") and phases[i + 2][:2] == ("grpo", "rollout")
@@ -117,9 +117,9 @@ def test_run_grpo_api(tmp_path, service):
     hist = run_grpo(config(tmp_path / "api", steps=1), client=client, name="api-job", mem=MEM,
                     dataset=ROWS, reward_fns=[partial_match_reward], tokenizer=TOK)
     assert len(hist) == 1
-    (j,) = [j for j in core.jobs.values() if j["name"] == "api-job"]
-    assert j["state"] == "done" and j["wait_s"] >= 0
-    assert {s.phase for s in core.spans.values()} >= {"resident", "init", "rollout", "ref_logprobs", "actor_train"}
+    (j,) = [j for j in core.snapshot().jobs.values() if j.name == "api-job"]
+    assert j.state == "done" and j.wait_s >= 0
+    assert {s.phase for s in core.snapshot().spans} >= {"resident", "init", "rollout", "ref_logprobs", "actor_train"}
 
 
 def test_failed_job_releases_its_leases(tmp_path, service):
@@ -131,7 +131,7 @@ def test_failed_job_releases_its_leases(tmp_path, service):
     with pytest.raises(KeyboardInterrupt):
         run_grpo(config(tmp_path / "bad", steps=1), client=client, name="bad-job", mem=MEM,
                  dataset=ROWS, reward_fns=[bad_reward], tokenizer=TOK)
-    assert core.jobs["bad-job"]["state"] == "failed" and core.pol.used == [0.0]
+    assert core.snapshot().jobs["bad-job"].state == "failed" and core.snapshot().used == (0.0,)
 
 
 def test_memory_estimates():
@@ -181,8 +181,8 @@ def test_two_jobs_share_one_gpu(tmp_path):
         for t in ts:
             t.join(300)
         assert not errors, errors
-        assert all(j["state"] == "done" for j in core.jobs.values())
-        assert core.pol.used == [0.0]
+        assert all(j.state == "done" for j in core.snapshot().jobs.values())
+        assert core.snapshot().used == (0.0,)
     finally:
         srv.stop()
 

@@ -7,8 +7,10 @@ a scheduler that knows each job's phase overlaps them across jobs. The pieces:
     policy.py      the policy (phase-aware sharing, and the FIFO-exclusive baseline): pure
     simulator.py   replay a job-mix trace through the policy in simulated time
     metrics.py     idle fraction, jobs/hour, latency, memory, fragmentation, Chrome trace
-    store.py       the service's state in SQLite
-    core.py        the service's logic (transport-free): ops, heartbeats, reclaim
+    store.py       the service's state in SQLite (the `Job` record, group commit, retention)
+    core.py        the service's logic (transport-free): dispatch, transactions, audits, ticks
+    ops.py         its operations (register, request, release, wait, ...)
+    views.py       what it shows: a job's view, status, metrics, `Snapshot`
 
 and, in one-way layers (each imports only those above it):
 

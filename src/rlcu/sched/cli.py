@@ -22,7 +22,8 @@ A job file (YAML) for `submit`:
 
 `submit` registers the job and starts its worker in the background (log in
 <state>/logs/NAME.log, mode 0600); the worker gets RLCU_SCHED_JOB_SECRET, its job's secret,
-and attaches to the job within the heartbeat timeout.
+and attaches to the job within the start-up grace (`serve --start-grace`, default
+max(heartbeat timeout, 300 s)).
 
 The token: `--token-file PATH`, else $RLCU_SCHED_TOKEN, else <state>/token (made by `serve`,
 mode 0600, in a state folder of mode 0700). `--token X` still works but puts the token in
@@ -84,6 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--aging-s", type=float, default=60.0, help="seconds of waiting worth one priority level")
     s.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds of silence before a job's "
                                                                           "leases are reclaimed")
+    s.add_argument("--fresh", action="store_true", help="begin with an empty state even if the state folder's "
+                                                        "database is missing, empty or corrupt (moved aside)")
+    s.add_argument("--start-grace", type=float, default=None, help="seconds a submitted job's worker may take to "
+                                                                   "attach (default max(heartbeat timeout, 300))")
     s.add_argument("--ray", action="store_true", help="run the policy as a named Ray actor (multi-node)")
     s.add_argument("--ray-name", default="rlcu-sched", help="the Ray actor's name")
     s.add_argument("--dashboard", default=None, metavar="127.0.0.1:PORT",
@@ -167,7 +172,7 @@ def _serve(a) -> int:
     os.umask(0o077)  # what the service makes (database, -wal/-shm, socket, logs) is its user's alone
     state = secure_state_dir(Path(a.state) if a.state else default_state_dir())
     token = load_token(state, _token(a) or os.environ.get("RLCU_SCHED_TOKEN") or None)
-    fresh = not (state / "sched.db").exists()
+    fresh = a.fresh or not (state / "sched.db").exists()
     cap, names = _pool(a) if (fresh or a.gpus or a.cpu_slots) else (None, None)
     if a.ray:
         if a.dashboard:
@@ -177,7 +182,8 @@ def _serve(a) -> int:
         return serve_ray(cap, names, name=a.ray_name, policy=a.policy, aging_s=a.aging_s,
                          heartbeat_timeout=a.heartbeat_timeout, state=state / "sched.db", token=token)
     core = Core(cap, state=state / "sched.db", policy=a.policy, aging_s=a.aging_s,
-                heartbeat_timeout=a.heartbeat_timeout, device_names=names)
+                heartbeat_timeout=a.heartbeat_timeout, device_names=names, fresh=a.fresh,
+                start_grace_s=a.start_grace, on_fatal=lambda why: os._exit(70))  # fail fast: exit non-zero
     srv = SchedServer(core, a.addr or f"unix:{state / 'sched.sock'}", token)
     signal.signal(signal.SIGTERM, lambda *_: srv._stop.set())
     if a.dashboard:
@@ -192,7 +198,7 @@ def _serve(a) -> int:
     pool = ", ".join(f"{n} ({c:.1f})" for n, c in zip(core.pool["names"], core.pool["capacity"]))
     print(f"rlcu sched: {core.pool['policy']} policy over {pool} on {srv.address}; state {state}", flush=True)
     if not fresh:
-        live = [j for j in core.jobs.values() if j["state"] in ("queued", "running")]
+        live = [j for j in core.jobs.values() if j.state in ("queued", "running")]
         print(f"rlcu sched: recovered {len(live)} live jobs and {len(core.pol.leases)} leases", flush=True)
     try:
         srv.serve_forever()

@@ -1,54 +1,131 @@
 """The scheduler service's logic, free of any transport: jobs, their phase requests and
-leases, heartbeats, persistence, metrics. The socket server (server.py) and the Ray actor
+leases, heartbeats, persistence, metrics (the operations themselves are in ops.py). The socket server (server.py) and the Ray actor
 (ray_backend.py) both wrap one `Core` and feed it messages:
 
     core.handle({"op": "request", "job": "a", "phase": "rollout", "mem": 30}) -> {"ok": True, ...}
 
-Every message is one operation under one lock; a state change is written to SQLite before
-the reply (so a restarted service recovers every job, pending request and lease), then the
-policy runs and the jobs concerned are woken (their `version` changes; `wait` long-polls on
-it). An invalid request gets {"ok": False, "error": "..."} and changes nothing.
+Every message is one operation under one lock and one SQLite transaction. An operation that
+fails, for whatever reason, gets {"ok": False, "error": ...} and leaves no trace: its
+transaction is rolled back and, if it had changed anything, the state in memory is reloaded
+from the database. After every operation that changes the state (and every tick) the
+policy's books are audited (`check_invariants` plus the core's own: every held lease has its
+open span, the metrics tally agrees with the leases); a violation is fatal: the transaction
+is not committed, every later message is refused with code "fatal", and `on_fatal` is called
+(`rlcu sched serve` exits non-zero) rather than serve a wrong state. The state folder is
+locked (`<db>.lock`) for the life of the core: a second service on it is refused.
 
-Liveness: any message naming a job refreshes its heartbeat; a live job silent for longer
-than `heartbeat_timeout` is declared dead by `tick()` and loses its leases and requests,
-and the others go on. A rollout lease the policy asked to yield is marked in the job's view
-(`"yield": true`); when the job gives it back and asks for rollout again, its request keeps
-its original age.
+Liveness (monotonic clock): any message naming a job refreshes its heartbeat; a running job
+silent for longer than `heartbeat_timeout`, or a submitted one whose worker has not attached
+within `start_grace_s`, is declared dead by `tick()` and loses its leases and requests. A
+rollout lease the policy asked to yield is marked in the job's view (`"yield": true`); when
+the job gives it back and asks for rollout again, its request keeps its original age.
+
+Cost. status/metrics read a running `Tally` (metrics.py), never the lease history; ended
+leases are kept in memory for the last `keep_spans` and in the database for `history_s`, at
+most `history_rows` of them (then
+pruned by `tick()`; the tally keeps what they counted).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
+import fcntl
 import inspect
-import re
+import os
+import sys
 import threading
 import time
+import traceback
+from pathlib import Path
 
 from rlcu.sched import metrics as mx
-from rlcu.sched.pool import RESIDENT, Lease, PolicyError
+from rlcu.sched.ops import MAX_WAIT_S, Operations, SchedRequestError
 from rlcu.sched.policy import make_policy
-from rlcu.sched.store import Store
+from rlcu.sched.pool import Lease, PolicyError, Request, check_invariants
+from rlcu.sched.store import Job, Store, StoreError
+from rlcu.sched.views import LIVE, Snapshot, metrics_of
 
-LIVE = ("queued", "running")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-MAX_WAIT_S = 60.0
-
-
-class SchedRequestError(ValueError):
-    """An invalid request; its message is the reply's error, `code` says what kind:
-    invalid, unknown_job, ended (the job is done, cancelled or dead)."""
-
-    def __init__(self, msg: str, code: str = "invalid"):
-        super().__init__(msg)
-        self.code = code
+PRUNE_BATCH = 5000  # ended leases deleted per tick at most (a backlog takes the following ticks)
+MUTATING = frozenset({"register", "request", "withdraw", "release", "work", "finish", "cancel"})
 
 
-class Core:
+class StateLocked(StoreError):
+    """Another live service holds the state folder."""
+
+
+def _lock(db: Path):
+    """An exclusive lock on `<db>.lock` (held while the returned file is open)."""
+    p = db.with_name(db.name + ".lock")
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StateLocked(f"the scheduler state {db} is in use by another service (pid {holder}, lock {p}): "
+                          "stop that one first, or give this one another state folder") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+class Core(Operations):
     def __init__(self, capacity: list[float] | None = None, *, state=None, policy: str = "phase",
                  aging_s: float = 60.0, heartbeat_timeout: float = 30.0, device_names: list[str] | None = None,
-                 clock=time.time):
-        self.clock = clock
-        self.store = Store(state)
+                 clock=time.time, mono=time.monotonic, fresh: bool = False, start_grace_s: float | None = None,
+                 keep_spans: int = 10_000, history_s: float = 7 * 86400.0, history_rows: int = 1_000_000,
+                 on_fatal=None):
+        """capacity: memory per device (None: the pool saved in `state`); state: the SQLite file
+        (None: in memory); fresh: begin anew even if `state` holds an old or unusable state
+        (moved aside, never deleted); start_grace_s: how long a submitted job's worker may take
+        to attach (default max(heartbeat_timeout, 300)); on_fatal(message): called once when an
+        invariant fails."""
+        self.clock, self.mono = clock, mono
         self.heartbeat_timeout = float(heartbeat_timeout)
+        self.start_grace_s = float(start_grace_s) if start_grace_s is not None else max(self.heartbeat_timeout, 300.0)
+        self.keep_spans, self.history_s, self.history_rows = int(keep_spans), float(history_s), int(history_rows)
+        self.on_fatal, self.fatal = on_fatal, None
+        self._lock_fd = None
+        if state is not None:
+            state = Path(state)
+            state.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            ran_here = state.with_name(state.name + ".lock").exists()
+            self._lock_fd = _lock(state)
+            if ran_here and not state.exists() and not fresh:
+                os.close(self._lock_fd)
+                raise StoreError(f"{state} is gone, but a scheduler ran on this state folder (its lock file is "
+                                 "there): its jobs and leases are lost; refusing to start empty without a word "
+                                 "(start with --fresh to begin with an empty state)")
+        try:
+            self.store = Store(state, fresh=fresh)
+            self._init_pool(capacity, state, policy, aging_s, device_names)
+            self.cond = threading.Condition(threading.RLock())
+            self.versions: dict[str, int] = {}
+            self.closed = False
+            self._ops = {}
+            for name in dir(self):
+                if name.startswith("op_"):
+                    fn = getattr(self, name)
+                    ps = inspect.signature(fn).parameters
+                    self._ops[name[3:]] = (fn, frozenset(ps), [k for k, p in ps.items()
+                                                               if p.default is inspect.Parameter.empty])
+            self._load(recovering=True)
+            try:
+                self._audit()
+            except AssertionError as e:
+                raise StoreError(f"the state in {state} fails the scheduler's invariants ({e}); refusing to serve "
+                                 "it (start with --fresh to move it aside and begin anew)") from None
+            self.store.commit(self._meta())
+            self._prune_at = self.mono() + 60.0
+        except BaseException:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+            raise
+
+    def _init_pool(self, capacity, state, policy, aging_s, device_names) -> None:
         pool = self.store.get_meta("pool")
         if pool is not None:
             if capacity is not None and [float(c) for c in capacity] != pool["capacity"]:
@@ -63,334 +140,300 @@ class Core:
             if len(names) != len(capacity):
                 raise ValueError(f"{len(names)} device names for {len(capacity)} devices")
             pool = {"capacity": [float(c) for c in capacity], "names": names, "policy": policy,
-                    "aging_s": float(aging_s), "t0": clock()}
+                    "aging_s": float(aging_s), "t0": self.clock()}
+            make_policy(policy, pool["capacity"], pool["aging_s"])  # refuses a bad pool before anything is saved
             self.store.set_meta("pool", pool)
         self.pool = pool
-        self.pol = make_policy(pool["policy"], pool["capacity"], pool["aging_s"])
-        self.cond = threading.Condition(threading.RLock())
-        self.jobs: dict[str, dict] = {}
-        self.spans: dict[int, mx.Span] = {}
-        self.yield_at: dict[int, float] = {}
-        self.asked: dict[int, float] = {}  # pending request id -> when asked
-        self.rollout_since: dict[str, float] = {}  # job -> age of its yielded rollout
-        self.versions: dict[str, int] = {}
-        self.closed = False
-        self._recover()
-        self._ops = {name[3:]: getattr(self, name) for name in dir(self) if name.startswith("op_")}
 
-    # ------------------------------------------------------------------ recovery
-    def _recover(self) -> None:
-        now = self.clock()
+    # ------------------------------------------------------------------ loading (start, and after a failed op)
+    def _load(self, recovering: bool = False, tally: mx.Tally | None = None) -> None:
+        """The state in memory from the database. recovering (at start): leases of jobs no
+        longer live are reclaimed, and every live job gets a heartbeat's grace. tally: the
+        metrics tally as it was before a failed operation (the database's is the last
+        commit's, which the operations kept since then have moved on)."""
+        now, seen = self.clock(), self.mono()
+        old = getattr(self, "jobs", {})
+        self.pol = make_policy(self.pool["policy"], self.pool["capacity"], self.pool["aging_s"])
+        self.jobs: dict[str, Job] = {}
+        self.held: dict[int, mx.Span] = {}
+        self.ended: collections.OrderedDict[int, mx.Span] = collections.OrderedDict()
+        self.yield_at: dict[int, float] = {}  # held lease -> when it was asked to yield
+        self.yields: collections.deque = collections.deque(maxlen=max(self.keep_spans, 1))  # (t, lease, job)
+        self.asked: dict[int, float] = {}  # pending request id -> when asked
+        self.history_count = self.store.history_rows()  # ended leases in the database
+        self._unsaved: set[int] = set()  # requests of the running op not written yet (granted at once: never)
         for j in self.store.jobs():
-            self.jobs[j["name"]] = j
-            if j["state"] in LIVE:
-                self.pol.add_job(j["name"], j["clusters"])
-                j["last_seen"] = now  # a grace period: the job's next heartbeat finds the new service
-        top = 0
-        with self.store.tx():
-            for s, req, y in self.store.leases():
-                self.spans[s.id] = s
-                top = max(top, s.id, req.id if req else 0)
+            self.jobs[j.name] = j
+            j.last_seen = old[j.name].last_seen if j.name in old and not recovering else seen
+            if j.state in LIVE:
+                self.pol.add_job(j.name, j.clusters)
+        live = self.store.get_meta("live") or {}  # what the last commit saved beside the rows
+        t = live.get("tally") if tally is None else None
+        self.tally = tally if tally is not None else mx.Tally.from_dict(t) if t is not None else \
+            self._tally_from_history()
+        for s, _req, y in self.store.recent_leases(self.keep_spans):
+            self.ended[s.id] = s
+            if y is not None:
+                self.yields.append((y, s.id, s.job))
+        held, reqs = [], []
+        for s, req, y in self.store.held_leases():
+            if self.jobs.get(s.job) is not None and self.jobs[s.job].state in LIVE:
+                self.held[s.id] = s
+                held.append(Lease(s.id, s.job, s.phase, s.cluster, s.devices, s.mem, s.start, req))
+                if y is not None:
+                    self.yield_at[s.id] = y
+                    self.yields.append((y, s.id, s.job))
+            else:  # its job ended while the service was down (or the row outlived it)
+                s.end, s.reason = now, "reclaimed"
+                self.tally.remove(s, now)
+                self.store.end_lease(s)
+                self._remember(s)
+        for r, asked in self.store.requests():
+            if self.jobs.get(r.job) is not None and self.jobs[r.job].state in LIVE:
+                reqs.append(r)
+                self.asked[r.id] = asked
+            else:
+                self.store.drop_request(r.id)
+        self.pol.restore(held, reqs, dict(self.yield_at), max(self.store.top_id() + 1,
+                                                              live.get("next_id", 1)))
+        for name in self.jobs:
+            self._bump(name)
+
+    def _tally_from_history(self) -> mx.Tally:
+        """A tally from the lease rows (a database written before the tally was kept)."""
+        t0 = min((j.submitted for j in self.jobs.values()), default=self.pool["t0"])
+        tally = mx.Tally(list(self.pool["capacity"]), t0)
+        ev = []
+        for s, _r, y in self.store.leases():
+            a = max(s.start, t0)
+            if s.end is None or s.end > a:
+                ev.append((a, 1, s))
                 if s.end is not None:
-                    continue
-                if self.jobs.get(s.job, {}).get("state") in LIVE:
-                    self.pol.adopt(Lease(s.id, s.job, s.phase, s.cluster, s.devices, s.mem, s.start, req))
-                    if y is not None:
-                        self.pol.yielding[s.id] = self.yield_at[s.id] = y
-                else:
-                    s.end, s.reason = now, "reclaimed"
-                    self.store.put_lease(s, req, y)
-            for r, asked in self.store.requests():
-                top = max(top, r.id)
-                if self.jobs.get(r.job, {}).get("state") in LIVE:
-                    self.pol.adopt_request(r)
-                    self.asked[r.id] = asked
-                else:
-                    self.store.drop_request(r.id)
-            for j in self.jobs.values():
-                self.store.put_job(j)
-        self.pol._next = max(self.pol._next, top + 1)
+                    ev.append((s.end, 0, s))
+            tally.yields += y is not None
+        for t, kind, s in sorted(ev, key=lambda e: (e[0], e[1], e[2].id)):
+            (tally.add if kind else tally.remove)(s, t)
+        for j in self.jobs.values():
+            if j.state == "done" and j.finished is not None:
+                tally.job_done(j.submitted, j.finished)
+        return tally
+
+    def _meta(self) -> dict:
+        """What every commit writes beside the operations' rows: the metrics tally, and the next
+        id (so that ids stay unique when the history they were seen in has been pruned)."""
+        return {"live": {"tally": self.tally.to_dict(), "next_id": self.pol.next_id}}
 
     def close(self) -> None:
-        """Wake every waiter and close the database (the state stays on disk)."""
+        """Wake every waiter, close the database (the state stays on disk) and free the state folder."""
         with self.cond:
+            if self.closed:
+                return
             self.closed = True
             self.cond.notify_all()
-            self.store.close()
+            self.store.close(self._meta())
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
-    # ------------------------------------------------------------------ dispatch
+    # ------------------------------------------------------------------ dispatch, audit, failure
     def handle(self, msg) -> dict:
-        """One message -> one reply; never raises for a bad request."""
+        """One message -> one reply; never raises."""
         if not isinstance(msg, dict):
             return {"ok": False, "error": "a message is a JSON object with an 'op'", "code": "protocol"}
         op = msg.get("op")
-        fn = self._ops.get(op) if isinstance(op, str) else None
-        if fn is None:
+        entry = self._ops.get(op) if isinstance(op, str) else None
+        if entry is None:
             return {"ok": False, "error": f"unknown op {op!r}; ops: {', '.join(sorted(self._ops))}", "code": "protocol"}
+        fn, params, required = entry
         args = {k: v for k, v in msg.items() if k != "op"}
-        params = inspect.signature(fn).parameters
         bad = [k for k in args if k not in params]
         if bad:
-            err = f"op {op!r} takes no argument {bad[0]!r} (takes: {', '.join(params) or 'none'})"
+            err = f"op {op!r} takes no argument {bad[0]!r} (takes: {', '.join(sorted(params)) or 'none'})"
             return {"ok": False, "error": err, "code": "protocol"}
-        missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in args]
+        missing = [k for k in required if k not in args]
         if missing:
             return {"ok": False, "error": f"op {op!r} needs {missing[0]!r}", "code": "protocol"}
-        try:
-            with self.cond:
-                if self.closed:
-                    return {"ok": False, "error": "the scheduler is shutting down", "code": "unavailable"}
-                out = fn(**args)
-            return {"ok": True, **(out or {})}
-        except (SchedRequestError, PolicyError) as e:
-            return {"ok": False, "error": str(e), "code": getattr(e, "code", "invalid")}
-        except (TypeError, ValueError, KeyError, AttributeError) as e:  # an argument of the wrong type
-            return {"ok": False, "error": f"op {op!r}: bad arguments {args!r} ({type(e).__name__}: {e})",
-                    "code": "invalid"}
-
-    # ------------------------------------------------------------------ helpers
-    def _job(self, job, live: bool = True) -> dict:
-        if not isinstance(job, str) or job not in self.jobs:
-            raise SchedRequestError(f"unknown job {job!r}", "unknown_job")
-        j = self.jobs[job]
-        if live and j["state"] not in LIVE:
-            raise SchedRequestError(f"job {job!r} is {j['state']}", "ended")
-        if j["state"] in LIVE:
-            j["last_seen"] = self.clock()
-        return j
-
-    def _bump(self, job: str) -> None:
-        self.versions[job] = self.versions.get(job, 0) + 1
-
-    def _lease_view(self, s: mx.Span) -> dict:
-        le = self.pol.leases.get(s.id)
-        req = le.request.id if le is not None and le.request is not None else None
-        return {"id": s.id, "request": req, "phase": s.phase, "cluster": s.cluster, "devices": list(s.devices),
-                "names": [self.pool["names"][d] for d in s.devices], "mem": list(s.mem), "start": s.start,
-                "yield": s.id in self.pol.yielding}
-
-    def view(self, job: str) -> dict:
-        j = self.jobs[job]
-        leases = [self._lease_view(self.spans[lid]) for lid, le in sorted(self.pol.leases.items()) if le.job == job]
-        pending = [{"id": r.id, "phase": r.phase, "cluster": r.cluster, "since": r.since, "asked": self.asked.get(r.id)}
-                   for r in sorted(self.pol.pending.values(), key=lambda r: r.id) if r.job == job]
-        return {"job": job, "state": j["state"], "version": self.versions.get(job, 0), "leases": leases,
-                "pending": pending}
-
-    def _end_job(self, job: str, state: str, reason: str) -> None:
-        now = self.clock()
-        j = self.jobs[job]
-        with self.store.tx():
-            for r in [r for r in self.pol.pending.values() if r.job == job]:
-                self.store.drop_request(r.id)
-                self.asked.pop(r.id, None)
-            for le in self.pol.remove_job(job):
-                s = self.spans[le.id]
-                s.end, s.reason = now, reason
-                self.store.put_lease(s, le.request, self.yield_at.get(le.id))
-            j["state"], j["finished"] = state, now
-            self.store.put_job(j)
-        self.rollout_since.pop(job, None)
-        self._bump(job)
-        self._schedule()
-
-    def _schedule(self) -> None:
-        now = self.clock()
-        dec = self.pol.schedule(now)
-        if not dec.grants and not dec.yields:
-            return
-        with self.store.tx():
-            for le in dec.grants:
-                s = mx.Span(le.id, le.job, le.phase, le.cluster, le.devices, le.mem, now)
-                self.spans[le.id] = s
-                self.store.put_lease(s, le.request, None)
-                if le.request is not None:
-                    self.store.drop_request(le.request.id)
-                    j = self.jobs[le.job]
-                    j["wait_s"] += now - self.asked.pop(le.request.id, now)
-                    if j["started"] is None:
-                        j["started"] = now
-                    self.store.put_job(j)
-                self._bump(le.job)
-            for lid in dec.yields:
-                self.yield_at[lid] = now
-                le = self.pol.leases[lid]
-                self.store.put_lease(self.spans[lid], le.request, now)
-                self._bump(le.job)
-        self.cond.notify_all()
-
-    def tick(self) -> list[str]:
-        """Reclaim the leases of jobs silent past the heartbeat timeout; rerun the policy
-        (waits age). Returns the jobs declared dead."""
+        mutating = op in MUTATING
         with self.cond:
-            now = self.clock()
-            dead = [n for n, j in self.jobs.items()
-                    if j["state"] in LIVE and now - j["last_seen"] > self.heartbeat_timeout]
-            for n in dead:
-                self._end_job(n, "dead", "reclaimed")
-            self._schedule()
+            if self.closed:
+                return {"ok": False, "error": "the scheduler is shutting down", "code": "unavailable"}
+            if self.fatal is not None:
+                return self._fatal_reply()
+            reply, tx = self._run(op, fn, args, mutating)
+        if tx is not None and not self._durable(tx):
+            return self._fatal_reply()
+        return reply
+
+    def _run(self, op: str, fn, args: dict, mutating: bool):
+        """Run one operation (under the lock): its reply, and the transaction its reply waits
+        for (None: what it shows is committed)."""
+        tally = self.tally.copy() if mutating else None
+        try:
+            out = fn(**args)
+        except Exception as e:  # noqa: BLE001  (every failure becomes a reply; the state is put back)
+            reply = self._failed(op, args, e, mutating, tally)
+        else:
+            if mutating and not self._keep():
+                return self._fatal_reply(), None
+            reply = {"ok": True, **(out or {})}
+        return reply, self.store.tx_no if self.store.in_tx else None
+
+    def _durable(self, tx: int) -> bool:
+        """Wait until transaction `tx` is committed (commit it, with every operation kept in it
+        since: a group commit). False if the service stopped first."""
+        with self.cond:
+            if self.store.done_tx >= tx:
+                return True
+            if self.fatal is not None or self.closed:
+                return False
+            try:
+                self.store.commit(self._meta())
+            except Exception as e:  # noqa: BLE001  (a full disk, a database gone bad)
+                self._fail(f"the database could not commit: {type(e).__name__}: {e}")
+                return False
+            return True
+
+    def _fatal_reply(self) -> dict:
+        return {"ok": False, "error": f"the scheduler stopped on a broken invariant: {self.fatal}", "code": "fatal"}
+
+    def _failed(self, op: str, args: dict, e: Exception, mutating: bool, tally: mx.Tally | None = None) -> dict:
+        """The reply to a failed operation, after its writes are undone and, if it had changed
+        anything (or failed unexpectedly), the state in memory is reloaded from the database."""
+        expected = isinstance(e, (SchedRequestError, PolicyError))
+        self._unsaved.clear()
+        if mutating or self.store.in_op:
+            dirty = self.store.writes > 0 or not expected
+            self.store.rollback_op()
+            if dirty:
+                try:
+                    self._load(tally=tally)
+                    self._audit()
+                    self.store.end_op()
+                except Exception as e2:  # noqa: BLE001
+                    self._fail(f"reloading the state after a failed {op!r} failed: {type(e2).__name__}: {e2}")
+                    return self._fatal_reply()
+                self.cond.notify_all()
+        if expected:
+            return {"ok": False, "error": str(e), "code": getattr(e, "code", "invalid")}
+        if not isinstance(e, (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError)):
+            print(f"rlcu sched: op {op!r} failed (state rolled back):\n{traceback.format_exc()}", file=sys.stderr,
+                  flush=True)
+        shown = repr(args)
+        shown = shown if len(shown) <= 300 else shown[:300] + "..."
+        return {"ok": False, "error": f"op {op!r}: bad arguments {shown} ({type(e).__name__}: {e})"[:2000],
+                "code": "invalid"}
+
+    def _keep(self) -> bool:
+        """Audit, then keep the operation's writes for the next commit; False (and fatal) on a
+        broken invariant."""
+        try:
+            self._audit()
+        except AssertionError as e:
+            self._fail(str(e))
+            return False
+        self.store.end_op()
+        return True
+
+    def _audit(self) -> None:
+        """The books balance (pool.check_invariants) and the core agrees with the policy: held
+        leases and open spans match, pending requests have their ask time, the tally's memory
+        per device is the leases'. O(leases + requests + devices): it runs after every change."""
+        p = self.pol
+        check_invariants(p)
+        held, jobs = self.held, self.jobs
+        assert len(held) == len(p.leases), f"{len(held)} held spans, {len(p.leases)} leases in the policy's books"
+        for lid, le in p.leases.items():
+            s = held.get(lid)
+            assert s is not None and s.end is None and s.devices == le.devices and s.mem == le.mem \
+                and s.job == le.job, f"lease {lid}: span {s} does not match the policy's {le}"
+            assert jobs[le.job].state in LIVE, f"lease {lid} held by job {le.job!r}, which is not live"
+        assert len(self.asked) == len(p.pending) and all(r in self.asked for r in p.pending), \
+            "pending requests and their ask times differ"
+        for d, (a, b) in enumerate(zip(self.tally.used, p.used)):
+            assert abs(a - b) <= 1e-6, f"device {d}: the metrics tally has {a:g} in use, the books {b:g}"
+
+    def _fail(self, why: str) -> None:
+        """A broken invariant: commit nothing more, refuse every message, tell on_fatal."""
+        self.fatal = why
+        with contextlib.suppress(Exception):  # the database itself may be what broke
+            self.store.rollback_op()  # the failing operation's writes, not those kept before it
+            self.store.commit(self._meta())
+        print(f"rlcu sched: FATAL: {why}; the service stops (the database keeps the last good state)",
+              file=sys.stderr, flush=True)
+        self.cond.notify_all()
+        if self.on_fatal is not None:
+            self.on_fatal(why)
+
+    # ------------------------------------------------------------------ the tick
+    def tick(self) -> list[str]:
+        """Reclaim the leases of jobs silent past the heartbeat timeout (submitted ones: past
+        the start-up grace); rerun the policy (waits age); prune old history. Returns the jobs
+        declared dead. Raises only if the state could not be put back after a failure."""
+        with self.cond:
+            if self.closed or self.fatal is not None:
+                return []
+            now = self.mono()
+            tally = self.tally.copy()
+            try:
+                dead = [n for n, j in self.jobs.items() if j.state in LIVE and now - j.last_seen >
+                        (self.start_grace_s if j.state == "queued" else self.heartbeat_timeout)]
+                for n in dead:
+                    self._end_job(n, "dead", "reclaimed")
+                self._schedule()
+                if now >= self._prune_at:  # every minute, or every tick while a backlog is left
+                    self._prune_at = now + (0.0 if self._prune() >= PRUNE_BATCH else 60.0)
+            except Exception as e:  # noqa: BLE001  (put the state back, say so, and tick again next time)
+                print(f"rlcu sched: tick failed (state rolled back):\n{traceback.format_exc()}", file=sys.stderr,
+                      flush=True)
+                self._failed("tick", {}, e, True, tally)
+                return []
+            if self._keep():
+                self.store.commit(self._meta())
             if dead:
                 self.cond.notify_all()
             return dead
 
-    # ------------------------------------------------------------------ operations
-    def op_ping(self) -> dict:
-        return {"devices": len(self.pool["capacity"]), "policy": self.pool["policy"]}
+    def prune(self, limit: int | None = None) -> int:
+        """Delete up to `limit` ended leases past the retention (older than history_s, or beyond
+        the last history_rows ended ones) from the database; the tally keeps their counts."""
+        with self.cond:
+            n = self._prune(limit)
+            if self._keep():
+                self.store.commit(self._meta())
+            return n
 
-    def op_register(self, job, clusters, spec: dict | None = None, pid: int | None = None, host: str | None = None,
-                    queued: bool = False, attach: bool = False) -> dict:
-        """A new job (queued: submitted, its worker not attached yet); attach: the worker of
-        a submitted job takes it over (or registers it when it is new)."""
-        if not isinstance(job, str) or not _NAME.match(job):
-            raise SchedRequestError(f"job name {job!r} must be 1-128 characters of letters, digits, '.', '_', '-'")
-        if spec is not None and not isinstance(spec, dict):
-            raise SchedRequestError(f"spec must be a mapping, got {type(spec).__name__}")
-        now = self.clock()
-        if job in self.jobs:
-            j = self.jobs[job]
-            if not attach or j["state"] not in LIVE:
-                raise SchedRequestError(f"job {job!r} already exists ({j['state']})"
-                                        + ("" if j["state"] in LIVE else ": choose another name"))
-            j.update(state="running", pid=pid, host=host, last_seen=now)
-        else:
-            self.pol.add_job(job, clusters)
-            j = {"name": job, "clusters": clusters, "spec": spec or {}, "state": "queued" if queued else "running",
-                 "submitted": now, "started": None, "finished": None, "last_seen": now, "pid": pid, "host": host,
-                 "wait_s": 0.0, "seq": len(self.jobs)}
-            self.jobs[job] = j
-        self.store.put_job(j)
-        self._bump(job)
-        self._schedule()
-        return self.view(job)
+    def _prune(self, limit: int | None = None) -> int:
+        n = self.store.prune(self.clock() - self.history_s, self.history_count - max(self.history_rows, 0),
+                             limit or PRUNE_BATCH)
+        self.history_count -= n
+        return n
 
-    def op_request(self, job, phase, cluster=None, devices=None, mem=None, min_devices=None, work: float = 1.0,
-                   only=None) -> dict:
-        self._job(job)
-        since = self.rollout_since.pop(job, None) if phase == "rollout" else None
-        r = self.pol.request(job, phase, cluster, devices=devices, mem=mem, min_devices=min_devices, work=work,
-                             now=self.clock(), since=since, only=only)
-        self.asked[r.id] = self.clock()
-        self.store.put_request(r, self.asked[r.id])
-        self._schedule()
-        return {"request": r.id, **self.view(job)}
+    def run_ticks(self, stop: threading.Event, every: float) -> None:
+        """The ticker thread's loop: tick every `every` s until `stop`; a failing tick is
+        reported (stderr) and the loop goes on; a fatal state ends it."""
+        while not stop.wait(every):
+            if self.closed or self.fatal is not None:
+                return
+            try:
+                self.tick()
+                self.store.checkpoint()  # outside the lock: the fsync holds up no operation
+            except Exception:  # noqa: BLE001  (never die silently: say it, and keep reclaiming)
+                if self.closed or stop.is_set():
+                    return
+                print(f"rlcu sched: tick failed (state rolled back):\n{traceback.format_exc()}", file=sys.stderr,
+                      flush=True)
 
-    def op_withdraw(self, job, request) -> dict:
-        """Drop a pending request (a client that stopped waiting)."""
-        self._job(job)
-        r = self.pol.pending.get(request)
-        if r is None or r.job != job:
-            raise SchedRequestError(f"job {job!r} has no pending request {request!r}")
-        self.pol.cancel_request(request)
-        self.asked.pop(request, None)
-        self.store.drop_request(request)
-        self._schedule()
-        return self.view(job)
+    def snapshot(self) -> Snapshot:
+        """An immutable copy of the state (for status pages, benches and tests)."""
+        with self.cond:
+            spans = [dataclasses.replace(s) for s in (*self.ended.values(), *self.held.values())]
+            return Snapshot(now=self.clock(), pool=dict(self.pool), jobs={n: dataclasses.replace(j) for n, j in
+                                                                           self.jobs.items()},
+                            spans=tuple(sorted(spans, key=lambda s: s.id)), held=tuple(sorted(self.held)),
+                            pending=tuple(sorted(self.pol.pending.values(), key=lambda r: r.id)),
+                            used=tuple(self.pol.used), yielding=tuple(sorted(self.pol.yielding)),
+                            yields=tuple(self.yields), metrics=metrics_of(self), fatal=self.fatal)
 
-    def op_release(self, job, lease) -> dict:
-        self._job(job)
-        if not isinstance(lease, int) or isinstance(lease, bool):
-            raise SchedRequestError(f"lease must be a lease id (an integer), got {lease!r}")
-        s = self.spans.get(lease)
-        if s is None:
-            raise SchedRequestError(f"unknown lease {lease}")
-        if s.job != job:
-            raise SchedRequestError(f"lease {lease} belongs to job {s.job!r}, not {job!r}")
-        if s.end is not None:
-            raise SchedRequestError(f"lease {lease} was already released ({s.reason} at {s.end:.3f})")
-        if s.phase == RESIDENT:
-            raise SchedRequestError(f"lease {lease} is the resident memory of cluster {s.cluster!r}: it ends with "
-                                    "the job (finish it)")
-        yielded = lease in self.pol.yielding
-        le = self.pol.release(lease)
-        if yielded and le.request is not None:
-            self.rollout_since[job] = le.request.since
-        s.end, s.reason = self.clock(), "yielded" if yielded else "released"
-        self.store.put_lease(s, le.request, self.yield_at.get(lease))
-        self._bump(job)
-        self._schedule()
-        return self.view(job)
 
-    def op_work(self, job, work) -> dict:
-        """The remaining work of the job's rollout (weighs its share of spare devices)."""
-        self._job(job)
-        if not isinstance(work, (int, float)) or isinstance(work, bool) or work < 0:
-            raise SchedRequestError(f"work must be a number >= 0, got {work!r}")
-        self.pol.set_work(job, float(work))
-        for r in self.pol.pending.values():
-            if r.job == job:
-                self.store.put_request(r, self.asked.get(r.id, self.clock()))
-        return {}
-
-    def op_heartbeat(self, job) -> dict:
-        self._job(job, live=False)
-        return self.view(job)
-
-    def op_wait(self, job, version: int = -1, timeout: float = 10.0) -> dict:
-        """Block until the job's view changes from `version` (or timeout); returns the view."""
-        self._job(job, live=False)
-        if not isinstance(timeout, (int, float)) or timeout < 0:
-            raise SchedRequestError(f"timeout must be a number >= 0, got {timeout!r}")
-        end = time.monotonic() + min(float(timeout), MAX_WAIT_S)
-        while self.versions.get(job, 0) == version and self.jobs[job]["state"] in LIVE and not self.closed:
-            left = end - time.monotonic()
-            if left <= 0:
-                break
-            self.cond.wait(left)
-        if self.jobs[job]["state"] in LIVE:
-            self.jobs[job]["last_seen"] = self.clock()
-        return self.view(job)
-
-    def op_finish(self, job, failed: bool = False) -> dict:
-        """The job ended (failed: with an error); its leases are released."""
-        self._job(job)
-        self._end_job(job, "failed" if failed else "done", "finished")
-        return self.view(job)
-
-    def op_cancel(self, job) -> dict:
-        j = self._job(job, live=False)
-        if j["state"] not in LIVE:
-            raise SchedRequestError(f"job {job!r} is already {j['state']}", "ended")
-        self._end_job(job, "cancelled", "cancelled")
-        return self.view(job)
-
-    def op_status(self) -> dict:
-        now = self.clock()
-        devs = []
-        for d, cap in enumerate(self.pool["capacity"]):
-            on = [le for le in self.pol.leases.values() if d in le.devices]
-            devs.append({"index": d, "name": self.pool["names"][d], "capacity": cap, "used": self.pol.used[d],
-                         "leases": [f"{le.job}:{le.phase}" for le in sorted(on, key=lambda le: le.id)]})
-        rows = []
-        for j in sorted(self.jobs.values(), key=lambda j: j["seq"]):
-            held = [le for le in self.pol.leases.values() if le.job == j["name"]]
-            pend = [r for r in self.pol.pending.values() if r.job == j["name"]]
-            rows.append({
-                "job": j["name"], "state": j["state"], "pid": j["pid"],
-                "phases": [le.phase + ("(yield)" if le.id in self.pol.yielding else "")
-                           for le in sorted(held, key=lambda le: le.id) if le.phase != RESIDENT],
-                "devices": sorted({self.pool["names"][d] for le in held for d in le.devices}),
-                "mem": sum(sum(le.mem) for le in held),
-                "waiting": [{"phase": r.phase, "for_s": now - self.asked.get(r.id, now)} for r in pend],
-                "wait_s": j["wait_s"] + sum(now - self.asked.get(r.id, now) for r in pend),
-                "age_s": (j["finished"] or now) - j["submitted"]})
-        return {"now": now, "policy": self.pool["policy"], "devices": devs, "jobs": rows, "metrics": self.op_metrics()}
-
-    def op_metrics(self) -> dict:
-        now = self.clock()
-        jobs = [{"name": j["name"], "arrival": j["submitted"],
-                 "finish": j["finished"] if j["state"] == "done" else None} for j in self.jobs.values()]
-        t0 = min([j["submitted"] for j in self.jobs.values()], default=self.pool["t0"])
-        out = mx.summarize(list(self.spans.values()), self.pool["capacity"], jobs, t0, now)
-        out.pop("makespan_s")
-        free = [c - u for c, u in zip(self.pool["capacity"], self.pol.used)]
-        tot = sum(max(f, 0.0) for f in free)
-        out.update(uptime_s=now - t0, mem_in_use=list(self.pol.used),
-                   frag_now=1.0 - max(free) / tot if tot > 1e-12 else 0.0,
-                   jobs_live=sum(j["state"] in LIVE for j in self.jobs.values()), yields=len(self.yield_at))
-        return out
-
-    def op_trace(self) -> dict:
-        now = self.clock()
-        t0 = min([j["submitted"] for j in self.jobs.values()], default=self.pool["t0"])
-        ys = [(t, lid, self.spans[lid].job) for lid, t in sorted(self.yield_at.items())]
-        return {"trace": mx.chrome_trace(list(self.spans.values()), len(self.pool["capacity"]), t0, ys, now)}
+__all__ = ["LIVE", "MAX_WAIT_S", "MUTATING", "Core", "Job", "Request", "SchedRequestError", "Snapshot", "StateLocked",
+           "StoreError"]

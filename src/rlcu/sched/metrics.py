@@ -10,6 +10,10 @@ memory but runs nothing.
 - mem_used_frac: time-averaged sum of leased memory over the pool's capacity.
 - frag: external fragmentation of the free memory, 1 - (largest free on one device) /
   (total free), time-averaged; 0 when everything free is on one device (or nothing is free).
+
+`summarize` walks a span list (the simulator, the benches); the service keeps a `Tally`
+instead, the same integrals advanced at every lease change, so its metrics cost O(devices)
+however long its history (pruned history stays counted in the tally).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ class Span:
     start: float
     end: float | None = None  # None: still held
     reason: str = ""  # how it ended: released, yielded, reclaimed, cancelled, finished
+
+    def copy(self) -> Tally:
+        return Tally(**{f: list(v) if isinstance(v, list) else v for f, v in self.to_dict().items()})
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -111,6 +118,100 @@ def summarize(spans: list[Span], capacity: list[float], jobs: list[dict], t0: fl
     }
     out.update(memory_stats(spans, capacity, t0, t1))
     return out
+
+
+def _frag(capacity: list[float], used: list[float]) -> float:
+    free = [c - u for c, u in zip(capacity, used)]
+    tot = sum(max(f, 0.0) for f in free)
+    return 1.0 - max(free) / tot if tot > 1e-12 else 0.0
+
+
+@dataclasses.dataclass
+class Tally:
+    """The running integrals behind `summarize`, from `t0` to `t`: per device the phase leases
+    on it and the memory leased; integrated busy device-time, memory and fragmentation;
+    finished jobs and their latencies; yields. `add` / `remove` a lease at time `now` (times
+    that go backwards count as no time), `result(now)` gives summarize's numbers."""
+
+    capacity: list[float]
+    t0: float
+    t: float = 0.0
+    busy_n: list[int] = dataclasses.field(default_factory=list)  # phase leases per device
+    used: list[float] = dataclasses.field(default_factory=list)
+    peak: list[float] = dataclasses.field(default_factory=list)
+    busy_int: float = 0.0
+    used_int: float = 0.0
+    frag_int: float = 0.0
+    jobs_done: int = 0
+    latency_sum: float = 0.0
+    yields: int = 0
+
+    def __post_init__(self):
+        n = len(self.capacity)
+        self.t = max(self.t, self.t0)
+        self.busy_n = self.busy_n or [0] * n
+        self.used = self.used or [0.0] * n
+        self.peak = self.peak or [0.0] * n
+
+    def advance(self, now: float) -> None:
+        dt = now - self.t
+        if dt <= 0:
+            return
+        self.busy_int += sum(1 for b in self.busy_n if b > 0) * dt
+        self.used_int += sum(self.used) / sum(self.capacity) * dt
+        self.frag_int += _frag(self.capacity, self.used) * dt
+        self.peak = [max(p, u) for p, u in zip(self.peak, self.used)]  # a state held for no time is no peak
+        self.t = now
+
+    def add(self, s: Span, now: float) -> None:
+        self.advance(now)
+        for d, m in zip(s.devices, s.mem):
+            self.used[d] += m
+            self.busy_n[d] += s.phase != RESIDENT
+
+    def remove(self, s: Span, now: float) -> None:
+        self.advance(now)
+        for d, m in zip(s.devices, s.mem):
+            self.used[d] = max(0.0, self.used[d] - m)
+            if self.used[d] < 1e-9:
+                self.used[d] = 0.0
+            self.busy_n[d] -= s.phase != RESIDENT
+
+    def job_done(self, arrival: float, finish: float) -> None:
+        self.jobs_done += 1
+        self.latency_sum += finish - arrival
+
+    def restart(self, t0: float) -> None:
+        """Begin the integrals again at t0 (the first job's arrival), keeping the leases held."""
+        self.t0 = self.t = t0
+        self.busy_int = self.used_int = self.frag_int = 0.0
+        self.peak = [0.0] * len(self.capacity)
+
+    def result(self, now: float) -> dict:
+        """summarize()'s numbers over [t0, now] (without makespan_s)."""
+        t = max(now, self.t)
+        dt = t - self.t
+        busy = self.busy_int + sum(1 for b in self.busy_n if b > 0) * dt
+        used = self.used_int + sum(self.used) / sum(self.capacity) * dt
+        frag = self.frag_int + _frag(self.capacity, self.used) * dt
+        peak = [max(p, u) for p, u in zip(self.peak, self.used)] if dt > 0 else list(self.peak)
+        span = t - self.t0
+        ok = span > 0
+        return {"gpu_idle_frac": max(0.0, 1.0 - busy / (len(self.capacity) * span)) if ok else 0.0,
+                "jobs_per_hour": self.jobs_done / max(span, 1e-12) * 3600.0,
+                "mean_latency_s": self.latency_sum / self.jobs_done if self.jobs_done else 0.0,
+                "jobs_done": self.jobs_done, "mem_used_frac": used / span if ok else 0.0,
+                "mem_peak": peak if ok else [0.0] * len(self.capacity), "frag": frag / span if ok else 0.0}
+
+    def copy(self) -> Tally:
+        return Tally(**{f: list(v) if isinstance(v, list) else v for f, v in self.to_dict().items()})
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}  # flat: no deep copy
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Tally:
+        return cls(**d)
 
 
 def chrome_trace(spans: list[Span], n_devices: int, t0: float = 0.0, yields: list[tuple[float, int, str]] = (),

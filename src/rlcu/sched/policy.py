@@ -26,8 +26,15 @@ so FIFO holds within a priority and any request, however low, eventually comes f
   at a step boundary, keeps what it made, releases the lease and asks again with its
   remaining work, keeping its age).
 
+Placement by memory and compute. Among the devices where a phase (or a job's residents)
+fits, the policy prefers the one with the least compute load: the jobs homed there (each
+runs its compute-bound phases there for its life) plus the transient phases of floating
+jobs on it (a rollout weighs 0.5: decoding is memory-bound; any other phase 1), then the
+most free memory. Memory alone would put a new job beside a busy compute-bound one because
+that device had a little more memory free.
+
 Placement and deadlock. A job's `resident` clusters are placed together by its first grant
-(a small search, emptiest devices first), and only where the residents plus the largest
+(a small search, least-loaded and emptiest devices first), and only where the residents plus the largest
 declared `peak` of anything placed there fit, and every placed job's floating clusters keep
 room for their peak. So a placed job's phases always fit once transient leases end. A
 request that could fit only after some resident leaves reserves no memory (that would hold
@@ -48,6 +55,8 @@ import itertools
 
 from rlcu.sched.pool import (EPS, PHASES, RANK, RESIDENT, Cluster, Decision, Lease, PolicyError, Request, _Base,
                              check_invariants, parse_clusters)
+
+COMPUTE_WEIGHT = {"rollout": 0.5}  # a phase's share of a device's compute in placement (others: 1)
 
 __all__ = ["PHASES", "RANK", "RESIDENT", "Cluster", "Decision", "Lease", "PolicyError", "Request", "PhasePolicy",
            "FifoPolicy", "make_policy", "check_invariants", "parse_clusters"]
@@ -90,6 +99,22 @@ class PhasePolicy(_Base):
                     peak[d] = max(peak[d], c.peak if c is not None else 0.0)
         return res, peak
 
+    def _compute_load(self, job: str) -> list[float]:
+        """Per device, the compute load of other jobs: one per job homed there, plus each
+        transient phase of a job not homed there (rollout 0.5, others 1)."""
+        n = len(self.capacity)
+        homed: list[set[str]] = [set() for _ in range(n)]
+        for (j, _c), hs in self.homes.items():
+            for d in hs:
+                homed[d].add(j)
+        load = [float(len(h - {job})) for h in homed]
+        for le in self.leases.values():
+            if le.phase != RESIDENT and le.job != job:
+                for d in le.devices:
+                    if le.job not in homed[d]:
+                        load[d] += COMPUTE_WEIGHT.get(le.phase, 1.0)
+        return load
+
     def _placing(self, job: str) -> bool:
         """Whether the job's next grant places its resident clusters."""
         cls = self.jobs[job]
@@ -103,6 +128,7 @@ class PhasePolicy(_Base):
         budget of tries)."""
         cls = self.jobs[job]
         names = sorted((c for c in cls if cls[c].resident > 0), key=lambda c: (-cls[c].resident, c))
+        load = self._compute_load(job)
         budget = [4096]
         homes: dict[str, list[int]] = {}
 
@@ -124,7 +150,7 @@ class PhasePolicy(_Base):
             cand = [d for d in range(len(av)) if (not own or r.only is None or d in r.only)
                     and res[d] + c.resident + max(peak[d], c.peak, m) <= self.capacity[d] + EPS
                     and av[d] + EPS >= c.resident]
-            cand.sort(key=lambda d: (-av[d], d))
+            cand.sort(key=lambda d: (load[d], -av[d], d))
             for hs in itertools.combinations(cand, c.devices):
                 budget[0] -= 1
                 if budget[0] < 0:
@@ -174,7 +200,8 @@ class PhasePolicy(_Base):
             devs = [d for d in devs if d in r.only]
         m = lambda d: self.capacity[d] if r.mem is None else r.mem  # noqa: E731
         fav = set(self.last_used.get((r.job, r.cluster), ()))
-        ok = sorted((d for d in devs if av[d] + EPS >= m(d)), key=lambda d: (d not in fav, -av[d], d))
+        load = self._compute_load(r.job)
+        ok = sorted((d for d in devs if av[d] + EPS >= m(d)), key=lambda d: (load[d], d not in fav, -av[d], d))
         if len(ok) < r.min_devices:
             return None
         mine = sorted(ok[: r.min_devices])
@@ -292,7 +319,8 @@ class PhasePolicy(_Base):
                         and avail[d] + EPS >= (self.capacity[d] if r.mem is None else r.mem)]
                 if not devs:
                     continue
-                d = min(devs, key=lambda d: (-avail[d], d))
+                load = self._compute_load(r.job)
+                d = min(devs, key=lambda d: (load[d], -avail[d], d))
                 key = (-r.work / len(le.devices), r.since, le.id)
                 if best is None or key < best[0]:
                     best = (key, i, d)

@@ -275,6 +275,27 @@ class _Base(abc.ABC):
         self.pending[r.id] = r
         self._next = max(self._next, r.id + 1)
 
+    def restore(self, leases: list[Lease], requests: list[Request], yielding: dict[int, float] | None = None,
+                next_id: int = 1) -> None:
+        """Put the books back after a service restart: the held leases (and the homes their
+        resident leases imply), the pending requests, the yields asked (lease id -> when), and
+        the next id to hand out (ids of ended leases are never reused). The jobs must have
+        been added first."""
+        for le in sorted(leases, key=lambda le: le.id):
+            self.adopt(le)
+        for r in sorted(requests, key=lambda r: r.id):
+            self.adopt_request(r)
+        for lid, t in (yielding or {}).items():
+            if lid not in self.leases or self.leases[lid].phase != "rollout":
+                raise PolicyError(f"a yield was asked of lease {lid}, which is not a held rollout")
+            self.yielding[lid] = t
+        self._next = max(self._next, int(next_id))
+
+    @property
+    def next_id(self) -> int:
+        """The id the next request or lease gets."""
+        return self._next
+
     # ------------------------------------------------------------------ views
     def free(self, d: int) -> float:
         return self.capacity[d] - self.used[d]
@@ -292,25 +313,35 @@ class _Base(abc.ABC):
 
 def check_invariants(p: _Base) -> None:
     """Raise AssertionError when the pool's books do not balance: a device or its memory
-    double-booked, a lease outside the pool, a phase held twice, a request for a lease held."""
-    n = len(p.capacity)
+    double-booked, a lease outside the pool, a phase held twice, a request for a lease held,
+    a home without its resident lease (or the other way), an id at or past the next one.
+    One pass over the leases and one over the requests: the service runs it after every change."""
+    n, nxt, homes = len(p.capacity), p._next, p.homes
     used = [0.0] * n
     seen = set()
     for le in p.leases.values():
-        assert le.job in p.jobs, f"lease {le.id} of unknown job {le.job!r}"
-        assert len(set(le.devices)) == len(le.devices) == len(le.mem), f"lease {le.id} repeats a device: {le.devices}"
-        key = (le.job, le.phase, le.cluster if le.phase == RESIDENT else "")
-        assert key not in seen, f"job {le.job!r} holds phase {le.phase!r} twice"
+        job, devs = le.job, le.devices
+        assert job in p.jobs, f"lease {le.id} of unknown job {job!r}"
+        assert len(set(devs)) == len(devs) == len(le.mem), f"lease {le.id} repeats a device: {devs}"
+        res = le.phase == RESIDENT
+        key = (job, le.phase, le.cluster if res else "")
+        assert key not in seen, f"job {job!r} holds phase {le.phase!r} twice"
         seen.add(key)
-        for d, m in zip(le.devices, le.mem):
-            assert 0 <= d < n, f"lease {le.id} names device {d} outside the pool of {n}"
-            assert m >= 0, f"lease {le.id} has negative memory {m}"
+        assert le.id < nxt, f"lease {le.id} at or past the next id {nxt}"
+        if res:
+            assert homes.get((job, le.cluster)) == devs, \
+                f"resident lease {le.id} is on {devs}, its cluster's home is {homes.get((job, le.cluster))}"
+        for d, m in zip(devs, le.mem):
+            assert 0 <= d < n and m >= 0, f"lease {le.id}: device {d} outside the pool of {n}, or memory {m} < 0"
             used[d] += m
-    for d in range(n):
-        assert used[d] <= p.capacity[d] + 1e-6, f"device {d} memory double-booked: {used[d]:g} > {p.capacity[d]:g}"
-        assert abs(used[d] - p.used[d]) <= 1e-6, f"device {d}: books say {p.used[d]:g} used, leases sum to {used[d]:g}"
+    for d, (u, cap, book) in enumerate(zip(used, p.capacity, p.used)):
+        assert u <= cap + 1e-6, f"device {d} memory double-booked: {u:g} > {cap:g}"
+        assert abs(u - book) <= 1e-6, f"device {d}: books say {book:g} used, leases sum to {u:g}"
     for r in p.pending.values():
         assert r.job in p.jobs, f"request {r.id} of unknown job {r.job!r}"
         assert (r.job, r.phase, "") not in seen, f"job {r.job!r} awaits phase {r.phase!r} it already holds"
+        assert r.id < nxt, f"request {r.id} at or past the next id {nxt}"
     for lid in p.yielding:
         assert lid in p.leases and p.leases[lid].phase == "rollout", f"yield asked of lease {lid}, not a held rollout"
+    for job, cluster in homes:
+        assert (job, RESIDENT, cluster) in seen, f"cluster {cluster!r} of job {job!r} has a home but no resident lease"

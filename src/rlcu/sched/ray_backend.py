@@ -49,8 +49,7 @@ class _CoreActor:
 
     def _tick(self, every: float) -> None:
         try:
-            while not self._stop.wait(every):
-                self.core.tick()
+            self.core.run_ticks(self._stop, every)  # a failing tick is reported and the loop goes on
         except BaseException:  # noqa: BLE001  (fail fast: a service that cannot reclaim must not go on answering)
             if not self._stop.is_set():
                 traceback.print_exc()

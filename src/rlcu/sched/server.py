@@ -317,8 +317,7 @@ class SchedServer:
                 pass
 
     def _tick(self) -> None:
-        while not self._stop.wait(self.tick_s):
-            self.core.tick()
+        self.core.run_ticks(self._stop, self.tick_s)  # never dies silently; a fatal state ends it
 
     # ------------------------------------------------------------------ life
     def start(self) -> SchedServer:

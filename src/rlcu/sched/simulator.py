@@ -19,10 +19,17 @@ Semantics. Devices without `mem` have capacity 1 and phases without `mem` take w
 devices (no sharing); give `mem` to both to let phases share a device while their memory
 fits. A phase's `seconds` are for its cluster's size at full speed. A rollout may be granted
 from 1 device up to the whole pool (or its cluster's home devices if resident) and its time
-scales with the devices granted. Phases sharing a device slow down together when their
-compute demand `util` (default 1, rollout 0.5: decoding is memory-bound) sums past 1:
-each runs at 1 / max(1, sum of util) of full speed on its slowest device.
+scales with the devices granted. Phases sharing a device contend for its compute and its
+memory bandwidth: each phase declares its demand on both, `util` (compute; default 1,
+rollout 0.5) and `bw` (memory bandwidth; default 0.3, rollout 0.7: decoding streams the
+weights and the KV cache), and every phase on a device runs at
+1 / max(1, sum of util, sum of bw) of full speed there (on its slowest device): two rollouts
+sharing a device each run at 1/1.4 of full speed, a rollout beside a training phase at 1/1.5.
 The jobs' phases request and release leases exactly as the service's clients do.
+
+Bounds: a trace is refused (the field named) when a count is not an integer (`{"count":
+true}`, `steps: 6e6`), or when its jobs make more than `max_phases` phases in all (default
+1,000,000; `simulate(..., max_phases=)`), so that a simulation always ends in bounded time.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ from rlcu.sched import metrics as mx
 from rlcu.sched.policy import PHASES, RESIDENT, PolicyError, make_policy, parse_clusters
 
 DEFAULT_UTIL = {"rollout": 0.5}
+DEFAULT_BW = {"rollout": 0.7}
+MAX_PHASES = 1_000_000
+MAX_DEVICES = 65_536
 
 
 class TraceError(ValueError):
@@ -49,6 +59,7 @@ class Phase:
     seconds: float
     mem: float | None
     util: float
+    bw: float = 0.3
 
 
 @dataclasses.dataclass
@@ -76,9 +87,9 @@ def _num(x, where: str, lo: float = 0.0, strict: bool = False) -> float:
 def _phase(d, where: str, clusters: dict, default_phase: str | None = None) -> Phase:
     if not isinstance(d, dict):
         raise TraceError(f"{where} must be an object like {{'phase': 'rollout', 'cluster': ..., 'seconds': ...}}")
-    bad = set(d) - {"phase", "cluster", "seconds", "mem", "util"}
+    bad = set(d) - {"phase", "cluster", "seconds", "mem", "util", "bw"}
     if bad:
-        raise TraceError(f"{where}.{sorted(bad)[0]} is not a phase key (allowed: phase, cluster, seconds, mem, util)")
+        raise TraceError(f"{where}.{min(bad)} is not a phase key (allowed: phase, cluster, seconds, mem, util, bw)")
     ph = d.get("phase", default_phase)
     if ph not in PHASES:
         raise TraceError(f"{where}.phase must be one of {', '.join(PHASES)}, got {ph!r}")
@@ -87,11 +98,19 @@ def _phase(d, where: str, clusters: dict, default_phase: str | None = None) -> P
         raise TraceError(f"{where}.cluster must be one of the job's clusters ({', '.join(clusters)}), got {cl!r}")
     mem = None if d.get("mem") is None else _num(d["mem"], f"{where}.mem")
     util = _num(d.get("util", DEFAULT_UTIL.get(ph, 1.0)), f"{where}.util", 0.0, strict=True)
-    return Phase(ph, cl, _num(d.get("seconds"), f"{where}.seconds"), mem, util)
+    bw = _num(d.get("bw", DEFAULT_BW.get(ph, 0.3)), f"{where}.bw")
+    return Phase(ph, cl, _num(d.get("seconds"), f"{where}.seconds"), mem, util, bw)
 
 
-def load_trace(src) -> Trace:
-    """A trace from a path, a JSON string or a dict; errors name the offending entry."""
+def _count(x, where: str, most: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= most:
+        raise TraceError(f"{where} must be an integer in [1, {most:,}], got {x!r}")
+    return x
+
+
+def load_trace(src, max_phases: int = MAX_PHASES) -> Trace:
+    """A trace from a path, a JSON string or a dict; errors name the offending entry. A trace
+    of more than max_phases phases in all is refused."""
     if isinstance(src, (str, Path)) and not str(src).lstrip().startswith("{"):
         try:
             src = json.loads(Path(src).read_text())
@@ -105,30 +124,28 @@ def load_trace(src) -> Trace:
         raise TraceError("a trace is a JSON object with 'devices' and 'jobs'")
     bad = set(src) - {"devices", "jobs", "aging_s", "yield_cost_s"}
     if bad:
-        raise TraceError(f"{sorted(bad)[0]} is not a trace key (allowed: devices, jobs, aging_s, yield_cost_s)")
+        raise TraceError(f"{min(bad)} is not a trace key (allowed: devices, jobs, aging_s, yield_cost_s)")
     dev = src.get("devices")
-    if isinstance(dev, int) and not isinstance(dev, bool) and dev >= 1:
-        cap = [1.0] * dev
+    if isinstance(dev, (int, float)) and not isinstance(dev, bool):
+        cap = [1.0] * _count(dev, "devices", MAX_DEVICES)
     elif isinstance(dev, dict) and set(dev) <= {"count", "mem"}:
-        n = dev.get("count")
-        if not isinstance(n, int) or n < 1:
-            raise TraceError(f"devices.count must be an integer >= 1, got {n!r}")
+        n = _count(dev.get("count"), "devices.count", MAX_DEVICES)
         cap = [_num(dev.get("mem", 1.0), "devices.mem", 0.0, strict=True)] * n
-    elif isinstance(dev, list) and dev:
+    elif isinstance(dev, list) and 0 < len(dev) <= MAX_DEVICES:
         cap = [_num(m, f"devices[{i}]", 0.0, strict=True) for i, m in enumerate(dev)]
     else:
         raise TraceError(f"devices must be a count >= 1, {{'count': n, 'mem': m}} or a list of memories, got {dev!r}")
     jobs_in = src.get("jobs")
     if not isinstance(jobs_in, list) or not jobs_in:
         raise TraceError("jobs must be a non-empty list")
-    jobs, names = [], set()
+    jobs, names, total = [], set(), 0
     for i, j in enumerate(jobs_in):
         w = f"jobs[{i}]"
         if not isinstance(j, dict):
             raise TraceError(f"{w} must be an object")
         bad = set(j) - {"name", "arrival_s", "steps", "clusters", "step", "init"}
         if bad:
-            raise TraceError(f"{w}.{sorted(bad)[0]} is not a job key (allowed: name, arrival_s, steps, clusters, "
+            raise TraceError(f"{w}.{min(bad)} is not a job key (allowed: name, arrival_s, steps, clusters, "
                              "step, init)")
         name = str(j.get("name", f"job{i}"))
         if name in names:
@@ -138,14 +155,16 @@ def load_trace(src) -> Trace:
             clusters = parse_clusters(j.get("clusters"))
         except PolicyError as e:
             raise TraceError(f"{w}.clusters: {e}") from None
-        steps = j.get("steps", 1)
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise TraceError(f"{w}.steps must be an integer >= 1, got {steps!r}")
+        steps = _count(j.get("steps", 1), f"{w}.steps", max_phases)
         step = j.get("step")
         if not isinstance(step, list) or not step:
             raise TraceError(f"{w}.step must be a non-empty list of phases")
         one = [_phase(p, f"{w}.step[{k}]", clusters) for k, p in enumerate(step)]
         init = [_phase(j["init"], f"{w}.init", clusters, "init")] if j.get("init") is not None else []
+        total += len(init) + len(one) * steps
+        if total > max_phases:
+            raise TraceError(f"{w}.steps: {steps:,} steps of {len(one)} phases bring the trace to {total:,} phases; "
+                             f"the simulator runs at most {max_phases:,} (max_phases)")
         jobs.append(JobSpec(name, _num(j.get("arrival_s", 0.0), f"{w}.arrival_s"), j["clusters"], init + one * steps))
     return Trace(cap, jobs, _num(src.get("aging_s", 60.0), "aging_s", 0.0, strict=True),
                  _num(src.get("yield_cost_s", 0.0), "yield_cost_s"))
@@ -256,19 +275,21 @@ def simulate(trace: Trace, policy: str = "phase", max_events: int = 10_000_000, 
 
 
 def _rates(pol, runs: dict[str, _Run], spans: dict[int, mx.Span]) -> dict[int, float]:
-    """Nominal seconds of work done per second by each running phase."""
-    load = [0.0] * len(pol.capacity)
+    """Nominal seconds of work done per second by each running phase (contention: see the
+    module docstring)."""
+    util, bw = [0.0] * len(pol.capacity), [0.0] * len(pol.capacity)
     active = {}
     for r in runs.values():
         if r.lease is not None:
             ph = r.spec.phases[r.i]
             active[r.lease] = (r, ph)
             for d in spans[r.lease].devices:
-                load[d] += ph.util
+                util[d] += ph.util
+                bw[d] += ph.bw
     rate = {}
     for lid, (r, ph) in active.items():
         devs = spans[lid].devices
-        speed = min(1.0 / max(1.0, load[d]) for d in devs)
+        speed = min(1.0 / max(1.0, util[d], bw[d]) for d in devs)
         if ph.phase == "rollout":
             speed *= len(devs) / parse_clusters(r.spec.clusters)[ph.cluster].devices
         rate[lid] = speed
