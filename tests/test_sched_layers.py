@@ -8,7 +8,7 @@ from pathlib import Path
 import rlcu.sched
 
 SCHED = Path(rlcu.sched.__file__).parent
-LOGIC = {"core", "policy", "pool", "store", "metrics", "simulator"}  # the transport-free service logic
+LOGIC = {"core", "ops", "views", "policy", "pool", "store", "metrics", "simulator"}  # the transport-free service logic
 ALLOWED = {  # module -> the rlcu.sched modules it may import
     "protocol": set(),
     "client": {"protocol"},
