@@ -1,5 +1,5 @@
-"""The decode fast path (ModelRunner._decode): per-slot block tables on the device kept in
-sync incrementally (appends, copy-on-write, preemption, slot reuse), one staging copy a step,
+"""The decode fast path (ModelRunner._decode, engine/decode_state.py): per-sequence block tables on the device kept in
+sync incrementally (appends, copy-on-write, preemption, table reuse), one staging copy a step,
 outputs independent of batch composition."""
 
 import dataclasses
@@ -38,13 +38,13 @@ def _checked(llm):
     def decode(batch):
         out = orig(batch)
         d = r._dec
-        v = {k: d.dev[k][:len(batch.seqs)].tolist() for k in ("pos", "lens", "slots", "offsets", "ids")}
+        v = {k: d.dev[k][:len(batch.seqs)].tolist() for k in ("pos", "lens", "kv_slots", "offsets", "ids")}
         for i, s in enumerate(batch.seqs):
-            sl = d.slot_of[s.seq_id]
-            assert d.slot_tables[sl, :len(s.block_table)].tolist() == s.block_table, s
+            t = d.table_of[s.seq_id]
+            assert d.tables[t, :len(s.block_table)].tolist() == s.block_table, s
             c = s.num_computed_tokens
             assert (v["pos"][i], v["lens"][i]) == (c, c + 1), s
-            assert v["slots"][i] == s.block_table[c // bs] * bs + c % bs, s
+            assert v["kv_slots"][i] == s.block_table[c // bs] * bs + c % bs, s
             assert v["offsets"][i] == len(s.token_ids) - s.num_prompt_tokens, s
             if s.token_ids[c] >= 0:
                 assert v["ids"][i] == s.token_ids[c], s
@@ -56,7 +56,7 @@ def _checked(llm):
 
 
 @pytest.mark.parametrize("engine", [
-    dict(num_kv_blocks=80, block_size=4, max_num_seqs=3),  # forks (copy-on-write), slot reuse
+    dict(num_kv_blocks=80, block_size=4, max_num_seqs=3),  # forks (copy-on-write), table reuse
     dict(num_kv_blocks=12, block_size=4, max_num_batched_tokens=64),  # preemption
 ], ids=["reuse", "preempt"])
 def test_device_tables_follow_block_tables(model, engine):
@@ -69,8 +69,8 @@ def test_device_tables_follow_block_tables(model, engine):
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
     if engine["num_kv_blocks"] == 12:
         assert llm.stats["preemptions"] > 0
-    else:  # 10 sequences through 2 * 3 slots: slots were reclaimed and reused
-        assert len(set(calls)) > llm.runner._dec.num_slots >= len(llm.runner._dec.slot_of)
+    else:  # 10 sequences through 2 * 3 tables: tables were reclaimed and reused
+        assert len(set(calls)) > llm.runner._dec.num_tables >= len(llm.runner._dec.table_of)
 
 
 def test_seeded_sampling_independent_of_batching(model):
@@ -112,7 +112,7 @@ def _staged_only(llm):
 
     def decode(batch):
         if r._dec is not None:
-            r._dec.prev = None
+            r._dec.invalidate()
         return orig(batch)
 
     r._decode = decode
