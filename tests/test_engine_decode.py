@@ -139,3 +139,26 @@ def test_continued_decode_steps_equal_staged_ones(model, async_scheduling):
         assert [(c.token_ids, c.logprobs, c.finish_reason) for c in a.outputs] == \
                [(c.token_ids, c.logprobs, c.finish_reason) for c in b.outputs]
     assert any(c.finish_reason == "stop" for o in got for c in o.outputs)
+
+
+def test_decode_wider_than_max_num_seqs(model):
+    """A request with n above max_num_seqs forks into more decode rows than the decode state
+    holds: those steps go through `prepare` (its one packing of any step) and sample what a
+    wider engine samples."""
+    sp = SamplingParams(n=3, temperature=1.0, top_k=30, max_tokens=9, seed=3, ignore_eos=True, logprobs=True)
+    want = LLM(model, num_kv_blocks=256, block_size=4).generate(toks(PROMPTS[:2]), sp, use_tqdm=False)
+    llm = LLM(model, num_kv_blocks=256, block_size=4, max_num_seqs=2)
+    r, wide = llm.runner, []
+    orig = r.prepare
+
+    def prepare(batch):
+        wide.append(batch.is_decode)
+        return orig(batch)
+
+    r.prepare = prepare
+    got = llm.generate(toks(PROMPTS[:2]), sp, use_tqdm=False)
+    assert any(wide)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    for a, b in zip(got, want):  # (other batch shapes: the GEMMs may round the last bit differently)
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
