@@ -26,10 +26,8 @@ covers max_seqlen, so shorter sequences' surplus programs exit at once; the heav
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import interpreting, use_triton
+from rlcu.ops._backend import interpreting, tl, triton, use_triton
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copies

@@ -19,10 +19,8 @@ the forward, reaches 79%); it was not kept.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import tl, triton, use_triton
 
 _TILE = 4096  # elements a program handles: BN rows of BD columns
 _MAX_BD = 1024

@@ -13,10 +13,8 @@ The kernel is a gather-free scatter: one program per (token tile, KV head tile) 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import tl, triton, use_triton
 
 _TILE = 4096  # elements of K a program copies: BT tokens x BH heads x BD
 

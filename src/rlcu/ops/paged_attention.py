@@ -34,10 +34,8 @@ at the cost of a longer block table (256 entries for 4k tokens), which is neglig
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import tl, triton, use_triton
 
 DEFAULT_BLOCK_SIZE = 16
 _LOG2E = 1.4426950408889634

@@ -23,10 +23,8 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import tl, triton, use_triton
 from rlcu.ops.kv_cache import kv_write_ref
 from rlcu.ops.rmsnorm import rmsnorm_fwd_ref
 from rlcu.ops.rope import rope_fwd_ref

@@ -33,10 +33,8 @@ apart and the forward (82%) reads consecutive tiles. Programs now take tiles pid
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import tl, triton, use_triton
 from rlcu.ops.exact import is_exact, tree_sum
 
 MAX_D = 8192  # a row lives in one block

@@ -16,10 +16,8 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import tl, triton, use_triton
 
 _TILE = 4096  # elements a program handles: BT tokens x BH heads x D
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)

@@ -56,14 +56,12 @@ top-p 0.95 on flat logits (8 dense passes).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
 
-from rlcu.ops._backend import interpreting, use_triton
+from rlcu.ops._backend import interpreting, libdevice, tl, triton, use_triton
 from rlcu.ops._hash import M32 as _M32
 from rlcu.ops._hash import hash32 as _hash32
 from rlcu.ops._hash import hash32_ref as _hash32_ref
+
 _NP = 16  # pivots a search pass evaluates
 # pass 1: BV a vector, CHUNK tokens a program (constants: sums must not depend on B); row
 # (one program a row: the search and the race): BT tokens a tile (the unit of skipping),

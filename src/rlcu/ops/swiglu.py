@@ -10,10 +10,8 @@ straight into the two halves of dgu, which is what the gate_up weight gradient r
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import tl, triton, use_triton
 from rlcu.ops.exact import is_exact
 
 _TILE = 4096  # elements of `a` a program handles: BN rows of BI columns
