@@ -81,20 +81,29 @@ def use_triton(x: torch.Tensor) -> bool:
 def dispatch(kernel: Callable, twin: Callable, on: str) -> Callable:
     """Decorator of an op's public function, the one place an op picks its backend: the
     decorated body checks the arguments (or is only a docstring); then the op returns
-    `kernel(*args, **kw)` when `use_triton(<argument named on>)`, else `twin(*args, **kw)`.
-    kernel and twin take the public function's arguments as they are given."""
+    `kernel(*args)` when `use_triton(<argument named on>)`, else `twin(*args)`, args being
+    every argument of the public function in its order (defaults filled in), positionally."""
 
     def wrap(public: Callable) -> Callable:
-        names = list(inspect.signature(public).parameters)
+        sig = inspect.signature(public)
+        params = list(sig.parameters.values())
+        if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+            raise TypeError(f"dispatch: {public.__qualname__} must take positional parameters only")
+        names = [p.name for p in params]
         if on not in names:
             raise TypeError(f"dispatch(on={on!r}): {public.__qualname__} has no argument {on!r}")
-        i = names.index(on)
+        i, n, defaults = names.index(on), len(params), tuple(p.default for p in params)
 
         @functools.wraps(public)
         def op(*args, **kw):
             public(*args, **kw)
-            x = args[i] if i < len(args) else kw[on]
-            return (kernel if use_triton(x) else twin)(*args, **kw)
+            if kw:
+                b = sig.bind(*args, **kw)
+                b.apply_defaults()
+                args = b.args
+            elif len(args) < n:
+                args += defaults[len(args):]
+            return (kernel if use_triton(args[i]) else twin)(*args)
 
         op.kernel, op.twin = kernel, twin
         return op
