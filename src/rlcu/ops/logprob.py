@@ -363,7 +363,6 @@ def logprob_bwd(dlp, dent, h, W, targets, lse, dW, temperature: float = 1.0):
         raise ValueError(f"dW must have W's shape {list(W.shape)}, got {list(dW.shape)}")
 
 
-@dispatch(_logprob_fwd_bwd_triton, logprob_fwd_bwd_ref, on="h")
 def logprob_fwd_bwd(h, W, targets, grad_fn, dW, temperature: float = 1.0,
                     with_entropy: bool = False):
     """Forward and backward in one sweep, for an upstream gradient that is elementwise in lp.
@@ -380,6 +379,9 @@ def logprob_fwd_bwd(h, W, targets, grad_fn, dW, temperature: float = 1.0,
     _check(h, W, targets)
     if dW is not None and dW.shape != W.shape:
         raise ValueError(f"dW must have W's shape {list(W.shape)}, got {list(dW.shape)}")
+    if use_triton(h):  # (not `dispatch`: the twin's chunk is the module's _CHUNK at call time)
+        return _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entropy)
+    return logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature, with_entropy, _CHUNK)
 
 
 def token_logprob(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
