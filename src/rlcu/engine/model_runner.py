@@ -8,7 +8,7 @@ replaced by another tensor the graphs are captured again).
 
 Per layer, over the N new tokens of the step (packed, any mix of prefill chunks and decodes):
     h = rmsnorm(x); q, k, v = h Wqkv^T; q, k = rope(rmsnorm(q)), rope(rmsnorm(k)) at their positions
-    (qkv_prep, one kernel: q, k normed and rotated, k and v written to their cache slots)
+    (qkv_prep, one kernel: q, k normed and rotated, k and v written to their kv slots)
     o = paged_attention(q, cache); x += o Wo^T
     x += swiglu(rmsnorm(x) Wgu^T) Wd^T
 then the final norm and the LM head only on the rows that sample a token. In exact mode
