@@ -1,5 +1,5 @@
-"""The decode fast path (ModelRunner._decode): per-slot block tables on the device kept in
-sync incrementally (appends, copy-on-write, preemption, slot reuse), one staging copy a step,
+"""The decode fast path (ModelRunner._decode, engine/decode_state.py): per-sequence block tables on the device kept in
+sync incrementally (appends, copy-on-write, preemption, table reuse), one staging copy a step,
 outputs independent of batch composition."""
 
 import dataclasses
@@ -38,13 +38,13 @@ def _checked(llm):
     def decode(batch):
         out = orig(batch)
         d = r._dec
-        v = {k: d.dev[k][:len(batch.seqs)].tolist() for k in ("pos", "lens", "slots", "offsets", "ids")}
+        v = {k: d.dev[k][:len(batch.seqs)].tolist() for k in ("pos", "lens", "kv_slots", "offsets", "ids")}
         for i, s in enumerate(batch.seqs):
-            sl = d.slot_of[s.seq_id]
-            assert d.slot_tables[sl, :len(s.block_table)].tolist() == s.block_table, s
+            t = d.table_of[s.seq_id]
+            assert d.tables[t, :len(s.block_table)].tolist() == s.block_table, s
             c = s.num_computed_tokens
             assert (v["pos"][i], v["lens"][i]) == (c, c + 1), s
-            assert v["slots"][i] == s.block_table[c // bs] * bs + c % bs, s
+            assert v["kv_slots"][i] == s.block_table[c // bs] * bs + c % bs, s
             assert v["offsets"][i] == len(s.token_ids) - s.num_prompt_tokens, s
             if s.token_ids[c] >= 0:
                 assert v["ids"][i] == s.token_ids[c], s
@@ -56,7 +56,7 @@ def _checked(llm):
 
 
 @pytest.mark.parametrize("engine", [
-    dict(num_kv_blocks=80, block_size=4, max_num_seqs=3),  # forks (copy-on-write), slot reuse
+    dict(num_kv_blocks=80, block_size=4, max_num_seqs=3),  # forks (copy-on-write), table reuse
     dict(num_kv_blocks=12, block_size=4, max_num_batched_tokens=64),  # preemption
 ], ids=["reuse", "preempt"])
 def test_device_tables_follow_block_tables(model, engine):
@@ -69,8 +69,8 @@ def test_device_tables_follow_block_tables(model, engine):
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
     if engine["num_kv_blocks"] == 12:
         assert llm.stats["preemptions"] > 0
-    else:  # 10 sequences through 2 * 3 slots: slots were reclaimed and reused
-        assert len(set(calls)) > llm.runner._dec.num_slots >= len(llm.runner._dec.slot_of)
+    else:  # 10 sequences through 2 * 3 tables: tables were reclaimed and reused
+        assert len(set(calls)) > llm.runner._dec.num_tables >= len(llm.runner._dec.table_of)
 
 
 def test_seeded_sampling_independent_of_batching(model):
@@ -112,7 +112,7 @@ def _staged_only(llm):
 
     def decode(batch):
         if r._dec is not None:
-            r._dec.prev = None
+            r._dec.invalidate()
         return orig(batch)
 
     r._decode = decode
@@ -139,3 +139,26 @@ def test_continued_decode_steps_equal_staged_ones(model, async_scheduling):
         assert [(c.token_ids, c.logprobs, c.finish_reason) for c in a.outputs] == \
                [(c.token_ids, c.logprobs, c.finish_reason) for c in b.outputs]
     assert any(c.finish_reason == "stop" for o in got for c in o.outputs)
+
+
+def test_decode_wider_than_max_num_seqs(model):
+    """A request with n above max_num_seqs forks into more decode rows than the decode state
+    holds: those steps go through `prepare` (its one packing of any step) and sample what a
+    wider engine samples."""
+    sp = SamplingParams(n=3, temperature=1.0, top_k=30, max_tokens=9, seed=3, ignore_eos=True, logprobs=True)
+    want = LLM(model, num_kv_blocks=256, block_size=4).generate(toks(PROMPTS[:2]), sp, use_tqdm=False)
+    llm = LLM(model, num_kv_blocks=256, block_size=4, max_num_seqs=2)
+    r, wide = llm.runner, []
+    orig = r.prepare
+
+    def prepare(batch):
+        wide.append(batch.is_decode)
+        return orig(batch)
+
+    r.prepare = prepare
+    got = llm.generate(toks(PROMPTS[:2]), sp, use_tqdm=False)
+    assert any(wide)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+    for a, b in zip(got, want):  # (other batch shapes: the GEMMs may round the last bit differently)
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)

@@ -50,7 +50,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # ref == 0, LRU first
+        # ref == 0, least recently freed first
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # prefix key -> block id
         self.hit_tokens = 0  # prompt tokens served from the prefix cache (statistics)
 

@@ -33,7 +33,6 @@ in other chunks). If g raises, generate raises it with the engine left asleep.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import numbers
 import time
@@ -43,11 +42,12 @@ from typing import Any
 
 import torch
 
+from rlcu.engine import requests
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.model_runner import ModelRunner
-from rlcu.engine.params import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from rlcu.engine.params import RequestOutput, SamplingParams
 from rlcu.engine.scheduler import Scheduler
-from rlcu.engine.sequence import Sequence
+from rlcu.engine.step_loop import StepLoop
 from rlcu.model.qwen3 import Qwen3
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
@@ -243,7 +243,8 @@ class LLM:
         elif isinstance(p, (list, tuple)):
             ids = p
         else:
-            return None, f"a prompt is a str, {{'prompt_token_ids': [...]}} or a list of token ids, got {type(p).__name__}"
+            return None, (f"a prompt is a str, {{'prompt_token_ids': [...]}} or a list of token ids, "
+                          f"got {type(p).__name__}")
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
@@ -327,137 +328,23 @@ class LLM:
 
     def _run(self, resolved, sampling_params, show: bool, on_error: str, yield_check=None,
              on_yield=None) -> list[RequestOutput]:
-        if on_error not in ("raise", "return"):
-            raise ValueError(f"generate(on_error=...) must be 'raise' or 'return', got {on_error!r}")
+        """Validate the requests, run the step loop over the good ones, assemble the outputs."""
+        requests.check_on_error(on_error)
         for name, fn in (("yield_check", yield_check), ("on_yield", on_yield)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"generate({name}=...) must be a callable or None, got {type(fn).__name__}")
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is released): call llm.wake() first")
-        R = len(resolved)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            plist = [sampling_params] * R
-        else:
-            plist = list(sampling_params)
-            if len(plist) != R:
-                raise ValueError(f"got {len(plist)} SamplingParams for {R} prompts: pass one, or one per prompt")
-        errors = {i: err for i, (_, _, err) in enumerate(resolved) if err is not None}
-        checked = {}
-        for i, sp in enumerate(plist):
-            if i in errors:
-                continue
-            if not isinstance(sp, SamplingParams):
-                errors[i] = f"sampling parameters must be a SamplingParams, got {type(sp).__name__}"
-                continue
-            try:  # re-validate: fields may have been changed after construction
-                checked[i] = dataclasses.replace(sp)
-            except ValueError as e:
-                errors[i] = str(e)
-        if errors and on_error == "raise":
-            raise InvalidRequestError(errors, R)
-
+        checked, errors = requests.validate(resolved, sampling_params, on_error)
         self.block_manager.drop_cache()  # the weights may have changed since the last call
-        eos = frozenset(self.eos_token_ids)
-        seqs = []
-        for i, (_, ids, _) in enumerate(resolved):
-            if i in errors:
-                continue
-            sp = checked[i]
-            seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-            stop = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
-            seqs.append(Sequence(i, ids, sp, seed, num_samples=sp.n, stop_ids=stop))
+        seqs = requests.make_sequences(resolved, checked, frozenset(self.eos_token_ids))
         for s in seqs:
             self.scheduler.add(s)
-
-        done: dict[int, list[Sequence]] = {}
-        need = {i: checked[i].n for i in checked}
-        sch, runner = self.scheduler, self.runner
-        st = dict(steps=0, graph_steps=0, prefill_tokens=0, decode_tokens=0, preemptions=0, cached_tokens=0,
-                  yields=0, t_schedule=0.0, t_launch=0.0, t_wait=0.0, t_postprocess=0.0, t_yield=0.0, step_log=[])
-        pre0, hit0 = sch.num_preemptions, self.block_manager.hit_tokens
-        t_start = t_last = time.perf_counter()
-        n_done = n_tok = 0
-
-        def read_back(step) -> None:
-            """Wait for a launched step's samples and account for them."""
-            nonlocal n_done, n_tok
-            t3 = time.perf_counter()
-            toks, lps = runner.collect(step[2])
-            t4 = time.perf_counter()
-            for s in sch.resolve(step[0], step[1], toks, lps):
-                done.setdefault(s.request_id, []).append(s)
-                if len(done[s.request_id]) == need[s.request_id]:
-                    n_done += 1
-            st["t_wait"] += t4 - t3
-            st["t_postprocess"] += time.perf_counter() - t4
-            n_tok += len(toks)
-
-        prev = None  # the launched step whose samples are not read back yet: (batch, rows, device output)
-        tok_at_yield = -1  # n_tok at the last yield: the next waits for a new token, so yields cannot livelock
-        try:
-            with _Progress(len(seqs), show) as bar:
-                while sch.has_unfinished() or prev is not None:
-                    if (yield_check is not None and n_tok > tok_at_yield and sch.has_unfinished()
-                            and yield_check()):
-                        if prev is not None:  # finish the step in flight: every sampled token is then known
-                            read_back(prev)
-                            prev = None
-                        if sch.has_unfinished():
-                            t_y = time.perf_counter()
-                            self._yield(on_yield)
-                            st["yields"] += 1
-                            t_last = time.perf_counter()
-                            st["t_yield"] += t_last - t_y
-                        tok_at_yield = n_tok
-                        bar.update(n_done, n_tok)
-                        continue
-                    t0 = time.perf_counter()
-                    batch = sch.schedule()
-                    t1 = time.perf_counter()
-                    launched = None
-                    if batch.seqs:
-                        out, graph = runner.launch(batch)
-                        t2 = time.perf_counter()
-                        launched = (batch, sch.advance(batch), out)
-                        ntok = sum(batch.num_tokens)
-                        st["steps"] += 1
-                        st["graph_steps"] += graph
-                        st["decode_tokens" if batch.is_decode else "prefill_tokens"] += ntok
-                        ctx = sum(s.num_computed_tokens for s in batch.seqs)
-                        st["step_log"].append((ntok, len(batch), ctx, bool(graph), t2 - t_last))
-                        t_last = t2
-                        st["t_launch"] += t2 - t1
-                    elif prev is None:
-                        raise RuntimeError("the scheduler made no progress (a bug: please report it)")
-                    st["t_schedule"] += t1 - t0
-                    if prev is not None:
-                        read_back(prev)
-                    if self.async_scheduling:
-                        prev = launched
-                    elif launched is not None:
-                        read_back(launched)
-                    bar.update(n_done, n_tok)
-        except BaseException:
-            sch.abort_all()
-            raise
-        st["wall"] = time.perf_counter() - t_start
-        st["preemptions"] = sch.num_preemptions - pre0
-        st["cached_tokens"] = self.block_manager.hit_tokens - hit0
-        st["output_tokens"] = sum(len(s.token_ids) - s.num_prompt_tokens for ss in done.values() for s in ss)
-        self.stats = st
-
+        loop = StepLoop(self.scheduler, self.runner, {i: sp.n for i, sp in checked.items()},
+                        lookahead=self.async_scheduling, yield_check=yield_check,
+                        do_yield=lambda: self._yield(on_yield))
+        with _Progress(len(seqs), show) as bar:
+            done = loop.run(bar.update)
+        self.stats = loop.stats.as_dict()
         decode = self._tokenizer.decode if self._tokenizer is not None else None
-        outs = []
-        for i, (p, ids, _) in enumerate(resolved):
-            if i in errors:
-                outs.append(RequestOutput(i, p, ids or [], [], True, errors[i]))
-                continue
-            comps = []
-            for s in sorted(done[i], key=lambda s: s.sample_index):
-                tids = s.completion_ids
-                comps.append(CompletionOutput(s.sample_index, tids, decode(tids, skip_special_tokens=True) if decode else "",
-                                              s.finish_reason, list(s.logprobs) if s.params.logprobs else None))
-            outs.append(RequestOutput(i, p, ids, comps))
-        return outs
+        return requests.assemble(resolved, errors, done, decode)

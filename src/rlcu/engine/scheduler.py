@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections import deque
 
 from rlcu.engine.block_manager import BlockManager
@@ -44,6 +45,18 @@ class ScheduledBatch:
     @functools.cached_property
     def is_decode(self) -> bool:
         return all(t == 1 for t in self.num_tokens) and all(s == 1 for s in self.num_samples)
+
+    def continues(self, prev: ScheduledBatch | None) -> bool:
+        """Whether this step continues `prev`, the step launched just before it: both are pure
+        decode steps over the same sequence objects in the same order. Each sequence then sits
+        in the same row, and a decode step computes one token of each sequence and samples the
+        next, so row i's token is prev's sample of row i and its position, context length and
+        sample offset are prev's plus one (its sampling parameters are the same). A sequence
+        preempted and admitted again in between resumes where it stopped (a one-token chunk
+        after a prefix-cache hit is again the next token), so the rule holds for it too. The
+        caller passes prev=None after any step that is not a pure decode step."""
+        return (prev is not None and self.is_decode and prev.is_decode and len(prev.seqs) == len(self.seqs)
+                and all(map(operator.is_, self.seqs, prev.seqs)))
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -131,10 +144,10 @@ class Scheduler:
             budget -= take
 
         if not preempted or not seqs:
-            slots = sum(s.num_samples for s in kept)
+            rows = sum(s.num_samples for s in kept)
             while self.waiting and budget > 0:
                 seq = self.waiting[0]
-                if seq.num_pending or (kept and slots + seq.num_samples > self.max_num_seqs):
+                if seq.num_pending or (kept and rows + seq.num_samples > self.max_num_seqs):
                     break  # (a preempted sequence waits for its last token's value)
                 hits = bm.match_prefix(seq)
                 start = len(hits) * bm.block_size
@@ -148,7 +161,7 @@ class Scheduler:
                 seqs.append(seq)
                 ntok.append(take)
                 kept.append(seq)
-                slots += seq.num_samples
+                rows += seq.num_samples
                 budget -= take
 
         self.running = kept

@@ -82,7 +82,7 @@ class Sequence:
             return [sample_seed(self.seed, j) for j in range(self.num_samples)]
         return [self.own_seed]
 
-    def fork(self, sample_index: int) -> "Sequence":
+    def fork(self, sample_index: int) -> Sequence:
         """A copy that is sample `sample_index`; the caller shares the blocks (BlockManager.fork)."""
         child = Sequence.__new__(Sequence)
         child.__dict__.update(self.__dict__)

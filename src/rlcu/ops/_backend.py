@@ -9,16 +9,53 @@ works in any process, not only under pytest.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+from collections.abc import Callable
 
 import torch
 
+
+class _Absent:
+    """Stands for the triton package (or one of its names) where it cannot be imported, so that
+    an op file's kernels still *define*: decorators (`@triton.jit(...)`), `tl.constexpr`
+    annotations and module-level `tl.constexpr(x)` evaluate to more `_Absent`s. Launching a
+    kernel (`kernel[grid](...)`) or using one as a number raises; the twins never do either
+    (`use_triton` is False without triton)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Absent(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kw):
+        return _Absent(f"{self._name}(...)")
+
+    def _missing(self, *_):
+        raise RuntimeError(f"{self._name}: the triton package cannot be imported here, so no Triton kernel can "
+                           "run (the ops run their PyTorch twins unless RLCU_BACKEND=triton)")
+
+    __getitem__ = __bool__ = __index__ = __int__ = __float__ = __iter__ = _missing
+
+
 try:  # triton ships with CUDA torch; on a CPU-only machine it is optional
-    import triton  # noqa: F401
+    import triton
+    import triton.language as tl
 
     HAS_TRITON = True
 except Exception:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
+    triton, tl = _Absent("triton"), _Absent("triton.language")
+try:
+    from triton.language.extra import libdevice
+except Exception:  # pragma: no cover - depends on the triton build
+    libdevice = _Absent("triton.language.extra.libdevice")
+
+__all__ = ["HAS_TRITON", "backend_name", "dispatch", "interpreting", "libdevice", "tl", "triton", "use_triton"]
 
 _CHOICES = ("torch", "triton")
 
@@ -39,6 +76,39 @@ def backend_name(device: torch.device | str | None = None) -> str:
 def use_triton(x: torch.Tensor) -> bool:
     """True when the op on tensor `x` should run its Triton kernel."""
     return backend_name(x.device) == "triton"
+
+
+def dispatch(kernel: Callable, twin: Callable, on: str) -> Callable:
+    """Decorator of an op's public function, the one place an op picks its backend: the
+    decorated body checks the arguments (or is only a docstring); then the op returns
+    `kernel(*args)` when `use_triton(<argument named on>)`, else `twin(*args)`, args being
+    every argument of the public function in its order (defaults filled in), positionally."""
+
+    def wrap(public: Callable) -> Callable:
+        sig = inspect.signature(public)
+        params = list(sig.parameters.values())
+        if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+            raise TypeError(f"dispatch: {public.__qualname__} must take positional parameters only")
+        names = [p.name for p in params]
+        if on not in names:
+            raise TypeError(f"dispatch(on={on!r}): {public.__qualname__} has no argument {on!r}")
+        i, n, defaults = names.index(on), len(params), tuple(p.default for p in params)
+
+        @functools.wraps(public)
+        def op(*args, **kw):
+            public(*args, **kw)
+            if kw:
+                b = sig.bind(*args, **kw)
+                b.apply_defaults()
+                args = b.args
+            elif len(args) < n:
+                args += defaults[len(args):]
+            return (kernel if use_triton(args[i]) else twin)(*args)
+
+        op.kernel, op.twin = kernel, twin
+        return op
+
+    return wrap
 
 
 def interpreting() -> bool:

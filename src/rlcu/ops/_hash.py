@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.ops._backend import HAS_TRITON
+from rlcu.ops._backend import tl, triton  # noqa: F401  (the interpreter wants tl in a jit function's globals)
 
 M32 = 0xFFFFFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B
 
-if HAS_TRITON:
-    import triton
-    import triton.language as tl  # noqa: F401  (the interpreter wants it in a jit function's globals)
 
-    @triton.jit
-    def hash32(x):
-        x = x ^ (x >> 16)
-        x = x * 0x7FEB352D
-        x = x ^ (x >> 15)
-        x = x * 0x846CA68B
-        return x ^ (x >> 16)
+@triton.jit
+def hash32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
 
 
 def mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -26,10 +26,8 @@ covers max_seqlen, so shorter sequences' surplus programs exit at once; the heav
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import interpreting, use_triton
+from rlcu.ops._backend import dispatch, interpreting, tl, triton
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copies
@@ -439,18 +437,14 @@ def attention_bwd_ref(do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+@dispatch(attention_fwd_triton, attention_fwd_ref, on="q")
 def attention_fwd(q, k, v, cu_seqlens, max_seqlen: int, scale: float):
     """q: [N, Hq, D], k, v: [N, Hk, D] (any token/head strides, unit last stride),
     cu_seqlens: [S+1] int32, max_seqlen >= the longest sequence
     -> (o [N, Hq, D], lse [Hq, N] fp32)."""
-    if use_triton(q):
-        return attention_fwd_triton(q, k, v, cu_seqlens, max_seqlen, scale)
-    return attention_fwd_ref(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
+@dispatch(attention_bwd_triton, attention_bwd_ref, on="q")
 def attention_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, scale: float):
     """do, o: [N, Hq, D], lse: [Hq, N] fp32 from attention_fwd
     -> (dq [N, Hq, D], dk [N, Hk, D], dv [N, Hk, D])."""
-    if use_triton(q):
-        return attention_bwd_triton(do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale)
-    return attention_bwd_ref(do, q, k, v, o, lse, cu_seqlens, max_seqlen, scale)

@@ -19,10 +19,8 @@ the forward, reaches 79%); it was not kept.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import dispatch, tl, triton
 
 _TILE = 4096  # elements a program handles: BN rows of BD columns
 _MAX_BD = 1024
@@ -113,18 +111,14 @@ def embedding_bwd_ref(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):
     dW.index_add_(0, ids.long(), dx.to(dW.dtype))
 
 
+@dispatch(embedding_fwd_triton, embedding_fwd_ref, on="W")
 def embedding_fwd(ids: torch.Tensor, W: torch.Tensor):
     """ids: [N] int, W: [V, D] -> x [N, D]."""
-    if use_triton(W):
-        return embedding_fwd_triton(ids, W)
-    return embedding_fwd_ref(ids, W)
 
 
+@dispatch(embedding_bwd_triton, embedding_bwd_ref, on="dW")
 def _embedding_bwd_fp32(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):
-    if use_triton(dW):
-        embedding_bwd_triton(dx, ids, dW)
-    else:
-        embedding_bwd_ref(dx, ids, dW)
+    """dW (fp32) [ids[i]] += dx[i], in place."""
 
 
 def embedding_bwd(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):

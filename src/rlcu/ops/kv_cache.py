@@ -13,10 +13,8 @@ The kernel is a gather-free scatter: one program per (token tile, KV head tile) 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import dispatch, tl, triton
 
 _TILE = 4096  # elements of K a program copies: BT tokens x BH heads x BD
 
@@ -77,12 +75,9 @@ def kv_write_ref(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, H, D).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
 
+@dispatch(kv_write_triton, kv_write_ref, on="k")
 def kv_write(k, v, k_cache, v_cache, slot_mapping) -> None:
     """k, v: [N, Hk, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, Hk, D];
     slot_mapping: [N] int64, slot = block * block_size + offset, < 0 skips the token.
     Writes the caches in place."""
     _check(k, v, k_cache, v_cache, slot_mapping)
-    if use_triton(k):
-        kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        kv_write_ref(k, v, k_cache, v_cache, slot_mapping)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.ops._backend import HAS_TRITON, use_triton
+from rlcu.ops._backend import HAS_TRITON, dispatch, use_triton
 from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.exact import is_exact, tree_sum
 from rlcu.ops.matmul_invariant import mm as mm_invariant
@@ -348,23 +348,19 @@ def logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature=1.0, with_entrop
     return lp, ent, dh
 
 
+@dispatch(_logprob_fwd_triton, logprob_fwd_ref, on="h")
 def logprob_fwd(h, W, targets, temperature: float = 1.0, with_entropy: bool = False):
     """h: [N, D], W: [V, D], targets: [N] int -> (lp [N], ent [N] | None, lse [N]), fp32."""
     _check(h, W, targets)
-    if use_triton(h):
-        return _logprob_fwd_triton(h, W, targets, temperature, with_entropy)
-    return logprob_fwd_ref(h, W, targets, temperature, with_entropy)
 
 
+@dispatch(_logprob_bwd_triton, logprob_bwd_ref, on="h")
 def logprob_bwd(dlp, dent, h, W, targets, lse, dW, temperature: float = 1.0):
     """dlp, dent (either may be None): [N] fp32 -> dh [N, D] in h.dtype; dW [V, D] (any
     float dtype, e.g. fp32 beside bf16 h and W, or None) += the weight's gradient."""
     _check(h, W, targets)
     if dW is not None and dW.shape != W.shape:
         raise ValueError(f"dW must have W's shape {list(W.shape)}, got {list(dW.shape)}")
-    if use_triton(h):
-        return _logprob_bwd_triton(dlp, dent, h, W, targets, lse, dW, temperature)
-    return logprob_bwd_ref(dlp, dent, h, W, targets, lse, dW, temperature)
 
 
 def logprob_fwd_bwd(h, W, targets, grad_fn, dW, temperature: float = 1.0,
@@ -383,7 +379,7 @@ def logprob_fwd_bwd(h, W, targets, grad_fn, dW, temperature: float = 1.0,
     _check(h, W, targets)
     if dW is not None and dW.shape != W.shape:
         raise ValueError(f"dW must have W's shape {list(W.shape)}, got {list(dW.shape)}")
-    if use_triton(h):
+    if use_triton(h):  # (not `dispatch`: the twin's chunk is the module's _CHUNK at call time)
         return _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entropy)
     return logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature, with_entropy, _CHUNK)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.ops._backend import HAS_TRITON, interpreting, use_triton
+from rlcu.ops._backend import HAS_TRITON, dispatch, interpreting
 from rlcu.ops.exact import tree_sum
 
 if HAS_TRITON:
@@ -138,12 +138,10 @@ def mm_ref(x, w, c=None, out=None):
     return y
 
 
+@dispatch(mm_triton, mm_ref, on="x")
 def mm(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None,
        out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K], w: [N, K] (a weight as stored, [out, in]), c: [M, N] or None -> x w^T + c in
     x's dtype, written to `out` when given (out may be c itself: each element is read, then
     written, by one program). A row's result depends on that row of x, w and c only."""
     _check(x, w, c, out)
-    if use_triton(x):
-        return mm_triton(x, w, c, out)
-    return mm_ref(x, w, c, out)

@@ -34,10 +34,8 @@ at the cost of a longer block table (256 entries for 4k tokens), which is neglig
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import dispatch, tl, triton
 
 DEFAULT_BLOCK_SIZE = 16
 _LOG2E = 1.4426950408889634
@@ -324,6 +322,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_len
     return o
 
 
+@dispatch(paged_attention_triton, paged_attention_ref, on="q")
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q: int,
                     max_seqlen_k: int, scale: float):
     """q: [N, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]; block_tables:
@@ -334,8 +333,3 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, m
     padding entry of a CUDA-graph batch) gets zeros; rows of q past cu_seqlens_q[-1] are
     left unwritten."""
     _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
-    if use_triton(q):
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                      max_seqlen_q, max_seqlen_k, scale)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                               max_seqlen_q, max_seqlen_k, scale)

@@ -23,10 +23,8 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.kv_cache import kv_write_ref
 from rlcu.ops.rmsnorm import rmsnorm_fwd_ref
 from rlcu.ops.rope import rope_fwd_ref
@@ -157,6 +155,7 @@ def qkv_prep_ref(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, 
     return q
 
 
+@dispatch(qkv_prep_triton, qkv_prep_ref, on="qkv")
 def qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, eps: float,
              theta: float) -> torch.Tensor:
     """qkv: [N, (Hq + 2 Hk) D] (the fused projection; any row stride), q_w, k_w: [D] (the
@@ -164,6 +163,3 @@ def qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: i
     write nowhere), k_cache, v_cache: [num_blocks, block_size, Hk, D] (written in place)
     -> q [N, Hq, D] (contiguous, qkv's dtype): normed and rotated."""
     _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, theta)
-    if use_triton(qkv):
-        return qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, eps, theta)
-    return qkv_prep_ref(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, eps, theta)

@@ -31,10 +31,8 @@ The public ops are `policy_loss` and `value_loss` (each is forward and backward 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import tl, triton, use_triton
 
 POLICY_STATS = ("loss", "pg_loss", "kl", "entropy", "clip_low", "clip_high", "approx_kl", "ratio", "weight")
 VALUE_STATS = ("loss", "clip_frac", "value", "weight")

@@ -33,10 +33,8 @@ apart and the forward (82%) reads consecutive tiles. Programs now take tiles pid
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.exact import is_exact, tree_sum
 
 MAX_D = 8192  # a row lives in one block
@@ -228,15 +226,11 @@ def rmsnorm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: to
     return dx.to(x.dtype), dw
 
 
+@dispatch(rmsnorm_fwd_triton, rmsnorm_fwd_ref, on="x")
 def rmsnorm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
     """x: [N, D], w: [D] -> (y [N, D] in x.dtype, rstd [N] fp32)."""
-    if use_triton(x):
-        return rmsnorm_fwd_triton(x, w, eps)
-    return rmsnorm_fwd_ref(x, w, eps)
 
 
+@dispatch(rmsnorm_bwd_triton, rmsnorm_bwd_ref, on="x")
 def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
     """dy, x: [N, D], w: [D], rstd: [N] -> (dx [N, D] in x.dtype, dw [D] fp32)."""
-    if use_triton(x):
-        return rmsnorm_bwd_triton(dy, x, w, rstd)
-    return rmsnorm_bwd_ref(dy, x, w, rstd)

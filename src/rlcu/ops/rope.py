@@ -16,10 +16,8 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import dispatch, tl, triton
 
 _TILE = 4096  # elements a program handles: BT tokens x BH heads x D
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -113,15 +111,11 @@ def rope_bwd_ref(dy: torch.Tensor, positions: torch.Tensor, theta: float):
     return rope_fwd_ref(dy, positions, theta, sign=-1.0)
 
 
+@dispatch(rope_fwd_triton, rope_fwd_ref, on="x")
 def rope_fwd(x: torch.Tensor, positions: torch.Tensor, theta: float):
     """x: [N, H, D], positions: [N] int32 -> y [N, H, D]."""
-    if use_triton(x):
-        return rope_fwd_triton(x, positions, theta)
-    return rope_fwd_ref(x, positions, theta)
 
 
+@dispatch(rope_bwd_triton, rope_bwd_ref, on="dy")
 def rope_bwd(dy: torch.Tensor, positions: torch.Tensor, theta: float):
     """dy: [N, H, D], positions: [N] int32 -> dx [N, H, D]."""
-    if use_triton(dy):
-        return rope_bwd_triton(dy, positions, theta)
-    return rope_bwd_ref(dy, positions, theta)

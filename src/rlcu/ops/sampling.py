@@ -56,14 +56,12 @@ top-p 0.95 on flat logits (8 dense passes).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
 
-from rlcu.ops._backend import interpreting, use_triton
+from rlcu.ops._backend import dispatch, interpreting, libdevice, tl, triton
 from rlcu.ops._hash import M32 as _M32
 from rlcu.ops._hash import hash32 as _hash32
 from rlcu.ops._hash import hash32_ref as _hash32_ref
+
 _NP = 16  # pivots a search pass evaluates
 # pass 1: BV a vector, CHUNK tokens a program (constants: sums must not depend on B); row
 # (one program a row: the search and the race): BT tokens a tile (the unit of skipping),
@@ -472,15 +470,13 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 
+@dispatch(sample_triton, sample_ref, on="logits")
 def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     """logits: [B, V] fp32|bf16; temperature [B] fp32 (0 = greedy); top_k [B] int32 (<= 0 or
     >= V = off); top_p [B] fp32 in (0, 1] (1 = off); min_p [B] fp32 in [0, 1] (0 = off);
     seeds, offsets [B] int64 -> (tokens [B] int64, logprobs [B] fp32), where
     logprobs = log_softmax(logits / T)[token] on the unfiltered distribution."""
     _check(logits, temperature, top_k, top_p, min_p, seeds, offsets)
-    if use_triton(logits):
-        return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets)
-    return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)
 
 
 def greedy(logits):

@@ -10,10 +10,8 @@ straight into the two halves of dgu, which is what the gate_up weight gradient r
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from rlcu.ops._backend import use_triton
+from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.exact import is_exact
 
 _TILE = 4096  # elements of `a` a program handles: BN rows of BI columns
@@ -120,15 +118,11 @@ def swiglu_bwd_ref(da: torch.Tensor, gu: torch.Tensor):
     return torch.cat([dg, du], -1).to(gu.dtype)
 
 
+@dispatch(swiglu_fwd_triton, swiglu_fwd_ref, on="gu")
 def swiglu_fwd(gu: torch.Tensor):
     """gu: [N, 2I] -> a [N, I]."""
-    if use_triton(gu):
-        return swiglu_fwd_triton(gu)
-    return swiglu_fwd_ref(gu)
 
 
+@dispatch(swiglu_bwd_triton, swiglu_bwd_ref, on="gu")
 def swiglu_bwd(da: torch.Tensor, gu: torch.Tensor):
     """da: [N, I], gu: [N, 2I] -> dgu [N, 2I]."""
-    if use_triton(gu):
-        return swiglu_bwd_triton(da, gu)
-    return swiglu_bwd_ref(da, gu)

@@ -1,0 +1,86 @@
+"""A `generate` call's requests before and after the engine runs them: validation of the
+sampling parameters, the `Sequence`s submitted, and the `RequestOutput`s assembled in
+prompt order (LLM._run calls these around the step loop, engine/step_loop.py).
+
+`resolved` is the list `LLM.generate` and `LLM.chat` build: one (prompt as given, token ids
+or None, the problem or None) per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rlcu.engine.params import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from rlcu.engine.sequence import Sequence
+
+
+def check_on_error(on_error: str) -> None:
+    if on_error not in ("raise", "return"):
+        raise ValueError(f"generate(on_error=...) must be 'raise' or 'return', got {on_error!r}")
+
+
+def validate(resolved: list[tuple], sampling_params, on_error: str) -> tuple[dict[int, SamplingParams], dict[int, str]]:
+    """-> (checked: request index -> its SamplingParams, re-validated; errors: request index ->
+    its problem). sampling_params: None (the defaults), one for all, or one per request.
+    Raises InvalidRequestError when a request is bad and on_error is "raise"; ValueError for a
+    bad on_error or a per-request list of the wrong length."""
+    check_on_error(on_error)
+    R = len(resolved)
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        plist = [sampling_params] * R
+    else:
+        plist = list(sampling_params)
+        if len(plist) != R:
+            raise ValueError(f"got {len(plist)} SamplingParams for {R} prompts: pass one, or one per prompt")
+    errors = {i: err for i, (_, _, err) in enumerate(resolved) if err is not None}
+    checked = {}
+    for i, sp in enumerate(plist):
+        if i in errors:
+            continue
+        if not isinstance(sp, SamplingParams):
+            errors[i] = f"sampling parameters must be a SamplingParams, got {type(sp).__name__}"
+            continue
+        try:  # re-validate: fields may have been changed after construction
+            checked[i] = dataclasses.replace(sp)
+        except ValueError as e:
+            errors[i] = str(e)
+    if errors and on_error == "raise":
+        raise InvalidRequestError(errors, R)
+    return checked, errors
+
+
+def make_sequences(resolved: list[tuple], checked: dict[int, SamplingParams], eos: frozenset) -> list[Sequence]:
+    """One leader Sequence per valid request, in request order (a request without a seed draws
+    one from torch's generator, in that order)."""
+    seqs = []
+    for i, (_, ids, _) in enumerate(resolved):
+        if i not in checked:
+            continue
+        sp = checked[i]
+        seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        stop = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else eos)
+        seqs.append(Sequence(i, ids, sp, seed, num_samples=sp.n, stop_ids=stop))
+    return seqs
+
+
+def assemble(resolved: list[tuple], errors: dict[int, str], done: dict[int, list[Sequence]],
+             decode=None) -> list[RequestOutput]:
+    """One RequestOutput per request, in request order: a bad request's carries its error; a
+    good one's its samples in sample order. decode: the tokenizer's decode, or None (no text)."""
+    outs = []
+    for i, (p, ids, _) in enumerate(resolved):
+        if i in errors:
+            outs.append(RequestOutput(i, p, ids or [], [], True, errors[i]))
+            continue
+        comps = []
+        for s in sorted(done[i], key=lambda s: s.sample_index):
+            tids = s.completion_ids
+            text = decode(tids, skip_special_tokens=True) if decode else ""
+            comps.append(CompletionOutput(s.sample_index, tids, text, s.finish_reason,
+                                          list(s.logprobs) if s.params.logprobs else None))
+        outs.append(RequestOutput(i, p, ids, comps))
+    return outs
