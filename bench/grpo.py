@@ -209,9 +209,8 @@ def bench_trl(proto: dict, steps: int, warmup: int, tiny: bool) -> dict:
     try:
         import datasets
         import trl
-        from transformers import PreTrainedTokenizerFast, TrainerCallback
+        from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM, TrainerCallback
         from transformers import Qwen3Config as HFConfig
-        from transformers import Qwen3ForCausalLM
     except ImportError as e:
         return {"error": f"TRL side skipped: {e} (install trl, datasets, dill, multiprocess)"}
     import dataclasses

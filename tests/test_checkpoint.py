@@ -15,8 +15,7 @@ import torch
 
 import rlcu
 from rlcu.config import ModelConfig, OptimConfig
-from rlcu.train.checkpoint import (build_model, latest_checkpoint, load_checkpoint, resolve_resume,
-                                   save_checkpoint)
+from rlcu.train.checkpoint import build_model, latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
 from rlcu.train.optimizer import FlatAdamW
 
 TINY = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

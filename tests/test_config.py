@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcu.config import (ConfigError, LogConfig, OptimConfig, SFTConfig, config_help, config_to_dict,
-                         load_config)
+from rlcu.config import ConfigError, LogConfig, OptimConfig, SFTConfig, config_help, config_to_dict, load_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -5,8 +5,7 @@ import json
 
 import pytest
 
-from rlcu.data.datasets import (encode_prompt, encode_sft_row, filter_long, load_prompts, load_rows,
-                                load_sft_rows)
+from rlcu.data.datasets import encode_prompt, encode_sft_row, filter_long, load_prompts, load_rows, load_sft_rows
 from rlcu.data.tokenizer import make_word_tokenizer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

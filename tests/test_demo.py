@@ -9,7 +9,6 @@ import pytest
 
 from rlcu.data import synthetic as syn
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 

@@ -7,7 +7,6 @@ import pytest
 from rlcu.cli import main as rlcu_main
 from rlcu.engine.cli import main
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 

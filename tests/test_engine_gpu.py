@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from hf_util import make_hf_model, rel_err
+
 from rlcu import Qwen3
 from rlcu.engine import LLM, SamplingParams
 

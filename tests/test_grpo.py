@@ -14,7 +14,6 @@ import torch
 from rlcu.data import synthetic as syn
 from rlcu.train import losses
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 

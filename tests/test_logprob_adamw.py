@@ -14,10 +14,8 @@ from hf_util import rel_err  # noqa: E402
 from rlcu.ops import adamw as adamw_mod  # noqa: E402
 from rlcu.ops import logprob as logprob_mod  # noqa: E402
 from rlcu.ops._backend import HAS_TRITON  # noqa: E402
-from rlcu.ops.adamw import (adamw_step, adamw_step_ref, clip_scale, grad_norm,  # noqa: E402
-                            grad_norm_ref)
-from rlcu.ops.logprob import (logprob_bwd, logprob_bwd_ref, logprob_fwd,  # noqa: E402
-                              logprob_fwd_ref)
+from rlcu.ops.adamw import adamw_step, adamw_step_ref, clip_scale, grad_norm, grad_norm_ref  # noqa: E402
+from rlcu.ops.logprob import logprob_bwd, logprob_bwd_ref, logprob_fwd, logprob_fwd_ref  # noqa: E402
 
 if HAS_TRITON and not torch.cuda.is_available():
     from triton.runtime.interpreter import InterpretedFunction

@@ -14,8 +14,7 @@ from hf_util import rel_err  # noqa: E402
 
 from rlcu.ops import logprob as logprob_mod  # noqa: E402
 from rlcu.ops._backend import HAS_TRITON  # noqa: E402
-from rlcu.ops.logprob import (chunk_rows, logprob_bwd, logprob_fwd, logprob_fwd_bwd,  # noqa: E402
-                              logprob_fwd_bwd_ref, logprob_fwd_ref)
+from rlcu.ops.logprob import chunk_rows, logprob_bwd, logprob_fwd, logprob_fwd_bwd, logprob_fwd_bwd_ref, logprob_fwd_ref  # noqa: E402
 
 if HAS_TRITON and not torch.cuda.is_available():
     from triton.runtime.interpreter import InterpretedFunction

@@ -17,8 +17,7 @@ from hf_util import rel_err  # noqa: E402
 from rlcu.config import ConfigError, OptimConfig, _build  # noqa: E402
 from rlcu.ops import adamw as adamw_mod  # noqa: E402
 from rlcu.ops._backend import HAS_TRITON  # noqa: E402
-from rlcu.ops.adamw import (adamw_step, adamw_step_ref, rounding_bits_ref, rounding_key,  # noqa: E402
-                            sround_bf16_ref)
+from rlcu.ops.adamw import adamw_step, adamw_step_ref, rounding_bits_ref, rounding_key, sround_bf16_ref  # noqa: E402
 from rlcu.train.optimizer import FlatAdamW  # noqa: E402
 
 if HAS_TRITON and not torch.cuda.is_available():

@@ -10,7 +10,6 @@ from rlcu.config import OptimConfig
 from rlcu.train.optimizer import FlatAdamW, NonFiniteError
 from rlcu.train.schedule import lr_at
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlcu.sched.policy import (PHASES, RESIDENT, FifoPolicy, PhasePolicy, PolicyError, check_invariants,
-                               make_policy)
+from rlcu.sched.policy import PHASES, RESIDENT, FifoPolicy, PhasePolicy, PolicyError, check_invariants, make_policy
 from rlcu.sched.simulator import TraceError, load_trace, public, simulate, trace_of
 
 ROOT = Path(__file__).resolve().parents[1]

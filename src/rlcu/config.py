@@ -38,7 +38,7 @@ class ConfigError(ValueError):
         s = f"{self.path} {self.detail}" if self.path else self.detail
         return s + (f" (in {self.source})" if self.source else "")
 
-    def under(self, prefix: str, source: str | None = None) -> "ConfigError":
+    def under(self, prefix: str, source: str | None = None) -> ConfigError:
         path = f"{prefix}.{self.path}" if prefix and self.path else (prefix or self.path)
         return ConfigError(path, self.detail, self.source or source)
 

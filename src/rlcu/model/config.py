@@ -63,7 +63,7 @@ class Qwen3Config:
         return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
     @classmethod
-    def from_hf_dict(cls, d: dict, source: str = "config.json") -> "Qwen3Config":
+    def from_hf_dict(cls, d: dict, source: str = "config.json") -> Qwen3Config:
         archs = d.get("architectures") or []
         mt = d.get("model_type")
         if not (any(a in SUPPORTED_ARCHITECTURES for a in archs) or (not archs and mt == "qwen3")):
@@ -99,7 +99,7 @@ class Qwen3Config:
             raise ValueError(f"{source}: {e}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Qwen3Config":
+    def from_file(cls, path: str | Path) -> Qwen3Config:
         path = Path(path)
         try:
             d = json.loads(path.read_text())

@@ -82,7 +82,7 @@ class Qwen3:
         return self.w["embed"] if self.cfg.tie_word_embeddings else self.w["lm_head"]
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "Qwen3":
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> Qwen3:
         path = Path(path)
         cfg = io.read_config(path)
         layout = ParamLayout(cfg)
@@ -95,7 +95,7 @@ class Qwen3:
 
     @classmethod
     def from_config(cls, cfg: Qwen3Config, device="cpu", dtype=torch.float32, seed: int = 0,
-                    init_std: float = 0.02) -> "Qwen3":
+                    init_std: float = 0.02) -> Qwen3:
         """Random initialisation as HF does it: N(0, init_std) matrices, unit norms."""
         layout = ParamLayout(cfg)
         flat = torch.zeros(layout.numel, device=device, dtype=torch.float32)

@@ -53,8 +53,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from rlcu.sched.pool import (EPS, PHASES, RANK, RESIDENT, Cluster, Decision, Lease, PolicyError, Request, _Base,
-                             check_invariants, parse_clusters)
+from rlcu.sched.pool import (
+    EPS,
+    PHASES,
+    RANK,
+    RESIDENT,
+    Cluster,
+    Decision,
+    Lease,
+    PolicyError,
+    Request,
+    _Base,
+    check_invariants,
+    parse_clusters,
+)
 
 COMPUTE_WEIGHT = {"rollout": 0.5}  # a phase's share of a device's compute in placement (others: 1)
 

@@ -211,8 +211,8 @@ class Trainer(abc.ABC):
     def _open_run(self) -> bool:
         """Resume or claim the run folder, open the log, write the config; True if resumed."""
         from rlcu.config import config_to_dict, save_config
-        from rlcu.train import run_dir
         from rlcu.dist.comm import barrier, run_logger, world
+        from rlcu.train import run_dir
 
         c = self.cfg
         self._config_changes = {}

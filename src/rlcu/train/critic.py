@@ -65,7 +65,7 @@ class Critic:
         self.trunk.gradient_checkpointing = on
 
     @classmethod
-    def from_trunk(cls, trunk: Qwen3, head_init_std: float = 0.0, seed: int = 0) -> "Critic":
+    def from_trunk(cls, trunk: Qwen3, head_init_std: float = 0.0, seed: int = 0) -> Critic:
         """A critic whose trunk starts as a copy of `trunk`'s weights (nothing shared)."""
         layout = CriticLayout(trunk.cfg)
         flat = torch.zeros(layout.numel, device=trunk.device, dtype=trunk.dtype)
@@ -79,7 +79,7 @@ class Critic:
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, head_init_std: float = 0.0,
-                        seed: int = 0) -> "Critic":
+                        seed: int = 0) -> Critic:
         """The trunk from an HF folder; the head from its value_head.safetensors when present."""
         c = cls.from_trunk(Qwen3.from_pretrained(path, device=device, dtype=dtype), head_init_std, seed)
         f = Path(path) / HEAD_FILE

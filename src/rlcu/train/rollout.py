@@ -150,7 +150,7 @@ class RolloutBatch:
             out.append((a, self.num_seqs))
         return out
 
-    def view(self, a: int, b: int) -> "RolloutBatch":
+    def view(self, a: int, b: int) -> RolloutBatch:
         """Sequences [a, b) as a batch of their own (slices, no copies)."""
         t0, t1 = int(self.cu_seqlens[a]), int(self.cu_seqlens[b])
         return RolloutBatch(self.tokens[t0:t1], (self.cu_seqlens[a : b + 1] - t0).to(torch.int32),

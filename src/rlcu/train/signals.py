@@ -32,7 +32,7 @@ class SignalGuard:
         os.write(2, f"rlcu: received {name}: finishing the step in flight, then checkpointing "
                     f"(send it again to exit at once)\n".encode())
 
-    def __enter__(self) -> "SignalGuard":
+    def __enter__(self) -> SignalGuard:
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._old[s] = signal.signal(s, self._handle)
