@@ -40,13 +40,13 @@ def measure_ceilings() -> dict:
     b = torch.empty_like(a)
     ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
     copy = 2 * a.numel() * 4 / (ms * 1e-3) / 1e9
-    del a, b
+    a = b = None
     M = 8192
     x = torch.randn(M, M, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(M, M, device="cuda", dtype=torch.bfloat16)
     ms = do_bench(lambda: x @ y, warmup=50, rep=300, return_mode="median")
     mm = 2 * M**3 / (ms * 1e-3) / 1e12
-    del x, y
+    x = y = None
     torch.cuda.empty_cache()
     return {"copy_GBps": copy, "bf16_matmul_TFLOPs": mm}
 

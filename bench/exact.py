@@ -125,7 +125,8 @@ def case_kernels(quick: bool) -> dict:
     sc = D**-0.5
     o, _ = attention_exact_varlen(q, k, v, cu, T, sc)
     alone, _ = attention_exact_varlen(q[T:2 * T], k[T:2 * T], v[T:2 * T], cu[:2], T, sc)
-    out["attention"]["train_fwd"] = {"tokens": N, "exact_ms": _timed(lambda: attention_exact_varlen(q, k, v, cu, T, sc)),
+    out["attention"]["train_fwd"] = {"tokens": N,
+                                     "exact_ms": _timed(lambda: attention_exact_varlen(q, k, v, cu, T, sc)),
                                      "default_ms": _timed(lambda: attention_fwd(q, k, v, cu, T, sc)),
                                      "seq_alone_equal": torch.equal(alone, o[T:2 * T])}
     from rlcu.ops import attention_exact as ae
@@ -136,7 +137,8 @@ def case_kernels(quick: bool) -> dict:
             ae.CONFIG["SUB_TRAIN"] = sub
             o_s, _ = attention_exact_varlen(q, k, v, cu, T, sc)
             out["attention"][f"train_fwd SUB={sub}"] = {
-                "exact_ms": _timed(lambda: attention_exact_varlen(q, k, v, cu, T, sc)), "same_bits": torch.equal(o_s, o)}
+                "exact_ms": _timed(lambda: attention_exact_varlen(q, k, v, cu, T, sc)),
+                "same_bits": torch.equal(o_s, o)}
     finally:
         ae.CONFIG["SUB_TRAIN"] = keep
     # decode: S sequences of context L in a paged cache of 16-token blocks
@@ -150,10 +152,11 @@ def case_kernels(quick: bool) -> dict:
     lens = torch.full((S,), L, device=d, dtype=torch.int32)
     od = attention_exact_paged(qd, kc, vc, tables, cuq, lens, 1, sc)
     od1 = attention_exact_paged(qd[3:4], kc, vc, tables[3:4], cuq[:2], lens[:1], 1, sc)
-    out["attention"]["decode"] = {"seqs": S, "context": L,
-                                  "exact_ms": _timed(lambda: attention_exact_paged(qd, kc, vc, tables, cuq, lens, 1, sc)),
-                                  "default_ms": _timed(lambda: paged_attention(qd, kc, vc, tables, cuq, lens, 1, L, sc)),
-                                  "seq_alone_equal": torch.equal(od1[0], od[3])}
+    out["attention"]["decode"] = {
+        "seqs": S, "context": L,
+        "exact_ms": _timed(lambda: attention_exact_paged(qd, kc, vc, tables, cuq, lens, 1, sc)),
+        "default_ms": _timed(lambda: paged_attention(qd, kc, vc, tables, cuq, lens, 1, L, sc)),
+        "seq_alone_equal": torch.equal(od1[0], od[3])}
     for grp in out.values():
         for name, r in grp.items():
             print(f"  {name:<22} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -173,8 +176,8 @@ def case_generate(quick: bool) -> dict:
     llm = LLM(m, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.6)
     rng = np.random.default_rng(0)
     warm = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(lo, hi + 1, 64)]
-    llm.generate([{"prompt_token_ids": w} for w in warm], SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate([{"prompt_token_ids": w} for w in warm],
+                 SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
     llm.capture_graphs(2 * hi + 16)
     rng = np.random.default_rng(1234)
     plens, olens = rng.integers(lo, hi + 1, n_req), rng.integers(lo, hi + 1, n_req)

@@ -298,8 +298,8 @@ def main():
     ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="rlcu's micro-batch (default mode)")
     ap.add_argument("--bf16-micro-batch-tokens", type=int, default=12288, help="rlcu's micro-batch in the bf16 mode")
     ap.add_argument("--memory-mode", choices=("default", "bf16", "both"), default="both",
-                    help="rlcu's optimizer precision: default (fp32 master + fp32 m, v), bf16 (no master, bf16 m, v and "
-                         "gradients, stochastic rounding), or both (two rows)")
+                    help="rlcu's optimizer precision: default (fp32 master + fp32 m, v), "
+                         "bf16 (no master, bf16 m, v and gradients, stochastic rounding), or both (two rows)")
     ap.add_argument("--quick", action="store_true", help="protocol A, rlcu only, 1 warm-up + 2 timed steps")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke test)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per side and protocol")

@@ -119,7 +119,8 @@ def grpo_rlcu(cfg, model, tok, train, held, steps: int, tmp: Path) -> tuple[list
     gcfg = _build(GRPOConfig, {
         "steps": steps, "prompts_per_step": cfg.prompts_per_step, "group_size": cfg.group_size,
         "max_new_tokens": cfg.task.max_len + 2, "temperature": cfg.temperature, "optim": {"lr": cfg.grpo_lr},
-        "clip_low": 0.2, "clip_high": cfg.clip_high, "loss_agg": "token", "kl_coef": 0.0, "mu": 1, "scale_rewards": True,
+        "clip_low": 0.2, "clip_high": cfg.clip_high, "loss_agg": "token", "kl_coef": 0.0, "mu": 1,
+        "scale_rewards": True,
         "eval_every": 0, "rewards": [{"fn": "rlcu.data.synthetic:exact_match_reward"}], "seed": cfg.seed,
         "data": {"seed": cfg.seed},
         "log": LogConfig(out_dir=str(tmp / "grpo"), plot=False, progress=False, tensorboard=False),
@@ -193,7 +194,8 @@ def run_seed(seed: int, steps: int) -> dict:
            "trl": {"reward": r_trl, "accuracy_after": after_trl, "seconds": t_trl},
            "sft_seconds": t_sft}
     print(f"seed {seed}: acc before {before:.3f} | rlcu after {after_rlcu:.3f} ({t_rlcu:.0f} s) | "
-          f"(rlcu engine: {eng_before:.3f} -> {eng_after:.3f}) | trl after {after_trl:.3f} ({t_trl:.0f} s) | final reward (last 5 mean) "
+          f"(rlcu engine: {eng_before:.3f} -> {eng_after:.3f}) | trl after {after_trl:.3f} ({t_trl:.0f} s) | "
+          "final reward (last 5 mean) "
           f"rlcu {_tail(r_rlcu):.3f} trl {_tail(r_trl):.3f}", flush=True)
     return res
 

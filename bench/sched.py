@@ -30,7 +30,8 @@ and reported with the jobs it completed, and the runs left are skipped.
 
     python bench/sched.py [--modes procs,streams] [--policies fifo,phase] [--jobs 4] [--steps 6]
                           [--gpus all] [--hidden 512 --layers 8 --new-tokens 128] [--eager]
-                          [--warm-workers] [--init checkpoint|random] [--budget-s 360] [--no-warmup] [--merge] [--tag NAME]
+                          [--warm-workers] [--init checkpoint|random] [--budget-s 360] [--no-warmup] [--merge]
+                          [--tag NAME]
     python bench/sched.py --cpu --hidden 64 --layers 2 --prompts 2 --group 2 --new-tokens 8 --steps 2
                                                                         # a smoke run, measures nothing
 
@@ -326,7 +327,8 @@ class Nvml:
             return []
         self._check(rc, "nvmlDeviceGetSamples")
         field = self._VALUE.get(vt.value, "uiVal")
-        return [(int(s.timeStamp), float(getattr(s.sampleValue, field))) for s in buf[:n.value] if s.timeStamp > last_us]
+        return [(int(s.timeStamp), float(getattr(s.sampleValue, field))) for s in buf[:n.value]
+                if s.timeStamp > last_us]
 
 
 def cuda_uuids(gpus: list[int]) -> list[str | None]:
@@ -391,7 +393,8 @@ class GpuSampler(threading.Thread):
     def _smi(self) -> list[tuple[float, float]] | None:
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used",
-                                  "--format=csv,noheader,nounits"], check=False, capture_output=True, text=True, timeout=5)
+                                  "--format=csv,noheader,nounits"],
+                                 check=False, capture_output=True, text=True, timeout=5)
             rows = {int(r[0]): (float(r[1]), float(r[2]) / 1024.0)
                     for r in (line.split(",") for line in out.stdout.strip().splitlines()) if len(r) == 3}
             return [rows[g] for g in self.gpus]
@@ -837,7 +840,8 @@ def main() -> int:
         r = run_one(policy, mode, a, gpus, caps, sampler, time.time() + cap,
                     warm=a.warm_workers and mode.startswith("procs"))
         runs[key] = r
-        print(f"    makespan {r['makespan_s']:.1f} s  done {r['jobs_done']}/{r['jobs']}  jobs/h {r['jobs_per_hour']:.1f}  "
+        print(f"    makespan {r['makespan_s']:.1f} s  done {r['jobs_done']}/{r['jobs']}  "
+              f"jobs/h {r['jobs_per_hour']:.1f}  "
               f"mean latency {r['mean_latency_s']:.1f} s  NVML idle {r['nvml_idle_frac']:.1%}  peak "
               f"{r['peak_mem_gib']:.1f} GiB  yields {r['yields']}  rc {r['return_codes']}", flush=True)
         if any(r["return_codes"]) and r["complete"]:
@@ -847,7 +851,8 @@ def main() -> int:
     summary = summarize_runs(runs)
     from bench.common import meta
 
-    payload = {"meta": meta(), "gpus": n, "args": {k: v for k, v in vars(a).items() if k not in ("mem", "addr", "configs", "names")},
+    payload = {"meta": meta(), "gpus": n,
+               "args": {k: v for k, v in vars(a).items() if k not in ("mem", "addr", "configs", "names")},
                "caps_gib": caps, "gpu_sampling": sampler.source, "gpu_sampling_errors": sampler.errors,
                "warmup": warm, "wall_s": time.time() - t_start, "summary": summary, "runs": runs}
     png = name.replace(".json", ".png").replace("sched_", "sched_timeline_")

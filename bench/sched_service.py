@@ -172,7 +172,8 @@ def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
     per = [a.clients // a.procs + (1 if i < a.clients % a.procs else 0) for i in range(a.procs)]
     go = work / f"go-{tag}"
     outs = [work / f"{tag}-{i}.json" for i in range(a.procs)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p))
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join(p for p in [str(ROOT / "src"), os.environ.get("PYTHONPATH")] if p))
     k = 0
     procs = []
     stop_file = work / f"stop-{tag}"
@@ -210,7 +211,8 @@ def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
             "acquire_p50_ms": _pct(lat, 0.5), "acquire_p99_ms": _pct(lat, 0.99),
             "status_p50_ms": _pct(status_ms, 0.5), "status_p99_ms": _pct(status_ms, 0.99),
             "status_calls": len(status_ms), "service_cpu_us_per_cycle": cpu / max(cycles, 1) * 1e6,
-            "core_cpu_us_per_cycle": core_cpu / max(cycles, 1) * 1e6, "commits_per_cycle": commits / max(cycles, 1), "errors": [e for r in rs for e in r["errors"]][:10]}
+            "core_cpu_us_per_cycle": core_cpu / max(cycles, 1) * 1e6, "commits_per_cycle": commits / max(cycles, 1),
+            "errors": [e for r in rs for e in r["errors"]][:10]}
 
 
 def main() -> int:
@@ -261,7 +263,8 @@ def main() -> int:
         finally:
             srv.stop()
     res = {
-        "clients": a.clients, "keep_alive": a.keep_alive, "switch_ms": sys.getswitchinterval() * 1e3, "procs": a.procs, "devices": a.devices, "seconds": a.seconds, "history": a.history,
+        "clients": a.clients, "keep_alive": a.keep_alive, "switch_ms": sys.getswitchinterval() * 1e3, "procs": a.procs,
+        "devices": a.devices, "seconds": a.seconds, "history": a.history,
         "history_fill_s": fill_s, "recovery_s": recover_s,
         "status_idle_p50_ms": _pct(idle["status_ms"], 0.5), "status_idle_p99_ms": _pct(idle["status_ms"], 0.99),
         "metrics_idle_p50_ms": _pct(idle["metrics_ms"], 0.5), "metrics_idle_p99_ms": _pct(idle["metrics_ms"], 0.99),

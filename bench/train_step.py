@@ -86,7 +86,7 @@ def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False):
     ms = timed(step, steps, warmup)
     loss = float(-state["loss"].sum() / (N - B))
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    del m, master, mom, var
+    m = master = mom = var = None
     gc.collect()
     torch.cuda.empty_cache()
     return {"ms": ms, "peak_GiB": peak, "loss": loss}
@@ -96,7 +96,8 @@ def bench_hf(cfg, B, T, steps, warmup):
     from transformers import Qwen3Config as HFConfig
     from transformers import Qwen3ForCausalLM
 
-    hcfg = HFConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type", "torch_dtype")})
+    hcfg = HFConfig(**{k: v for k, v in cfg.to_hf_dict().items()
+                       if k not in ("architectures", "model_type", "torch_dtype")})
     hcfg._attn_implementation = "sdpa"
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -128,7 +129,7 @@ def bench_hf(cfg, B, T, steps, warmup):
             opt.zero_grad(set_to_none=True)
             gc.collect()
             torch.cuda.empty_cache()
-    del model, opt
+    model = opt = None
     gc.collect()
     torch.cuda.empty_cache()
     return res

@@ -20,7 +20,8 @@ def _ptx(fn, sig, const, warps, stages):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig.get(n, "").startswith("*") or n.startswith("stride")}
     src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
 
 
 def float_ops(ptx: str) -> dict:
@@ -45,7 +46,9 @@ def main():
     # SUB sub-tiles sharing a key tile: each runs a lone sub-tile's instructions, SUB times over
     train4 = float_ops(_ptx(ae._attn_exact_kernel, attn, {**base, "PAGED": False, "SUB": 4}, 4, 2))
     prefill2 = float_ops(_ptx(ae._attn_exact_kernel, attn, {**base, "PAGED": True, "SUB": 2}, 4, 2))
-    times = lambda ops, n: {k: collections.Counter({i: n * c for i, c in v.items()}) for k, v in ops.items()}
+    def times(ops, n):
+        return {k: collections.Counter({i: n * c for i, c in v.items()}) for k, v in ops.items()}
+
     head = {"Z": "*bf16", "Tgt": "*i64", "Lp": "*fp32", "Ent": "*fp32", "Lse": "*fp32", "stride_z": "i32",
             "scale2": "fp32", "TEMP": "*fp32"}
     kw = {"V": 151936, "BV": 8192, "ROW_T": True}
@@ -57,7 +60,8 @@ def main():
     own = {f for f, ln in plain if ln == _line(lpm, "s = s * alpha + tl.sum(p, 0)")}
     differs = {f"{k}": (dict(plain[k]), dict(ent.get(k, {}))) for k in plain if k[0] in own and plain[k] != ent.get(k)}
     not_within = [f"{k}" for k in plain if k[0] not in own and plain[k] - ent.get(k, collections.Counter())]
-    print(json.dumps({"attention_equal": train1 == decode and train4 == times(decode, 4) and prefill2 == times(decode, 2),
+    print(json.dumps({"attention_equal": train1 == decode and train4 == times(decode, 4)
+                      and prefill2 == times(decode, 2),
                       "attention_lines": len(decode), "head_lines": len(plain),
                       "head_own_file": sorted(own), "head_differs": differs, "head_not_within": not_within}))
 

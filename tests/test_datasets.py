@@ -78,7 +78,8 @@ def test_filter_long():
     t = tok()
     rows = [{"prompt": "what is two plus three ?"}, {"prompt": "ok"},
             {"prompt": [{"role": "user", "content": "what is two"}]}]
-    assert len(encode_prompt(t, rows[2]["prompt"])) == 8  # <|im_start|> user what is two <|im_end|> <|im_start|> assistant
+    # <|im_start|> user what is two <|im_end|> <|im_start|> assistant
+    assert len(encode_prompt(t, rows[2]["prompt"])) == 8
     kept, dropped = filter_long(rows, t, 5)
     assert kept == [rows[1]] and dropped == 2
     assert filter_long(rows, t, None) == (rows, 0)

@@ -126,7 +126,8 @@ def test_stop_tokens_eos_and_context_limit(model, lookahead):
     ref = llm.generate(toks(PROMPTS[:1]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop = ref[3]
     k = ref.index(stop)
-    o = llm.generate(toks(PROMPTS[:1]), dataclasses.replace(GREEDY, stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    o = llm.generate(toks(PROMPTS[:1]), dataclasses.replace(GREEDY, stop_token_ids=[stop]),
+                     use_tqdm=False)[0].outputs[0]
     assert o.token_ids == ref[:k + 1] and o.finish_reason == "stop" and len(o.logprobs) == k + 1
     # n samples, stop and length limits in the same step, other requests around
     sp = dataclasses.replace(GREEDY, stop_token_ids=[stop], n=3, max_tokens=k + 1)

@@ -27,7 +27,8 @@ def _run_workload(rng, num_blocks, block_size, budget, max_seqs, n_req, prefix_c
     stems = [[rng.randrange(50) for _ in range(rng.randrange(1, 3 * block_size))] for _ in range(3)]
     reqs = []
     for r in range(n_req):
-        prompt = (rng.choice(stems) if rng.random() < 0.6 else []) + [rng.randrange(50) for _ in range(rng.randrange(1, 2 * block_size))]
+        prompt = ((rng.choice(stems) if rng.random() < 0.6 else [])
+                  + [rng.randrange(50) for _ in range(rng.randrange(1, 2 * block_size))])
         prompt = prompt[: mml - 1]
         sp = SamplingParams(n=rng.choice([1, 1, 2, 3]), max_tokens=rng.randrange(1, 3 * block_size))
         seq = Sequence(r, prompt, sp, seed=r, num_samples=sp.n, stop_ids=frozenset({49}))

@@ -56,7 +56,8 @@ def test_engine_on_exact_kernels_equals_forward(monkeypatch):
         set_exact(was)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through the interpreter (the GPU test covers the device)")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CPU tensors through the interpreter (the GPU test covers the device)")
 def test_exact_kernels_rows_do_not_depend_on_the_batch(monkeypatch):
     """The GEMM kernel (K = 37: a masked last K tile; rows at other offsets of the tile) and the
     attention kernel (packed training rows = paged decode rows = a paged prefill chunk)."""

@@ -72,7 +72,8 @@ def test_embedding_twin_bwd_matches_autograd():
 
 # ------------------------------------------------------------------ kernels vs twins (CPU)
 @cpu
-@pytest.mark.parametrize("N,D,row_stride", [(63, 96, None), (333, 96, None), (189, 24, None), (37, 96, 160), (5, 200, None)])
+@pytest.mark.parametrize("N,D,row_stride",
+                         [(63, 96, None), (333, 96, None), (189, 24, None), (37, 96, 160), (5, 200, None)])
 def test_rmsnorm_kernel(N, D, row_stride):
     _seed(N)
     base = torch.randn(N, row_stride or D)

@@ -62,7 +62,8 @@ def test_two_plain_loops_and_a_yield(service):
     assert jobs == {"loop-a": "done", "loop-b": "done", "hog": "done"}
     ev = [e for e in c.trace()["traceEvents"] if e["ph"] == "X"]
     for name in procs:
-        assert {"init", "rollout", "actor_train", "resident:actor"} <= {e["name"] for e in ev if e["args"]["job"] == name}
+        assert {"init", "rollout", "actor_train", "resident:actor"} <= {e["name"] for e in ev
+                                                                        if e["args"]["job"] == name}
     assert _yielded(c, "loop-a")
     assert "yields 0" not in outs["loop-a"]
     for e0 in ev:  # one slot of 1.0: what is live at any lease's start fits

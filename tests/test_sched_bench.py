@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import sched
+from bench import sched  # noqa: E402
 
 TINY = ["--cpu", "--hidden", "64", "--layers", "2", "--prompts", "2", "--group", "2", "--new-tokens", "8",
         "--jobs", "2", "--no-warmup"]
@@ -141,13 +141,15 @@ typedef union { double d; unsigned int ui; unsigned long ul; unsigned long long 
 typedef struct { unsigned long long ts; Value v; } Sample;
 static int dev;
 static unsigned long long base;
-static unsigned long long now_us(void) { struct timeval t; gettimeofday(&t, 0); return t.tv_sec * 1000000ULL + t.tv_usec; }
+static unsigned long long now_us(void) {
+    struct timeval t; gettimeofday(&t, 0); return t.tv_sec * 1000000ULL + t.tv_usec; }
 int nvmlInit_v2(void) { base = now_us() - 1000000ULL; return 0; }
 const char *nvmlErrorString(int rc) { return "fake"; }
 int nvmlDeviceGetHandleByUUID(const char *u, void **h) { if (strcmp(u, "GPU-abc")) return 6; *h = &dev; return 0; }
 int nvmlDeviceGetHandleByIndex_v2(unsigned int i, void **h) { return 2; }
 int nvmlDeviceGetUtilizationRates(void *h, Util *u) { if (h != &dev) return 2; u->gpu = 42; u->memory = 1; return 0; }
-int nvmlDeviceGetMemoryInfo(void *h, Mem *m) { m->total = 80ULL << 30; m->free = 77ULL << 30; m->used = 3ULL << 30; return 0; }
+int nvmlDeviceGetMemoryInfo(void *h, Mem *m) {
+    m->total = 80ULL << 30; m->free = 77ULL << 30; m->used = 3ULL << 30; return 0; }
 int nvmlDeviceGetSamples(void *h, int type, unsigned long long last, int *vt, unsigned int *n, Sample *s) {
     if (h != &dev || type != 1) return 2;
     unsigned int k, c = 0, have = (unsigned int)((now_us() - base) / 100000ULL);  /* one sample per 0.1 s */

@@ -119,7 +119,7 @@ def audit(db_path: Path) -> dict:
         held.setdefault((job, phase, cluster), []).append((start, end, lid))
     for key, spans in held.items():
         spans.sort()
-        for (s0, e0, l0), (s1, _, l1) in itertools.pairwise(spans):
+        for (_s0, e0, l0), (s1, _, l1) in itertools.pairwise(spans):
             assert s1 >= e0, f"job {key[0]!r} held phase {key[1]!r} twice at once (leases {l0}, {l1})"
     return {"leases": len(rows), "jobs": len(jobs), "states": sorted(set(jobs.values()))}
 

@@ -118,7 +118,8 @@ def test_state_json(live):
     assert [j["job"] for j in s["jobs"]] == ["exp-a", "exp-b", "exp-c", "hog"]
     assert {j["job"]: j["phases"] for j in s["jobs"]}["exp-a"] == ["rollout"]
     phases = {(le["job"], le["phase"]) for le in s["leases"]}
-    assert {("exp-a", "rollout"), ("exp-c", "actor_train"), ("hog", "actor_train"), ("exp-b", "resident:actor")} <= phases
+    assert {("exp-a", "rollout"), ("exp-c", "actor_train"), ("hog", "actor_train"),
+            ("exp-b", "resident:actor")} <= phases
     held = [le for le in s["leases"] if le["held"]]
     assert {(le["job"], le["phase"]) for le in held} >= {("exp-a", "rollout"), ("exp-c", "actor_train")}
     assert all(le["end"] == pytest.approx(s["now"]) for le in held)

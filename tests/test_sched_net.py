@@ -222,7 +222,9 @@ def test_serve_keeps_its_state_private_and_its_token_out_of_argv(tmp_path, capsy
         j.release(j.acquire("actor_train"))
         j.finish()
         assert "file-token" not in " ".join(proc.args)
-        mode = lambda p: p.stat().st_mode & 0o777
+        def mode(p):
+            return p.stat().st_mode & 0o777
+
         assert mode(state) == 0o700
         files = [state / n for n in ("sched.db", "sched.db-wal", "sched.db-shm", "token", "sched.sock")]
         assert all(p.exists() for p in files), [p.name for p in files if not p.exists()]

@@ -120,7 +120,8 @@ def test_a_handler_error_is_an_error_reply(service, monkeypatch):
     monkeypatch.setattr(srv.core, "_ops", {**srv.core._ops, "status": (broken, frozenset(), [])})
     raw = Raw(srv)
     r = raw.call(op="status", token=TOKEN)
-    assert not r["ok"] and r["code"] in ("internal", "invalid") and "OverflowError" in r["error"], r  # the core rolls back
+    # the core rolls back
+    assert not r["ok"] and r["code"] in ("internal", "invalid") and "OverflowError" in r["error"], r
     assert raw.call(op="ping", token=TOKEN)["ok"]
     raw.close()
 

@@ -52,8 +52,9 @@ def test_co_located_rollouts_slow_each_other_down():
     assert alone["makespan_s"] == pytest.approx(14.0)
     two = simulate(load_trace(trace(jobs=[job("a"), job("b")])))  # both fit: they share the device
     assert two["makespan_s"] == pytest.approx(14.0 * 1.4)  # memory bandwidth 0.7 + 0.7
-    light = simulate(load_trace(trace(jobs=[job("a", step=[{"phase": "rollout", "seconds": 14, "mem": 30, "bw": 0.5}]),
-                                            job("b", step=[{"phase": "rollout", "seconds": 14, "mem": 30, "bw": 0.5}])])))
+    light = simulate(load_trace(trace(jobs=[
+        job("a", step=[{"phase": "rollout", "seconds": 14, "mem": 30, "bw": 0.5}]),
+        job("b", step=[{"phase": "rollout", "seconds": 14, "mem": 30, "bw": 0.5}])])))
     assert light["makespan_s"] == pytest.approx(14.0)
 
 

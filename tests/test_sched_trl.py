@@ -44,7 +44,8 @@ def _trainer(tmp_path, name: str, steps: int, use_cpu: bool = True, reward=None)
     args = trl.GRPOConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=2,
                           max_completion_length=4, max_steps=steps, learning_rate=1e-3, beta=0.0, logging_steps=1,
                           report_to=[], save_strategy="no", use_cpu=use_cpu, seed=0, disable_tqdm=True)
-    return trl.GRPOTrainer(model=model, reward_funcs=[reward or distinct], args=args, train_dataset=ds, processing_class=tok)
+    return trl.GRPOTrainer(model=model, reward_funcs=[reward or distinct], args=args, train_dataset=ds,
+                           processing_class=tok)
 
 
 def _no_double_booking(trace: dict, capacity: float = 1.0) -> None:

@@ -144,7 +144,8 @@ def test_chat_sft_end_to_end(tmp_path):
         for j in range(2):
             q = f"add {nums[i]} and {nums[j]}"
             a = nums[i + j + 1]
-            lines.append(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}))
+            lines.append(json.dumps({"messages": [{"role": "user", "content": q},
+                                                  {"role": "assistant", "content": a}]}))
             lines.append(json.dumps({"prompt": q, "completion": a}))
     lines.append(json.dumps({"prompt": "add " * 30, "completion": "one"}))  # too long: dropped with a count
     data.write_text("\n".join(lines) + "\n")

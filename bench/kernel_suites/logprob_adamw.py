@@ -209,7 +209,7 @@ def _adamw_rows(ceil: dict) -> list[dict]:
         row["frac_copy_bw"] = row["GBps"] / copy
         row["frac_copy_bw_torch"] = row["GBps_torch"] / copy
     rows.append(row)
-    del opt, q, out2
+    opt = q = out2 = None
     torch.cuda.empty_cache()
 
     ms = _ms(lambda: grad_norm(g))
@@ -220,7 +220,7 @@ def _adamw_rows(ceil: dict) -> list[dict]:
     if copy:
         row["frac_copy_bw"] = row["GBps"] / copy
     rows.append(row)
-    del p, g, m, v, out
+    p = g = m = v = out = None
     torch.cuda.empty_cache()
     return rows
 

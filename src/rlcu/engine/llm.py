@@ -126,7 +126,8 @@ class LLM:
 
     def __init__(self, model: Qwen3 | str | Path, *, device: str | torch.device | None = None, dtype=None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 gpu_memory_utilization: float | None = None, block_size: int | None = None, num_kv_blocks: int | None = None, max_model_len: int | None = None,
+                 gpu_memory_utilization: float | None = None, block_size: int | None = None,
+                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  tokenizer: Any = None):
         from rlcu.config import GPU_MEMORY_UTILIZATION

@@ -46,7 +46,7 @@ def extract_answer(text: str) -> str | None:
         if b is not None:
             return b.strip()
     m = None
-    for m in _ANSWER_RE.finditer(text):
+    for m in _ANSWER_RE.finditer(text):  # noqa: B007 - keeps the last match
         pass
     if m is not None:
         return m.group(1).strip()

@@ -1,6 +1,6 @@
 """The scheduler service's logic, free of any transport: jobs, their phase requests and
-leases, heartbeats, persistence, metrics (the operations themselves are in ops.py). The socket server (server.py) and the Ray actor
-(ray_backend.py) both wrap one `Core` and feed it messages:
+leases, heartbeats, persistence, metrics (the operations themselves are in ops.py). The socket server (server.py)
+and the Ray actor (ray_backend.py) both wrap one `Core` and feed it messages:
 
     core.handle({"op": "request", "job": "a", "phase": "rollout", "mem": 30}) -> {"ok": True, ...}
 

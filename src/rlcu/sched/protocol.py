@@ -237,7 +237,8 @@ def _clusters(v):
         if isinstance(c, dict):
             bad = set(c) - {"devices", "resident", "peak"}
             if bad:
-                raise _Bad(f"cluster {name!r}: unknown key {min(map(str, bad))!r:.40} (allowed: devices, resident, peak)")
+                raise _Bad(f"cluster {name!r}: unknown key {min(map(str, bad))!r:.40} "
+                           "(allowed: devices, resident, peak)")
             _field(_DEVICES, c.get("devices", 1), f"cluster {name!r}: devices")
             for k in ("resident", "peak"):
                 _field(_MEM, c.get(k, 0.0), f"cluster {name!r}: {k}")
@@ -306,7 +307,8 @@ _DEVICES = _int(1, MAX_DEVICES)
 _MEM = _num(0.0, MAX_MEM)
 _ID = _int(1, MAX_ID, "a lease or request id (an integer)")
 FIELDS = {
-    "job": _name, "clusters": _clusters, "spec": _opt(_spec), "pid": _opt(_int(1, MAX_PID, "a process id (an integer)")),
+    "job": _name, "clusters": _clusters, "spec": _opt(_spec),
+    "pid": _opt(_int(1, MAX_PID, "a process id (an integer)")),
     "host": _opt(_str(255)), "queued": _bool, "attach": _bool, "phase": _name, "cluster": _opt(_name),
     "devices": _opt(_DEVICES), "min_devices": _opt(_DEVICES), "mem": _opt(_MEM), "work": _num(0.0, 1e18),
     "only": _opt(_only), "request": _ID, "lease": _ID, "version": _int(-1, MAX_ID),

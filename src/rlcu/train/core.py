@@ -243,6 +243,7 @@ class Trainer(abc.ABC):
 
     def _log_estimate(self) -> None:
         """Across ranks: the per-rank memory estimate (rlcu.dist.memory); nothing by default."""
+        return None
 
     def _record(self, step: int, m: dict) -> None:
         m.update(self.hooks.metrics())

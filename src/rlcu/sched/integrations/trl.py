@@ -38,7 +38,8 @@ Versions. Supported and tested: TRL 1.16.0 (with transformers 5.24, accelerate 1
 datasets 5.2); the `trl` extra asks for >=1.16,<2. TRL 1.0 to 1.9 have the same two methods
 (`_generate_single_turn` without its later `num_generations` argument, which the wrapper
 passes through), so they should work, untested; `scheduled` refuses a trainer without them,
-naming the method (TRL before 0.24 has no `_generate`). `evaluate()` called outside `train()` runs unscheduled; one `train()` per job name.
+naming the method (TRL before 0.24 has no `_generate`). `evaluate()` called outside `train()` runs unscheduled;
+one `train()` per job name.
 One process (one GPU, or the CPU): a multi-process (accelerate/DDP) run
 would register one job per rank, which this does not do. `pip install 'rlcu[trl]'`.
 """
@@ -234,7 +235,8 @@ class SchedRun:
         # (TRL 1.0-1.9 take (prompt_ids, images, multimodal_fields); 1.16 adds num_generations, ...)
         k, t = self.rollout_chunk, self.trainer
         plain = not (getattr(t, "use_vllm", False) or getattr(t, "use_transformers_continuous_batching", False))
-        if k is None or self.job is None or not plain or images is not None or multimodal_fields or len(prompt_ids) <= k:
+        if (k is None or self.job is None or not plain or images is not None or multimodal_fields
+                or len(prompt_ids) <= k):
             return orig(prompt_ids, images, multimodal_fields, *a, **kw)
         ids, lps = [], []
         for i in range(0, len(prompt_ids), k):
