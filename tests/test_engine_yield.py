@@ -183,8 +183,8 @@ def test_yield_arguments_validated(model):
 
 @pytest.mark.gpu
 def test_yield_on_gpu_releases_memory(model):
-    """On CUDA (Triton kernels, CUDA graphs re-captured after each wake): the pool's memory goes
-    back to the device during on_yield, and the tokens are those of an uninterrupted call."""
+    """On CUDA (Triton kernels, CUDA graphs kept through the yield's sleep): the pool's memory
+    goes back to the device during on_yield, and the tokens are those of an uninterrupted call."""
     m = Qwen3.from_config(model.cfg, device="cuda", dtype=torch.float32, seed=3, init_std=0.2)
     llm = LLM(m, num_kv_blocks=4096, block_size=16, max_num_batched_tokens=8)
     ref = llm.generate(toks(PROMPTS), params(), use_tqdm=False)
@@ -198,6 +198,7 @@ def test_yield_on_gpu_releases_memory(model):
 
     got = llm.generate(toks(PROMPTS), params(), use_tqdm=False, yield_check=lambda: decoding(llm) and len(seen) < 3,
                        on_yield=on_yield)
-    assert len(seen) == 3 and all(freed >= pool for freed in seen)
+    # the pool goes back whole; a few small buffers of the step loop may be allocated meanwhile
+    assert len(seen) == 3 and all(freed >= pool - (1 << 20) for freed in seen), (seen, pool)
     assert llm.stats["graph_steps"] > 0
     assert_same(ref, got)
