@@ -58,4 +58,6 @@ def test_failing_reward_stops_the_run(tmp_path, monkeypatch, capsys):
     assert "RuntimeError: grader offline" in last and "run_rewards.py" in last
     steps = [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1]  # the second failing step raised
-    assert not (tmp_path / "out" / "checkpoints").exists() or not any((tmp_path / "out" / "checkpoints").iterdir())
+    # the steps done are kept for a resume once the function is fixed, and log.txt says why the run stopped
+    assert [p.name for p in (tmp_path / "out" / "checkpoints").iterdir()] == ["step-000001"]
+    assert "reward 'broken' failed on every sample for 2 steps in a row" in (tmp_path / "out" / "log.txt").read_text()

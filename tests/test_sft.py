@@ -204,3 +204,23 @@ def test_sft_on_gpu_bf16(tmp_path):
     tr2 = SFTTrainer(config(tmp_path, *sets), token_rows(4) * 4, model=m2)
     tr2.resume(tr.last_checkpoint)
     assert torch.equal(m2.flat, m.flat) and torch.equal(tr2.optimizer.master, tr.optimizer.master)
+
+
+def test_examples_longer_than_the_context_are_dropped(tmp_path):
+    """max_seq_len above the model's context: an example longer than the context is dropped at
+    load (with a count in the log), not a crash mid-run."""
+    from rlcu.data import synthetic as syn
+    from rlcu.train.sft import SFTTrainer
+
+    tok = syn.make_tokenizer()
+    rows = [{"prompt": "sort 3 1 2 :", "completion": " 1 2 3"}] * 4 + [{"prompt": "sort " + "1 " * 40 + ":",
+                                                                       "completion": " 1"}]
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=24, tie_word_embeddings=True,
+                rope_theta=10000.0, bos_token_id=None, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id)
+    cfg = {"model": {"tiny": tiny}, "max_seq_len": 1024, "steps": 1, "batch_tokens": 64,
+           "log": {"out_dir": str(tmp_path / "out"), "progress": False, "tensorboard": False, "plot": False}}
+    tr = SFTTrainer(cfg, rows, tokenizer=tok)
+    assert len(tr.examples) == 4
+    tr.train()
+    assert "dropped 1 of 5 examples longer than 24 tokens" in (tmp_path / "out" / "log.txt").read_text()

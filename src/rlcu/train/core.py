@@ -282,6 +282,7 @@ class Trainer(abc.ABC):
     def train(self, until: int | None = None):
         """Run to `config.steps` (or stop after step `until`, checkpointing there). Returns
         `self._result()` (the per-step metrics, or the last step's for SFT)."""
+        from rlcu.rewards import RewardsFailed
         from rlcu.train.optimizer import NonFiniteError
         from rlcu.train.signals import SignalGuard
 
@@ -299,6 +300,11 @@ class Trainer(abc.ABC):
                         m = self.train_step(self.step)
                     except NonFiniteError as e:
                         self._abort_nonfinite(e)
+                    except RewardsFailed as e:  # the run stops (exit 1); the log says why, the state is kept
+                        lg.warn(f"step {self.step + 1}: {e}")
+                        if self.step > start and saved_at != self.step:
+                            self._save_if_finite()  # the steps done so far, for a resume once it is fixed
+                        raise
                     self.step += 1
                     if m.get("skipped") and "grad_norm" in m:
                         lg.warn(f"step {self.step}: non-finite loss ({m.get('loss')}) or gradient norm "

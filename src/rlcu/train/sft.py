@@ -129,6 +129,7 @@ class SFTTrainer(Trainer):
         cfg, V = self.cfg, self.model.cfg.vocab_size
         out = []
         n_long = n_empty = 0
+        limit = min(cfg.max_seq_len, self.model.cfg.max_position_embeddings)  # never past the context
         for i, r in enumerate(rows):
             try:
                 ids, mask = encode_sft_row(r, self.tokenizer, **fields)
@@ -136,7 +137,7 @@ class SFTTrainer(Trainer):
                 raise ValueError(f"{src} row {i + 1}: {e}") from None
             if ids and (min(ids) < 0 or max(ids) >= V):
                 raise ValueError(f"{src} row {i + 1}: token id {max(ids)} outside the model's vocabulary [0, {V})")
-            if len(ids) > cfg.max_seq_len:
+            if len(ids) > limit:
                 n_long += 1
                 continue
             if ids:
@@ -146,8 +147,9 @@ class SFTTrainer(Trainer):
                 continue
             out.append((ids, mask))
         if n_long:
-            self._notes.append(f"{src}: dropped {n_long} of {len(rows)} examples longer than "
-                               f"max_seq_len={cfg.max_seq_len} tokens")
+            self._notes.append(f"{src}: dropped {n_long} of {len(rows)} examples longer than {limit} tokens "
+                               f"(max_seq_len={cfg.max_seq_len}, the model's context "
+                               f"{self.model.cfg.max_position_embeddings})")
         if n_empty:
             self._notes.append(f"{src}: dropped {n_empty} examples with no completion token to train on")
         if not out:
