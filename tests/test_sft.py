@@ -223,4 +223,5 @@ def test_examples_longer_than_the_context_are_dropped(tmp_path):
     tr = SFTTrainer(cfg, rows, tokenizer=tok)
     assert len(tr.examples) == 4
     tr.train()
-    assert "dropped 1 of 5 examples longer than 24 tokens" in (tmp_path / "out" / "log.txt").read_text()
+    log = (tmp_path / "out" / "log.txt").read_text()
+    assert "dropped 1 of 5 examples longer than the model's context (24; max_seq_len=1024)" in log

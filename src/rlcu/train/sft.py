@@ -147,9 +147,9 @@ class SFTTrainer(Trainer):
                 continue
             out.append((ids, mask))
         if n_long:
-            self._notes.append(f"{src}: dropped {n_long} of {len(rows)} examples longer than {limit} tokens "
-                               f"(max_seq_len={cfg.max_seq_len}, the model's context "
-                               f"{self.model.cfg.max_position_embeddings})")
+            why = (f"max_seq_len={cfg.max_seq_len}" if limit == cfg.max_seq_len else
+                   f"the model's context ({limit}; max_seq_len={cfg.max_seq_len})")
+            self._notes.append(f"{src}: dropped {n_long} of {len(rows)} examples longer than {why} tokens")
         if n_empty:
             self._notes.append(f"{src}: dropped {n_empty} examples with no completion token to train on")
         if not out:
