@@ -194,7 +194,7 @@ def umask() -> int:
     return m
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -255,4 +255,4 @@ def atomic_write(path: str | Path, write: Callable[[Path], object]) -> None:
         if err is e:
             raise
         raise err from e
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)

@@ -48,20 +48,7 @@ def _fsync_tree(path: Path) -> None:
             with open(p, "rb") as fh:
                 os.fsync(fh.fileno())
     for d in [p for p in path.rglob("*") if p.is_dir()] + [path]:
-        _fsync_dir(d)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems do not support fsync on directories
-    finally:
-        os.close(fd)
+        io.fsync_dir(d)
 
 
 # ---------------------------------------------------------------- RNG states
@@ -158,7 +145,7 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        _fsync_dir(root)
+        io.fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
