@@ -32,8 +32,8 @@ import torch.distributed as dist
 from rlcu.config import OptimConfig
 from rlcu.dist.buckets import Buckets, GradSink, all_gather, bucket_bounds, reduce_scatter
 from rlcu.dist.comm import World, world
-from rlcu.ops.adamw import adamw_step, clip_scale, grad_norm
-from rlcu.train.optimizer import _STATE_DTYPES, NonFiniteError
+from rlcu.ops.adamw import adamw_step, grad_norm
+from rlcu.train.optimizer import _STATE_DTYPES, NonFiniteError, gate
 
 
 class ShardedAdamW:
@@ -136,27 +136,14 @@ class ShardedAdamW:
         stats = torch.stack([grad_norm(g).square(),
                              torch.tensor(0.0 if lossf is None or math.isfinite(lossf) else 1.0, device=g.device)])
         dist.all_reduce(stats)
-        gn_t = stats[0].sqrt()
-        gn, bad_loss = float(gn_t), float(stats[1]) > 0
-        info = {"grad_norm": gn, "lr": float(lr)}
-        if bad_loss or not math.isfinite(gn):
-            self.nonfinite_in_row += 1
-            self.skipped_total += 1
-            info.update(clip_scale=0.0, skipped=1, nonfinite_in_row=self.nonfinite_in_row)
+        try:
+            info, scale = gate(self, stats[0].sqrt(), float(stats[1]) > 0, lossf, lr)
+        except NonFiniteError:
             self._gshard = None
-            if self.nonfinite_in_row >= self.cfg.max_nonfinite_in_row:
-                raise NonFiniteError(
-                    f"{self.nonfinite_in_row} optimizer steps in a row had a non-finite "
-                    f"{'loss' if bad_loss else 'gradient norm'} (loss={lossf}, grad_norm={gn}); aborting "
-                    f"(optim.max_nonfinite_in_row={self.cfg.max_nonfinite_in_row}). Lower optim.lr or check the data.",
-                    info)
+            raise
+        if scale is None:
+            self._gshard = None
             return info
-        self.nonfinite_in_row = 0
-        if self.cfg.max_grad_norm > 0:
-            scale = clip_scale(gn_t, self.cfg.max_grad_norm)
-        else:
-            scale = torch.ones((), device=g.device, dtype=torch.float32)
-        self.step_count += 1
         b1, b2 = self.cfg.betas
         flat = self.model.flat
         for start, n, o in self.buckets.pieces():

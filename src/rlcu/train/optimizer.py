@@ -42,6 +42,32 @@ class NonFiniteError(RuntimeError):
         self.info = info
 
 
+def gate(opt, gn_t: torch.Tensor, loss_bad: bool, lossf: float | None, lr: float) -> tuple[dict, torch.Tensor | None]:
+    """The update gate FlatAdamW and the sharded AdamW share: (info, clip scale), the scale None
+    when the step is skipped (a non-finite loss or gradient norm), NonFiniteError after
+    optim.max_nonfinite_in_row skipped steps in a row. Counts the step on `opt` when it goes on."""
+    gn = float(gn_t)
+    info = {"grad_norm": gn, "lr": float(lr)}
+    if loss_bad or not math.isfinite(gn):
+        opt.nonfinite_in_row += 1
+        opt.skipped_total += 1
+        info.update(clip_scale=0.0, skipped=1, nonfinite_in_row=opt.nonfinite_in_row)
+        if opt.nonfinite_in_row >= opt.cfg.max_nonfinite_in_row:
+            raise NonFiniteError(
+                f"{opt.nonfinite_in_row} optimizer steps in a row had a non-finite "
+                f"{'loss' if loss_bad else 'gradient norm'} (loss={lossf}, grad_norm={gn}); aborting "
+                f"(optim.max_nonfinite_in_row={opt.cfg.max_nonfinite_in_row}). Lower optim.lr or check the data.",
+                info)
+        return info, None
+    opt.nonfinite_in_row = 0
+    if opt.cfg.max_grad_norm > 0:
+        scale = clip_scale(gn_t, opt.cfg.max_grad_norm)
+    else:
+        scale = torch.ones((), device=gn_t.device, dtype=torch.float32)
+    opt.step_count += 1
+    return info, scale
+
+
 class FlatAdamW:
     def __init__(self, model, cfg: OptimConfig):
         self.model = model
@@ -84,28 +110,10 @@ class FlatAdamW:
         g = self.model.grad_flat
         if g is None:
             raise RuntimeError("optimizer step without gradients: call model.backward first")
-        gn_t = grad_norm(g)
-        gn = float(gn_t)
         lossf = None if loss is None else float(loss)
-        finite = math.isfinite(gn) and (lossf is None or math.isfinite(lossf))
-        info = {"grad_norm": gn, "lr": float(lr)}
-        if not finite:
-            self.nonfinite_in_row += 1
-            self.skipped_total += 1
-            info.update(clip_scale=0.0, skipped=1, nonfinite_in_row=self.nonfinite_in_row)
-            if self.nonfinite_in_row >= self.cfg.max_nonfinite_in_row:
-                raise NonFiniteError(
-                    f"{self.nonfinite_in_row} optimizer steps in a row had a non-finite "
-                    f"{'loss' if lossf is not None and not math.isfinite(lossf) else 'gradient norm'} "
-                    f"(loss={lossf}, grad_norm={gn}); aborting (optim.max_nonfinite_in_row="
-                    f"{self.cfg.max_nonfinite_in_row}). Lower optim.lr or check the data.", info)
+        info, scale = gate(self, grad_norm(g), lossf is not None and not math.isfinite(lossf), lossf, lr)
+        if scale is None:
             return info
-        self.nonfinite_in_row = 0
-        if self.cfg.max_grad_norm > 0:
-            scale = clip_scale(gn_t, self.cfg.max_grad_norm)
-        else:
-            scale = torch.ones((), device=g.device, dtype=torch.float32)
-        self.step_count += 1
         b1, b2 = self.cfg.betas
         adamw_step(self.master, g, self.m, self.v, None if self.master_is_model else self.model.flat,
                    lr=float(lr), beta1=b1, beta2=b2, eps=self.cfg.eps, weight_decay=self.cfg.weight_decay,
