@@ -137,6 +137,10 @@ class JobHooks(Hooks):
 
 
 def _use_device(lease) -> None:
+    from rlcu.dist.comm import world
+
+    if world().distributed:
+        return  # each rank keeps its LOCAL_RANK device (its process group's); DistJobHooks checks the lease
     name = lease.names[0].rsplit("/", 1)[-1] if lease.names else ""  # "cuda:K" or "NODE/cuda:K"
     if name.startswith("cuda:"):
         import torch
@@ -154,14 +158,23 @@ class ScheduledGRPO(GRPOTrainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, sched: JobHandle, mem: dict | None = None,
                  cluster: str = CLUSTER, **kw):
+        from rlcu.dist.comm import world
+
         cfg = coerce_config(GRPOConfig, config)
-        hooks = JobHooks(sched, cluster, mem)
+        if world().distributed:  # rank 0 holds the leases; every rank enters each phase (sched/dp.py)
+            from rlcu.sched.dp import DistJobHooks
+
+            hooks = DistJobHooks(sched, cluster, mem)
+        else:
+            hooks = JobHooks(sched, cluster, mem)
         with hooks.phase("init") as lease:
             self._use_device(lease)
             if cfg.engine.num_kv_blocks is None and hooks.mem.get("rollout") and _on_cuda(cfg):
                 kvb = estimate_memory(cfg)["kv_bytes_per_token"] * cfg.engine.block_size
                 cfg.engine.num_kv_blocks = max(16, int(hooks.mem["rollout"] * GiB * 0.8 // kvb))
             super().__init__(cfg, dataset, reward_fns, hooks=hooks, **kw)
+        if hasattr(hooks, "attach"):
+            hooks.attach(self.llm)
 
     def _use_device(self, lease) -> None:
         """Make the lease's device current (benchmarks extend this, e.g. with a stream)."""
@@ -192,12 +205,13 @@ def _on_cuda(cfg) -> bool:
     return cfg.model.resolve_device() == "cuda"
 
 
-def job_memory(cfg: GRPOConfig, given: dict | None = None) -> tuple[dict, dict]:
-    """(clusters, mem per phase) to register: the estimates, overridden by `given`."""
+def job_memory(cfg: GRPOConfig, given: dict | None = None, devices: int = 1) -> tuple[dict, dict]:
+    """(clusters, mem per phase and device) to register: the estimates, overridden by `given`;
+    `devices`: the job's ranks (one device each)."""
     mem = {k: v for k, v in estimate_memory(cfg).items() if k != "kv_bytes_per_token"}
     mem.update(given or {})
     peak = max(v for k, v in mem.items() if k != "resident")
-    return {CLUSTER: {"devices": 1, "resident": mem["resident"], "peak": peak}}, mem
+    return {CLUSTER: {"devices": devices, "resident": mem["resident"], "peak": peak}}, mem
 
 
 def run_grpo(config, addr: str | None = None, name: str | None = None, *, overrides=(), attach: bool = False,
@@ -205,29 +219,44 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
              heartbeat_s: float = 2.0, poll_s: float = 0.1, trainer_cls=None, **trainer_kw) -> list[dict]:
     """Register (or attach to) a job, train under the scheduler, finish; returns the metrics.
     trainer_kw (dataset, reward_fns, tokenizer, ...) go to the trainer, a ScheduledGRPO
-    (or trainer_cls)."""
+    (or trainer_cls). Under torchrun (rlcu.dist) every rank calls this: rank 0 registers the job
+    with one lease of WORLD_SIZE devices and talks to the scheduler; see rlcu.sched.dp."""
     from rlcu.config import load_config
+    from rlcu.dist.comm import world
 
     if isinstance(config, (str, Path)) or config is None:
         cfg = load_config(GRPOConfig, config, list(overrides))
     else:
         cfg = coerce_config(GRPOConfig, config)
-    clusters, mem = job_memory(cfg, mem)
-    client = client or SchedClient(addr, token)
-    name = name or f"grpo-{secrets.token_hex(3)}"
-    handle = client.job(name, clusters, spec={"kind": "grpo", "mem": mem}, attach=attach, heartbeat_s=heartbeat_s,
-                        poll_s=poll_s)
-    ok = False
+    w = world()
+    clusters, mem = job_memory(cfg, mem, devices=w.size)
+
+    def register():
+        c = client or SchedClient(addr, token)
+        return c.job(name or f"grpo-{secrets.token_hex(3)}", clusters, spec={"kind": "grpo", "mem": mem},
+                     attach=attach, heartbeat_s=heartbeat_s, poll_s=poll_s)
+
+    if w.distributed:
+        from rlcu.sched.dp import on_main
+
+        handle = on_main(register, share=False)  # rank 0's; None elsewhere (a refusal raises on every rank)
+    else:
+        handle = register()
+    ok, trainer = False, None
     try:
-        hist = (trainer_cls or ScheduledGRPO)(cfg, sched=handle, mem=mem, **trainer_kw).train()
+        trainer = (trainer_cls or ScheduledGRPO)(cfg, sched=handle, mem=mem, **trainer_kw)
+        hist = trainer.train()
         ok = True
         return hist
     finally:
-        try:
-            handle._call("finish", failed=not ok)
-        except SchedError:
-            pass
-        handle.close()
+        if trainer is not None and hasattr(trainer.hooks, "close"):
+            trainer.hooks.close()
+        if handle is not None:
+            try:
+                handle._call("finish", failed=not ok)
+            except SchedError:
+                pass
+            handle.close()
 
 
 def run_grpo_exit_code(prog: str, *args, **kw) -> int:
