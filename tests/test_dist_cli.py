@@ -1,6 +1,6 @@
 """`torchrun --nproc-per-node 2 -m rlcu sft CONFIG` on the CPU (gloo): the run ends with one
 metrics file and a checkpoint holding both ranks' optimizer shards; a bad config exits 2 on
-every rank (bounded)."""
+every rank (bounded); GRPO under the scheduler at 2 ranks is one job on both slots."""
 
 from __future__ import annotations
 
@@ -47,10 +47,44 @@ def test_torchrun_two_ranks_sft(tmp_path):
     assert "grad_accum (3) must be a multiple of the number of ranks (2)" in pr.stderr
 
 
-def test_scheduler_refused_across_ranks(monkeypatch, capsys):
-    from rlcu.dist import comm
-    from rlcu.train import cli
+_REWARDS = "def ok(completions, **kw):\n    return [float(len(c) % 2) for c in completions]\n"
 
-    monkeypatch.setattr(comm, "_WORLD", comm.World(rank=0, size=2, backend="gloo"))
-    assert cli.main(["grpo", "--scheduler", "unix:/nonexistent.sock"]) == 2
-    assert "cannot be combined with torchrun (WORLD_SIZE=2)" in capsys.readouterr().err
+
+def test_torchrun_two_ranks_grpo_under_the_scheduler(tmp_path):
+    """`torchrun --nproc-per-node 2 -m rlcu grpo CONFIG --scheduler ADDR`: one job, whose every
+    lease spans the two CPU slots, finished as done."""
+    from rlcu.data import synthetic as syn
+    from rlcu.sched.core import Core
+    from rlcu.sched.server import SchedServer
+
+    tok = syn.make_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    rows = syn.sort_rows(16, "train", min_len=2, max_len=3)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "dp_rewards.py").write_text(_REWARDS)
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=32, bos_token_id=None,
+                vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id)
+    cfg = {"model": {"tiny": tiny, "tokenizer": str(tmp_path / "tok"), "device": "cpu"},
+           "data": {"path": str(tmp_path / "train.jsonl")}, "rewards": [{"fn": "dp_rewards:ok"}],
+           "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3,
+           "log": {"out_dir": str(tmp_path / "out"), "progress": False, "tensorboard": False, "plot": False}}
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(cfg))
+    core = Core([10.0, 10.0], state=tmp_path / "s.db", device_names=["cpu0", "cpu1"])
+    srv = SchedServer(core, f"unix:{tmp_path / 's.sock'}", "tok", tick_s=0.05).start()
+    try:
+        os.environ["RLCU_SCHED_TOKEN"] = "tok"
+        try:
+            pr = _torchrun(["grpo", "grpo.yaml", "--scheduler", srv.address, "--job-name", "dpcli"], tmp_path)
+        finally:
+            del os.environ["RLCU_SCHED_TOKEN"]
+        assert pr.returncode == 0, pr.stderr[-3000:]
+        snap = core.snapshot()
+        assert snap.jobs["dpcli"].state == "done"
+        spans = [s for s in snap.spans if s.job == "dpcli"]
+        assert {s.phase for s in spans} >= {"resident", "init", "rollout", "actor_train"}
+        assert all(tuple(s.devices) == (0, 1) for s in spans)
+    finally:
+        srv.stop()
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
