@@ -239,3 +239,20 @@ def test_tick_protocol_yields_every_rank_even_one_done(tmp_path):
     # the scheduler ends the job at tick 3: every rank raises JobEnded, with rank 0's message
     e0, e1 = r0["end"], r1["end"]
     assert e0["after"] == e1["after"] == "ended: job 'x' is cancelled"
+
+
+def test_memory_per_rank_estimate_shards_the_optimizer():
+    """A job of N ranks registers what one rank holds: Qwen3-14B in the default precision does
+    not fit one H200's 139 GiB resident, but its 8-rank job does, with room for its phases."""
+    from test_dist_memory import SHAPES
+
+    from rlcu.sched.job import estimate_memory, job_memory
+    from rlcu.train.rl_config import GRPOConfig
+
+    cfg = GRPOConfig(model={"tiny": SHAPES["14b"], "dtype": "bfloat16"}, kl_coef=0.0, prompts_per_step=32,
+                     group_size=8, max_new_tokens=1024, micro_batch_tokens=16384)
+    one, eight = estimate_memory(cfg), estimate_memory(cfg, world_size=8)
+    assert one["resident"] > 139 > eight["resident"] + max(eight["rollout"], eight["actor_train"])
+    assert eight["rollout"] < one["rollout"] / 4  # a rank's block of the prompts
+    clusters, mem = job_memory(cfg, devices=8)
+    assert clusters["actor"]["devices"] == 8 and clusters["actor"]["resident"] == eight["resident"]

@@ -42,12 +42,15 @@ GiB = float(1 << 30)
 CLUSTER = "actor"
 
 
-def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, float]:
+def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: int = 1) -> dict[str, float]:
     """Rough GiB per device: `resident` (weights, fp32 master, Adam m and v, the grads unless
     optim.release_grads frees them between steps (then actor_train counts them), the
     reference copy), and the transient need of init, rollout (KV pool for one step's
     sequences + logits), ref_logprobs and actor_train (checkpointed activations of one
-    micro-batch + one layer's recompute + the chunked LM head). Override with measurements."""
+    micro-batch + one layer's recompute + the chunked LM head). Override with measurements.
+    world_size N > 1 (data parallel, one device a rank): the master, m, v and the gradient are
+    1/N shards (rlcu.dist.zero), actor_train adds the reduce-scattered gradient buckets
+    (rlcu.dist.memory), and a rank's rollout holds its block of the step's prompts."""
     from rlcu.model.config import Qwen3Config
     from rlcu.model.layout import ParamLayout
     from rlcu.ops.logprob import chunk_rows
@@ -64,17 +67,23 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, 
     o = cfg.optim
     master = 4 if (w != 4 and o.master_weights) else 0
     state = 2 * (2 if o.state_dtype == "bfloat16" else 4)  # Adam m and v
-    grads = P * (2 if (w == 2 and o.grad_dtype == "bfloat16") else 4)  # held between steps unless release_grads
-    resident = P * (w + master + state) + (0 if o.release_grads else grads) + (P * w if cfg.kl_coef > 0 else 0)
+    N = max(1, int(world_size))
+    gb = 2 if (w == 2 and o.grad_dtype == "bfloat16") else 4
+    grads = P * gb / N  # held between steps unless release_grads (a 1/N shard across ranks)
+    resident = P * w + P * (master + state) / N + (0 if o.release_grads else grads) + (P * w if cfg.kl_coef > 0 else 0)
     H, I, L, V = qc.hidden_size, qc.intermediate_size, qc.num_hidden_layers, qc.vocab_size
     seq = (cfg.data.max_prompt_tokens or max_prompt_tokens) + cfg.max_new_tokens
     kv_tok = 2 * L * qc.num_key_value_heads * qc.head_dim * w
-    n_seq = cfg.prompts_per_step * cfg.group_size * (1 + int(getattr(cfg, "dynamic_sampling", False)))
+    n_seq = -(-cfg.prompts_per_step // N) * cfg.group_size * (1 + int(getattr(cfg, "dynamic_sampling", False)))
     rollout = kv_tok * n_seq * seq * 1.1 + min(n_seq, cfg.engine.max_num_seqs) * V * 4 * 2
     T = cfg.micro_batch_tokens
     layer = T * (qc.q_size + 2 * qc.kv_size + 4 * H + 6 * I) * w
     head = min(T, chunk_rows(V, m.resolve_dtype())) * V * 4 * 2  # the fused head's logits tile
     train = (T * H * w * L + layer * 2 + head) * 1.25 + (grads if o.release_grads else 0)
+    if N > 1:
+        from rlcu.dist.memory import estimate
+
+        train += estimate(qc, N, weight_bytes=w, grad_bytes=gb, micro_batch_tokens=T)["gradient_buckets"]
     ref = (layer + head) * 1.25
     out = {"resident": resident, "init": P * 4, "rollout": rollout, "ref_logprobs": ref, "actor_train": train}
     return {k: v / GiB for k, v in out.items()} | {"kv_bytes_per_token": kv_tok}
@@ -208,7 +217,7 @@ def _on_cuda(cfg) -> bool:
 def job_memory(cfg: GRPOConfig, given: dict | None = None, devices: int = 1) -> tuple[dict, dict]:
     """(clusters, mem per phase and device) to register: the estimates, overridden by `given`;
     `devices`: the job's ranks (one device each)."""
-    mem = {k: v for k, v in estimate_memory(cfg).items() if k != "kv_bytes_per_token"}
+    mem = {k: v for k, v in estimate_memory(cfg, world_size=devices).items() if k != "kv_bytes_per_token"}
     mem.update(given or {})
     peak = max(v for k, v in mem.items() if k != "resident")
     return {CLUSTER: {"devices": devices, "resident": mem["resident"], "peak": peak}}, mem
