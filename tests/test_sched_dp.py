@@ -253,3 +253,22 @@ def test_memory_per_rank_estimate_shards_the_optimizer():
     assert eight["rollout"] < one["rollout"] / 4  # a rank's block of the prompts
     clusters, mem = job_memory(cfg, devices=8)
     assert clusters["actor"]["devices"] == 8 and clusters["actor"]["resident"] == eight["resident"]
+
+
+def test_pin_devices_maps_the_ranks_gpus_onto_the_pool():
+    from types import SimpleNamespace
+
+    from rlcu.sched.client import SchedError
+    from rlcu.sched.dp import pin_devices
+
+    def handle(*names):
+        devs = [{"index": i, "name": n} for i, n in enumerate(names)]
+        return SimpleNamespace(client=SimpleNamespace(status=lambda: {"devices": devs}))
+
+    assert pin_devices(None, [("h", "cpu"), ("h", "cpu")]) is None  # CPU ranks take the slots granted
+    assert pin_devices(handle("cpu0", "cpu1"), [("h", "cuda:0"), ("h", "cuda:1")]) is None
+    assert pin_devices(handle("cuda:0", "cuda:1", "cuda:2", "cuda:3"), [("h", "cuda:3"), ("h", "cuda:2")]) == [2, 3]
+    two_nodes = handle("a/cuda:0", "a/cuda:1", "b/cuda:0", "b/cuda:1")
+    assert pin_devices(two_nodes, [("b", "cuda:0"), ("b", "cuda:1"), ("a", "cuda:1")]) == [1, 2, 3]
+    with pytest.raises(SchedError, match=r"\['c/cuda:0'\] are not devices of the scheduler's pool"):
+        pin_devices(two_nodes, [("a", "cuda:0"), ("c", "cuda:0")])
