@@ -50,12 +50,9 @@ def test_torchrun_two_ranks_sft(tmp_path):
 _REWARDS = "def ok(completions, **kw):\n    return [float(len(c) % 2) for c in completions]\n"
 
 
-def test_torchrun_two_ranks_grpo_under_the_scheduler(tmp_path):
-    """`torchrun --nproc-per-node 2 -m rlcu grpo CONFIG --scheduler ADDR`: one job, whose every
-    lease spans the two CPU slots, finished as done."""
+def _grpo_files(tmp_path) -> Path:
+    """A tiny GRPO config (tokenizer, prompts and a reward module beside it) on the CPU."""
     from rlcu.data import synthetic as syn
-    from rlcu.sched.core import Core
-    from rlcu.sched.server import SchedServer
 
     tok = syn.make_tokenizer()
     tok.save_pretrained(tmp_path / "tok")
@@ -70,21 +67,70 @@ def test_torchrun_two_ranks_grpo_under_the_scheduler(tmp_path):
            "steps": 2, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 3,
            "log": {"out_dir": str(tmp_path / "out"), "progress": False, "tensorboard": False, "plot": False}}
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(cfg))
+    return tmp_path / "grpo.yaml"
+
+
+def _job_on_both_slots(core, name):
+    snap = core.snapshot()
+    assert snap.jobs[name].state == "done"
+    spans = [s for s in snap.spans if s.job == name]
+    assert {s.phase for s in spans} >= {"resident", "init", "rollout", "actor_train"}
+    assert all(tuple(s.devices) == (0, 1) for s in spans)
+
+
+def _service(tmp_path):
+    from rlcu.sched.core import Core
+    from rlcu.sched.server import SchedServer
+
     core = Core([10.0, 10.0], state=tmp_path / "s.db", device_names=["cpu0", "cpu1"])
-    srv = SchedServer(core, f"unix:{tmp_path / 's.sock'}", "tok", tick_s=0.05).start()
+    return core, SchedServer(core, f"unix:{tmp_path / 's.sock'}", "tok", tick_s=0.05).start()
+
+
+def _steps(tmp_path):
+    return [json.loads(x)["step"] for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_torchrun_two_ranks_grpo_under_the_scheduler(tmp_path, monkeypatch):
+    """`torchrun --nproc-per-node 2 -m rlcu grpo CONFIG --scheduler ADDR`: one job, whose every
+    lease spans the two CPU slots, finished as done."""
+    _grpo_files(tmp_path)
+    core, srv = _service(tmp_path)
     try:
-        os.environ["RLCU_SCHED_TOKEN"] = "tok"
-        try:
-            pr = _torchrun(["grpo", "grpo.yaml", "--scheduler", srv.address, "--job-name", "dpcli"], tmp_path)
-        finally:
-            del os.environ["RLCU_SCHED_TOKEN"]
+        monkeypatch.setenv("RLCU_SCHED_TOKEN", "tok")
+        pr = _torchrun(["grpo", "grpo.yaml", "--scheduler", srv.address, "--job-name", "dpcli"], tmp_path)
         assert pr.returncode == 0, pr.stderr[-3000:]
-        snap = core.snapshot()
-        assert snap.jobs["dpcli"].state == "done"
-        spans = [s for s in snap.spans if s.job == "dpcli"]
-        assert {s.phase for s in spans} >= {"resident", "init", "rollout", "actor_train"}
-        assert all(tuple(s.devices) == (0, 1) for s in spans)
+        _job_on_both_slots(core, "dpcli")
     finally:
         srv.stop()
-    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert _steps(tmp_path) == [1, 2]
+
+
+def test_submit_a_job_of_two_ranks(tmp_path, monkeypatch, capsys):
+    """A job file's `ranks: 2`: `rlcu sched submit` registers one job of 2 devices and starts
+    its worker under torchrun, whose rank 0 attaches with the job's secret."""
+    from rlcu.sched.cli import main
+
+    _grpo_files(tmp_path)
+    (tmp_path / "job.yaml").write_text("name: dpsub\ngrpo: grpo.yaml\nranks: 2\n")
+    core, srv = _service(tmp_path)
+    for k, v in (("PYTHONPATH", SRC), ("OMP_NUM_THREADS", "1"), ("RLCU_DIST_HEARTBEAT_S", "10")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        assert main(["sched", "submit", str(tmp_path / "job.yaml"), "--addr", srv.address, "--token", "tok"]) == 0
+        assert "submitted dpsub" in capsys.readouterr().out
+        import time
+
+        end = time.monotonic() + 180
+        while core.snapshot().jobs["dpsub"].state in ("queued", "running") and time.monotonic() < end:
+            time.sleep(0.2)
+        log = (tmp_path / "logs" / "dpsub.log").read_text()
+        assert core.snapshot().jobs["dpsub"].state == "done", log[-3000:]
+        _job_on_both_slots(core, "dpsub")
+    finally:
+        srv.stop()
+    assert _steps(tmp_path) == [1, 2]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo: grpo.yaml\nranks: 0\n")
+    assert main(["sched", "submit", str(bad), "--addr", srv.address, "--token", "tok", "--no-launch"]) == 2
+    assert "ranks must be an integer >= 1" in capsys.readouterr().err

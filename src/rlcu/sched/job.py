@@ -319,5 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlcu.__main__ import ranked  # under torchrun: the process group around the job
+
+    sys.exit(ranked(main))
 
