@@ -37,7 +37,7 @@ import torch
 
 from rlcu.dist import comm as W
 from rlcu.sched.client import JobHandle, SchedError
-from rlcu.sched.job import JobHooks
+from rlcu.train.core import Hooks
 
 _ERROR_FLAG = 1e6  # rank 0's tick value when asking the scheduler failed
 
@@ -106,12 +106,18 @@ def pin_devices(handle: JobHandle | None, ranks: list[tuple[str, str]]) -> list[
     return sorted(out)
 
 
-class DistJobHooks(JobHooks):
-    """JobHooks across ranks (see the module docstring): `sched` is the JobHandle on rank 0
-    and None on the others. Call `attach(llm)` once the engine exists."""
+class DistJobHooks(Hooks):
+    """rlcu.sched.job.JobHooks across ranks (see the module docstring): `sched` is the
+    JobHandle on rank 0 and None on the others. Call `attach(llm)` once the engine exists."""
+
+    preemptible = True
 
     def __init__(self, sched: JobHandle | None, cluster: str, mem: dict | None = None):
-        super().__init__(sched, cluster, mem)
+        self.sched, self.cluster, self.mem = sched, cluster, dict(mem or {})
+        self.held = None
+        self.yields = 0
+        self.engine_steps = 0
+        self.on_engine_step = None  # called with the step count at each yield check (tests)
         w = W.world()
         self.rank, self.size, self.main = w.rank, w.size, w.is_main
         if self.main and sched is None:
@@ -192,6 +198,9 @@ class DistJobHooks(JobHooks):
         if self._undo_at_die is not None:
             self._undo_at_die()
             self._undo_at_die = None
+
+    def metrics(self) -> dict:
+        return {"sched/yields": self.yields}
 
     # ---------------------------------------------------------------- yields
     def _preempting(self) -> bool:

@@ -22,6 +22,9 @@ uninterrupted one: nothing is lost and training ends at the same weights.
 Memory per phase is estimated from the config (`estimate_memory`, GiB) unless given; on a
 GPU the engine's KV pool is sized from the rollout lease, so several jobs on one device
 never take more than they were leased.
+
+Across the ranks of a data-parallel run (torchrun) the job is one, with leases of WORLD_SIZE
+devices held by rank 0, and every phase and yield taken by all ranks together: rlcu.sched.dp.
 """
 
 from __future__ import annotations
