@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import socket
 import threading
+import time
 
 import torch
 
@@ -62,15 +64,41 @@ def _rebuild(info: tuple) -> BaseException:
     return RuntimeError(f"rank 0: {name}: {msg}")
 
 
+_SEQ = itertools.count(1)  # on_main calls, the same sequence on every rank
+
+
+def _store():
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore("rlcu/sched/", _get_default_store())
+
+
+def _wait_for_main(seq: int) -> None:
+    """Until rank 0 has done on_main call `seq`: polled on the rendezvous store, without a
+    deadline (a grant may wait for hours in a busy pool; a collective would time out after
+    RLCU_DIST_TIMEOUT_S), so the watchdog alone ends a wait whose rank 0 is gone."""
+    st, pause = _store(), 0.001
+    while not (st.check(["done"]) and int(st.get("done")) >= seq):
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+
+
 def on_main(fn, share: bool = True):
     """fn() on rank 0, its result broadcast to every rank (share=False: None to the others);
-    an exception on rank 0 is raised on every rank (the same class where it can be rebuilt)."""
+    an exception on rank 0 is raised on every rank (the same class where it can be rebuilt).
+    The other ranks wait for it however long fn takes."""
     out = err = None
+    seq = next(_SEQ)
     if W.world().is_main:
         try:
             out = fn()
         except Exception as e:
             err = e
+        if W.world().distributed:
+            _store().set("done", str(seq))
+    elif W.world().distributed:
+        _wait_for_main(seq)
     msg = W.broadcast_object(("error", _portable(err)) if err is not None else ("ok", out if share else None))
     if err is not None:
         raise err
