@@ -269,6 +269,9 @@ def test_pin_devices_maps_the_ranks_gpus_onto_the_pool():
         devs = [{"index": i, "name": n} for i, n in enumerate(names)]
         return SimpleNamespace(client=SimpleNamespace(status=lambda: {"devices": devs}))
 
+    def no_status():
+        raise SchedError("bad or missing token", "auth")
+
     assert pin_devices(None, [("h", "cpu"), ("h", "cpu")]) is None  # CPU ranks take the slots granted
     assert pin_devices(handle("cpu0", "cpu1"), [("h", "cuda:0"), ("h", "cuda:1")]) is None
     assert pin_devices(handle("cuda:0", "cuda:1", "cuda:2", "cuda:3"), [("h", "cuda:3"), ("h", "cuda:2")]) == [2, 3]
@@ -276,3 +279,19 @@ def test_pin_devices_maps_the_ranks_gpus_onto_the_pool():
     assert pin_devices(two_nodes, [("b", "cuda:0"), ("b", "cuda:1"), ("a", "cuda:1")]) == [1, 2, 3]
     with pytest.raises(SchedError, match=r"\['c/cuda:0'\] are not devices of the scheduler's pool"):
         pin_devices(two_nodes, [("a", "cuda:0"), ("c", "cuda:0")])
+    # a worker with only its job's secret cannot read the pool: unpinned (each rank checks its grant)
+    assert pin_devices(SimpleNamespace(client=SimpleNamespace(status=no_status)), [("h", "cuda:0")]) is None
+
+
+def test_a_grant_without_the_ranks_gpu_is_refused(monkeypatch):
+    from rlcu.sched import dp
+    from rlcu.sched.client import LeaseInfo, SchedError
+
+    h = object.__new__(dp.DistJobHooks)
+    h.rank, h.size = 1, 2
+    monkeypatch.setattr(dp, "_my_device", lambda: "cuda:1")
+    h._check(LeaseInfo(7, "rollout", "actor", (0, 1), ("n/cuda:0", "n/cuda:1"), (1.0, 1.0), 0.0))
+    with pytest.raises(SchedError, match=r"rank 1: lease 7 \(rollout\) holds \['cuda:2', 'cuda:3'\], not this "):
+        h._check(LeaseInfo(7, "rollout", "actor", (2, 3), ("cuda:2", "cuda:3"), (1.0, 1.0), 0.0))
+    with pytest.raises(SchedError, match="spans 1 devices; the job has 2 ranks"):
+        h._check(LeaseInfo(8, "init", "actor", (1,), ("cuda:1",), (1.0,), 0.0))

@@ -115,11 +115,18 @@ def _my_device() -> str:
 
 def pin_devices(handle: JobHandle | None, ranks: list[tuple[str, str]]) -> list[int] | None:
     """The pool devices of the ranks' GPUs ((host, "cuda:K") a rank), for `only=`; None when
-    the ranks run on the CPU or the pool is of CPU slots. Raises SchedError when a rank's GPU
-    is not in the pool."""
+    the ranks run on the CPU or the pool is of CPU slots, or when the pool's names cannot be
+    read (a worker holding only its job's secret may not call `status`: the leases are then
+    not pinned, and a grant without a rank's GPU raises on that rank). Raises SchedError
+    when a rank's GPU is not in the pool."""
     if all(d == "cpu" for _, d in ranks):
         return None
-    pool = {dv["name"]: int(dv["index"]) for dv in handle.client.status()["devices"]}
+    try:
+        pool = {dv["name"]: int(dv["index"]) for dv in handle.client.status()["devices"]}
+    except SchedError as e:
+        if e.code != "auth":
+            raise
+        return None
     if not any("cuda:" in n for n in pool):
         return None  # CPU slots: each rank keeps its device
     out, missing = [], []
