@@ -15,7 +15,8 @@ ALLOWED = {  # module -> the rlcu.sched modules it may import
     "service": {"protocol"},
     "server": {"protocol", "service"},
     "ray_backend": {"protocol", "client", "service"} | LOGIC,
-    "job": {"protocol", "client"},
+    "dp": {"protocol", "client"},
+    "job": {"protocol", "client", "dp"},
     "ray_launch": {"protocol", "client", "job"},
     **{m: LOGIC for m in LOGIC},
 }

@@ -14,6 +14,13 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from rlcu import cli
+
+    return ranked(cli.main, argv)
+
+
+def ranked(entry, argv: list[str] | None = None) -> int:
+    """entry(argv) -> exit status, with the process group around it under torchrun (also
+    `python -m rlcu.sched.job`, the worker of a submitted job of several ranks)."""
     from rlcu.dist import comm as W
 
     try:
@@ -22,10 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlcu: torchrun environment: {e}", file=sys.stderr)
         return 2
     if not w.distributed:
-        return cli.main(argv)
+        return entry(argv)
     W.init_from_env()
     try:
-        rc = cli.main(argv)
+        rc = entry(argv)
     except BaseException as e:
         W.report_failure(e)
         raise

@@ -199,6 +199,17 @@ def all_gather_objects(obj) -> list:
     return out
 
 
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s obj on every rank (pickled; small objects only). One process: obj."""
+    if not _WORLD.distributed:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if _WORLD.rank == src else None]
+    dist.broadcast_object_list(box, src=src, device=_dev() if _WORLD.backend == "nccl" else None)
+    return box[0]
+
+
 def barrier() -> None:
     if _WORLD.distributed:
         import torch.distributed as dist

@@ -23,6 +23,14 @@ import threading
 import time
 
 EXIT_CODE = 17  # a rank ended by its watchdog because another rank failed
+_AT_DIE: list = []  # fn(msg) called before the watchdog ends the process (e.g. tell a scheduler)
+
+
+def at_die(fn):
+    """Call fn(msg) when this rank's watchdog ends the process (another rank failed); fn must
+    return within a few seconds. Returns a function that removes it again."""
+    _AT_DIE.append(fn)
+    return lambda: fn in _AT_DIE and _AT_DIE.remove(fn)
 
 
 class Watchdog:
@@ -80,6 +88,11 @@ class Watchdog:
     # ---------------------------------------------------------------- the thread
     def _die(self, msg: str) -> None:
         print(f"rlcu: rank {self.rank} stops: {msg}", file=sys.stderr, flush=True)
+        for fn in list(_AT_DIE):
+            try:
+                fn(msg)
+            except Exception as e:  # the process ends anyway
+                print(f"rlcu: rank {self.rank}: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_CODE)
 

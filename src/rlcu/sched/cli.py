@@ -15,6 +15,8 @@ A job file (YAML) for `submit`:
     grpo: grpo.yaml               # the GRPO config the worker runs (relative to this file)
     set: [steps=50]               # overrides of that config
     mem: {rollout: 20, actor_train: 30, resident: 8}   # GiB per device; default: estimates
+    ranks: 4                      # data parallel on this node: one job, leases of 4 devices
+                                  # (the worker runs under torchrun --nproc-per-node 4)
     # or, instead of grpo: any command; {addr} and {name} are filled in, and the
     # environment has RLCU_SCHED_ADDR, RLCU_SCHED_JOB, RLCU_SCHED_TOKEN
     command: [python, my_job.py, --addr, "{addr}", --name, "{name}"]
@@ -41,7 +43,7 @@ import sys
 from pathlib import Path
 
 SUBCOMMANDS = ("serve", "submit", "status", "cancel", "drain", "simulate", "trace", "metrics")
-JOB_KEYS = {"name", "grpo", "set", "mem", "command", "clusters"}
+JOB_KEYS = {"name", "grpo", "set", "mem", "command", "clusters", "ranks"}
 
 
 def _addr_args(p: argparse.ArgumentParser) -> None:
@@ -241,8 +243,13 @@ def _submit(a) -> int:
         from rlcu.sched.job import job_memory
         from rlcu.train.rl_config import GRPOConfig
 
-        clusters, mem = job_memory(load_config(GRPOConfig, job["grpo"], job["set"]), job.get("mem"))
-        cmd = [sys.executable, "-m", "rlcu.sched.job", "--config", job["grpo"], "--addr", "{addr}", "--name",
+        n = job.get("ranks", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{path}: ranks must be an integer >= 1 (data-parallel ranks, one device each), got {n!r}")
+        clusters, mem = job_memory(load_config(GRPOConfig, job["grpo"], job["set"]), job.get("mem"), devices=n)
+        run = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+               if n > 1 else [sys.executable])  # one job, its leases spanning the n ranks' devices
+        cmd = [*run, "-m", "rlcu.sched.job", "--config", job["grpo"], "--addr", "{addr}", "--name",
                "{name}", "--attach", *[f"--set={s}" for s in job["set"]], *[f"--mem={k}={v}" for k, v in mem.items()]]
     else:
         clusters, cmd = job["clusters"], [str(x) for x in job["command"]]

@@ -22,6 +22,9 @@ uninterrupted one: nothing is lost and training ends at the same weights.
 Memory per phase is estimated from the config (`estimate_memory`, GiB) unless given; on a
 GPU the engine's KV pool is sized from the rollout lease, so several jobs on one device
 never take more than they were leased.
+
+Across the ranks of a data-parallel run (torchrun) the job is one, with leases of WORLD_SIZE
+devices held by rank 0, and every phase and yield taken by all ranks together: rlcu.sched.dp.
 """
 
 from __future__ import annotations
@@ -42,12 +45,15 @@ GiB = float(1 << 30)
 CLUSTER = "actor"
 
 
-def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, float]:
+def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: int = 1) -> dict[str, float]:
     """Rough GiB per device: `resident` (weights, fp32 master, Adam m and v, the grads unless
     optim.release_grads frees them between steps (then actor_train counts them), the
     reference copy), and the transient need of init, rollout (KV pool for one step's
     sequences + logits), ref_logprobs and actor_train (checkpointed activations of one
-    micro-batch + one layer's recompute + the chunked LM head). Override with measurements."""
+    micro-batch + one layer's recompute + the chunked LM head). Override with measurements.
+    world_size N > 1 (data parallel, one device a rank): the master, m, v and the gradient are
+    1/N shards (rlcu.dist.zero), actor_train adds the reduce-scattered gradient buckets
+    (rlcu.dist.memory), and a rank's rollout holds its block of the step's prompts."""
     from rlcu.model.config import Qwen3Config
     from rlcu.model.layout import ParamLayout
     from rlcu.ops.logprob import chunk_rows
@@ -64,17 +70,23 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256) -> dict[str, 
     o = cfg.optim
     master = 4 if (w != 4 and o.master_weights) else 0
     state = 2 * (2 if o.state_dtype == "bfloat16" else 4)  # Adam m and v
-    grads = P * (2 if (w == 2 and o.grad_dtype == "bfloat16") else 4)  # held between steps unless release_grads
-    resident = P * (w + master + state) + (0 if o.release_grads else grads) + (P * w if cfg.kl_coef > 0 else 0)
+    N = max(1, int(world_size))
+    gb = 2 if (w == 2 and o.grad_dtype == "bfloat16") else 4
+    grads = P * gb / N  # held between steps unless release_grads (a 1/N shard across ranks)
+    resident = P * w + P * (master + state) / N + (0 if o.release_grads else grads) + (P * w if cfg.kl_coef > 0 else 0)
     H, I, L, V = qc.hidden_size, qc.intermediate_size, qc.num_hidden_layers, qc.vocab_size
     seq = (cfg.data.max_prompt_tokens or max_prompt_tokens) + cfg.max_new_tokens
     kv_tok = 2 * L * qc.num_key_value_heads * qc.head_dim * w
-    n_seq = cfg.prompts_per_step * cfg.group_size * (1 + int(getattr(cfg, "dynamic_sampling", False)))
+    n_seq = -(-cfg.prompts_per_step // N) * cfg.group_size * (1 + int(getattr(cfg, "dynamic_sampling", False)))
     rollout = kv_tok * n_seq * seq * 1.1 + min(n_seq, cfg.engine.max_num_seqs) * V * 4 * 2
     T = cfg.micro_batch_tokens
     layer = T * (qc.q_size + 2 * qc.kv_size + 4 * H + 6 * I) * w
     head = min(T, chunk_rows(V, m.resolve_dtype())) * V * 4 * 2  # the fused head's logits tile
     train = (T * H * w * L + layer * 2 + head) * 1.25 + (grads if o.release_grads else 0)
+    if N > 1:
+        from rlcu.dist.memory import estimate
+
+        train += estimate(qc, N, weight_bytes=w, grad_bytes=gb, micro_batch_tokens=T)["gradient_buckets"]
     ref = (layer + head) * 1.25
     out = {"resident": resident, "init": P * 4, "rollout": rollout, "ref_logprobs": ref, "actor_train": train}
     return {k: v / GiB for k, v in out.items()} | {"kv_bytes_per_token": kv_tok}
@@ -137,6 +149,10 @@ class JobHooks(Hooks):
 
 
 def _use_device(lease) -> None:
+    from rlcu.dist.comm import world
+
+    if world().distributed:
+        return  # each rank keeps its LOCAL_RANK device (its process group's); DistJobHooks checks the lease
     name = lease.names[0].rsplit("/", 1)[-1] if lease.names else ""  # "cuda:K" or "NODE/cuda:K"
     if name.startswith("cuda:"):
         import torch
@@ -154,14 +170,23 @@ class ScheduledGRPO(GRPOTrainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, sched: JobHandle, mem: dict | None = None,
                  cluster: str = CLUSTER, **kw):
+        from rlcu.dist.comm import world
+
         cfg = coerce_config(GRPOConfig, config)
-        hooks = JobHooks(sched, cluster, mem)
+        if world().distributed:  # rank 0 holds the leases; every rank enters each phase (sched/dp.py)
+            from rlcu.sched.dp import DistJobHooks
+
+            hooks = DistJobHooks(sched, cluster, mem)
+        else:
+            hooks = JobHooks(sched, cluster, mem)
         with hooks.phase("init") as lease:
             self._use_device(lease)
             if cfg.engine.num_kv_blocks is None and hooks.mem.get("rollout") and _on_cuda(cfg):
                 kvb = estimate_memory(cfg)["kv_bytes_per_token"] * cfg.engine.block_size
                 cfg.engine.num_kv_blocks = max(16, int(hooks.mem["rollout"] * GiB * 0.8 // kvb))
             super().__init__(cfg, dataset, reward_fns, hooks=hooks, **kw)
+        if hasattr(hooks, "attach"):
+            hooks.attach(self.llm)
 
     def _use_device(self, lease) -> None:
         """Make the lease's device current (benchmarks extend this, e.g. with a stream)."""
@@ -192,12 +217,13 @@ def _on_cuda(cfg) -> bool:
     return cfg.model.resolve_device() == "cuda"
 
 
-def job_memory(cfg: GRPOConfig, given: dict | None = None) -> tuple[dict, dict]:
-    """(clusters, mem per phase) to register: the estimates, overridden by `given`."""
-    mem = {k: v for k, v in estimate_memory(cfg).items() if k != "kv_bytes_per_token"}
+def job_memory(cfg: GRPOConfig, given: dict | None = None, devices: int = 1) -> tuple[dict, dict]:
+    """(clusters, mem per phase and device) to register: the estimates, overridden by `given`;
+    `devices`: the job's ranks (one device each)."""
+    mem = {k: v for k, v in estimate_memory(cfg, world_size=devices).items() if k != "kv_bytes_per_token"}
     mem.update(given or {})
     peak = max(v for k, v in mem.items() if k != "resident")
-    return {CLUSTER: {"devices": 1, "resident": mem["resident"], "peak": peak}}, mem
+    return {CLUSTER: {"devices": devices, "resident": mem["resident"], "peak": peak}}, mem
 
 
 def run_grpo(config, addr: str | None = None, name: str | None = None, *, overrides=(), attach: bool = False,
@@ -205,29 +231,44 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
              heartbeat_s: float = 2.0, poll_s: float = 0.1, trainer_cls=None, **trainer_kw) -> list[dict]:
     """Register (or attach to) a job, train under the scheduler, finish; returns the metrics.
     trainer_kw (dataset, reward_fns, tokenizer, ...) go to the trainer, a ScheduledGRPO
-    (or trainer_cls)."""
+    (or trainer_cls). Under torchrun (rlcu.dist) every rank calls this: rank 0 registers the job
+    with one lease of WORLD_SIZE devices and talks to the scheduler; see rlcu.sched.dp."""
     from rlcu.config import load_config
+    from rlcu.dist.comm import world
 
     if isinstance(config, (str, Path)) or config is None:
         cfg = load_config(GRPOConfig, config, list(overrides))
     else:
         cfg = coerce_config(GRPOConfig, config)
-    clusters, mem = job_memory(cfg, mem)
-    client = client or SchedClient(addr, token)
-    name = name or f"grpo-{secrets.token_hex(3)}"
-    handle = client.job(name, clusters, spec={"kind": "grpo", "mem": mem}, attach=attach, heartbeat_s=heartbeat_s,
-                        poll_s=poll_s)
-    ok = False
+    w = world()
+    clusters, mem = job_memory(cfg, mem, devices=w.size)
+
+    def register():
+        c = client or SchedClient(addr, token)
+        return c.job(name or f"grpo-{secrets.token_hex(3)}", clusters, spec={"kind": "grpo", "mem": mem},
+                     attach=attach, heartbeat_s=heartbeat_s, poll_s=poll_s)
+
+    if w.distributed:
+        from rlcu.sched.dp import on_main
+
+        handle = on_main(register, share=False)  # rank 0's; None elsewhere (a refusal raises on every rank)
+    else:
+        handle = register()
+    ok, trainer = False, None
     try:
-        hist = (trainer_cls or ScheduledGRPO)(cfg, sched=handle, mem=mem, **trainer_kw).train()
+        trainer = (trainer_cls or ScheduledGRPO)(cfg, sched=handle, mem=mem, **trainer_kw)
+        hist = trainer.train()
         ok = True
         return hist
     finally:
-        try:
-            handle._call("finish", failed=not ok)
-        except SchedError:
-            pass
-        handle.close()
+        if trainer is not None and hasattr(trainer.hooks, "close"):
+            trainer.hooks.close()
+        if handle is not None:
+            try:
+                handle._call("finish", failed=not ok)
+            except SchedError:
+                pass
+            handle.close()
 
 
 def run_grpo_exit_code(prog: str, *args, **kw) -> int:
@@ -281,5 +322,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlcu.__main__ import ranked  # under torchrun: the process group around the job
+
+    sys.exit(ranked(main))
 

@@ -90,13 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlcu.rewards import RewardsFailed, add_import_dir
 
     add_import_dir(args.config)  # a reward module beside the config imports without PYTHONPATH
-    if getattr(args, "scheduler", None):
-        from rlcu.dist.comm import world
-
-        if world().distributed:  # a scheduler lease of several devices: not yet
-            print(f"rlcu {cmd}: --scheduler runs one process a job; it cannot be combined with torchrun "
-                  f"(WORLD_SIZE={world().size})", file=sys.stderr)
-            return 2
+    if getattr(args, "scheduler", None):  # under torchrun: one job, its leases span the ranks' devices
         from rlcu.sched.job import run_grpo_exit_code
 
         return run_grpo_exit_code(f"rlcu {cmd}", cfg, args.scheduler, args.job_name)
