@@ -11,9 +11,10 @@
     job.release(lease)
     job.finish()
 
-Messages are framed by protocol.py; each call opens its own connection (cheap on a Unix
-socket). Authority: the service token registers jobs and runs admin ops; `register` returns
-the job's secret, which the client keeps and sends with every op of that job (a worker
+Messages are framed by protocol.py; each thread keeps one connection to the service and
+reuses it for all its calls (reconnecting when the service closed it). Authority: the
+service token registers jobs and runs admin ops; `register` returns the job's secret,
+which the client keeps and sends with every op of that job (a worker
 started by `rlcu sched submit` gets it in $RLCU_SCHED_JOB_SECRET).
 
 Faults. Every call carries an operation id; a call that finds no service (refused, reset,
@@ -38,6 +39,7 @@ import itertools
 import json
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -87,31 +89,43 @@ def find_token(addr: str, token: str | None = None, token_file: str | Path | Non
 
 
 class SocketTransport:
-    """One call = one connection: connect (retrying a refused or full socket within
-    retry_s; a service never reached yet: within first_s), send the frames, read one reply
-    line."""
+    """Persistent connections: each thread keeps one connection to the service and sends all
+    its calls on it (connecting on its first call, retrying a refused or full socket within
+    retry_s; a service never reached yet: within first_s). Every message still carries its
+    token or secret (the service authenticates each head). A kept connection the service
+    closed while it sat idle (its idle timeout, a restart) is seen before the next send and
+    replaced; one that breaks mid-call is replaced and the message sent once more at once,
+    marked as a retry with its operation id, so nothing is done twice. `connects` counts the
+    connections opened; `keep_alive=False` opens one per call."""
 
     def __init__(self, addr: str, token: str | None, timeout: float = 30.0, retry_s: float = 10.0,
-                 first_s: float = 2.0):
+                 first_s: float = 2.0, keep_alive: bool = True):
         self.kind, self.where = parse_address(addr)
         if self.kind == "ray":
             raise SchedError("a ray: address needs RayTransport")
         self.token, self.timeout, self.retry_s, self.first_s = token, timeout, retry_s, first_s
+        self.keep_alive = keep_alive
         self.reached = False  # a reply came once: a later refusal is a restart, worth riding out
+        self.connects = 0  # connections opened (tests, benches)
+        self._local = threading.local()  # this thread's connection: .sock, .pid
+        self._count = threading.Lock()
 
     def _connect(self, timeout: float, end: float) -> socket.socket:
         first_end = time.monotonic() + self.first_s
         while True:
             try:
                 if self.kind == "tcp":
-                    return socket.create_connection(self.where, timeout=timeout)
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    s.settimeout(timeout)
-                    s.connect(self.where)
-                except OSError:
-                    s.close()
-                    raise
+                    s = socket.create_connection(self.where, timeout=timeout)
+                else:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    try:
+                        s.settimeout(timeout)
+                        s.connect(self.where)
+                    except OSError:
+                        s.close()
+                        raise
+                with self._count:
+                    self.connects += 1
                 return s
             except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BlockingIOError) as e:
                 # (BlockingIOError: a Unix socket's listen backlog is full; the service is busy, not gone)
@@ -125,34 +139,102 @@ class SocketTransport:
                                      "start one with `rlcu sched serve`", "unavailable") from None
                 time.sleep(0.05)
 
+    def _kept(self) -> socket.socket | None:
+        """This thread's kept connection, if it is still good: not inherited through a fork, and
+        with nothing to read between two calls (an end of file or a closing notice: the service
+        closed it)."""
+        loc = self._local
+        s = getattr(loc, "sock", None)
+        if s is None:
+            return None
+        if loc.pid == os.getpid():
+            p = select.poll()
+            p.register(s, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if not p.poll(0):
+                return s
+        self.close()
+        return None
+
+    def close(self) -> None:
+        """Close this thread's kept connection (the next call opens a new one)."""
+        loc = self._local
+        s, loc.sock = getattr(loc, "sock", None), None
+        if s is not None:  # (a copy inherited through a fork: closing it here leaves the parent's open)
+            with contextlib.suppress(OSError):
+                s.close()
+
     def call(self, msg: dict, retry_s: float | None = None) -> dict:
         if "token" not in msg and "secret" not in msg and self.token is not None:
             msg = {**msg, "token": self.token}
         wait = float(msg.get("timeout", 0)) if msg.get("op") == "wait" else 0.0
         end = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
+        data = encode(msg)
+        while True:
+            s = self._kept() if self.keep_alive else None
+            kept = s is not None
+            if s is None:
+                s = self._connect(self.timeout + wait, end)
+                if self.keep_alive:
+                    self._local.sock, self._local.pid = s, os.getpid()
+            else:
+                s.settimeout(self.timeout + wait)
+            self.reached = True  # something listens: a refusal from now on is a restart
+            try:
+                buf = self._exchange(s, data)
+            except (ConnectionResetError, BrokenPipeError, _Closed) as e:
+                self._drop(s)
+                if kept:  # the service dropped a kept connection under this call: once more, on a new one
+                    if "id" in msg and not msg.get("retry"):
+                        msg = {**msg, "retry": True}
+                        data = encode(msg)
+                    continue
+                if isinstance(e, _Closed):
+                    raise SchedError("the scheduler closed the connection without a reply", "unavailable") from None
+                raise SchedError(f"lost the scheduler at {self.kind}:{self.where}: {e}", "unavailable") from None
+            except OSError as e:  # timed out mid-call (a service going down or stuck): the connection is spent
+                self._drop(s)
+                raise SchedError(f"lost the scheduler at {self.kind}:{self.where}: {e}", "unavailable") from None
+            except SchedError:
+                self._drop(s)
+                raise
+            break
+        i = buf.index(b"\n")
+        if i != len(buf) - 1 or not self.keep_alive:  # more than the one reply: not a connection to reuse
+            self._drop(s)
         try:
-            with self._connect(self.timeout + wait, end) as s:
-                self.reached = True  # something listens: a refusal from now on is a restart
-                buf = bytearray()
-                try:
-                    s.sendall(encode(msg))
-                except OSError:  # refused mid-send (busy, or a head too long): its reply may be there
-                    buf += s.recv(1 << 16)
-                    if not buf:
-                        raise
-                while not buf.endswith(b"\n"):
-                    chunk = s.recv(1 << 16)
-                    if not chunk:
-                        raise SchedError("the scheduler closed the connection without a reply", "unavailable")
-                    buf += chunk
-                    if len(buf) > MAX_REPLY:
-                        raise SchedError("the scheduler's reply is too long", "protocol")
-        except OSError as e:  # reset or timed out mid-call (a service going down)
-            raise SchedError(f"lost the scheduler at {self.kind}:{self.where}: {e}", "unavailable") from None
-        try:
-            return json.loads(buf)
+            return json.loads(buf[:i])
         except ValueError as e:
             raise SchedError(f"the scheduler's reply is not JSON: {e}", "protocol") from None
+
+    def _drop(self, s: socket.socket) -> None:
+        if getattr(self._local, "sock", None) is s:
+            self._local.sock = None
+        with contextlib.suppress(OSError):
+            s.close()
+
+    @staticmethod
+    def _exchange(s: socket.socket, data: bytes) -> bytearray:
+        """Send one message, read one reply line."""
+        buf = bytearray()
+        try:
+            s.sendall(data)
+        except OSError:  # refused mid-send (busy, or a head too long): its reply may be there
+            with contextlib.suppress(OSError):
+                buf += s.recv(1 << 16)
+            if not buf:
+                raise
+        while b"\n" not in buf:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                raise _Closed()
+            buf += chunk
+            if len(buf) > MAX_REPLY:
+                raise SchedError("the scheduler's reply is too long", "protocol")
+        return buf
+
+
+class _Closed(Exception):
+    """The service closed the connection before its reply."""
 
 
 class RayTransport:
@@ -203,7 +285,7 @@ class LeaseInfo:
 
 class SchedClient:
     def __init__(self, addr: str | None = None, token: str | None = None, *, token_file: str | Path | None = None,
-                 transport=None, timeout: float = 30.0, retry_s: float = 30.0):
+                 transport=None, timeout: float = 30.0, retry_s: float = 30.0, keep_alive: bool = True):
         self.addr = addr or default_address()
         self.retry_s = retry_s
         if transport is None:
@@ -211,7 +293,7 @@ class SchedClient:
             if parse_address(self.addr)[0] == "ray":
                 transport = RayTransport(self.addr, tok)
             else:
-                transport = SocketTransport(self.addr, tok, timeout, retry_s)
+                transport = SocketTransport(self.addr, tok, timeout, retry_s, keep_alive=keep_alive)
         self.transport = transport
         self._secrets: dict[str, str] = {}
         self._cid = secrets.token_hex(4)
@@ -251,6 +333,12 @@ class SchedClient:
         if op == "register" and isinstance(reply.get("secret"), str):
             self._secrets[msg["job"]] = reply["secret"]
         return reply
+
+    def close(self) -> None:
+        """Close the calling thread's kept connection (others close with their threads)."""
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ admin
     def ping(self) -> dict:
@@ -316,11 +404,14 @@ class JobHandle:
         return view
 
     def _beat(self, every: float) -> None:
-        while not self._stop.wait(every):
-            try:
-                self._update(self.client.call("heartbeat", job=self.name, retry_s=every))
-            except SchedError:
-                continue  # the service is restarting: keep trying; JobEnded shows in the view
+        try:
+            while not self._stop.wait(every):
+                try:
+                    self._update(self.client.call("heartbeat", job=self.name, retry_s=every))
+                except SchedError:
+                    continue  # the service is restarting: keep trying; JobEnded shows in the view
+        finally:
+            self.client.close()  # this thread's connection
 
     def _call(self, op: str, **args) -> dict:
         r = self.client.call(op, job=self.name, **args)
