@@ -71,6 +71,13 @@ def _lock(db: Path):
     return fd
 
 
+class _Batch:
+    __slots__ = ("failure",)
+
+    def __init__(self):
+        self.failure: dict | None = None
+
+
 class Core(Operations):
     def __init__(self, capacity: list[float] | None = None, *, state=None, policy: str = "phase",
                  aging_s: float = 60.0, heartbeat_timeout: float = 30.0, device_names: list[str] | None = None,
@@ -102,6 +109,7 @@ class Core(Operations):
             self.store = Store(state, fresh=fresh)
             self._init_pool(capacity, state, policy, aging_s, device_names)
             self.cond = threading.Condition(threading.RLock())
+            self._deferring = threading.local()  # .tx: inside `deferred()` on this thread, the last op's
             self.versions: dict[str, int] = {}
             self.closed = False
             self._ops = {}
@@ -260,9 +268,36 @@ class Core(Operations):
             if self.fatal is not None:
                 return self._fatal_reply()
             reply, tx = self._run(op, fn, args, mutating)
-        if tx is not None and not self._durable(tx):
-            return self._fatal_reply()
+        if tx is not None:
+            if getattr(self._deferring, "tx", None) is not None:  # the block's end commits it
+                self._deferring.tx = max(self._deferring.tx, tx)
+            elif not self._durable(tx):
+                return self._fatal_reply()
         return reply
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Group commit for a batch of messages: what this thread's `handle` calls in the block
+        change is committed once, at the block's end, instead of once per call. Their replies
+        must not leave before the block ends; then `batch.failure` is None, or the reply every
+        one of them must get instead (the commit failed: fatal; or the service closed).
+
+            with core.deferred() as batch:
+                replies = [core.handle(m) for m in msgs]
+            replies = replies if batch.failure is None else [batch.failure] * len(replies)
+        """
+        batch = _Batch()
+        loc = self._deferring
+        outer, loc.tx = getattr(loc, "tx", None), 0
+        try:
+            yield batch
+        finally:
+            tx, loc.tx = loc.tx, outer
+            if outer is not None:  # nested: the outer block commits
+                loc.tx = max(outer, tx)
+            elif tx and not self._durable(tx):
+                batch.failure = self._fatal_reply() if self.fatal is not None else \
+                    {"ok": False, "error": "the scheduler is shutting down", "code": "unavailable"}
 
     def _run(self, op: str, fn, args: dict, mutating: bool):
         """Run one operation (under the lock): its reply, and the transaction its reply waits
