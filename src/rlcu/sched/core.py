@@ -8,7 +8,8 @@ Every message is one operation under one lock and one SQLite transaction. An ope
 fails, for whatever reason, gets {"ok": False, "error": ...} and leaves no trace: its
 transaction is rolled back and, if it had changed anything, the state in memory is reloaded
 from the database. After every operation that changes the state (and every tick) the
-policy's books are audited (`check_invariants` plus the core's own: every held lease has its
+policy's books are audited (the operations of a group-commit batch, `deferred`: once for the
+batch, before the commit that holds them and so before any of their replies leaves) (`check_invariants` plus the core's own: every held lease has its
 open span, the metrics tally agrees with the leases); a violation is fatal: the transaction
 is not committed, every later message is refused with code "fatal", and `on_fatal` is called
 (`rlcu sched serve` exits non-zero) rather than serve a wrong state. The state folder is
@@ -109,6 +110,7 @@ class Core(Operations):
             self.store = Store(state, fresh=fresh)
             self._init_pool(capacity, state, policy, aging_s, device_names)
             self.cond = threading.Condition(threading.RLock())
+            self._unaudited = False  # ops kept without their audit (a deferred batch): audit before commit
             self._deferring = threading.local()  # .tx: inside `deferred()` on this thread, the last op's
             self.versions: dict[str, int] = {}
             self.closed = False
@@ -238,6 +240,13 @@ class Core(Operations):
                 return
             self.closed = True
             self.cond.notify_all()
+            if self._unaudited and self.fatal is None:
+                try:
+                    self._audit()
+                except AssertionError as e:
+                    self._fail(f"{e} (found at close)")
+            if self._unaudited:
+                self.store.rollback()
             self.store.close(self._meta())
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
@@ -308,7 +317,7 @@ class Core(Operations):
         except Exception as e:  # noqa: BLE001  (every failure becomes a reply; the state is put back)
             reply = self._failed(op, args, e, mutating, tally)
         else:
-            if mutating and not self._keep():
+            if mutating and not self._keep(defer_audit=getattr(self._deferring, "tx", None) is not None):
                 return self._fatal_reply(), None
             reply = {"ok": True, **(out or {})}
         return reply, self.store.tx_no if self.store.in_tx else None
@@ -321,6 +330,12 @@ class Core(Operations):
                 return True
             if self.fatal is not None or self.closed:
                 return False
+            if self._unaudited:  # a batch's ops (deferred): audited here, before anything of them is committed
+                try:
+                    self._audit()
+                except AssertionError as e:
+                    self._fail(f"{e} (after a batch of operations)")
+                    return False
             try:
                 self.store.commit(self._meta())
             except Exception as e:  # noqa: BLE001  (a full disk, a database gone bad)
@@ -358,14 +373,19 @@ class Core(Operations):
         return {"ok": False, "error": f"op {op!r}: bad arguments {shown} ({type(e).__name__}: {e})"[:2000],
                 "code": "invalid"}
 
-    def _keep(self) -> bool:
+    def _keep(self, defer_audit: bool = False) -> bool:
         """Audit, then keep the operation's writes for the next commit; False (and fatal) on a
-        broken invariant."""
-        try:
-            self._audit()
-        except AssertionError as e:
-            self._fail(str(e))
-            return False
+        broken invariant. defer_audit (an op of a `deferred` batch): the audit runs once for
+        the whole batch, before the commit that holds it (`_durable`): nothing is committed,
+        and no reply leaves, before the state it shows has been audited."""
+        if defer_audit:
+            self._unaudited = True
+        else:
+            try:
+                self._audit()
+            except AssertionError as e:
+                self._fail(str(e))
+                return False
         self.store.end_op()
         return True
 
@@ -386,13 +406,17 @@ class Core(Operations):
             "pending requests and their ask times differ"
         for d, (a, b) in enumerate(zip(self.tally.used, p.used)):
             assert abs(a - b) <= 1e-6, f"device {d}: the metrics tally has {a:g} in use, the books {b:g}"
+        self._unaudited = False
 
     def _fail(self, why: str) -> None:
         """A broken invariant: commit nothing more, refuse every message, tell on_fatal."""
         self.fatal = why
         with contextlib.suppress(Exception):  # the database itself may be what broke
-            self.store.rollback_op()  # the failing operation's writes, not those kept before it
-            self.store.commit(self._meta())
+            if self._unaudited:  # kept writes not audited yet (a batch): none of them is committed
+                self.store.rollback()
+            else:
+                self.store.rollback_op()  # the failing operation's writes, not those kept before it
+                self.store.commit(self._meta())
         print(f"rlcu sched: FATAL: {why}; the service stops (the database keeps the last good state)",
               file=sys.stderr, flush=True)
         self.cond.notify_all()
