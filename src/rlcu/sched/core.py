@@ -8,9 +8,10 @@ Every message is one operation under one lock and one SQLite transaction. An ope
 fails, for whatever reason, gets {"ok": False, "error": ...} and leaves no trace: its
 transaction is rolled back and, if it had changed anything, the state in memory is reloaded
 from the database. After every operation that changes the state (and every tick) the
-policy's books are audited (the operations of a group-commit batch, `deferred`: once for the
-batch, before the commit that holds them and so before any of their replies leaves) (`check_invariants` plus the core's own: every held lease has its
-open span, the metrics tally agrees with the leases); a violation is fatal: the transaction
+policy's books are audited (`check_invariants` plus the core's own: every held lease has its
+open span, the metrics tally agrees with the leases; the operations of a group-commit batch,
+`deferred`: once for the batch, before the commit that holds them, so before any of their
+replies leaves); a violation is fatal: the transaction
 is not committed, every later message is refused with code "fatal", and `on_fatal` is called
 (`rlcu sched serve` exits non-zero) rather than serve a wrong state. The state folder is
 locked (`<db>.lock`) for the life of the core: a second service on it is refused.

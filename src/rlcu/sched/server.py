@@ -126,6 +126,7 @@ class SchedServer:
         self.lsn.setblocking(False)
         self.tick_s = tick_s if tick_s is not None else max(0.05, min(1.0, core.heartbeat_timeout / 4))
         self.accept_errors = 0  # accept() calls that failed for lack of descriptors (tests, metrics)
+        self.accepted = 0  # connections accepted (tests, benches: clients keep theirs)
         self._accept_failed = False
         self.failed: BaseException | None = None  # what stopped the loop or the ticker (serve_forever raises it)
         self._stop = threading.Event()
@@ -202,6 +203,7 @@ class SchedServer:
                     return got
                 continue  # ECONNABORTED and the like: that one connection is gone
             got = True
+            self.accepted += 1
             if len(self._conns) >= self.max_conns:
                 _send_now(sock, error(f"the scheduler is at its {self.max_conns} connections: try again", "busy"))
                 sock.close()
