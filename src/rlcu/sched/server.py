@@ -54,6 +54,7 @@ from rlcu.sched.service import Front
 
 _ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _TO_WORKER = frozenset({"wait"})  # ops that may block: run by a worker thread, not the loop
+_READS_FIRST = frozenset({"ping", "status", "metrics", "heartbeat"})  # change nothing kept: run ahead of a batch
 
 
 def secure_state_dir(state_dir: Path) -> Path:
@@ -290,6 +291,11 @@ class SchedServer:
         (and run what their connections sent meanwhile, in a batch of its own)."""
         while self._batch:
             batch, self._batch = self._batch, []
+            reads = [(c, msg) for c, msg in batch if msg.get("op") in _READS_FIRST]
+            if reads:  # before the batch's changes: they show what is committed, and leave at once
+                batch = [(c, msg) for c, msg in batch if msg.get("op") not in _READS_FIRST]
+                for c, msg in reads:
+                    self._answer(c, self.front.handle(msg, c.caller, authenticated=True))
             with self.core.deferred() as done:
                 replies = [self.front.handle(msg, c.caller, authenticated=True) for c, msg in batch]
             self.batches += 1
