@@ -79,7 +79,7 @@ def test_a_connection_broken_mid_call_is_replaced_and_the_op_done_once(serve):
 
     srv._answer = drop_first_release
     job.release(le)  # resent at once on a new connection, with its op id: not released twice
-    assert dropped and c.transport.connects == 2
+    assert dropped and c.transport.connects == 2 and c.retries == c.transport.resent == 1
     st = c.status()
     assert st["devices"][0]["used"] == 0.0
     job.release(job.acquire("actor_train", mem=10))

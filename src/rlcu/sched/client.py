@@ -107,6 +107,7 @@ class SocketTransport:
         self.keep_alive = keep_alive
         self.reached = False  # a reply came once: a later refusal is a restart, worth riding out
         self.connects = 0  # connections opened (tests, benches)
+        self.resent = 0  # calls sent again at once after their kept connection broke under them
         self._local = threading.local()  # this thread's connection: .sock, .pid
         self._count = threading.Lock()
 
@@ -184,6 +185,8 @@ class SocketTransport:
             except (ConnectionResetError, BrokenPipeError, _Closed) as e:
                 self._drop(s)
                 if kept:  # the service dropped a kept connection under this call: once more, on a new one
+                    with self._count:
+                        self.resent += 1
                     if "id" in msg and not msg.get("retry"):
                         msg = {**msg, "retry": True}
                         data = encode(msg)
@@ -298,7 +301,13 @@ class SchedClient:
         self._secrets: dict[str, str] = {}
         self._cid = secrets.token_hex(4)
         self._seq = itertools.count(1)
-        self.retries = 0  # calls sent again after a lost reply (tests, logs)
+        self._retries = 0
+
+    @property
+    def retries(self) -> int:
+        """Calls sent again after a lost reply (here, and by the transport at once when a kept
+        connection broke under a call)."""
+        return self._retries + getattr(self.transport, "resent", 0)
 
     def set_secret(self, job: str, secret: str) -> None:
         """Act for `job` with its secret (a worker given it by whoever registered the job)."""
@@ -328,7 +337,7 @@ class SchedClient:
             time.sleep(min(pause, max(0.0, end - time.monotonic())))
             pause = min(1.0, pause * 2)
             msg["retry"] = True
-            self.retries += 1
+            self._retries += 1
         raise_for(reply)
         if op == "register" and isinstance(reply.get("secret"), str):
             self._secrets[msg["job"]] = reply["secret"]
