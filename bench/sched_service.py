@@ -171,7 +171,7 @@ def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
     go.write_text("")
     c = SchedClient(srv.address, TOKEN)
     status_ms = []
-    cpu0, core0, commits0 = time.process_time(), srv.core_cpu[0], srv.core.store.commits
+    cpu0, core0, commits0, acc0 = time.process_time(), srv.core_cpu[0], srv.core.store.commits, srv.accepted
     while time.time() < stop_at:
         if poll_hz > 0:
             t = time.perf_counter()
@@ -181,7 +181,7 @@ def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
         else:
             time.sleep(0.05)
     cpu, core_cpu = time.process_time() - cpu0, srv.core_cpu[0] - core0
-    commits = srv.core.store.commits - commits0
+    commits, accepted = srv.core.store.commits - commits0, srv.accepted - acc0
     for p in procs:
         p.wait(timeout=60)
     rs = [json.loads(o.read_text()) for o in outs]
@@ -192,6 +192,7 @@ def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
             "status_p50_ms": _pct(status_ms, 0.5), "status_p99_ms": _pct(status_ms, 0.99),
             "status_calls": len(status_ms), "service_cpu_us_per_cycle": cpu / max(cycles, 1) * 1e6,
             "core_cpu_us_per_cycle": core_cpu / max(cycles, 1) * 1e6, "commits_per_cycle": commits / max(cycles, 1),
+            "connections_accepted": accepted,
             "errors": [e for r in rs for e in r["errors"]][:10]}
 
 
