@@ -20,7 +20,9 @@ started by `rlcu sched submit` gets it in $RLCU_SCHED_JOB_SECRET).
 Faults. Every call carries an operation id; a call that finds no service (refused, reset,
 closed without a reply, "busy", "unavailable") is sent again with the same id, marked as a
 retry, until `retry_s` has passed, so a service restarted on the same state within that
-bound is found again and no request or release happens twice. A `JobHandle` heartbeats
+bound is found again and no request or release happens twice (a kept connection found
+closed before a send is replaced silently; one that breaks under a call is replaced and the
+call resent at once, the same way). A `JobHandle` heartbeats
 from a daemon thread; `should_yield` reads the latest view of the job (refreshing it at most
 every `poll_s`). A job the service ended (cancelled, reclaimed as dead) raises `JobEnded`
 from its next call; a lease the job believes held but the service does not raises
