@@ -45,6 +45,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from rlcu.sched.protocol import (
@@ -110,7 +111,8 @@ class SocketTransport:
         self.reached = False  # a reply came once: a later refusal is a restart, worth riding out
         self.connects = 0  # connections opened (tests, benches)
         self.resent = 0  # calls sent again at once after their kept connection broke under them
-        self._local = threading.local()  # this thread's connection: .sock, .pid
+        self._local = threading.local()  # .kept: this thread's connection (closed when the thread ends)
+        self._all: weakref.WeakSet = weakref.WeakSet()  # every thread's (closed with the transport)
         self._count = threading.Lock()
 
     def _connect(self, timeout: float, end: float) -> socket.socket:
@@ -146,11 +148,11 @@ class SocketTransport:
         """This thread's kept connection, if it is still good: not inherited through a fork, and
         with nothing to read between two calls (an end of file or a closing notice: the service
         closed it)."""
-        loc = self._local
-        s = getattr(loc, "sock", None)
-        if s is None:
+        k = getattr(self._local, "kept", None)
+        if k is None:
             return None
-        if loc.pid == os.getpid():
+        s = k.sock
+        if k.pid == os.getpid():
             p = select.poll()
             p.register(s, select.POLLIN | select.POLLERR | select.POLLHUP)
             if not p.poll(0):
@@ -160,11 +162,9 @@ class SocketTransport:
 
     def close(self) -> None:
         """Close this thread's kept connection (the next call opens a new one)."""
-        loc = self._local
-        s, loc.sock = getattr(loc, "sock", None), None
-        if s is not None:  # (a copy inherited through a fork: closing it here leaves the parent's open)
-            with contextlib.suppress(OSError):
-                s.close()
+        k, self._local.kept = getattr(self._local, "kept", None), None
+        if k is not None:  # (a copy inherited through a fork: closing it here leaves the parent's open)
+            k.close()
 
     def call(self, msg: dict, retry_s: float | None = None) -> dict:
         if "token" not in msg and "secret" not in msg and self.token is not None:
@@ -178,7 +178,8 @@ class SocketTransport:
             if s is None:
                 s = self._connect(self.timeout + wait, end)
                 if self.keep_alive:
-                    self._local.sock, self._local.pid = s, os.getpid()
+                    self._local.kept = _Kept(s)
+                    self._all.add(self._local.kept)
             else:
                 s.settimeout(self.timeout + wait)
             self.reached = True  # something listens: a refusal from now on is a restart
@@ -211,9 +212,14 @@ class SocketTransport:
         except ValueError as e:
             raise SchedError(f"the scheduler's reply is not JSON: {e}", "protocol") from None
 
+    def __del__(self):
+        for k in list(getattr(self, "_all", ())):
+            k.close()
+
     def _drop(self, s: socket.socket) -> None:
-        if getattr(self._local, "sock", None) is s:
-            self._local.sock = None
+        k = getattr(self._local, "kept", None)
+        if k is not None and k.sock is s:
+            self._local.kept = None
         with contextlib.suppress(OSError):
             s.close()
 
@@ -236,6 +242,21 @@ class SocketTransport:
             if len(buf) > MAX_REPLY:
                 raise SchedError("the scheduler's reply is too long", "protocol")
         return buf
+
+
+class _Kept:
+    """A thread's kept connection; closed when dropped (its thread ended, its transport went)."""
+
+    __slots__ = ("__weakref__", "pid", "sock")
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.pid = sock, os.getpid()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    __del__ = close
 
 
 class _Closed(Exception):
