@@ -167,3 +167,33 @@ def test_a_batch_is_audited_before_its_commit(tmp_path, monkeypatch):
     again = Core(None, state=tmp_path / "s.db")  # the last good state: neither request of the batch
     assert again.pol.used == [0.0] and not again.held
     again.close()
+
+
+def test_a_turns_replies_leave_after_its_commit_and_reads_go_first(tmp_path):
+    """Within one turn: the reads are answered first, showing only committed state; every
+    other reply is sent only once the commit holding its op is done."""
+    from rlcu.sched.service import ADMIN
+
+    srv = SchedServer(Core([80.0], state=tmp_path / "s.db"), f"unix:{tmp_path / 's.sock'}", TOKEN)  # (not started)
+    try:
+        store = srv.core.store
+        sec = srv.front.handle({"op": "register", "job": "a", "clusters": SPEC, "token": TOKEN})["secret"]
+        sent = []
+
+        class Conn:
+            def __init__(self, caller):
+                self.caller = caller
+
+        srv._answer = lambda c, reply: sent.append((c, reply, store.in_tx, store.done_tx))
+        a, b = Conn("a"), Conn(ADMIN)
+        commits = store.commits
+        srv._batch = [(a, {"op": "request", "job": "a", "secret": sec, "phase": "actor_train", "mem": 10, "id": "q-1"}),
+                      (a, {"op": "release", "job": "a", "secret": sec, "lease": 999, "id": "q-2"}),
+                      (b, {"op": "status", "token": TOKEN})]
+        srv._run_batch()
+        (c0, st, tx0, _), (c1, req, tx1, done1), (_, rel, tx2, _) = sent
+        assert c0 is b and st["ok"] and st["devices"][0]["used"] == 0.0 and not tx0  # before the batch's changes
+        assert c1 is a and req["ok"] and not tx1 and done1 > 0 and not rel["ok"] and not tx2
+        assert store.commits == commits + 1  # one commit for the turn
+    finally:
+        srv.stop()
