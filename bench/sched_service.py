@@ -18,7 +18,7 @@ The service's CPU per cycle is reported whole and for `core.handle` alone (the r
 transport: connections, threads, JSON).
 
     python bench/sched_service.py [--clients 32] [--procs 4] [--seconds 8] [--history 100000]
-                                  [--devices 8] [--poll-hz 2] [--switch-ms 5] [--keep-alive]
+                                  [--devices 8] [--poll-hz 2] [--switch-ms 5] [--per-call]
 
 Targets (issue 13): >= 2,000 cycles/s with 32 clients, acquire p99 <= 20 ms, status <= 10 ms with
 100k leases of history, and a 2 Hz status poll costing little throughput. JSON:
@@ -50,27 +50,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 # ---------------------------------------------------------------------- client processes
-class KeepAlive:
-    """A client transport that keeps its connection (the service reads any number of lines
-    from one); `--keep-alive` measures what persistent connections would save over the
-    client's connection per call. One per job (its heartbeat thread shares it: a lock)."""
-
-    def __init__(self, addr: str):
-        import socket
-
-        self.path = addr.removeprefix("unix:")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self.path)
-        self.rf = self.sock.makefile("rb")
-        self.lock = threading.Lock()
-
-    def call(self, msg: dict) -> dict:
-        with self.lock:
-            self.sock.sendall((json.dumps({**msg, "token": TOKEN}) + "\n").encode())
-            return json.loads(self.rf.readline())
-
-
-def client_proc(addr: str, names: list[str], go: Path, stop_file: Path, out: Path, keep: bool = False) -> None:
+def client_proc(addr: str, names: list[str], go: Path, stop_file: Path, out: Path, keep: bool = True) -> None:
     """Threads, one job each: register, then, from `go`, acquire/release until the wall-clock
     time written in stop_file."""
     from rlcu.sched.client import SchedClient
@@ -79,7 +59,7 @@ def client_proc(addr: str, names: list[str], go: Path, stop_file: Path, out: Pat
     lock = threading.Lock()
     handles = []
     for n in names:
-        c = SchedClient(addr, TOKEN, retry_s=10.0, transport=KeepAlive(addr) if keep else None)
+        c = SchedClient(addr, TOKEN, retry_s=10.0, keep_alive=keep)
         handles.append(c.job(n, {"c": {"devices": 1}}, heartbeat_s=1.0))
     (out.parent / (out.name + ".ready")).write_text("")
     while not go.exists():
@@ -181,7 +161,7 @@ def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
         names = [f"{tag}-c{k + j}" for j in range(n)]
         k += n
         procs.append(subprocess.Popen([sys.executable, __file__, "--client", srv.address, ",".join(names), str(go),
-                                       str(stop_file), str(outs[i]), "keep" if a.keep_alive else "new"], env=env))
+                                       str(stop_file), str(outs[i]), "new" if a.per_call else "keep"], env=env))
     while not all((o.parent / (o.name + ".ready")).exists() for o in outs):
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a client process died during its start-up")
@@ -191,7 +171,7 @@ def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
     go.write_text("")
     c = SchedClient(srv.address, TOKEN)
     status_ms = []
-    cpu0, core0, commits0 = time.process_time(), srv.core_cpu[0], srv.core.store.commits
+    cpu0, core0, commits0, acc0 = time.process_time(), srv.core_cpu[0], srv.core.store.commits, srv.accepted
     while time.time() < stop_at:
         if poll_hz > 0:
             t = time.perf_counter()
@@ -201,7 +181,7 @@ def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
         else:
             time.sleep(0.05)
     cpu, core_cpu = time.process_time() - cpu0, srv.core_cpu[0] - core0
-    commits = srv.core.store.commits - commits0
+    commits, accepted = srv.core.store.commits - commits0, srv.accepted - acc0
     for p in procs:
         p.wait(timeout=60)
     rs = [json.loads(o.read_text()) for o in outs]
@@ -212,6 +192,7 @@ def load(a, srv, work: Path, tag: str, poll_hz: float) -> dict:
             "status_p50_ms": _pct(status_ms, 0.5), "status_p99_ms": _pct(status_ms, 0.99),
             "status_calls": len(status_ms), "service_cpu_us_per_cycle": cpu / max(cycles, 1) * 1e6,
             "core_cpu_us_per_cycle": core_cpu / max(cycles, 1) * 1e6, "commits_per_cycle": commits / max(cycles, 1),
+            "connections_accepted": accepted,
             "errors": [e for r in rs for e in r["errors"]][:10]}
 
 
@@ -225,8 +206,8 @@ def main() -> int:
     p.add_argument("--poll-hz", type=float, default=2.0)
     p.add_argument("--status-calls", type=int, default=50)
     p.add_argument("--no-unpolled", action="store_true", help="skip the load phase without the status poll")
-    p.add_argument("--keep-alive", action="store_true", help="clients keep one connection each (a bench-only "
-                                                             "transport) instead of the client's connection per call")
+    p.add_argument("--per-call", action="store_true", help="clients open a connection per call (the client's "
+                                                           "keep_alive=False) instead of keeping one per thread")
     p.add_argument("--switch-ms", type=float, default=None, help="the service process's GIL switch interval "
                                                                  "(sys.setswitchinterval; default Python's 5 ms)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sched_service.json"))
@@ -263,7 +244,8 @@ def main() -> int:
         finally:
             srv.stop()
     res = {
-        "clients": a.clients, "keep_alive": a.keep_alive, "switch_ms": sys.getswitchinterval() * 1e3, "procs": a.procs,
+        "clients": a.clients, "keep_alive": not a.per_call, "switch_ms": sys.getswitchinterval() * 1e3,
+        "procs": a.procs,
         "devices": a.devices, "seconds": a.seconds, "history": a.history,
         "history_fill_s": fill_s, "recovery_s": recover_s,
         "status_idle_p50_ms": _pct(idle["status_ms"], 0.5), "status_idle_p99_ms": _pct(idle["status_ms"], 0.99),

@@ -11,13 +11,14 @@ SCHED = Path(rlcu.sched.__file__).parent
 LOGIC = {"core", "ops", "views", "policy", "pool", "store", "metrics", "simulator"}  # the transport-free service logic
 ALLOWED = {  # module -> the rlcu.sched modules it may import
     "protocol": set(),
-    "client": {"protocol"},
+    "transport": {"protocol"},
+    "client": {"protocol", "transport"},
     "service": {"protocol"},
     "server": {"protocol", "service"},
-    "ray_backend": {"protocol", "client", "service"} | LOGIC,
-    "dp": {"protocol", "client"},
-    "job": {"protocol", "client", "dp"},
-    "ray_launch": {"protocol", "client", "job"},
+    "ray_backend": {"protocol", "transport", "client", "service"} | LOGIC,
+    "dp": {"protocol", "client", "transport"},
+    "job": {"protocol", "client", "transport", "dp"},
+    "ray_launch": {"protocol", "client", "transport", "job"},
     **{m: LOGIC for m in LOGIC},
 }
 

@@ -15,7 +15,8 @@ a scheduler that knows each job's phase overlaps them across jobs. The pieces:
 and, in one-way layers (each imports only those above it):
 
     protocol.py    messages, errors, addresses, frames, every op's field schema
-    client.py      the Python API jobs use (socket and Ray transports)
+    transport.py   the client's socket transport: kept connections, one per thread
+    client.py      the Python API jobs use (on the socket transport, or Ray's)
     service.py     the services' front door: authority (token, job secrets), op ids
     server.py      Unix-socket / loopback-TCP service;  ray_backend.py: the Ray actor service
     job.py         a GRPO job under the scheduler;  ray_launch.py: one started on a Ray cluster

@@ -11,15 +11,18 @@
     job.release(lease)
     job.finish()
 
-Messages are framed by protocol.py; each call opens its own connection (cheap on a Unix
-socket). Authority: the service token registers jobs and runs admin ops; `register` returns
-the job's secret, which the client keeps and sends with every op of that job (a worker
+Messages are framed by protocol.py; each thread keeps one connection to the service and
+reuses it for all its calls (reconnecting when the service closed it). Authority: the
+service token registers jobs and runs admin ops; `register` returns the job's secret,
+which the client keeps and sends with every op of that job (a worker
 started by `rlcu sched submit` gets it in $RLCU_SCHED_JOB_SECRET).
 
 Faults. Every call carries an operation id; a call that finds no service (refused, reset,
 closed without a reply, "busy", "unavailable") is sent again with the same id, marked as a
 retry, until `retry_s` has passed, so a service restarted on the same state within that
-bound is found again and no request or release happens twice. A `JobHandle` heartbeats
+bound is found again and no request or release happens twice (a kept connection found
+closed before a send is replaced silently; one that breaks under a call is replaced and the
+call resent at once, the same way). A `JobHandle` heartbeats
 from a daemon thread; `should_yield` reads the latest view of the job (refreshing it at most
 every `poll_s`). A job the service ended (cancelled, reclaimed as dead) raises `JobEnded`
 from its next call; a lease the job believes held but the service does not raises
@@ -35,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import os
 import secrets
 import socket
@@ -44,16 +46,15 @@ import time
 from pathlib import Path
 
 from rlcu.sched.protocol import (
-    MAX_REPLY,
     MUTATING,
     JobEnded,
     SchedError,
     default_address,
     default_state_dir,
-    encode,
     parse_address,
     raise_for,
 )
+from rlcu.sched.transport import SocketTransport
 
 __all__ = ["JobEnded", "JobHandle", "LeaseInfo", "LeaseLost", "RayTransport", "SchedClient", "SchedError",
            "SocketTransport", "default_address", "default_state_dir", "find_token", "parse_address"]
@@ -84,75 +85,6 @@ def find_token(addr: str, token: str | None = None, token_file: str | Path | Non
         except OSError:
             continue
     return None
-
-
-class SocketTransport:
-    """One call = one connection: connect (retrying a refused or full socket within
-    retry_s; a service never reached yet: within first_s), send the frames, read one reply
-    line."""
-
-    def __init__(self, addr: str, token: str | None, timeout: float = 30.0, retry_s: float = 10.0,
-                 first_s: float = 2.0):
-        self.kind, self.where = parse_address(addr)
-        if self.kind == "ray":
-            raise SchedError("a ray: address needs RayTransport")
-        self.token, self.timeout, self.retry_s, self.first_s = token, timeout, retry_s, first_s
-        self.reached = False  # a reply came once: a later refusal is a restart, worth riding out
-
-    def _connect(self, timeout: float, end: float) -> socket.socket:
-        first_end = time.monotonic() + self.first_s
-        while True:
-            try:
-                if self.kind == "tcp":
-                    return socket.create_connection(self.where, timeout=timeout)
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
-                    s.settimeout(timeout)
-                    s.connect(self.where)
-                except OSError:
-                    s.close()
-                    raise
-                return s
-            except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BlockingIOError) as e:
-                # (BlockingIOError: a Unix socket's listen backlog is full; the service is busy, not gone)
-                now = time.monotonic()
-                if now >= end or (not self.reached and not isinstance(e, BlockingIOError) and now >= first_end):
-                    if isinstance(e, BlockingIOError):
-                        raise SchedError(f"the scheduler at {self.kind}:{self.where} accepted no connection "
-                                         f"for {self.retry_s:g} s (its listen backlog stayed full)",
-                                         "unavailable") from None
-                    raise SchedError(f"no scheduler at {self.kind}:{self.where} ({e.__class__.__name__}); "
-                                     "start one with `rlcu sched serve`", "unavailable") from None
-                time.sleep(0.05)
-
-    def call(self, msg: dict, retry_s: float | None = None) -> dict:
-        if "token" not in msg and "secret" not in msg and self.token is not None:
-            msg = {**msg, "token": self.token}
-        wait = float(msg.get("timeout", 0)) if msg.get("op") == "wait" else 0.0
-        end = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
-        try:
-            with self._connect(self.timeout + wait, end) as s:
-                self.reached = True  # something listens: a refusal from now on is a restart
-                buf = bytearray()
-                try:
-                    s.sendall(encode(msg))
-                except OSError:  # refused mid-send (busy, or a head too long): its reply may be there
-                    buf += s.recv(1 << 16)
-                    if not buf:
-                        raise
-                while not buf.endswith(b"\n"):
-                    chunk = s.recv(1 << 16)
-                    if not chunk:
-                        raise SchedError("the scheduler closed the connection without a reply", "unavailable")
-                    buf += chunk
-                    if len(buf) > MAX_REPLY:
-                        raise SchedError("the scheduler's reply is too long", "protocol")
-        except OSError as e:  # reset or timed out mid-call (a service going down)
-            raise SchedError(f"lost the scheduler at {self.kind}:{self.where}: {e}", "unavailable") from None
-        try:
-            return json.loads(buf)
-        except ValueError as e:
-            raise SchedError(f"the scheduler's reply is not JSON: {e}", "protocol") from None
 
 
 class RayTransport:
@@ -203,7 +135,7 @@ class LeaseInfo:
 
 class SchedClient:
     def __init__(self, addr: str | None = None, token: str | None = None, *, token_file: str | Path | None = None,
-                 transport=None, timeout: float = 30.0, retry_s: float = 30.0):
+                 transport=None, timeout: float = 30.0, retry_s: float = 30.0, keep_alive: bool = True):
         self.addr = addr or default_address()
         self.retry_s = retry_s
         if transport is None:
@@ -211,12 +143,18 @@ class SchedClient:
             if parse_address(self.addr)[0] == "ray":
                 transport = RayTransport(self.addr, tok)
             else:
-                transport = SocketTransport(self.addr, tok, timeout, retry_s)
+                transport = SocketTransport(self.addr, tok, timeout, retry_s, keep_alive=keep_alive)
         self.transport = transport
         self._secrets: dict[str, str] = {}
         self._cid = secrets.token_hex(4)
         self._seq = itertools.count(1)
-        self.retries = 0  # calls sent again after a lost reply (tests, logs)
+        self._retries = 0
+
+    @property
+    def retries(self) -> int:
+        """Calls sent again after a lost reply (here, and by the transport at once when a kept
+        connection broke under a call)."""
+        return self._retries + getattr(self.transport, "resent", 0)
 
     def set_secret(self, job: str, secret: str) -> None:
         """Act for `job` with its secret (a worker given it by whoever registered the job)."""
@@ -246,11 +184,17 @@ class SchedClient:
             time.sleep(min(pause, max(0.0, end - time.monotonic())))
             pause = min(1.0, pause * 2)
             msg["retry"] = True
-            self.retries += 1
+            self._retries += 1
         raise_for(reply)
         if op == "register" and isinstance(reply.get("secret"), str):
             self._secrets[msg["job"]] = reply["secret"]
         return reply
+
+    def close(self) -> None:
+        """Close the calling thread's kept connection (others close with their threads)."""
+        close = getattr(self.transport, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ admin
     def ping(self) -> dict:
@@ -316,11 +260,14 @@ class JobHandle:
         return view
 
     def _beat(self, every: float) -> None:
-        while not self._stop.wait(every):
-            try:
-                self._update(self.client.call("heartbeat", job=self.name, retry_s=every))
-            except SchedError:
-                continue  # the service is restarting: keep trying; JobEnded shows in the view
+        try:
+            while not self._stop.wait(every):
+                try:
+                    self._update(self.client.call("heartbeat", job=self.name, retry_s=every))
+                except SchedError:
+                    continue  # the service is restarting: keep trying; JobEnded shows in the view
+        finally:
+            self.client.close()  # this thread's connection
 
     def _call(self, op: str, **args) -> dict:
         r = self.client.call(op, job=self.name, **args)

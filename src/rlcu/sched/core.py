@@ -9,7 +9,9 @@ fails, for whatever reason, gets {"ok": False, "error": ...} and leaves no trace
 transaction is rolled back and, if it had changed anything, the state in memory is reloaded
 from the database. After every operation that changes the state (and every tick) the
 policy's books are audited (`check_invariants` plus the core's own: every held lease has its
-open span, the metrics tally agrees with the leases); a violation is fatal: the transaction
+open span, the metrics tally agrees with the leases; the operations of a group-commit batch,
+`deferred`: once for the batch, before the commit that holds them, so before any of their
+replies leaves); a violation is fatal: the transaction
 is not committed, every later message is refused with code "fatal", and `on_fatal` is called
 (`rlcu sched serve` exits non-zero) rather than serve a wrong state. The state folder is
 locked (`<db>.lock`) for the life of the core: a second service on it is refused.
@@ -71,6 +73,13 @@ def _lock(db: Path):
     return fd
 
 
+class _Batch:
+    __slots__ = ("failure",)
+
+    def __init__(self):
+        self.failure: dict | None = None
+
+
 class Core(Operations):
     def __init__(self, capacity: list[float] | None = None, *, state=None, policy: str = "phase",
                  aging_s: float = 60.0, heartbeat_timeout: float = 30.0, device_names: list[str] | None = None,
@@ -102,6 +111,8 @@ class Core(Operations):
             self.store = Store(state, fresh=fresh)
             self._init_pool(capacity, state, policy, aging_s, device_names)
             self.cond = threading.Condition(threading.RLock())
+            self._unaudited = False  # ops kept without their audit (a deferred batch): audit before commit
+            self._deferring = threading.local()  # .tx: inside `deferred()` on this thread, the last op's
             self.versions: dict[str, int] = {}
             self.closed = False
             self._ops = {}
@@ -230,6 +241,13 @@ class Core(Operations):
                 return
             self.closed = True
             self.cond.notify_all()
+            if self._unaudited and self.fatal is None:
+                try:
+                    self._audit()
+                except AssertionError as e:
+                    self._fail(f"{e} (found at close)")
+            if self._unaudited:
+                self.store.rollback()
             self.store.close(self._meta())
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
@@ -260,9 +278,36 @@ class Core(Operations):
             if self.fatal is not None:
                 return self._fatal_reply()
             reply, tx = self._run(op, fn, args, mutating)
-        if tx is not None and not self._durable(tx):
-            return self._fatal_reply()
+        if tx is not None:
+            if getattr(self._deferring, "tx", None) is not None:  # the block's end commits it
+                self._deferring.tx = max(self._deferring.tx, tx)
+            elif not self._durable(tx):
+                return self._fatal_reply()
         return reply
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Group commit for a batch of messages: what this thread's `handle` calls in the block
+        change is committed once, at the block's end, instead of once per call. Their replies
+        must not leave before the block ends; then `batch.failure` is None, or the reply every
+        one of them must get instead (the commit failed: fatal; or the service closed).
+
+            with core.deferred() as batch:
+                replies = [core.handle(m) for m in msgs]
+            replies = replies if batch.failure is None else [batch.failure] * len(replies)
+        """
+        batch = _Batch()
+        loc = self._deferring
+        outer, loc.tx = getattr(loc, "tx", None), 0
+        try:
+            yield batch
+        finally:
+            tx, loc.tx = loc.tx, outer
+            if outer is not None:  # nested: the outer block commits
+                loc.tx = max(outer, tx)
+            elif tx and not self._durable(tx):
+                batch.failure = self._fatal_reply() if self.fatal is not None else \
+                    {"ok": False, "error": "the scheduler is shutting down", "code": "unavailable"}
 
     def _run(self, op: str, fn, args: dict, mutating: bool):
         """Run one operation (under the lock): its reply, and the transaction its reply waits
@@ -273,7 +318,7 @@ class Core(Operations):
         except Exception as e:  # noqa: BLE001  (every failure becomes a reply; the state is put back)
             reply = self._failed(op, args, e, mutating, tally)
         else:
-            if mutating and not self._keep():
+            if mutating and not self._keep(defer_audit=getattr(self._deferring, "tx", None) is not None):
                 return self._fatal_reply(), None
             reply = {"ok": True, **(out or {})}
         return reply, self.store.tx_no if self.store.in_tx else None
@@ -286,6 +331,12 @@ class Core(Operations):
                 return True
             if self.fatal is not None or self.closed:
                 return False
+            if self._unaudited:  # a batch's ops (deferred): audited here, before anything of them is committed
+                try:
+                    self._audit()
+                except AssertionError as e:
+                    self._fail(f"{e} (after a batch of operations)")
+                    return False
             try:
                 self.store.commit(self._meta())
             except Exception as e:  # noqa: BLE001  (a full disk, a database gone bad)
@@ -323,14 +374,19 @@ class Core(Operations):
         return {"ok": False, "error": f"op {op!r}: bad arguments {shown} ({type(e).__name__}: {e})"[:2000],
                 "code": "invalid"}
 
-    def _keep(self) -> bool:
+    def _keep(self, defer_audit: bool = False) -> bool:
         """Audit, then keep the operation's writes for the next commit; False (and fatal) on a
-        broken invariant."""
-        try:
-            self._audit()
-        except AssertionError as e:
-            self._fail(str(e))
-            return False
+        broken invariant. defer_audit (an op of a `deferred` batch): the audit runs once for
+        the whole batch, before the commit that holds it (`_durable`): nothing is committed,
+        and no reply leaves, before the state it shows has been audited."""
+        if defer_audit:
+            self._unaudited = True
+        else:
+            try:
+                self._audit()
+            except AssertionError as e:
+                self._fail(str(e))
+                return False
         self.store.end_op()
         return True
 
@@ -351,13 +407,17 @@ class Core(Operations):
             "pending requests and their ask times differ"
         for d, (a, b) in enumerate(zip(self.tally.used, p.used)):
             assert abs(a - b) <= 1e-6, f"device {d}: the metrics tally has {a:g} in use, the books {b:g}"
+        self._unaudited = False
 
     def _fail(self, why: str) -> None:
         """A broken invariant: commit nothing more, refuse every message, tell on_fatal."""
         self.fatal = why
         with contextlib.suppress(Exception):  # the database itself may be what broke
-            self.store.rollback_op()  # the failing operation's writes, not those kept before it
-            self.store.commit(self._meta())
+            if self._unaudited:  # kept writes not audited yet (a batch): none of them is committed
+                self.store.rollback()
+            else:
+                self.store.rollback_op()  # the failing operation's writes, not those kept before it
+                self.store.commit(self._meta())
         print(f"rlcu sched: FATAL: {why}; the service stops (the database keeps the last good state)",
               file=sys.stderr, flush=True)
         self.cond.notify_all()

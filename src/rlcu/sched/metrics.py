@@ -38,7 +38,9 @@ class Span:
     reason: str = ""  # how it ended: released, yielded, reclaimed, cancelled, finished
 
     def copy(self) -> Tally:
-        return Tally(**{f: list(v) if isinstance(v, list) else v for f, v in self.to_dict().items()})
+        t = Tally.__new__(Tally)  # (taken before every change, to put back on a failure: no __init__)
+        t.__dict__.update({f: v[:] if isinstance(v, list) else v for f, v in self.__dict__.items()})
+        return t
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -204,7 +206,9 @@ class Tally:
                 "mem_peak": peak if ok else [0.0] * len(self.capacity), "frag": frag / span if ok else 0.0}
 
     def copy(self) -> Tally:
-        return Tally(**{f: list(v) if isinstance(v, list) else v for f, v in self.to_dict().items()})
+        t = Tally.__new__(Tally)  # (taken before every change, to put back on a failure: no __init__)
+        t.__dict__.update({f: v[:] if isinstance(v, list) else v for f, v in self.__dict__.items()})
+        return t
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}  # flat: no deep copy

@@ -1,11 +1,14 @@
 """`rlcu sched serve`: the scheduler service on a Unix socket or on loopback TCP.
 
-One event-loop thread accepts connections and reads every frame without blocking; a
-message, once whole, goes to a worker thread that runs it through the `Front` (service.py:
-authority, validation, op ids) and the `Core` (core.py) and writes the reply, and the
-connection goes back to the loop for its next message. So an idle or slow connection costs
-a file descriptor and no thread, and a stranger is read for at most `MAX_HEAD` bytes (the
-head, which carries the token or job secret) before the service knows who it is:
+One event-loop thread accepts connections and reads every frame without blocking. The
+messages that became whole in one turn of the loop are run there, one after the other,
+through the `Front` (service.py: authority, validation, op ids) and the `Core` (core.py),
+under one group commit (`Core.deferred`): their replies are sent once the commit holding
+their state is done, and a connection stays open for its next message (clients keep theirs).
+Only a `wait`, which blocks, goes to a worker thread (and a reply too long for the socket's
+buffer: a worker finishes sending it), so an idle or slow connection costs a file
+descriptor and no thread, and a stranger is read for at most `MAX_HEAD` bytes (the head,
+which carries the token or job secret) before the service knows who it is:
 
     read_timeout   a head (and its body) must arrive within this many seconds of the
                    connection or of the last reply, else the connection is closed
@@ -50,6 +53,8 @@ from rlcu.sched.protocol import (
 from rlcu.sched.service import Front
 
 _ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_TO_WORKER = frozenset({"wait"})  # ops that may block: run by a worker thread, not the loop
+_READS_FIRST = frozenset({"ping", "status", "metrics", "heartbeat"})  # change nothing kept: run ahead of a batch
 
 
 def secure_state_dir(state_dir: Path) -> Path:
@@ -122,6 +127,7 @@ class SchedServer:
         self.lsn.setblocking(False)
         self.tick_s = tick_s if tick_s is not None else max(0.05, min(1.0, core.heartbeat_timeout / 4))
         self.accept_errors = 0  # accept() calls that failed for lack of descriptors (tests, metrics)
+        self.accepted = 0  # connections accepted (tests, benches: clients keep theirs)
         self._accept_failed = False
         self.failed: BaseException | None = None  # what stopped the loop or the ticker (serve_forever raises it)
         self._stop = threading.Event()
@@ -135,6 +141,8 @@ class SchedServer:
         self._sel = selectors.DefaultSelector()
         self._pool_lock = threading.Lock()
         self._workers = self._idle = 0
+        self._batch: list[tuple[_Conn, dict]] = []  # messages read in this turn of the loop, run at its end
+        self.batches = self.batched = 0  # group commits of the loop and the messages in them (benches, tests)
 
     # ------------------------------------------------------------------ the loop
     def _guard(self, fn) -> None:
@@ -152,7 +160,7 @@ class SchedServer:
         sel = self._sel
         sel.register(self.lsn, selectors.EVENT_READ, "accept")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        paused_until, backoff = None, 0.01
+        paused_until, backoff, swept = None, 0.01, 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             if paused_until is not None and now >= paused_until:
@@ -170,10 +178,13 @@ class SchedServer:
                     self._drain_wake()
                 else:
                     self._read(key.data)
+            self._run_batch()
             now = time.monotonic()
-            for c in [c for c in self._conns.values() if c.deadline < now and not c.busy]:
-                self._close(c, error(f"no complete message within {self.read_timeout:g} s", "protocol")
-                            if c.buf or not c.authed else None)
+            if now - swept >= 0.02:
+                swept = now
+                for c in [c for c in self._conns.values() if c.deadline < now and not c.busy]:
+                    self._close(c, error(f"no complete message within {self.read_timeout:g} s", "protocol")
+                                if c.buf or not c.authed else None)
 
     def _accept(self) -> bool:
         """Accept what is waiting; False when nothing was (or accept failed: see _accept_failed)."""
@@ -193,6 +204,7 @@ class SchedServer:
                     return got
                 continue  # ECONNABORTED and the like: that one connection is gone
             got = True
+            self.accepted += 1
             if len(self._conns) >= self.max_conns:
                 _send_now(sock, error(f"the scheduler is at its {self.max_conns} connections: try again", "busy"))
                 sock.close()
@@ -238,7 +250,8 @@ class SchedServer:
         if not c.buf and c.head is None:
             c.deadline = min(c.deadline, time.monotonic() + self.read_timeout)  # a message has begun
         c.buf += data
-        self._parse(c)
+        if not c.busy:  # (busy: its message of this turn is not answered yet; the next waits for it)
+            self._parse(c)
 
     def _parse(self, c: _Conn) -> None:
         if c.head is None:
@@ -266,9 +279,49 @@ class SchedServer:
         except SchedError as e:
             self._close(c, error(str(e), e.code))
             return
-        self._sel.unregister(c.sock)
         c.busy = True
-        self._submit(c, msg)
+        if msg.get("op") in _TO_WORKER:
+            self._sel.unregister(c.sock)
+            self._submit(c, msg)
+        else:
+            self._batch.append((c, msg))
+
+    def _run_batch(self) -> None:
+        """Run the messages read in this turn under one group commit, then send their replies
+        (and run what their connections sent meanwhile, in a batch of its own)."""
+        while self._batch:
+            batch, self._batch = self._batch, []
+            reads = [(c, msg) for c, msg in batch if msg.get("op") in _READS_FIRST]
+            if reads:  # before the batch's changes: they show what is committed, and leave at once
+                batch = [(c, msg) for c, msg in batch if msg.get("op") not in _READS_FIRST]
+                for c, msg in reads:
+                    self._answer(c, self.front.handle(msg, c.caller, authenticated=True))
+            with self.core.deferred() as done:
+                replies = [self.front.handle(msg, c.caller, authenticated=True) for c, msg in batch]
+            self.batches += 1
+            self.batched += len(batch)
+            for (c, _), reply in zip(batch, replies):
+                self._answer(c, reply if done.failure is None else done.failure)
+
+    def _answer(self, c: _Conn, reply: dict) -> None:
+        """Send a reply from the loop without blocking; a worker sends what the socket's buffer
+        does not take."""
+        data = (json.dumps(reply) + "\n").encode()
+        try:
+            n = c.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            self._close(c)
+            return
+        if n < len(data):
+            self._sel.unregister(c.sock)
+            self._submit(c, None, data[n:])
+            return
+        c.busy = False
+        c.deadline = time.monotonic() + self.idle_timeout
+        if c.buf:  # a client that sent its next message before this reply
+            self._parse(c)
 
     def _close(self, c: _Conn, reply: dict | None = None) -> None:
         if reply is not None:
@@ -281,7 +334,8 @@ class SchedServer:
         c.sock.close()
 
     # ------------------------------------------------------------------ workers
-    def _submit(self, c: _Conn, msg: dict) -> None:
+    def _submit(self, c: _Conn, msg: dict | None, data: bytes | None = None) -> None:
+        """To a worker: run `msg` and send its reply, or (msg None) send the rest of one, `data`."""
         with self._pool_lock:
             spawn = self._idle == 0 and self._workers < self.max_workers
             if spawn:
@@ -289,7 +343,7 @@ class SchedServer:
         if spawn:
             t = threading.Thread(target=self._work, name="sched-worker", daemon=True)
             t.start()
-        self._tasks.put((c, msg))
+        self._tasks.put((c, msg, data))
 
     def _work(self) -> None:
         while True:
@@ -302,11 +356,12 @@ class SchedServer:
                 with self._pool_lock:
                     self._workers -= 1
                 return
-            c, msg = task
-            reply = self.front.handle(msg, c.caller, authenticated=True)
+            c, msg, data = task
+            if msg is not None:
+                data = (json.dumps(self.front.handle(msg, c.caller, authenticated=True)) + "\n").encode()
             try:
                 c.sock.settimeout(self.read_timeout)
-                c.sock.sendall((json.dumps(reply) + "\n").encode())
+                c.sock.sendall(data)
                 c.sock.setblocking(False)
             except OSError:
                 c.broken = True  # the loop closes it

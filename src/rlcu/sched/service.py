@@ -55,6 +55,7 @@ class Front:
         self.core, self.token = core, token
         seed = token.encode() if token is not None else secrets.token_bytes(32)
         self._key = hashlib.sha256(b"rlcu-sched job secrets\0" + seed).digest()
+        self._secrets: dict[str, str] = {}  # job -> its secret (an HMAC per message is not free)
         self.keep_ops, self.keep_s = keep_ops, keep_s
         self.draining = False
         # a job's view version, as callers see it, is the core's plus a base drawn per start: a
@@ -67,7 +68,12 @@ class Front:
 
     # ------------------------------------------------------------------ authority
     def secret(self, job: str) -> str:
-        return hmac.new(self._key, job.encode(), hashlib.sha256).hexdigest()[:32]
+        sec = self._secrets.get(job)
+        if sec is None:
+            if len(self._secrets) >= 4096:  # (the names seen lately; any other is computed again)
+                self._secrets.clear()
+            sec = self._secrets[job] = hmac.new(self._key, job.encode(), hashlib.sha256).hexdigest()[:32]
+        return sec
 
     def authenticate(self, head: dict):
         """ADMIN (the service token) or the job name (its secret); SchedError code "auth"."""
