@@ -142,7 +142,7 @@ def case_kernels(quick: bool) -> dict:
     finally:
         ae.CONFIG["SUB_TRAIN"] = keep
     # decode: S sequences of context L in a paged cache of 16-token blocks
-    S, L, BS = (64, 512) if quick else (256, 1024), 16
+    (S, L), BS = ((64, 512) if quick else (256, 1024)), 16
     nb = S * L // BS
     kc = torch.randn(nb, BS, Hk, D, device=d, dtype=bf, generator=g)
     vc = torch.randn(nb, BS, Hk, D, device=d, dtype=bf, generator=g)
