@@ -66,9 +66,17 @@ def test_exact_kernels_rows_do_not_depend_on_the_batch(monkeypatch):
         test_mm_rows_do_not_depend_on_the_batch,
     )
 
+    from rlcu.ops import attention_exact as ae
+    from rlcu.ops._backend import backend_name
+
     monkeypatch.setenv("RLCU_BACKEND", "triton")
+    assert backend_name("cpu") == "triton"  # the checks below run the kernels, not the twins
+    launches = []
+    launch = ae._launch
+    monkeypatch.setattr(ae, "_launch", lambda *a: (launches.append(a[10]), launch(*a))[1])
     test_mm_rows_do_not_depend_on_the_batch()
     test_attention_decode_and_chunks_equal_packed_training()
+    assert False in launches and True in launches  # both the packed and the paged variants ran
 
 
 def _has_ptxas() -> bool:
