@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError
-from rlcu.train.core import Hooks, SetupError, TrainingInterrupted, coerce_config
+from rlcu.train.core import Hooks, coerce_config, exit_status
 from rlcu.train.grpo import GRPOTrainer
 from rlcu.train.rl_config import GRPOConfig
 
@@ -273,28 +273,21 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
 
 def run_grpo_exit_code(prog: str, *args, **kw) -> int:
     """run_grpo for a command line: 0 when the job finished, 3 when the scheduler ended it
-    (cancelled, or its leases reclaimed), 2 on a scheduler error or a run that cannot start,
-    128 + N when signal N stopped it (after its checkpoint); the reason goes to stderr."""
-    from rlcu.rewards import RewardsFailed
+    (cancelled, or its leases reclaimed), 2 on a scheduler error, and the trainer's statuses
+    otherwise (train.core.exit_status: 1, 2, 128 + N); the reason goes to stderr."""
 
-    try:
-        run_grpo(*args, **kw)
-    except RewardsFailed as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 1
-    except JobEnded as e:
-        print(f"{prog}: the scheduler ended the job: {e}", file=sys.stderr)
-        return 3
-    except SchedError as e:
-        print(f"{prog}: scheduler error: {e}", file=sys.stderr)
-        return 2
-    except SetupError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
-    except TrainingInterrupted as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 128 + e.signum
-    return 0
+    def run() -> int:
+        try:
+            run_grpo(*args, **kw)
+        except JobEnded as e:
+            print(f"{prog}: the scheduler ended the job: {e}", file=sys.stderr)
+            return 3
+        except SchedError as e:
+            print(f"{prog}: scheduler error: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    return exit_status(prog, run)
 
 
 def main(argv: list[str] | None = None) -> int:

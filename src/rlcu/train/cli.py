@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
-    from rlcu.rewards import RewardsFailed, add_import_dir
+    from rlcu.rewards import add_import_dir
 
     add_import_dir(args.config)  # a reward module beside the config imports without PYTHONPATH
     if getattr(args, "scheduler", None):  # under torchrun: one job, its leases span the ranks' devices
@@ -102,26 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"rlcu {cmd}: {e}", file=sys.stderr)
         return 2
-    from rlcu.train.core import SetupError, TrainingInterrupted
-    from rlcu.train.optimizer import NonFiniteError
+    from rlcu.train.core import exit_status
 
-    try:
-        trainer.train()
-    except RewardsFailed as e:
-        print(f"rlcu {cmd}: {e}", file=sys.stderr)
-        return 1
-    except SetupError as e:
-        print(f"rlcu {cmd}: {e}", file=sys.stderr)
-        return 2
-    except TrainingInterrupted as e:
-        print(f"rlcu {cmd}: {e}", file=sys.stderr)
-        return 128 + e.signum
-    except RuntimeError as e:
-        if isinstance(e.__cause__, NonFiniteError):  # a clean abort, with its checkpoint
-            print(f"rlcu {cmd}: {e}", file=sys.stderr)
-            return 1
-        raise
-    return 0
+    return exit_status(f"rlcu {cmd}", trainer.train)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -327,6 +328,32 @@ class Trainer(abc.ABC):
 
     def _result(self):
         return self.history
+
+
+def exit_status(prog: str, fn, *args, **kw) -> int:
+    """fn(*args, **kw) for a command line, its end as an exit status with the reason on one
+    line of stderr: fn's own status when it returns an int, else 0; 1 a run stopped by failing
+    rewards or by non-finite steps (after its checkpoint); 2 a run that cannot start as asked;
+    128 + N stopped by signal N (after its checkpoint). Anything else propagates."""
+    from rlcu.rewards import RewardsFailed
+    from rlcu.train.optimizer import NonFiniteError
+
+    try:
+        rc = fn(*args, **kw)
+    except SetupError as e:
+        status, why = 2, e
+    except TrainingInterrupted as e:
+        status, why = 128 + e.signum, e
+    except RewardsFailed as e:
+        status, why = 1, e
+    except RuntimeError as e:
+        if not isinstance(e.__cause__, NonFiniteError):
+            raise
+        status, why = 1, e  # a clean abort, with its checkpoint
+    else:
+        return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
+    print(f"{prog}: {why}", file=sys.stderr)
+    return status
 
 
 def nanmean(x) -> float:
