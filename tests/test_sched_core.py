@@ -8,26 +8,11 @@ import sqlite3
 import threading
 
 import pytest
+from sched_util import SPEC, Clock, ok
 
 from rlcu.sched.cli import main
 from rlcu.sched.core import Core, StateLocked, StoreError
 from rlcu.sched.store import Job
-
-SPEC = {"c": {"devices": 1}}
-
-
-class Clock:
-    def __init__(self, t=1000.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
-
-
-def ok(core, **msg):
-    r = core.handle(msg)
-    assert r["ok"], r
-    return r
 
 
 def lease_of(r):

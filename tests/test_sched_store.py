@@ -8,26 +8,11 @@ import random
 import sqlite3
 
 import pytest
+from sched_util import SPEC, Clock, ok
 
 from rlcu.sched import metrics as mx
 from rlcu.sched.core import Core
 from rlcu.sched.store import Store
-
-SPEC = {"c": {"devices": 1}}
-
-
-class Clock:
-    def __init__(self, t=1000.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
-
-
-def ok(core, **msg):
-    r = core.handle(msg)
-    assert r["ok"], r
-    return r
 
 
 def churn(core, clock, rng, n):
