@@ -69,3 +69,22 @@ def qwen3_06b_config(**kw):
     from rlcu.model.config import Qwen3Config
 
     return Qwen3Config(**kw)
+
+
+def scale_to_entropy(model, target: float, seed: int = 0, tokens: int = 4096) -> tuple[float, float]:
+    """Scale a random model's final norm (bisection on a log scale: the entropy falls as the
+    scale grows) until the mean entropy of its next-token distribution over seeded random
+    token streams is about `target` nats, as in a trained model (random weights give a nearly
+    uniform distribution). Returns (scale, entropy)."""
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    toks = torch.randint(1, model.cfg.vocab_size, (tokens,), device=model.device, generator=g)
+    cu = torch.arange(0, tokens + 1, 1024, dtype=torch.int32, device=model.device)
+    w0 = model.w["final_norm"].clone()
+    lo, hi = 1.0, 512.0
+    for _ in range(12):
+        s = (lo * hi) ** 0.5
+        model.w["final_norm"].copy_(w0 * s)
+        _, ent = model.forward(toks, cu, grad=False, return_entropy=True)
+        e = float(ent.mean())
+        lo, hi = (s, hi) if e > target else (lo, s)
+    return s, e

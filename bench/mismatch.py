@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
+from common import scale_to_entropy, write_json
 from grpo import _model_cfg, _prompts, _word_tokenizer, hash_reward
 
 MODES = (("engine", "none"), ("recompute", "none"), ("recompute", "tis"), ("recompute", "mis_token"),
@@ -36,22 +36,6 @@ KEEP = ("mismatch/", "correction/", "time/", "clip_frac", "ratio", "approx_kl")
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def scale_to_entropy(model, target: float, V: int) -> tuple[float, float]:
-    """Scale the final norm's weight (bisection on a log scale) until the mean entropy of random
-    token streams is `target`; returns (scale, entropy)."""
-    toks = torch.randint(1, V, (4096,), device=model.device)
-    cu = torch.tensor([0, 1024, 2048, 3072, 4096], dtype=torch.int32, device=model.device)
-    w0 = model.w["final_norm"].clone()
-    lo, hi = 1.0, 200.0
-    for _ in range(12):
-        s = (lo * hi) ** 0.5
-        model.w["final_norm"].copy_(w0 * s)
-        _, ent = model.forward(toks, cu, grad=False, return_entropy=True)
-        e = float(ent.mean())
-        lo, hi = (s, hi) if e > target else (lo, s)
-    return s, e
 
 
 def run_mode(model, base, tok, V, old_logprobs, correction, P, G, Lp, Lc, steps):
@@ -106,7 +90,7 @@ def main():
     model = Qwen3.from_config(cfg, device="cuda" if cuda else "cpu", dtype=torch.bfloat16 if cuda else torch.float32,
                               seed=0)
     model.gradient_checkpointing = True
-    scale, ent = scale_to_entropy(model, 2.9, cfg.vocab_size)
+    scale, ent = scale_to_entropy(model, 2.9)
     print(f"final norm x{scale:.3f}: entropy {ent:.3f}", flush=True)
     base = model.flat.clone()
     tok = _word_tokenizer(cfg.vocab_size)

@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from rlcu import Qwen3
+from bench.common import scale_to_entropy
+from bench.generate import random_model
 from rlcu.engine import LLM, SamplingParams
 from rlcu.model.config import Qwen3Config
 from rlcu.ops.exact import is_exact, set_exact
@@ -19,32 +20,6 @@ from rlcu.ops.exact import is_exact, set_exact
 pytestmark = pytest.mark.gpu
 
 PROMPTS, N_SAMPLES, NEW, TEMP = 32, 8, 128, 1.0
-
-
-def calibrated_model(cfg, entropy=2.9, seed=0, device="cuda"):
-    """Random bf16 weights (N(0, 0.02) matrices) whose final norm is scaled until the mean
-    entropy of the next-token distribution over random text is about `entropy` nats."""
-    from rlcu.model.layout import ParamLayout
-
-    layout = ParamLayout(cfg)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    flat = torch.zeros(layout.numel, device=device, dtype=torch.bfloat16)
-    for name, v in layout.views(flat).items():
-        if name.endswith("norm"):
-            v.fill_(1.0)
-        else:
-            v.normal_(0.0, 0.02, generator=gen)
-    m = Qwen3(cfg, flat)
-    tokens = torch.randint(0, cfg.vocab_size, (2048,), device=device, generator=gen)
-    cu = torch.tensor([0, 512, 1024, 1536, 2048], device=device, dtype=torch.int32)
-    lo, hi = 1.0, 512.0
-    for _ in range(12):  # bisection on the log scale: entropy falls as the scale grows
-        mid = (lo * hi) ** 0.5
-        m.w["final_norm"].fill_(mid)
-        _, ent = m.forward(tokens, cu, return_entropy=True, grad=False)
-        lo, hi = (mid, hi) if float(ent.mean()) > entropy else (lo, mid)
-    m.w["final_norm"].fill_((lo * hi) ** 0.5)
-    return m
 
 
 def _prompts(V, n, seed=0):
@@ -92,7 +67,8 @@ def _stats(eng, tr):
 def test_exact_engine_equals_trainer_bf16_06b():
     was = is_exact()
     cfg = Qwen3Config()  # the published 0.6B shape
-    m = calibrated_model(cfg)
+    m = random_model(cfg, "cuda")
+    scale_to_entropy(m, 2.9)
     prompts = _prompts(cfg.vocab_size, PROMPTS)
     engine = {"num_kv_blocks": 4096, "max_num_batched_tokens": 2048}  # prefills come in chunks
     report = {}
