@@ -18,6 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 SFT_SETS = ("optim.lr=3e-2", "optim.max_grad_norm=0.5", "grad_accum=4", "batch_tokens=24", "steps=4",
             "checkpoint.every=2", "checkpoint.keep_last=0")
 GRPO_KW = dict(steps=3, kl_coef=0.05, micro_batch_tokens=24, dynamic_sampling=True,
+               old_logprobs="recompute", behaviour_correction="tis",  # each rank recomputes its own sequences
                optim=dict(lr=3e-2))
 
 
@@ -89,6 +90,9 @@ def test_sft_and_grpo_two_ranks_equal_one_process(tmp_path):
         assert a["reward"] == b["reward"] and a["completion_len"] == b["completion_len"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        # the recomputed old logprobs cover every sequence on every rank: the metrics are one process's
+        assert a["mismatch/abs_mean"] == pytest.approx(b["mismatch/abs_mean"], abs=1e-6)  # both fp32 rounding
+        assert a["correction/capped_frac"] == b["correction/capped_frac"]
 
 
 def _grpo_init(tmp_path):

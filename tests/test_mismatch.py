@@ -180,7 +180,7 @@ class _TableModel:
 
 def _cfg(**kw):
     d = {"old_logprobs": "recompute", "behaviour_correction": "none", "tis_cap": 2.0, "mis_low": 0.5,
-         "mis_high": 2.0, "temperature": 1.0, "micro_batch_tokens": 4}
+         "mis_high": 2.0, "temperature": 1.0, "micro_batch_tokens": 4, "group_size": 1}
     d.update(kw)
     return types.SimpleNamespace(**d)
 

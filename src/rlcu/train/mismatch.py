@@ -163,7 +163,8 @@ class StepCorrection:
     """
 
     def __init__(self, cfg, model, batch):
-        from rlcu.train import rollout as ro
+        from rlcu.dist.batch import local_logprobs
+        from rlcu.dist.comm import all_sum
 
         if cfg.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {cfg.old_logprobs!r}")
@@ -175,7 +176,9 @@ class StepCorrection:
         self._first_lp = None
         if cfg.old_logprobs == "recompute" and bool((batch.mask > 0).any()):  # (no loss token: no update)
             t0 = time.perf_counter()
-            lp = ro.batch_logprobs(model, batch, cfg.temperature, cfg.micro_batch_tokens)
+            # across ranks each computes its own sequences, then all hold the whole batch's (the
+            # metrics, and PPO's KL reward, read every sequence)
+            lp = all_sum(local_logprobs(model, batch, cfg.temperature, cfg.micro_batch_tokens, cfg.group_size))
             comp = torch.zeros(batch.num_tokens, dtype=torch.bool, device=lp.device)
             comp[batch.completion_index()] = True
             batch.old_lp = torch.where(comp, lp, torch.zeros_like(lp))  # 0 off the completions, as the engine's
