@@ -41,8 +41,6 @@ def test_sched_layers_are_one_way():
 
 
 def test_sched_uses_no_private_name_of_train():
-    # job.py still coerces its config through rlcu.train.rl_trainer._config until the trainer
-    # has a public one; every other module keeps to public names
-    for mod in sorted(set(ALLOWED) - {"job"}):
+    for mod in sorted(ALLOWED):
         bad = [m for m in imports(mod) if m.startswith("rlcu.train") and any(p.startswith("_") for p in m.split("."))]
         assert not bad, f"rlcu.sched.{mod} reaches into rlcu.train through {bad}"

@@ -226,6 +226,15 @@ def job_memory(cfg: GRPOConfig, given: dict | None = None, devices: int = 1) -> 
     return {CLUSTER: {"devices": devices, "resident": mem["resident"], "peak": peak}}, mem
 
 
+def grpo_config(config, overrides=()) -> GRPOConfig:
+    """A job's GRPOConfig from a YAML path (with `--set` overrides), a dict or a GRPOConfig."""
+    from rlcu.config import load_config
+
+    if isinstance(config, (str, Path)) or config is None:
+        return load_config(GRPOConfig, config, list(overrides))
+    return coerce_config(GRPOConfig, config)
+
+
 def run_grpo(config, addr: str | None = None, name: str | None = None, *, overrides=(), attach: bool = False,
              mem: dict | None = None, token: str | None = None, client: SchedClient | None = None,
              heartbeat_s: float = 2.0, poll_s: float = 0.1, trainer_cls=None, **trainer_kw) -> list[dict]:
@@ -233,13 +242,9 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
     trainer_kw (dataset, reward_fns, tokenizer, ...) go to the trainer, a ScheduledGRPO
     (or trainer_cls). Under torchrun (rlcu.dist) every rank calls this: rank 0 registers the job
     with one lease of WORLD_SIZE devices and talks to the scheduler; see rlcu.sched.dp."""
-    from rlcu.config import load_config
     from rlcu.dist.comm import world
 
-    if isinstance(config, (str, Path)) or config is None:
-        cfg = load_config(GRPOConfig, config, list(overrides))
-    else:
-        cfg = coerce_config(GRPOConfig, config)
+    cfg = grpo_config(config, overrides)
     w = world()
     clusters, mem = job_memory(cfg, mem, devices=w.size)
 

@@ -23,17 +23,6 @@ class _GRPOJobActor:
         return hist[-1] if hist else {}
 
 
-def _grpo_config(config, overrides):
-    from rlcu.config import config_from_dict, load_config
-    from rlcu.train.rl_config import GRPOConfig
-
-    if isinstance(config, GRPOConfig):
-        return config
-    if isinstance(config, dict):
-        return config_from_dict(GRPOConfig, config)
-    return load_config(GRPOConfig, config, list(overrides))
-
-
 def launch_grpo(config, name: str, *, addr: str = "ray:rlcu-sched", overrides=(), mem: dict | None = None,
                 **trainer_kw):
     """Place a GRPO job (its init phase, from here), then run it as a Ray actor on the node
@@ -41,9 +30,9 @@ def launch_grpo(config, name: str, *, addr: str = "ray:rlcu-sched", overrides=()
     ray = import_ray()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from rlcu.sched.job import job_memory
+    from rlcu.sched.job import grpo_config, job_memory
 
-    clusters, mem = job_memory(_grpo_config(config, overrides), mem)
+    clusters, mem = job_memory(grpo_config(config, overrides), mem)
     client = SchedClient(addr)
     h = client.job(name, clusters, spec={"kind": "grpo", "mem": mem}, heartbeat_s=2.0)
     lease = h.acquire("init", mem=mem["init"])  # places the cluster: its resident memory stays

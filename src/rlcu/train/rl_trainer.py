@@ -36,7 +36,7 @@ import torch
 from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
 from rlcu.train import losses
 from rlcu.train import rollout as ro
-from rlcu.train.core import Hooks, Trainer, coerce_config, load_tokenizer, nanmean, split_eval
+from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean, split_eval
 from rlcu.train.rl_config import RLConfig
 
 
@@ -70,7 +70,6 @@ class PromptSampler:
         return out
 
 
-_config = coerce_config  # the old private name (the scheduler's Ray backend)
 
 
 def _reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
