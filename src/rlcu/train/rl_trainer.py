@@ -70,8 +70,6 @@ class PromptSampler:
         return out
 
 
-
-
 def _reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
     """reward_fns (Python API): None (use the config), one callable, or a list of callables,
     'module:function' strings, built-in names or spec dicts."""
