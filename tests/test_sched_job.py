@@ -188,11 +188,11 @@ def test_two_jobs_share_one_gpu(tmp_path):
 
 
 def test_resumable_generate_matches_generate():
-    """The engine loop with yields every few steps makes the tokens of a plain generate."""
+    """The engine loop with yields every few steps (generate's yield_check / on_yield, what a
+    scheduled job's hooks pass) makes the tokens of a plain generate."""
     from rlcu.engine import LLM, SamplingParams
     from rlcu.model.config import Qwen3Config
     from rlcu.model.qwen3 import Qwen3
-    from rlcu.sched.job import generate_resumable
 
     cfg = config("x")["model"]["tiny"]
     model = Qwen3.from_config(Qwen3Config(**cfg), device="cpu", dtype=torch.float32, seed=3)
@@ -207,7 +207,7 @@ def test_resumable_generate_matches_generate():
         calls[0] += 1
         return calls[0] % 4 == 0
 
-    got = generate_resumable(llm, prompts, sps, should_yield, pauses.append)
+    got = llm.generate(prompts, sps, use_tqdm=False, yield_check=should_yield, on_yield=pauses.append)
     assert len(pauses) >= 2 and not llm.asleep and pauses[0] > pauses[-1] > 0  # work left shrinks
     for a, b in zip(ref, got):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]

@@ -92,14 +92,6 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: i
     return {k: v / GiB for k, v in out.items()} | {"kv_bytes_per_token": kv_tok}
 
 
-def generate_resumable(llm, prompts, sampling_params, should_yield, pause, **kw) -> list:
-    """`llm.generate(prompts, sampling_params)` with a yield check between engine steps: when
-    should_yield() is true the engine preempts its live sequences (tokens kept), sleeps, calls
-    pause(tokens_left), which returns when the job may go on, wakes and goes on (see LLM.generate)."""
-    kw.setdefault("use_tqdm", False)
-    return llm.generate(prompts, sampling_params, yield_check=should_yield, on_yield=pause, **kw)
-
-
 class JobHooks(Hooks):
     """The trainer's phase hooks (rlcu.train.core.Hooks) on scheduler leases: each phase
     gives back the lease of the one before and asks for its own, with the memory it needs;
