@@ -53,7 +53,8 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["M"])
     def _mm_kernel(X, W, C, Y, M, stride_xm, stride_wn, stride_cm, stride_ym,
                    N: tl.constexpr, K: tl.constexpr, HAS_C: tl.constexpr, IEEE: tl.constexpr, BY_SUM: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                   EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
         n_m = tl.cdiv(M, BM)
         n_n = tl.cdiv(N, BN)
@@ -72,9 +73,13 @@ if HAS_TRITON:
         wp = W + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN] = W^T tile
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, K, BK):  # one K order for every row, one accumulator
-            kmask = offs_k < K - k0
-            a = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(wp, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if EVEN_K:  # no K tail: the same values as the masked load, fewer predicates
+                a = tl.load(xp, mask=mmask[:, None], other=0.0)
+                b = tl.load(wp, mask=nmask[None, :], other=0.0)
+            else:
+                kmask = offs_k < K - k0
+                a = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(wp, mask=kmask[:, None] & nmask[None, :], other=0.0)
             acc = dot_invariant(a, b, acc, IEEE, BY_SUM)
             xp += BK
             wp += BK
@@ -116,7 +121,7 @@ def mm_triton(x, w, c=None, out=None):
     _mm_kernel[grid](x, w, c if c is not None else y, y, M, x.stride(0), w.stride(0),
                      c.stride(0) if c is not None else 0, y.stride(0), N=N, K=K, HAS_C=c is not None,
                      IEEE=x.dtype == torch.float32, BY_SUM=interpreting(), BM=BM, BN=BN, BK=BK, GROUP_M=GM,
-                     num_warps=warps, num_stages=stages)
+                     EVEN_K=K % BK == 0, num_warps=warps, num_stages=stages)
     return y
 
 
