@@ -52,44 +52,6 @@ def _timed(fn, reps=10):
     return s.elapsed_time(e) / reps
 
 
-GEMM_CANDIDATES = [(128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (128, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4),
-                   (64, 64, 64, 8, 4, 4)]
-
-
-def _gemm_sweep(shapes: dict, quick: bool) -> list:
-    """Each candidate tile configuration of the invariant GEMM (one for all M, so the choice trades
-    training-size M against decode-size M; matmul_invariant.CONFIG_FOR may give a weight shape
-    its own), timed at both, per shape and in all, with its row check."""
-    from rlcu.ops import matmul_invariant as mi
-
-    d, bf, keep, rows = "cuda", torch.bfloat16, mi.CONFIG, []
-    g = torch.Generator(device=d).manual_seed(1)
-    try:
-        for c in GEMM_CANDIDATES[:2] if quick else GEMM_CANDIDATES:
-            mi.CONFIG = c
-            r = {"config (BM, BN, BK, GROUP_M, warps, stages)": list(c)}
-            for M in ((512, 64) if quick else (8192, 256, 64)):
-                tot_inv = tot_cub = 0.0
-                inv, per = True, {}
-                for name, (N, K) in shapes.items():
-                    w = torch.randn(N, K, device=d, dtype=bf, generator=g) * 0.02
-                    x = torch.randn(M, K, device=d, dtype=bf, generator=g)
-                    t_inv = _timed(lambda x=x, w=w: mi.mm(x, w), 5)
-                    t_cub = _timed(lambda x=x, w=w: x @ w.t(), 5)
-                    tot_inv, tot_cub = tot_inv + t_inv, tot_cub + t_cub
-                    per[name] = round(t_inv / t_cub, 3)
-                    y = mi.mm(x, w)
-                    inv &= torch.equal(mi.mm(x[1:2], w), y[1:2]) and torch.equal(mi.mm(x[3:M - 5], w), y[3:M - 5])
-                r[f"M={M}"] = {"invariant_ms": tot_inv, "cublas_ms": tot_cub, "ratio": tot_inv / tot_cub,
-                               "ratio_per_shape": per, "row_invariant": inv}
-            print(f"  gemm config {c}: " + ", ".join(f"{k} {v['ratio']:.2f}x cuBLAS (invariant {v['row_invariant']})"
-                                                     for k, v in r.items() if k.startswith("M=")), flush=True)
-            rows.append(r)
-    finally:
-        mi.CONFIG = keep
-    return rows
-
-
 def case_kernels(quick: bool) -> dict:
     """GEMM and attention timings, exact against default, at the 0.6B shape in bf16."""
     from rlcu.ops.attention import attention_fwd
@@ -103,7 +65,7 @@ def case_kernels(quick: bool) -> dict:
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, H), "o": (H, cfg.q_size), "gate_up": (2 * I, H),
               "down": (H, I), "lm_head": (V, H)}
-    out = {"gemm": {}, "attention": {}, "gemm_configs": _gemm_sweep(shapes, quick)}
+    out = {"gemm": {}, "attention": {}}  # the tile sweep and its bit checks: bench/exact_tiles.py
     for M in ((512, 64) if quick else (8192, 256)):
         for name, (N, K) in shapes.items():
             w = torch.randn(N, K, device=d, dtype=bf, generator=g) * 0.02
@@ -157,6 +119,20 @@ def case_kernels(quick: bool) -> dict:
         "exact_ms": _timed(lambda: attention_exact_paged(qd, kc, vc, tables, cuq, lens, 1, sc)),
         "default_ms": _timed(lambda: paged_attention(qd, kc, vc, tables, cuq, lens, 1, L, sc)),
         "seq_alone_equal": torch.equal(od1[0], od[3])}
+    keep = dict(ae.CONFIG)
+    try:  # one row tile on every path: the decode's cost of the training tile
+        for bm in (32, 64):
+            ae.CONFIG.update(BM=bm, BM_TRAIN=bm, SUB_TRAIN=1)
+            o_b, _ = attention_exact_varlen(q, k, v, cu, T, sc)
+            od_b = attention_exact_paged(qd, kc, vc, tables, cuq, lens, 1, sc)
+            out["attention"][f"all paths BM={bm}"] = {
+                "train_ms": _timed(lambda: attention_exact_varlen(q, k, v, cu, T, sc)),
+                "decode_ms": _timed(lambda: attention_exact_paged(qd, kc, vc, tables, cuq, lens, 1, sc)),
+                "train_same_bits_as_default_config": torch.equal(o_b, o),
+                "decode_same_bits_as_default_config": torch.equal(od_b, od)}
+    finally:
+        ae.CONFIG.clear()
+        ae.CONFIG.update(keep)
     for grp in out.values():
         for name, r in grp.items():
             print(f"  {name:<22} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

@@ -5,9 +5,11 @@ of the model and the engine (qkv, o with the residual, gate_up, down, the LM hea
 cuBLAS (and a CPU BLAS) picks its kernel, tiles and split-K by the problem's M, so one row
 of a 1-row product and of a 300-row product differ in the last bits (on the CPU here: 4 of 9
 row counts give other bits than the 300-row product). This kernel fixes everything a row's
-sums depend on: one tile configuration per (N, K) (never per M), K walked from 0 in BK steps
-into one fp32 accumulator (no split-K, no stream-K), the optional c added to the fp32
-accumulator in the epilogue and rounded once (as cuBLAS's beta = 1 does).
+sums depend on: K walked from 0 into one fp32 accumulator (no split-K, no stream-K), the
+optional c added to the fp32 accumulator in the epilogue and rounded once (as cuBLAS's beta = 1
+does). The tiles follow M and N for speed (CONFIGS): on the GPU a row's bits do not depend on
+them, since the tensor cores chain K in 16-wide steps into the accumulator whatever the tile,
+which bench/exact_tiles.py checks bit for bit on the device for every tile it times.
 
 The twin (the CPU path): y[m, n] = tree_sum over k of x[m, k] w[n, k] in fp32 (exact
 elementwise products, then a fixed halving tree), in row and column blocks that bound the
@@ -24,13 +26,26 @@ from rlcu.ops.exact import tree_sum
 if HAS_TRITON:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-# (BM, BN, BK, GROUP_M, num_warps, num_stages): fixed for every M (the invariance); sm_90 bf16
-CONFIG = (128, 128, 64, 8, 8, 3)
-# per weight shape (N, K) -> a config in CONFIG's form: a shape may have its own tiles (the
-# trainer and the engine meet the same shape, so they still share them), never an M of its own
-CONFIG_FOR: dict[tuple[int, int], tuple] = {}
-_INTERPRET_CONFIG = (32, 32, 32, 4, 4, 1)  # few programs: the interpreter's cost is per op
+# A row's bits depend on the K order alone: each output element chains K in 16-wide tensor-core
+# steps into one fp32 accumulator, whatever BM, BN, BK, the warps or the load path (measured bit
+# for bit on the H200 for every tile below and more: bench/results/exact_tiles.json). So the
+# tiles may follow M (what must not is split-K, stream-K or any other split of K).
+# (M, N, config): the first entry whose M and N bounds the product's do not exceed gives its
+# (BM, BN, BK, GROUP_M, num_warps, num_stages, tma). The fastest of 37 tiles at each 0.6B weight
+# shape and M in {1, 7, 64, 256, 8192} (bench/exact_tiles.py, H200): 0.93-1.24x cuBLAS's time.
+_BIG = 1 << 62
+CONFIGS: tuple[tuple[int, int, tuple], ...] = (
+    (16, _BIG, (16, 32, 128, 8, 4, 4, False)),  # decode of a few sequences: weight-bound
+    (128, 32768, (64, 32, 128, 8, 4, 4, True)),
+    (128, _BIG, (64, 64, 128, 8, 4, 3, True)),
+    (512, 2048, (64, 32, 128, 8, 4, 4, True)),  # decode of a full batch: o, down
+    (512, 8192, (64, 64, 128, 8, 4, 3, True)),  # qkv, gate_up
+    (512, _BIG, (128, 256, 64, 8, 8, 4, True)),  # the LM head
+    (_BIG, _BIG, (128, 256, 64, 8, 8, 3, True)),  # training and prefill
+)
+_INTERPRET_CONFIG = (32, 32, 32, 4, 4, 1, False)  # few programs: the interpreter's cost is per op
 _REF_ELEMS = 1 << 22  # the twin's [rows, cols, K] product block, at most
 
 
@@ -91,6 +106,44 @@ if HAS_TRITON:
                  mask=omask)
 
 
+    @triton.jit(do_not_specialize=["M"])
+    def _mm_tma_kernel(x_desc, w_desc, C, Y, M, stride_cm, stride_ym,
+                       N: tl.constexpr, K: tl.constexpr, HAS_C: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+        # _mm_kernel's sums with the tiles brought in by the tensor-memory accelerator (rows and
+        # K past the ends read as zeros, as the masked loads do): the same K order, so the
+        # same bits (bench/exact_tiles.py checks it on the device)
+        pid = tl.program_id(0)
+        n_m = tl.cdiv(M, BM)
+        n_n = tl.cdiv(N, BN)
+        per_group = GROUP_M * n_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = tl.minimum(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        m0 = pid_m * BM
+        n0 = pid_n * BN
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            a = x_desc.load([m0, k0])  # [BM, BK]
+            b = w_desc.load([n0, k0])  # [BN, BK]
+            acc = tl.dot(a, b.T, acc)
+        offs_m = m0.to(tl.int64) + tl.arange(0, BM)
+        offs_n = n0.to(tl.int64) + tl.arange(0, BN)
+        omask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        if HAS_C:
+            acc += tl.load(C + offs_m[:, None] * stride_cm + offs_n[None, :], mask=omask,
+                           other=0.0).to(tl.float32)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=omask)
+
+
+def _tma_ok(x, w) -> bool:
+    # the descriptor's rules: 16-byte aligned bases and row strides
+    e = x.element_size()
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * e) % 16 == 0 for t in (x, w))
+
+
 def _check(x, w, c, out):
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"mm: x must be [M, K] and w [N, K], got {list(x.shape)} and {list(w.shape)}")
@@ -100,6 +153,14 @@ def _check(x, w, c, out):
     for name, t in (("c", c), ("out", out)):
         if t is not None and (t.shape != shape or t.dtype != x.dtype):
             raise ValueError(f"mm: {name} must be {x.dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+
+
+def config_for(M: int, N: int) -> tuple:
+    """The tiles of an [M, K] x [K, N] product (the bits do not depend on the choice, the time
+    does)."""
+    if interpreting():
+        return _INTERPRET_CONFIG
+    return next(c for m, n, c in CONFIGS if M <= m and N <= n)
 
 
 def mm_triton(x, w, c=None, out=None):
@@ -116,12 +177,17 @@ def mm_triton(x, w, c=None, out=None):
         c = c.contiguous()
     if y.stride(1) != 1:
         raise ValueError("mm: out must have a unit column stride")
-    BM, BN, BK, GM, warps, stages = _INTERPRET_CONFIG if interpreting() else CONFIG_FOR.get((N, K), CONFIG)
+    BM, BN, BK, GM, warps, stages, tma = config_for(M, N)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-    _mm_kernel[grid](x, w, c if c is not None else y, y, M, x.stride(0), w.stride(0),
-                     c.stride(0) if c is not None else 0, y.stride(0), N=N, K=K, HAS_C=c is not None,
-                     IEEE=x.dtype == torch.float32, BY_SUM=interpreting(), BM=BM, BN=BN, BK=BK, GROUP_M=GM,
-                     EVEN_K=K % BK == 0, num_warps=warps, num_stages=stages)
+    cc, sc = (c, c.stride(0)) if c is not None else (y, 0)
+    if tma and x.dtype != torch.float32 and _tma_ok(x, w):
+        _mm_tma_kernel[grid](TensorDescriptor.from_tensor(x, [BM, BK]), TensorDescriptor.from_tensor(w, [BN, BK]),
+                             cc, y, M, sc, y.stride(0), N=N, K=K, HAS_C=c is not None, BM=BM, BN=BN, BK=BK,
+                             GROUP_M=GM, num_warps=warps, num_stages=stages)
+    else:
+        _mm_kernel[grid](x, w, cc, y, M, x.stride(0), w.stride(0), sc, y.stride(0), N=N, K=K,
+                         HAS_C=c is not None, IEEE=x.dtype == torch.float32, BY_SUM=interpreting(), BM=BM, BN=BN,
+                         BK=BK, GROUP_M=GM, EVEN_K=K % BK == 0, num_warps=warps, num_stages=stages)
     return y
 
 
