@@ -7,6 +7,10 @@ SDPA attention, torch.optim.AdamW(fused=True), no checkpointing.
 MFU = 3 x forward FLOPs x tokens / time / 989e12.
 
     python bench/train_step.py [--batch 32 --seqlen 1024 --steps 6 --no-hf]
+    python bench/train_step.py --graph [--cases 32x1024,8x1024,4x512,critic:8x1024]
+
+--graph: the step replayed as CUDA graphs against the same step eager, per case, each case in
+its own process (bench/train_graph.py; train_graph.json).
 """
 
 from __future__ import annotations
@@ -144,6 +148,16 @@ def run_side(side, args):
     """Each side runs in its own process, so that one's allocator state cannot starve the other."""
     cfg = qwen3_06b_config()
     B, T = args.batch, args.seqlen
+    if side in ("graph", "graph_critic"):
+        from bench.train_graph import ARMS, bench_graph
+
+        critic = side == "graph_critic"
+        r = bench_graph(cfg, B, T, args.steps, args.warmup, critic=critic, ckpt=args.ckpt)
+        head = 0 if critic else 2 * cfg.vocab_size * cfg.hidden_size  # the critic has no LM head
+        flops = 3 * (fwd_flops_per_token(cfg, T) - head) * B * T
+        for arm in ARMS:
+            r[arm].update(tok_s=B * T / r[arm]["ms"] * 1e3, mfu=flops / (r[arm]["ms"] * 1e-3) / PEAK_FLOPS)
+        return r
     if side == "hf":
         r = bench_hf(cfg, B, T, args.steps, args.warmup)
     else:
@@ -165,11 +179,16 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--sides", default="rlcu,rlcu_fast,hf")
+    ap.add_argument("--graph", action="store_true", help="CUDA-graph step against the eager step, per case")
+    ap.add_argument("--cases", default="32x1024,8x1024,4x512,critic:8x1024", help="with --graph: [critic:]BxT,...")
+    ap.add_argument("--ckpt", default="full", help="with --graph: gradient checkpointing (full | attention)")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side:
         print("RESULT " + json.dumps(run_side(args.side, args)))
         return
+    if args.graph:
+        return main_graph(args)
     t0 = time.time()
     res = {"protocol": f"{args.batch} x {args.seqlen} tokens, next-token loss on all tokens, AdamW step, "
                        "Qwen3-0.6B shape, random bf16 weights; median of timed steps after warm-up; "
@@ -199,6 +218,37 @@ def main():
             print(f"{k:<12} {r['ms']:>8.1f} {r['tok_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_GiB']:>9.1f} {sp:>6}")
         elif r:
             print(f"{k:<12} {r['error'][-300:]}")
+
+
+def main_graph(args):
+    import json
+    import subprocess
+
+    t0 = time.time()
+    res = {"protocol": "per case: eager (the library's step), static (the graph's code, uncaptured) and graph "
+                       "(captured, replayed) from the same initial state and batch, Qwen3-0.6B shape, random bf16 "
+                       f"weights, FlatAdamW with clipping, checkpointing {args.ckpt}; median of {args.steps} timed "
+                       f"steps after {args.warmup}; each case in its own process", "cases": {}}
+    for case in args.cases.split(","):
+        critic = case.startswith("critic:")
+        B, T = (int(x) for x in case.split(":")[-1].split("x"))
+        cmd = [sys.executable, __file__, "--side", "graph_critic" if critic else "graph", "--batch", str(B),
+               "--seqlen", str(T), "--steps", str(args.steps), "--warmup", str(args.warmup), "--ckpt", args.ckpt]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        res["cases"][case] = json.loads(line[-1][7:]) if line else {"error": (p.stderr or p.stdout)[-1500:]}
+    res["wall_s"] = time.time() - t0
+    write_json("train_graph.json", res)
+    print(f"\n{'case':<16} {'eager ms':>9} {'static ms':>10} {'graph ms':>9} {'MFU e/g':>12} {'x vs eager':>10} "
+          f"{'bitwise':>8} {'eager rel':>9}")
+    for case, r in res["cases"].items():
+        if "error" in r:
+            print(f"{case:<16} {r['error'][-600:]}")
+            continue
+        ok = r["graph_vs_static"]["losses_equal"] and all(d["equal"] for d in r["graph_vs_static"]["state"].values())
+        print(f"{case:<16} {r['eager']['ms']:>9.1f} {r['static']['ms']:>10.1f} {r['graph']['ms']:>9.1f} "
+              f"{r['eager']['mfu']:>5.1%}/{r['graph']['mfu']:<6.1%} {r['speedup_graph_vs_eager']:>9.2f}x "
+              f"{str(ok):>8} {r['eager_vs_static']['loss_max_rel']:>9.1e}")
 
 
 if __name__ == "__main__":

@@ -364,6 +364,10 @@ class SFTConfig(Section):
     batch_tokens: int = opt(4096, "tokens per packed micro-batch (an example longer than this gets a "
                                   "micro-batch of its own)", ge=1)
     grad_accum: int = opt(1, "micro-batches per optimizer step (gradient accumulation)", ge=1)
+    cuda_graph: bool = opt(False, "replay each step as CUDA graphs (micro-batch forward + backward padded to "
+                                  "batch_tokens, and the optimizer step), captured at the first step; eager, "
+                                  "with the reason logged, on the CPU, in exact mode, with several ranks or "
+                                  "bf16 gradients, and for a micro-batch past batch_tokens")
     max_seq_len: int = opt(1024, "drop examples longer than this many tokens (the count is logged)", ge=2)
     eval_every: int = opt(0, "held-out loss (data.eval_path or data.eval_size) every N steps; 0: at the end only",
                           ge=0)

@@ -245,10 +245,12 @@ class Qwen3:
         return dx + dx2
 
     # ---------------------------------------------------------------- trunk
-    def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str):
+    def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str, pos=None):
         """Embedding + layers. keep: 'none' | 'inputs' (full checkpointing) | 'attention'
-        (layer input + attention output and lse) | 'all' (every activation)."""
-        pos = positions_from_cu_seqlens(cu_seqlens, tokens.numel())
+        (layer input + attention output and lse) | 'all' (every activation). pos: the tokens'
+        positions, or None to derive them from cu_seqlens."""
+        if pos is None:
+            pos = positions_from_cu_seqlens(cu_seqlens, tokens.numel())
         x = embedding_fwd(tokens, self.w["embed"])
         saved = []
         for i in range(self.cfg.num_hidden_layers):
@@ -292,8 +294,17 @@ class Qwen3:
         checkpointing mode). The critic's value head and the LM head both start here."""
         max_seqlen = self._check_cu(tokens, cu_seqlens)
         self._check_ids(tokens, "tokens")
+        return self.hidden_forward_unchecked(tokens, cu_seqlens, max_seqlen, grad=grad)
+
+    def hidden_forward_unchecked(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                                 pos: torch.Tensor | None = None, grad: bool = True):
+        """`hidden_forward` without its input checks, which read the data on the host: for a
+        CUDA-graph capture (train/step_graph.py), where nothing may. The caller guarantees valid
+        token ids, cu_seqlens non-decreasing from 0 (empty sequences and rows past cu_seqlens[-1],
+        a padded budget, are allowed: attention gives those rows zeros) and max_seqlen >= the
+        longest sequence; pos [N] int32, when given, are the tokens' positions."""
         keep = self._keep_mode() if grad else "none"
-        x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep)
+        x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep, pos)
         h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps)
         self._trunk_ctx = (dict(tokens=tokens, cu=cu_seqlens, max_seqlen=max_seqlen, pos=pos, saved=saved,
                                 x=x, rstd=rstd) if grad else None)

@@ -85,11 +85,21 @@ if HAS_TRITON:
         return _hash32(_hash32(offs.to(tl.uint32) ^ k) + k)
 
     @triton.jit(do_not_specialize=["Key"])
-    def _adamw_kernel(P, G, M, V, Pout, Scale, n, Key, Base, scale, beta1, omb1, beta2, omb2, eps, decay,
-                      step_size, inv_bc2_sqrt, SCALE_PTR: tl.constexpr, HAS_OUT: tl.constexpr,
-                      SR_P: tl.constexpr, SR_MV: tl.constexpr, BLOCK: tl.constexpr):
+    def _adamw_kernel(P, G, M, V, Pout, Scale, Coef, KeyPtr, n, Key, Base, scale, beta1, omb1, beta2, omb2, eps,
+                      decay, step_size, inv_bc2_sqrt, SCALE_PTR: tl.constexpr, HAS_OUT: tl.constexpr,
+                      SR_P: tl.constexpr, SR_MV: tl.constexpr, COEF_PTR: tl.constexpr, BLOCK: tl.constexpr):
         # omb = 1 - beta, step_size = lr / c1, inv_bc2_sqrt = 1 / sqrt(c2), decay = 1 - lr wd,
-        # folded on the host; every line below is the twin's (_adamw_block_ref), op for op
+        # folded on the host; every line below is the twin's (_adamw_block_ref), op for op.
+        # COEF_PTR: the step's scalars (decay, step_size, inv_bc2_sqrt, gate) and the rounding key
+        # are read from device memory, so that one captured launch serves every step (a CUDA
+        # graph); gate 0 (a non-finite loss or norm, found on the device) leaves everything as it was
+        if COEF_PTR:
+            if tl.load(Coef + 3) == 0.0:
+                return
+            decay = tl.load(Coef)
+            step_size = tl.load(Coef + 1)
+            inv_bc2_sqrt = tl.load(Coef + 2)
+            Key = tl.load(KeyPtr)
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -154,7 +164,13 @@ def rounding_key(seed: int, step: int) -> int:
     return _py_hash32(k ^ ((step >> 32) & _M32))
 
 
-def _adamw_step_triton(p, g, m, v, p_out, c: dict, key: int, grad_scale, index_base: int = 0):
+def _int32_bits(key: int) -> int:
+    return key - (1 << 32) if key >= 1 << 31 else key  # the key's bits as an int32
+
+
+def _adamw_step_triton(p, g, m, v, p_out, c: dict, key: int, grad_scale, index_base: int = 0, dev=None):
+    """dev: None, or (coef, key) device tensors that replace c's step scalars and `key` (see
+    adamw_step_device)."""
     n = p.numel()
     if n == 0:
         return
@@ -163,14 +179,15 @@ def _adamw_step_triton(p, g, m, v, p_out, c: dict, key: int, grad_scale, index_b
         raise ValueError(f"grad_scale must be a float or a 1-element tensor on {p.device}, "
                          f"got shape {list(grad_scale.shape)} on {grad_scale.device}")
     grid = (triton.cdiv(n, BLOCK),)
+    coef, key_t = dev if dev is not None else (p, p)
     _adamw_kernel[grid](
-        p, g, m, v, p_out if p_out is not None else p, grad_scale if scale_ptr else p, n,
-        key - (1 << 32) if key >= 1 << 31 else key,  # the key's bits as an int32
-        index_base,
+        p, g, m, v, p_out if p_out is not None else p, grad_scale if scale_ptr else p, coef, key_t, n,
+        _int32_bits(key), index_base,
         1.0 if scale_ptr else float(grad_scale), c["beta1"], c["omb1"], c["beta2"], c["omb2"], c["eps"],
         c["decay"], c["step_size"], c["inv_bc2_sqrt"],
         SCALE_PTR=scale_ptr, HAS_OUT=p_out is not None, SR_P=p.dtype == torch.bfloat16,
-        SR_MV=m.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=8, enable_fp_fusion=False)
+        SR_MV=m.dtype == torch.bfloat16, COEF_PTR=dev is not None, BLOCK=BLOCK, num_warps=8,
+        enable_fp_fusion=False)
 
 
 def _grad_norm_triton(g: torch.Tensor) -> torch.Tensor:
@@ -281,3 +298,36 @@ def adamw_step(p, g, m, v, p_out, *, lr: float, beta1: float, beta2: float, eps:
                            rounding_key(seed, step), grad_scale, index_base)
         return
     adamw_step_ref(p, g, m, v, p_out, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed, index_base)
+
+
+# ---------------------------------------------------------------- scalars on the device
+COEF_FIELDS = ("decay", "step_size", "inv_bc2_sqrt", "gate")
+
+
+def step_coefs(lr: float, beta1: float, beta2: float, weight_decay: float, step: int, seed: int = 0):
+    """The per-step inputs of `adamw_step_device`: ([decay, step_size, inv_bc2_sqrt, 1.0] as fp32
+    values, the rounding key as an int32), folded as `adamw_step` folds them, so that a step
+    fed from device memory computes what the same step with Python scalars computes, bit for bit
+    (Triton rounds a float argument to fp32 the same way: to nearest)."""
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (1-based, for the bias correction), got {step}")
+    c = _coefs(lr, beta1, beta2, 0.0, weight_decay, step)
+    vals = torch.tensor([c["decay"], c["step_size"], c["inv_bc2_sqrt"], 1.0], dtype=torch.float64).float()
+    return vals, torch.tensor([_int32_bits(rounding_key(seed, step))], dtype=torch.int32)
+
+
+def adamw_step_device(p, g, m, v, p_out, coef: torch.Tensor, key: torch.Tensor, *, beta1: float, beta2: float,
+                      eps: float, grad_scale: torch.Tensor, index_base: int = 0):
+    """`adamw_step` with the step's scalars in device memory, for a launch captured once in a
+    CUDA graph and replayed every step: coef [4] fp32 = (decay, step_size, inv_bc2_sqrt, gate)
+    as `step_coefs` makes them (gate 0: skip the update, nothing is written), key [1] int32;
+    grad_scale a 1-element fp32 tensor. Triton only (a graph is a CUDA thing)."""
+    if not use_triton(p):
+        raise RuntimeError("adamw_step_device runs the Triton kernel only (CUDA graphs, or TRITON_INTERPRET=1)")
+    if coef.dtype != torch.float32 or coef.numel() != 4 or key.dtype != torch.int32 or key.numel() != 1:
+        raise ValueError(f"coef must be 4 fp32 values and key 1 int32, got {coef.dtype} [{coef.numel()}] "
+                         f"and {key.dtype} [{key.numel()}]")
+    if not isinstance(grad_scale, torch.Tensor):
+        raise TypeError("grad_scale must be a 1-element device tensor here")
+    c = _coefs(1.0, beta1, beta2, eps, 0.0, 1)  # beta1, omb1, beta2, omb2, eps; the rest comes from coef
+    _adamw_step_triton(p, g, m, v, p_out, c, 0, grad_scale, index_base, dev=(coef, key))

@@ -123,6 +123,20 @@ class SFTTrainer(Trainer):
             raise ValueError(f"grad_accum ({cfg.grad_accum}) must be a multiple of the number of ranks "
                              f"({world().size}): each rank takes every N-th micro-batch of a step")
         self.optimizer = make_optimizer(self.model, cfg.optim)  # ShardedAdamW across ranks
+        self.step_graph = self._make_step_graph() if cfg.cuda_graph else None
+        self._graph_misfits = 0  # steps that ran eagerly because a micro-batch did not fit the graph
+
+    def _make_step_graph(self):
+        from rlcu.train.step_graph import StepGraph, why_not
+
+        reason = why_not(self.model, self.optimizer)
+        if reason is None and world().size > 1:
+            reason = "data parallel across ranks"
+        if reason is not None:
+            self._notes.append(f"cuda_graph: eager steps ({reason})")
+            return None
+        limit = min(self.cfg.max_seq_len, self.model.cfg.max_position_embeddings)
+        return StepGraph(self.model, self.optimizer, budget=self.cfg.batch_tokens, max_seqlen=limit)
 
     def _encode(self, rows: list[dict], src: str, fields: dict) -> list[tuple[list[int], list[int]]]:
         """Tokenise rows to (ids, mask), dropping (and counting) too long or empty ones."""
@@ -157,7 +171,7 @@ class SFTTrainer(Trainer):
         return out
 
     # ---------------------------------------------------------------- batches
-    def _micro_batch(self, idx: list[int] | None = None, examples=None):
+    def _micro_batch(self, idx: list[int] | None = None, examples=None, device=None):
         examples = self.examples if examples is None else examples
         idx = self.stream.next_batch() if idx is None else idx
         ids, mask, lens = [], [], []
@@ -166,7 +180,7 @@ class SFTTrainer(Trainer):
             ids += a
             mask += m
             lens.append(len(a))
-        dev = self.device
+        dev = self.device if device is None else device
         tokens = torch.tensor(ids, dtype=torch.long, device=dev)
         cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
         return tokens, cu, torch.tensor(mask, dtype=torch.float32, device=dev), sum(mask)
@@ -195,10 +209,24 @@ class SFTTrainer(Trainer):
         cfg = self.cfg
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.optim, cfg.steps)
-        batches = [self._micro_batch() for _ in range(cfg.grad_accum)]
+        graph = self.step_graph
+        batches = [self._micro_batch(device="cpu" if graph else None) for _ in range(cfg.grad_accum)]
         n_tok = sum(b[3] for b in batches)
         n_all, n_seq = sum(b[0].numel() for b in batches), sum(b[1].numel() - 1 for b in batches)
         batches = dp.rank_share(batches)  # the global batch's every N-th micro-batch; n_tok is global
+        packed = self._graph_batches(batches, n_tok) if graph else None
+        if packed is not None:
+            loss, info = graph.step(packed, lr)  # may raise NonFiniteError
+        else:
+            if graph:
+                batches = [(t.to(self.device), c.to(self.device), m.to(self.device), n) for t, c, m, n in batches]
+            loss, info = self._eager_step(batches, n_tok, lr)
+        dt = time.perf_counter() - t0
+        return {"loss": loss, **info, "tokens": n_all, "completion_tokens": n_tok,
+                "sequences": n_seq, "epoch": self.stream.epoch,
+                "tokens_per_s": n_all / dt, "step_seconds": dt}
+
+    def _eager_step(self, batches, n_tok: int, lr: float) -> tuple[float, dict]:
         self.model.zero_grad()
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for tokens, cu, mask, _ in batches:
@@ -206,11 +234,24 @@ class SFTTrainer(Trainer):
             loss_sum += -(lp * mask).sum()
             self.model.backward(mask * (-1.0 / n_tok))
         loss = all_sum(float(loss_sum)) / n_tok
-        info = self.optimizer.step(lr, loss)  # may raise NonFiniteError
-        dt = time.perf_counter() - t0
-        return {"loss": loss, **info, "tokens": n_all, "completion_tokens": n_tok,
-                "sequences": n_seq, "epoch": self.stream.epoch,
-                "tokens_per_s": n_all / dt, "step_seconds": dt}
+        return loss, self.optimizer.step(lr, loss)  # may raise NonFiniteError
+
+    def _graph_batches(self, batches, n_tok: int) -> list[dict] | None:
+        """The step's micro-batches packed for the step graph (host tensors), or None when one
+        does not fit its budget (logged the first time; the step then runs eagerly)."""
+        from rlcu.train.static_batch import misfit, pack, slot_bucket
+
+        g, out = self.step_graph, []
+        for tokens, cu, mask, _ in batches:
+            S = cu.numel() - 1
+            why = misfit(tokens.numel(), S, int((cu[1:] - cu[:-1]).max()), g.budget, g.max_seqlen)
+            if why is not None:
+                if not self._graph_misfits:
+                    self._log_info(f"cuda_graph: an eager step ({why}); later ones are counted in graph_misfits")
+                self._graph_misfits += 1
+                return None
+            out.append(pack(tokens, cu, mask * (-1.0 / n_tok), g.budget, slot_bucket(S, g.budget)))
+        return out
 
     @property
     def has_eval(self) -> bool:
