@@ -96,3 +96,34 @@ def test_warmup_default_and_checks():
     llm.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         llm.runner.warm_up()
+
+
+def test_warmup_captures_every_graph_the_run_replays_emulated():
+    """The graph path on the CPU (a 'graph' re-runs the captured step at replay, as in
+    test_engine.py): after the warm-up, generate replays graphs and captures none, with the
+    outputs of an engine without graphs."""
+    m = _model(Hk=2, max_pos=512)
+    torch.manual_seed(1)
+    m.flat.normal_(0, 0.3)
+    prompts = [{"prompt_token_ids": list(range(i, i + 3 + 5 * i))} for i in range(7)]
+    sp = [SamplingParams(temperature=0.8, top_k=5, max_tokens=2 + 3 * i, seed=i, logprobs=True) for i in range(7)]
+    ref = LLM(m, num_kv_blocks=64, block_size=4, max_num_seqs=6).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(m, num_kv_blocks=64, block_size=4, max_num_seqs=6, warmup=False)
+    r = llm.runner
+    r.use_graphs = True
+
+    def record(fn):
+        out = fn()
+        r.num_captures += 1
+        return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
+
+    r._record = record
+    st = r.warm_up()
+    assert r.max_model_len == 256 and r.graph_plan() == [(6, 256), (4, 256), (2, 256), (1, 256)]
+    assert st["captures"] == 4 and set(r.graphs) == set(r.graph_plan())
+    n = r.num_captures
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert r.num_captures == n and llm.stats["graph_steps"] > 0
+    for a, b in zip(ref, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert torch.allclose(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-5)

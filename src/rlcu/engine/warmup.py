@@ -125,7 +125,7 @@ def warm_up(runner) -> dict:
     if cuda:
         torch.cuda.synchronize(dev)
     reserved0 = torch.cuda.memory_reserved(dev) if cuda else 0
-    plan = runner.graph_plan() if cuda else runner.graph_plan()[-1:]
+    plan = runner.graph_plan() if cuda or runner.use_graphs else runner.graph_plan()[-1:]
     captures0, eager = runner.num_captures, 0
     for b, kb in plan:
         if runner.use_graphs:
