@@ -300,7 +300,7 @@ def static(dtype: str = "bf16") -> list[dict]:
     ptr.update(Q=f"*{dtype}", KC=f"*{dtype}", VC=f"*{dtype}", O=f"*{dtype}", O_PART="*fp32",
                LSE_PART="*fp32", scale_log2="fp32")
     rows = [static_compile(pa._decode_kernel, ptr, dict(G=Hq // Hk, BG=16, D=D, BD=D, BS=BS,
-                                                        BN=c["BN"], NSPLIT=1),
+                                                        BN=c["BN"], SPLIT=False),
                            c["num_warps"], c["num_stages"])]
     c1, cr = sm.CONFIGS["pass1"], sm.CONFIGS["row"]
     NC = triton.cdiv(VOCAB, c1["CHUNK"])

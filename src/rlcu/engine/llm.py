@@ -122,15 +122,22 @@ class LLM:
     scheduling overlaps the device's work (outputs are identical; a sequence that samples a
     stop token costs one wasted row in the next step).
     tokenizer: an object with encode/decode/apply_chat_template/eos_token_id; default: loaded
-    from the model's folder the first time a prompt is text (or a chat)."""
+    from the model's folder the first time a prompt is text (or a chat). warmup: at
+    construction, compile the kernels of every step kind and capture every decode graph the
+    engine can replay (engine/warmup.py), so that the first generate does neither; None (the
+    default): on CUDA only. `startup` reports the construction's seconds and the warm-up's."""
 
     def __init__(self, model: Qwen3 | str | Path, *, device: str | torch.device | None = None, dtype=None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  gpu_memory_utilization: float | None = None, block_size: int | None = None,
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, enable_prefix_caching: bool = True, async_scheduling: bool = True,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, warmup: bool | None = None):
         from rlcu.config import GPU_MEMORY_UTILIZATION
+
+        t_start = time.perf_counter()
+        if warmup is not None and not isinstance(warmup, bool):
+            raise ValueError(f"LLM.warmup must be True, False or None, got {warmup!r}")
         from rlcu.ops.paged_attention import DEFAULT_BLOCK_SIZE
 
         if gpu_memory_utilization is None:
@@ -175,6 +182,11 @@ class LLM:
         self.async_scheduling = async_scheduling
         self.asleep = False
         self.stats: dict = {}
+        if warmup is None:
+            warmup = self.runner.device.type == "cuda"
+        t_warm = time.perf_counter()
+        self.startup: dict = {"warmup": self.runner.warm_up() if warmup else None}
+        self.startup.update(seconds=time.perf_counter() - t_start, before_warmup_s=t_warm - t_start)
 
     # ------------------------------------------------------------------ tokenizer
     @property
@@ -224,7 +236,8 @@ class LLM:
 
     def capture_graphs(self, max_context: int = 4096) -> int:
         """Capture the decode CUDA graphs for contexts up to `max_context` now rather than on
-        first use (benchmarks call this before timing). Returns the number of graphs."""
+        first use (the warm-up at construction captures them all; this serves an engine built
+        with warmup=False, or woken with its graphs dropped). Returns the number of graphs."""
         if self.asleep:
             raise RuntimeError("the engine is asleep: call llm.wake() first")
         return self.runner.capture_graphs(max_context)

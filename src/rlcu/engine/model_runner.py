@@ -18,13 +18,16 @@ logprob is taken by the trainer's head kernel (`_sample`).
 
 KV pool: one tensor [2, layers, num_blocks, block_size, Hk, D]. On CUDA its size is what
 `gpu_memory_utilization` of the device's memory leaves after everything already allocated
-(the trainer's buffers too) and the activations of a warm-up step of the full token budget.
+(the trainer's buffers too), the activations of a step of the full token budget and, with
+graphs, the graphs' private pool (about one decode step of `max_num_seqs` rows).
 
 CUDA graphs: pure decode steps (one token per sequence) of up to `max_num_seqs` sequences
 replay one graph of the whole step (embedding to the sampled tokens and their logprobs,
-the LM head and the sampler included) captured, on first use, for the next batch-size
-bucket (1, 2, 4, 8, then multiples of 16) and context bucket (1k, 4k, 16k, ..., max_model_len:
-the decode kernel's split-KV grid is sized by the longest context). Padding rows write
+the LM head and the sampler included) captured for the next batch-size bucket (1, 2, 4, 8,
+then multiples of 16) and context bucket (1k, 4k, 16k, ..., max_model_len: the decode
+kernel's split-KV grid is sized by the longest context; a batch wide enough to run unsplit
+has one graph for every context), all at the engine's start (engine/warmup.py), else or
+after a wake that dropped them on first use. Padding rows write
 nowhere (kv slot -1), attend to one key and sample at temperature 1 (their tokens are never
 read). Everything else runs eagerly.
 
@@ -46,8 +49,10 @@ import math
 import numpy as np
 import torch
 
+from rlcu.engine import warmup
 from rlcu.engine.decode_state import DecodeState
 from rlcu.engine.scheduler import ScheduledBatch
+from rlcu.engine.warmup import context_bucket, graph_buckets
 from rlcu.model.qwen3 import Qwen3
 from rlcu.ops.attention_exact import attention_exact_paged
 from rlcu.ops.embedding import embedding_fwd
@@ -55,7 +60,7 @@ from rlcu.ops.exact import is_exact
 from rlcu.ops.kv_cache import kv_write
 from rlcu.ops.logprob import token_logprob
 from rlcu.ops.matmul_invariant import mm as mm_invariant
-from rlcu.ops.paged_attention import paged_attention
+from rlcu.ops.paged_attention import _num_sms, decode_splits, paged_attention
 from rlcu.ops.qkv_prep import qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
 from rlcu.ops.rope import rope_fwd
@@ -78,10 +83,6 @@ def _pack(arrays: list, dtype, device: torch.device) -> list[torch.Tensor]:
         host[o:o + len(x)] = x
     buf = torch.from_numpy(host).to(device, non_blocking=True)
     return [buf[o:o + len(x)] for x, o in zip(arrays, starts)]
-
-
-def graph_buckets(max_bs: int) -> list[int]:
-    return sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if b < max_bs} | {max_bs})
 
 
 class _Readback:
@@ -119,6 +120,7 @@ class ModelRunner:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
         self.block_bytes = 2 * c.num_hidden_layers * block_size * c.kv_size * torch.finfo(self.dtype).bits // 8
+        self.memory_probe: dict = {}  # what the pool's sizing set aside (_auto_num_blocks)
         self.num_blocks = num_kv_blocks if num_kv_blocks is not None else self._auto_num_blocks(max_model_len)
         self.max_model_len = min(max_model_len, self.num_blocks * block_size)
         self.kv: torch.Tensor | None = None
@@ -133,6 +135,7 @@ class ModelRunner:
         self._rb = _Readback(max_num_seqs)  # pinned host buffers of the samples (see _readback)
         self._graph_kv_ptr = 0  # the KV pool's address when graphs were kept through a release
         self.graph_wakes = {"kept": 0, "recaptured": 0}  # wakes after release(keep_graphs=True)
+        self.num_captures = 0  # CUDA graphs captured by this runner, ever
         self.allocate()
 
     @property
@@ -338,10 +341,13 @@ class ModelRunner:
             self._graph_flat_ptr = self.model.flat.data_ptr()
             self._graph_exact = is_exact()
         b = self._batch_bucket(S)
-        key = self._graph_key(S, d.load(batch, b, self._last_samples))
+        max_k = d.load(batch, b, self._last_samples)
+        key = self._graph_key(S, max_k)
         if key not in self.graphs:
             self._capture(*key)
-        W = math.ceil(key[1] / self.block_size)
+        # the entries the kernel may read: those of the step's context bucket (a graph merged
+        # into the max_model_len bucket reads no further, see _graph_key)
+        W = math.ceil(context_bucket(max_k, self.max_model_len) / self.block_size)
         self._static["tables"][:b, :W] = d.block_tables(b, W)
         replay, (tokens, logprobs) = self.graphs[key]
         replay()
@@ -355,42 +361,51 @@ class ModelRunner:
         dev = self.device
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        self._warmup(max_model_len)
-        torch.cuda.synchronize(dev)
-        activations = torch.cuda.max_memory_allocated(dev) - before
+        activations, graphs = self._probe_memory(max_model_len)
+        self.memory_probe = {"activation_bytes": activations, "graph_bytes": graphs}
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
-        budget = total * self.gpu_memory_utilization - (total - free) - activations
+        budget = total * self.gpu_memory_utilization - (total - free) - activations - graphs
         n = int(budget // self.block_bytes)
         if n < 1:
             gib = 1 << 30
             raise RuntimeError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} leaves no room for the KV cache: "
                 f"{(total - free) / gib:.1f} GiB of {total / gib:.1f} GiB in use, {activations / gib:.2f} GiB "
-                f"for activations; raise gpu_memory_utilization, lower max_num_batched_tokens, or free memory")
+                f"for activations, {graphs / gib:.2f} GiB for the decode graphs; raise gpu_memory_utilization, "
+                "lower max_num_batched_tokens, or free memory")
         return n
 
-    def _warmup(self, max_model_len: int) -> None:
-        """A forward of the full token budget over a one-block pool (nothing is written;
-        attention reads block 0 again and again), to measure peak activation memory."""
-        c = self.cfg
+    def _probe_memory(self, max_model_len: int) -> tuple[int, int]:
+        """Peak memory of a step of the full token budget (its forward and sampling) and, with
+        graphs, of the widest decode step (the graphs' private pool holds about that: the largest
+        graph is captured first and the others reuse its memory), each over a one-block pool
+        (nothing is written; attention reads block 0 again and again) -> (activation bytes,
+        graph pool bytes)."""
+        c, d = self.cfg, self.device
         self.kv = torch.zeros(2, c.num_hidden_layers, 1, self.block_size, c.num_key_value_heads, c.head_dim,
-                              device=self.device, dtype=self.dtype)
+                              device=d, dtype=self.dtype)
         N = self.max_num_batched_tokens
         L = min(N, max_model_len)
         lens = [L] * (N // L) + ([N % L] if N % L else [])
-        d = self.device
-        cu = torch.tensor([0] + np.cumsum(lens).tolist(), device=d, dtype=torch.int32)
-        pos = torch.cat([torch.arange(n, device=d, dtype=torch.int32) for n in lens])
-        ids = torch.zeros(N, device=d, dtype=torch.int64)
-        kv_slots = torch.full((N,), -1, device=d, dtype=torch.int64)
-        tables = torch.zeros(len(lens), -(-L // self.block_size), device=d, dtype=torch.int32)
-        rows = torch.full((min(self.max_num_seqs, N),), N - 1, device=d, dtype=torch.int64)
-        seq_lens = torch.tensor(lens, device=d, dtype=torch.int32)
-        self._logits(self._hidden(ids, pos, kv_slots, tables, cu, seq_lens, max(lens), L, rows))
+        args, _ = warmup.prefill_inputs(lens, self.block_size, self.max_num_seqs, d)
+        R = min(self.max_num_seqs, N)  # the most rows a step samples
+        args = (*args[:-1], torch.full((R,), N - 1, device=d, dtype=torch.int64))
+        peaks = []
+        steps = [(args, R)]
+        if self.use_graphs:
+            kb = context_bucket(max_model_len, max_model_len)
+            steps.append((warmup.decode_inputs(self.max_num_seqs, kb, self.block_size, d), self.max_num_seqs))
+        for a, rows in steps:
+            torch.cuda.synchronize(d)
+            torch.cuda.reset_peak_memory_stats(d)
+            before = torch.cuda.memory_allocated(d)
+            out = self._sample(self._hidden(*a), warmup.sampling_inputs(rows, d))
+            torch.cuda.synchronize(d)
+            peaks.append(torch.cuda.max_memory_allocated(d) - before)
+            del out
         self.kv = None
+        return peaks[0], (peaks[1] if len(peaks) > 1 else 0)
 
     def allocate(self) -> None:
         """Take the KV pool (graphs are captured on first use). Graphs kept through a
@@ -427,12 +442,24 @@ class ModelRunner:
 
     def _graph_key(self, S: int, max_k: int) -> tuple[int, int]:
         """(batch bucket, context bucket): the decode kernel's split count follows max_seqlen_k,
-        so graphs are kept per context bucket (1k, 4k, 16k, ... up to max_model_len)."""
+        so graphs are kept per context bucket (1k, 4k, 16k, ... up to max_model_len). A batch
+        wide enough to run unsplit at its bucket and at max_model_len takes the max_model_len
+        bucket: an unsplit step is the same kernel whatever the bucket (its one split covers
+        any context), so one graph serves every context."""
         b = self._batch_bucket(S)
-        kb = 1024
-        while kb < max_k:
-            kb *= 4
-        return b, min(kb, self.max_model_len)
+        kb = context_bucket(max_k, self.max_model_len)
+        if kb < self.max_model_len and not is_exact() and self._unsplit(b, kb) and self._unsplit(b, self.max_model_len):
+            kb = self.max_model_len
+        return b, kb
+
+    def _unsplit(self, b: int, kb: int) -> bool:
+        return decode_splits(b, self.cfg.num_key_value_heads, kb, _num_sms(self.device))[0] == 1
+
+    def graph_plan(self, max_context: int | None = None) -> list[tuple[int, int]]:
+        """The graph keys of every batch bucket at every context bucket up to max_context
+        (default: max_model_len), in capture order (warmup.graph_plan)."""
+        mc = self.max_model_len if max_context is None else max_context
+        return warmup.graph_plan(self.max_num_seqs, mc, self.max_model_len, self._graph_key)
 
     @torch.no_grad()
     def _capture(self, b: int, kb: int) -> None:
@@ -472,6 +499,7 @@ class ModelRunner:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool, stream=self._capture_stream):
             out = fn()
+        self.num_captures += 1
         torch.cuda.synchronize(self.device)
         return g.replay, out
 
@@ -479,10 +507,12 @@ class ModelRunner:
         """Capture now (not on first use) the graphs of every batch bucket for the context
         buckets up to `max_context`; returns how many graphs exist."""
         if self.use_graphs and self.kv is not None:
-            kbs = sorted({self._graph_key(1, k)[1] for k in range(1, min(max_context, self.max_model_len) + 1, 1024)}
-                         | {self._graph_key(1, min(max_context, self.max_model_len))[1]})
-            for kb in kbs:
-                for b in reversed(graph_buckets(self.max_num_seqs)):
-                    if (b, kb) not in self.graphs:
-                        self._capture(b, kb)
+            for key in self.graph_plan(max_context):
+                if key not in self.graphs:
+                    self._capture(*key)
         return len(self.graphs)
+
+    def warm_up(self) -> dict:
+        """Compile the kernels of every step kind and capture every decode graph now
+        (engine/warmup.py) -> what it did."""
+        return warmup.warm_up(self)

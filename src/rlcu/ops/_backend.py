@@ -55,7 +55,8 @@ try:
 except Exception:  # pragma: no cover - depends on the triton build
     libdevice = _Absent("triton.language.extra.libdevice")
 
-__all__ = ["HAS_TRITON", "backend_name", "dispatch", "interpreting", "libdevice", "tl", "triton", "use_triton"]
+__all__ = ["HAS_TRITON", "backend_name", "compiled_variants", "dispatch", "interpreting", "libdevice", "tl", "triton",
+           "use_triton"]
 
 _CHOICES = ("torch", "triton")
 
@@ -109,6 +110,32 @@ def dispatch(kernel: Callable, twin: Callable, on: str) -> Callable:
         return op
 
     return wrap
+
+
+def compiled_variants(prefix: str = "rlcu.ops") -> dict[str, int]:
+    """Compiled variants of every Triton kernel defined in the loaded modules under `prefix`,
+    by "module.kernel" (the JIT's in-memory caches, one entry a signature, filled by a compile
+    or by a load from Triton's disk cache): a diagnostic of what a run compiled, for tests and
+    benchmarks."""
+    if not HAS_TRITON:
+        return {}
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith(prefix) or mod is None:
+            continue
+        for attr, fn in list(vars(mod).items()):
+            if isinstance(fn, JITFunction):
+                caches = getattr(fn, "device_caches", None)
+                if caches is not None:  # triton >= 3.2: device -> (kernel cache, ...)
+                    n = sum(len(c[0]) for c in list(caches.values()))
+                else:  # older: device -> kernel cache
+                    n = sum(len(c) for c in getattr(fn, "cache", {}).values())
+                out[f"{name}.{attr}"] = n
+    return out
 
 
 def interpreting() -> bool:

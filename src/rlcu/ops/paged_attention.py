@@ -55,12 +55,14 @@ CONFIGS = {
 }
 
 
-@triton.jit(do_not_specialize=["stride_bt", "PART"])
+@triton.jit(do_not_specialize=["stride_bt", "PART", "NSPLIT"])
 def _decode_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART,
                    stride_qn, stride_qh, stride_cs, stride_ch, stride_bt, stride_on, stride_oh,
-                   Hq, scale_log2, PART,
+                   Hq, scale_log2, PART, NSPLIT,
                    G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   BS: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr):
+                   BS: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    # NSPLIT is a runtime int and SPLIT (NSPLIT > 1) the constexpr: two compiled variants, not
+    # one per split count (which changes with the batch size and the context)
     s = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1).to(tl.int64)
     j = tl.program_id(2).to(tl.int64)
@@ -70,7 +72,7 @@ def _decode_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART,
     n0 = j * PART
     if q_len == 0:
         return
-    if NSPLIT > 1:
+    if SPLIT:
         if n0 >= L:  # an empty split: the reduce does not read it
             return
     n1 = tl.minimum(n0 + PART, L)
@@ -103,7 +105,7 @@ def _decode_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART,
     l_safe = tl.where(l > 0, l, 1.0)
     out = acc / l_safe[:, None]
     omask = gmask[:, None] & dmask[None, :]
-    if NSPLIT == 1:
+    if not SPLIT:
         tl.store(O + q_start * stride_on + h[:, None] * stride_oh + d[None, :],
                  out.to(O.dtype.element_ty), mask=omask)
     else:
@@ -112,10 +114,9 @@ def _decode_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART,
         tl.store(LSE_PART + row, m + tl.log2(l_safe), mask=gmask)
 
 
-@triton.jit(do_not_specialize=["PART"])
-def _decode_reduce_kernel(O_PART, LSE_PART, CU_Q, SEQ_LENS, O, stride_on, stride_oh, Hq, PART,
-                          D: tl.constexpr, BD: tl.constexpr, NSPLIT: tl.constexpr,
-                          BSPLIT: tl.constexpr):
+@triton.jit(do_not_specialize=["PART", "NSPLIT"])
+def _decode_reduce_kernel(O_PART, LSE_PART, CU_Q, SEQ_LENS, O, stride_on, stride_oh, Hq, PART, NSPLIT,
+                          D: tl.constexpr, BD: tl.constexpr, BSPLIT: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     q_start = tl.load(CU_Q + s).to(tl.int64)
@@ -280,12 +281,12 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_
             o_part = lse_part = o  # unused
         _decode_kernel[(S, Hk, splits)](
             q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, o_part, lse_part, *strides,
-            Hq, scale_log2, part, G=G, BG=BG, D=D, BD=BD, BS=BS, BN=cfg["BN"], NSPLIT=splits,
+            Hq, scale_log2, part, splits, G=G, BG=BG, D=D, BD=BD, BS=BS, BN=cfg["BN"], SPLIT=splits > 1,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if splits > 1:
             _decode_reduce_kernel[(S, Hq)](
-                o_part, lse_part, cu_seqlens_q, seq_lens, o, o.stride(0), o.stride(1), Hq, part,
-                D=D, BD=BD, NSPLIT=splits, BSPLIT=triton.next_power_of_2(splits), num_warps=4)
+                o_part, lse_part, cu_seqlens_q, seq_lens, o, o.stride(0), o.stride(1), Hq, part, splits,
+                D=D, BD=BD, BSPLIT=triton.next_power_of_2(splits), num_warps=4)
         return o
     cfg = CONFIGS["prefill"]
     BM = max(cfg["BM"], triton.next_power_of_2(G))

@@ -1,0 +1,141 @@
+"""The engine's start: compile at construction what a first `generate` would compile, and
+capture the decode graphs it could replay (`LLM(warmup=True)`, the default on CUDA), so that
+the first call of a process runs as fast as the next one.
+
+Left to the first generate, three kinds of one-time work land inside it:
+- Triton compiles. A kernel compiles once per signature: its constexprs, each pointer's dtype
+  and 16-byte alignment, and each int argument's specialisation (== 1, divisible by 16)
+  unless the kernel lists it in `do_not_specialize`. On the engine's path every int that
+  follows a step's sizes (token and row counts N and B, the block tables' width, the decode
+  split count and length) is unspecialised, every step buffer starts 16 bytes aligned, and the
+  constexprs depend on the model's shape only, so each kernel has one variant, except the
+  decode attention: split or not (`SPLIT`), and its reduce per power of two of the split
+  count (BSPLIT, 2 .. 64). The prefill attention, norms, qkv_prep, swiglu, embedding and both
+  sampler kernels (the row kernel is the largest compile) are one variant each.
+- CUDA-graph captures: one per (batch bucket, context bucket) of the pure decode steps, tens
+  of ms each (a warm-up step, then the capture).
+- first calls: cuBLAS's handle and workspace, the decode state's and the readback's pinned
+  host buffers.
+
+The warm-up runs the runner's own forward and sampler (`_hidden`, `_sample`) on dummy steps
+that write nowhere in the KV pool (kv slot -1): one small prefill step that samples (the
+prefill kernels and the sampler), then every decode graph of `graph_plan` (each batch bucket
+at each context bucket, after merging the context buckets whose steps launch the same
+kernels), largest batch first so that the smaller graphs reuse the capture pool's memory.
+Without graphs (enforce_eager) the same decode steps run eagerly, which compiles their
+kernels. Off CUDA nothing compiles; one prefill and one decode step run on the twins.
+
+Compiled kernels persist on disk (Triton's cache: ~/.triton/cache, or $TRITON_CACHE_DIR), so
+on a machine that ran the engine before, the warm-up loads them (ms each) rather than
+compiling; graphs live in the process only.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+CONTEXT_BUCKET0 = 1024  # the smallest context bucket; then x4 up to max_model_len
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    """The decode graphs' batch sizes: 1, 2, 4, 8, multiples of 16, and max_bs."""
+    return sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if b < max_bs} | {max_bs})
+
+
+def context_bucket(max_k: int, max_model_len: int) -> int:
+    """The smallest context bucket (1k, 4k, 16k, ..., max_model_len) holding max_k keys."""
+    kb = CONTEXT_BUCKET0
+    while kb < max_k:
+        kb *= 4
+    return min(kb, max_model_len)
+
+
+def context_buckets(max_context: int, max_model_len: int) -> list[int]:
+    """The context buckets up to the one holding max_context."""
+    top = context_bucket(min(max_context, max_model_len), max_model_len)
+    out, kb = [], CONTEXT_BUCKET0
+    while kb < top:
+        out.append(kb)
+        kb *= 4
+    return out + [top]
+
+
+def graph_plan(max_num_seqs: int, max_context: int, max_model_len: int, key) -> list[tuple[int, int]]:
+    """The distinct graph keys `key(batch, context)` of every batch bucket at every context
+    bucket up to max_context, largest batch first (then smaller contexts first)."""
+    keys = {key(b, kb) for kb in context_buckets(max_context, max_model_len) for b in graph_buckets(max_num_seqs)}
+    return sorted(keys, key=lambda k: (-k[0], k[1]))
+
+
+# ---------------------------------------------------------------------------- dummy steps
+def sampling_inputs(rows: int, device) -> tuple:
+    """The sampler's per-row tensors, dtypes as the engine's steps pass them: temperature 1,
+    top-k 50 and top-p 0.9 (one compiled kernel whatever the filters; they only run more of it)."""
+    f = lambda v: torch.full((rows,), v, device=device, dtype=torch.float32)  # noqa: E731
+    i64 = torch.zeros(rows, device=device, dtype=torch.int64)
+    return (f(1.0), torch.full((rows,), 50, device=device, dtype=torch.int32), f(0.9), f(0.0), i64, i64.clone())
+
+
+def prefill_inputs(lens: list[int], block_size: int, max_num_seqs: int, device) -> tuple:
+    """`_hidden`'s arguments for a prefill step of sequences of `lens` new tokens from
+    position 0, writing nowhere (kv slot -1; attention reads block 0 again and again), with
+    the last token of each sequence sampled (at most max_num_seqs rows) -> (args, rows)."""
+    N, L = sum(lens), max(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device, dtype=torch.int32)
+    pos = torch.cat([torch.arange(n, device=device, dtype=torch.int32) for n in lens])
+    ids = torch.zeros(N, device=device, dtype=torch.int64)
+    kv_slots = torch.full((N,), -1, device=device, dtype=torch.int64)
+    tables = torch.zeros(len(lens), -(-L // block_size), device=device, dtype=torch.int32)
+    rows = (cu[1:].long() - 1)[:max_num_seqs]
+    seq_lens = torch.tensor(lens, device=device, dtype=torch.int32)
+    return (ids, pos, kv_slots, tables, cu, seq_lens, L, L, rows), rows.shape[0]
+
+
+def decode_inputs(b: int, kb: int, block_size: int, device) -> tuple:
+    """`_hidden`'s arguments for a pure decode step of b rows launched for contexts of kb
+    keys (the split-KV grid follows kb), each row at context 1 writing nowhere (as the
+    graphs' padding rows)."""
+    ids = torch.zeros(b, device=device, dtype=torch.int64)
+    pos = torch.zeros(b, device=device, dtype=torch.int32)
+    kv_slots = torch.full((b,), -1, device=device, dtype=torch.int64)
+    tables = torch.zeros(b, -(-kb // block_size), device=device, dtype=torch.int32)
+    cu = torch.arange(b + 1, device=device, dtype=torch.int32)
+    lens = torch.ones(b, device=device, dtype=torch.int32)
+    return ids, pos, kv_slots, tables, cu, lens, 1, kb
+
+
+# ---------------------------------------------------------------------------- the warm-up
+@torch.no_grad()
+def warm_up(runner) -> dict:
+    """Compile and capture, on `runner` (a ModelRunner with its KV pool), what the engine's
+    steps will use (see the module docstring) -> what it did: seconds, graphs captured,
+    eager decode steps run, bytes the captures added to the device's reserved memory."""
+    if runner.kv is None:
+        raise RuntimeError("warm_up needs the KV pool (the engine is asleep): call wake() first")
+    t0 = time.perf_counter()
+    dev, bs, cuda = runner.device, runner.block_size, runner.device.type == "cuda"
+    n = min(runner.max_num_batched_tokens, 2 * bs + 3)  # any lengths do: one variant a kernel
+    lens = [n, 1] if n < runner.max_num_batched_tokens else [n]
+    args, R = prefill_inputs(lens, bs, runner.max_num_seqs, dev)
+    out = runner._sample(runner._hidden(*args), sampling_inputs(R, dev))
+    for _ in range(2):  # both readback buffers (pinned host memory)
+        runner.collect(runner._readback(out))
+    if cuda:
+        torch.cuda.synchronize(dev)
+    reserved0 = torch.cuda.memory_reserved(dev) if cuda else 0
+    plan = runner.graph_plan() if cuda or runner.use_graphs else runner.graph_plan()[-1:]
+    captures0, eager = runner.num_captures, 0
+    for b, kb in plan:
+        if runner.use_graphs:
+            if (b, kb) not in runner.graphs:
+                runner._capture(b, kb)
+        else:
+            runner._sample(runner._hidden(*decode_inputs(b, kb, bs, dev)), sampling_inputs(b, dev))
+            eager += 1
+    if cuda:
+        torch.cuda.synchronize(dev)
+    return dict(seconds=time.perf_counter() - t0, graphs=len(runner.graphs),
+                captures=runner.num_captures - captures0, eager_decode_steps=eager,
+                graph_memory_bytes=(torch.cuda.memory_reserved(dev) - reserved0) if cuda else 0)
