@@ -147,6 +147,58 @@ def test_paged_attention_kernel_vs_twin(case, triton_backend):
     assert rel_err(o, ref) < (1e-5 if INTERPRET else 3e-3)  # fp32 dots are tf32 on a GPU
 
 
+DECODE_PLANS = {  # name: cfg overrides of decode_plan (tiny chunks so that contexts span many)
+    "split": dict(kernel="split", BN=16),
+    "chunk": dict(kernel="chunk", CHUNK=32, BN=16, per_sm=1),
+    "chunk_one_per_seq": dict(kernel="chunk", CHUNK=512, BN=32, per_sm=2),
+    "chunk_many_programs": dict(kernel="chunk", CHUNK=16, BN=16, per_sm=64, reduce_warps=1),
+}
+DECODE_SHAPES = {  # name: (ctx_lens, Hq, Hk, D, block_size, max_seqlen_k passed)
+    "gqa2_d128": ([1, 37, 16, 100, 65], 4, 2, 128, 16, None),
+    "gqa4_d64_odd": ([333, 17, 3], 8, 2, 64, 8, 1024),
+    "mha_b1": ([190], 2, 2, 64, 4, None),
+    "padding_entry": ([50, 0, 7], 4, 2, 32, 8, 600),
+}
+
+
+@pytest.mark.parametrize("plan", list(DECODE_PLANS))
+@pytest.mark.parametrize("shape", list(DECODE_SHAPES))
+def test_decode_plans_vs_twin(plan, shape, triton_backend, monkeypatch):
+    """Every decode kernel and work split the bench sweeps computes the twin's function; the
+    output is poisoned first, so every row must be written."""
+    ctx, Hq, Hk, D, BS, max_k = DECODE_SHAPES[shape]
+    args, _ = _paged_setup([1] * len(ctx), ctx, Hq, Hk, D, BS, seed=2)
+    max_k = max_k or max(ctx)
+    monkeypatch.setitem(pa.CONFIGS, "decode_plan", {**pa.CONFIGS["decode_plan"],
+                                                    **DECODE_PLANS[plan]})
+    cfg = DECODE_PLANS[plan]
+    if cfg["kernel"] == "chunk":
+        p = pa.decode_plan(len(ctx), Hk, max_k, 2)
+        assert p["CHUNK"] % p["BN"] == 0 and p["rows"] * p["CHUNK"] >= len(ctx) * max_k
+    q, kc, vc, bt, cu, lens = args
+    o = torch.full_like(q, float("nan"))
+    kcv, vcv = kc.view(-1, Hk, D), vc.view(-1, Hk, D)
+    strides = (q.stride(0), q.stride(1), kcv.stride(0), kcv.stride(1), bt.stride(0), o.stride(0),
+               o.stride(1))
+    pa._decode(q, kcv, vcv, bt, cu, lens, o, strides, D**-0.5 * pa._LOG2E, BS,
+               pa.decode_plan(len(ctx), Hk, max_k, 2))
+    ref = pa.paged_attention_ref(*args, 1, max_k, D**-0.5)
+    assert not torch.isnan(o).any()  # a padding entry (length 0) gets zeros, as in the twin
+    assert rel_err(o, ref) < (1e-5 if INTERPRET else 3e-3)
+    assert rel_err(pa.paged_attention(*args, 1, max_k, D**-0.5), ref) < (1e-5 if INTERPRET else 3e-3)
+
+
+def test_decode_plan_sizes_only():
+    """The plan (so the grid and the partials' buffer) follows sizes, never lengths; the chunk
+    grows so that a sequence has at most _DEC_MAX_SPLITS chunks."""
+    p = pa.decode_plan(256, 8, 4096, 132, dict(kernel="chunk", CHUNK=512, BN=64, per_sm=2))
+    assert (p["CHUNK"], p["max_chunks"], p["rows"], p["programs"]) == (512, 8, 2048, 264)
+    p = pa.decode_plan(1, 8, 1 << 20, 132, dict(kernel="chunk", CHUNK=512, BN=64, per_sm=2))
+    assert p["max_chunks"] <= pa._DEC_MAX_SPLITS and p["CHUNK"] % 64 == 0
+    p = pa.decode_plan(1, 1, 100, 132, dict(kernel="chunk", CHUNK=512, BN=64, per_sm=2))
+    assert p["programs"] == 1
+
+
 def test_decode_splits_fill_the_machine():
     for S in (1, 8, 64, 256):
         splits, part = pa.decode_splits(S, 8, 4096, 132)

@@ -38,7 +38,10 @@ def _model(Hk=8, max_pos=40960):
     return Qwen3(cfg, torch.zeros(ParamLayout(cfg).numel))
 
 
-def test_graph_plan_covers_every_step_and_merges_unsplit_batches():
+def test_graph_plan_covers_every_step_and_merges_unsplit_batches(monkeypatch):
+    from rlcu.ops import paged_attention as pa
+
+    monkeypatch.setitem(pa.CONFIGS, "decode_plan", dict(pa.CONFIGS["decode_plan"], kernel="split"))
     llm = LLM(_model(), num_kv_blocks=40960 // 16, warmup=False)
     r = llm.runner
     assert r.max_model_len == 40960
@@ -61,6 +64,18 @@ def test_graph_plan_covers_every_step_and_merges_unsplit_batches():
             assert all(decode_splits(b, 8, k)[0] == 1 for k in (1024, 4096, 16384, 40960))
     # capture_graphs(max_context) plans the same keys, up to that context
     assert set(r.graph_plan(2064)) == {r._graph_key(S, k) for S in range(1, 257) for k in (1, 2064)}
+
+
+def test_graph_plan_keeps_every_bucket_for_the_chunk_kernel(monkeypatch):
+    """The chunk kernel's partials are sized by the context bucket: no bucket is merged."""
+    from rlcu.ops import paged_attention as pa
+
+    monkeypatch.setitem(pa.CONFIGS, "decode_plan", dict(pa.CONFIGS["decode_plan"], kernel="chunk"))
+    r = LLM(_model(), num_kv_blocks=40960 // 16, warmup=False).runner
+    plan = r.graph_plan()
+    keys = {r._graph_key(S, k) for S, k in itertools.product(range(1, 257), [1, 1024, 1025, 5000, 20000, 40960])}
+    assert keys == set(plan)
+    assert len(plan) == 4 * len(graph_buckets(256))
 
 
 def test_graph_plan_small_model_len():

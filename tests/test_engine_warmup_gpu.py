@@ -31,9 +31,12 @@ def _workload(V: int):
     return prompts, params
 
 
-def test_unsplit_decode_is_the_same_at_any_context_bucket():
+def test_unsplit_decode_is_the_same_at_any_context_bucket(monkeypatch):
     """The merge of _graph_key: a batch that runs unsplit launches the same kernel for a
     context bucket of 1k, 4k or max_model_len (its one split covers any context), bit for bit."""
+    from rlcu.ops import paged_attention as pa
+
+    monkeypatch.setitem(pa.CONFIGS, "decode_plan", dict(pa.CONFIGS["decode_plan"], kernel="split"))  # merged buckets
     S, Hq, Hk, D, BS = 64, 16, 8, 128, 16
     sms = _num_sms(torch.device("cuda"))
     assert all(decode_splits(S, Hk, k, sms)[0] == 1 for k in (1024, 4096, 40960))

@@ -60,7 +60,7 @@ from rlcu.ops.exact import is_exact
 from rlcu.ops.kv_cache import kv_write
 from rlcu.ops.logprob import token_logprob
 from rlcu.ops.matmul_invariant import mm as mm_invariant
-from rlcu.ops.paged_attention import _num_sms, decode_splits, paged_attention
+from rlcu.ops.paged_attention import _num_sms, decode_plan, paged_attention
 from rlcu.ops.qkv_prep import qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
 from rlcu.ops.rope import rope_fwd
@@ -453,7 +453,10 @@ class ModelRunner:
         return b, kb
 
     def _unsplit(self, b: int, kb: int) -> bool:
-        return decode_splits(b, self.cfg.num_key_value_heads, kb, _num_sms(self.device))[0] == 1
+        # the split kernel with one split is the same launch at any bucket; the chunk kernel's
+        # partials are sized by the bucket, so it keeps a graph per bucket
+        plan = decode_plan(b, self.cfg.num_key_value_heads, kb, _num_sms(self.device))
+        return plan["kernel"] == "split" and plan["splits"] == 1
 
     def graph_plan(self, max_context: int | None = None) -> list[tuple[int, int]]:
         """The graph keys of every batch bucket at every context bucket up to max_context

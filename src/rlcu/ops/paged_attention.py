@@ -10,14 +10,20 @@ h reads KV head h // G (G = Hq / Hk).
 Two kernels, both launched on grids that depend only on (S, Hk, max_seqlen_q, max_seqlen_k),
 never on lengths read back from the device, so a decode step can be captured in a CUDA graph
 (capture with max_seqlen_k = the longest context the graph will serve):
-- decode (max_seqlen_q == 1), flash-decoding: program (s, kv head, split) runs an online
-  softmax over one partition of the context for the G query heads of that KV head at once
-  (the G rows are padded to 16 so that Q K^T and P V are tensor-core dots; each K/V tile is
-  loaded once for all G heads). Each split writes its normalised partial output o_j and
-  lse_j = m_j + log2 l_j; the reduce kernel combines them:
-      o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M),   M = max_j lse_j.
-  The number of splits is chosen so that S * Hk * splits fills the SMs a few times over
-  (`decode_splits`); with one split the kernel writes o directly and the reduce is skipped.
+- decode (max_seqlen_q == 1), flash-decoding, two kernels (`decode_plan` picks one; both run
+  an online softmax for the G query heads of one KV head at once, the G rows padded to 16 so
+  that Q K^T and P V are tensor-core dots and each K/V tile is loaded once for all G heads):
+  "chunk" (the default): a work list. Sequence s is cut into n_s = cdiv(L_s, CHUNK) chunks;
+  unit (chunk, KV head) is CHUNK keys whatever the lengths, and a fixed grid of about per_sm
+  programs an SM takes units pid, pid + P, ... (the list is built in each program from
+  seq_lens, a cumsum over the batch), so the work is balanced across the machine for any mix
+  of lengths, and the grid depends on sizes only. "split": program (s, KV head, split) over a
+  fixed partition of max_seqlen_k (`decode_splits`); with one split a long and a short context
+  are one program each, so a batch of mixed lengths ends on its longest programs.
+  A sequence of several chunks (splits) writes normalised partial outputs o_j and
+  lse_j = m_j + log2 l_j, which the reduce kernel combines:
+      o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M),   M = max_j lse_j;
+  one of a single chunk writes o directly.
 - prefill (max_seqlen_q > 1), FlashAttention-2 style: program (query tile, s, kv head) holds
   BM rows = (query token, head of the group) pairs, so the G heads of a KV head share every
   K/V tile; keys below the tile's first query position need no causal mask (first loop), the
@@ -40,16 +46,22 @@ from rlcu.ops._backend import dispatch, tl, triton
 DEFAULT_BLOCK_SIZE = 16
 _LOG2E = 1.4426950408889634
 _DEC_MAX_SPLITS = 64
-# tile sizes and launch options (bench/kernel_suites/engine_ops.py --sweep times others):
-# decode BN keys a tile; prefill BM rows (query token x group head) and BN keys a tile;
-# splits: the decode split policy (`decode_splits`). Measured on the H200 (B = 64, Hk = 8):
-# at L = 512 one split (512 programs of 8 tiles, no reduce) took 0.094 ms and two splits
-# (1024 programs of 4 tiles + the reduce) 0.073 ms; at L = 2048 one split took 0.136 ms and
-# two 0.142 ms. So short contexts are split as before (per_sm programs an SM, min_part keys
-# or more a split) and a batch of at least 3 programs an SM runs unsplit from unsplit_keys
-# keys on (sweep `--kinds splits` to try more splits on short contexts)
+# tile sizes and launch options (bench/decode_attention.py sweeps the decode plans against the
+# bandwidth bound; bench/kernel_suites/engine_ops.py --sweep times the tiles). decode: BN keys
+# a tile of either decode kernel (num_stages >= 5 double-buffers the K/V tiles: the block-table
+# load takes pipeline stages of its own); decode_plan: which decode kernel, its CHUNK keys a
+# work unit, per_sm persistent programs an SM (at most the programs an SM holds at once, else
+# the late programs make a tail; 2 fits the chunk kernel's registers at BN=64, 4 warps) and an
+# optional register cap maxnreg. prefill: BM rows (query token x group head), BN keys a tile.
+# splits: the split kernel's policy (`decode_splits`). Measured on the H200 for the split
+# kernel (B = 64, Hk = 8): at L = 512 one split (512 programs of 8 tiles, no reduce) took
+# 0.094 ms and two splits (1024 programs of 4 tiles + the reduce) 0.073 ms; at L = 2048 one
+# split took 0.136 ms and two 0.142 ms. So short contexts are split (per_sm programs an SM,
+# min_part keys or more a split) and a batch of at least 3 programs an SM runs unsplit from
+# unsplit_keys keys on.
 CONFIGS = {
     "decode": dict(BN=64, num_warps=4, num_stages=3),
+    "decode_plan": dict(kernel="chunk", CHUNK=512, per_sm=2, reduce_warps=4),
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
     "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024),
 }
@@ -137,6 +149,114 @@ def _decode_reduce_kernel(O_PART, LSE_PART, CU_Q, SEQ_LENS, O, stride_on, stride
     tl.store(O + q_start * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < D)
 
 
+@triton.jit(do_not_specialize=["stride_bt", "S", "CHUNK"])
+def _decode_chunk_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART, CH_FIRST,
+                         stride_qn, stride_qh, stride_cs, stride_ch, stride_bt, stride_on,
+                         stride_oh, S, Hq, Hk, scale_log2, CHUNK,
+                         G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                         BS: tl.constexpr, BN: tl.constexpr, BSEQ: tl.constexpr):
+    # The work list: sequence s has n_s = cdiv(L_s, CHUNK) chunks (0 for an empty query), unit
+    # u = (chunk t of the batch, KV head) with the heads fastest, so the Hk programs of one chunk
+    # read neighbouring bytes. Each program takes units pid, pid + P, ... (P programs resident at
+    # once): every unit is CHUNK keys but the last of a sequence, whatever the lengths' spread.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    i = tl.arange(0, BSEQ)
+    imask = i < S
+    qlen = (tl.load(CU_Q + i + 1, mask=imask, other=0) - tl.load(CU_Q + i, mask=imask, other=0))
+    lens = tl.load(SEQ_LENS + i, mask=imask, other=0)
+    # an empty context (a graph's padding entry) takes one unit of no keys: its o is zeros
+    nch = tl.where(qlen > 0, tl.maximum((lens + CHUNK - 1) // CHUNK, 1), 0)  # [BSEQ]
+    cum = tl.cumsum(nch, 0)
+    first = cum - nch  # the batch's index of each sequence's first chunk
+    if pid == 0:
+        tl.store(CH_FIRST + i, first, mask=imask)  # for the combine
+    g = tl.arange(0, BG)
+    d = tl.arange(0, BD)
+    gmask = g < G
+    dmask = d < D
+    omask = gmask[:, None] & dmask[None, :]
+    for u in range(pid, tl.sum(nch, 0) * Hk, nprog):
+        t = u // Hk
+        hk = (u % Hk).to(tl.int64)
+        sel = i == tl.sum((cum <= t).to(tl.int32), 0)  # one-hot: the sequence of chunk t
+        s = tl.sum(tl.where(sel, i, 0), 0).to(tl.int64)
+        c = t - tl.sum(tl.where(sel, first, 0), 0)
+        n_s = tl.sum(tl.where(sel, nch, 0), 0)
+        L = tl.sum(tl.where(sel, lens, 0), 0)
+        q_start = tl.load(CU_Q + s).to(tl.int64)
+        n0 = c * CHUNK
+        n1 = tl.minimum(n0 + CHUNK, L)
+        h = hk * G + g  # [BG] query heads of this KV head
+        q = tl.load(Q + q_start * stride_qn + h[:, None] * stride_qh + d[None, :], mask=omask,
+                    other=0.0).to(KC.dtype.element_ty)
+        m = tl.full([BG], float("-inf"), tl.float32)
+        l = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, BD], tl.float32)
+        for n in range(n0, n1, BN):
+            pos = n + tl.arange(0, BN)
+            pmask = pos < n1
+            blk = tl.load(BLOCK_TABLES + s * stride_bt + pos // BS, mask=pmask, other=0)
+            kv_off = ((blk.to(tl.int64) * BS + pos % BS)[:, None] * stride_cs + hk * stride_ch
+                      + d[None, :])
+            kvmask = pmask[:, None] & dmask[None, :]
+            k = tl.load(KC + kv_off, mask=kvmask, other=0.0)  # [BN, BD]
+            sc = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN]
+            sc = tl.where(pmask[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(VC + kv_off, mask=kvmask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        if n_s == 1:  # the whole context in one chunk: no combine
+            tl.store(O + q_start * stride_on + h[:, None] * stride_oh + d[None, :],
+                     out.to(O.dtype.element_ty), mask=omask)
+        else:
+            row = t.to(tl.int64) * Hq + h  # [BG] rows of the [chunks, Hq] partials
+            tl.store(O_PART + row[:, None] * D + d[None, :], out, mask=omask)
+            tl.store(LSE_PART + row, m + tl.log2(l), mask=gmask)  # l >= 1: keys seen
+
+
+@triton.jit(do_not_specialize=["CHUNK"])
+def _decode_chunk_reduce_kernel(O_PART, LSE_PART, CH_FIRST, CU_Q, SEQ_LENS, O, stride_on,
+                                stride_oh, Hq, CHUNK, D: tl.constexpr, BD: tl.constexpr,
+                                BJ: tl.constexpr):
+    # online over the n_s partials of (s, h), BJ at a time:
+    #     o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M)
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    q_start = tl.load(CU_Q + s).to(tl.int64)
+    if tl.load(CU_Q + s + 1).to(tl.int64) == q_start:
+        return
+    n_s = (tl.load(SEQ_LENS + s) + CHUNK - 1) // CHUNK
+    if n_s <= 1:  # written by the attention kernel
+        return
+    first = tl.load(CH_FIRST + s).to(tl.int64)
+    d = tl.arange(0, BD)
+    dmask = d < D
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BD], tl.float32)
+    for j0 in range(0, n_s, BJ):
+        j = j0 + tl.arange(0, BJ)
+        jmask = j < n_s
+        row = (first + j) * Hq + h  # [BJ]
+        lse = tl.load(LSE_PART + row, mask=jmask, other=float("-inf"))
+        o = tl.load(O_PART + row[:, None] * D + d[None, :], mask=jmask[:, None] & dmask[None, :],
+                    other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: j0 < n_s
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)  # [BJ], 0 where masked
+        den = den * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m = m_new
+    tl.store(O + q_start * stride_on + h * stride_oh + d, (acc / den).to(O.dtype.element_ty),
+             mask=dmask)
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O,
                     stride_qn, stride_qh, stride_cs, stride_ch, stride_bt, stride_on, stride_oh,
@@ -215,20 +335,42 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
-def decode_splits(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132):
+def decode_splits(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132, BN: int | None = None):
     """(splits, keys per split) for a decode launch: about CONFIGS["splits"]["per_sm"]
     programs an SM, each split at least min_part keys (a multiple of the tile); unsplit once
     S * Hk fills 3 programs an SM and the context reaches unsplit_keys. It depends on sizes
     only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
     cfg = CONFIGS["splits"]
     max_seqlen_k = max(int(max_seqlen_k), 1)
-    BN = CONFIGS["decode"]["BN"]
+    BN = BN or CONFIGS["decode"]["BN"]
     if S * Hk >= 3 * num_sms and max_seqlen_k >= cfg["unsplit_keys"]:
         return 1, triton.cdiv(max_seqlen_k, BN) * BN
     want = triton.cdiv(cfg["per_sm"] * num_sms, max(S * Hk, 1))
     splits = max(1, min(want, triton.cdiv(max_seqlen_k, cfg["min_part"]), _DEC_MAX_SPLITS))
     part = triton.cdiv(triton.cdiv(max_seqlen_k, splits), BN) * BN
     return triton.cdiv(max_seqlen_k, part), part
+
+
+def decode_plan(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132, cfg: dict | None = None):
+    """The decode launch for S sequences of up to max_seqlen_k keys (sizes only, so a CUDA graph
+    captured at max_seqlen_k serves any shorter contexts): CONFIGS["decode"] (tiles) and
+    CONFIGS["decode_plan"], updated by cfg, with the derived sizes filled in.
+    kernel "chunk": CHUNK keys a work unit (a multiple of BN, raised so that a sequence has at
+    most _DEC_MAX_SPLITS chunks), max_chunks per sequence, rows of the partials' buffer (a bound
+    on the batch's chunks) and programs = per_sm programs an SM (or fewer, if the batch cannot
+    have that many units). kernel "split": the split-by-size kernel, with decode_splits'
+    (splits, part)."""
+    cfg = {**CONFIGS["decode"], **CONFIGS["decode_plan"], **(cfg or {})}
+    max_seqlen_k = max(int(max_seqlen_k), 1)
+    BN = cfg["BN"]
+    if cfg["kernel"] == "split":
+        splits, part = decode_splits(S, Hk, max_seqlen_k, num_sms, BN)
+        return dict(cfg, splits=splits, part=part)
+    chunk = triton.cdiv(max(cfg["CHUNK"], triton.cdiv(max_seqlen_k, _DEC_MAX_SPLITS)), BN) * BN
+    max_chunks = triton.cdiv(max_seqlen_k, chunk)
+    units = max(S, 1) * Hk * max_chunks
+    return dict(cfg, CHUNK=chunk, max_chunks=max_chunks, rows=max(S, 1) * max_chunks,
+                programs=max(1, min(cfg["per_sm"] * num_sms, units)))
 
 
 def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens):
@@ -248,6 +390,49 @@ def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens):
                          f"{list(block_tables.shape)}")
     if BS & (BS - 1):
         raise ValueError(f"paged_attention: block_size must be a power of two, got {BS}")
+
+
+def _decode(q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, strides, scale_log2, BS, plan):
+    """Launch the decode kernels of `plan` (decode_plan's dict) writing o; kc, vc: [slots, Hk, D].
+    Returns the attention kernel's compiled handle (the bench reads its registers)."""
+    N, Hq, D = q.shape
+    Hk, S = kc.shape[1], seq_lens.shape[0]
+    G, BD = Hq // Hk, triton.next_power_of_2(D)
+    BG = max(16, triton.next_power_of_2(G))  # tl.dot wants 16 rows or more
+    common = dict(G=G, BG=BG, D=D, BD=BD, BS=BS, BN=plan["BN"],
+                  num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    if plan.get("maxnreg"):  # a register cap: more programs an SM
+        common["maxnreg"] = plan["maxnreg"]
+    if plan["kernel"] == "chunk":
+        rows, chunk = plan["rows"], plan["CHUNK"]
+        o_part = torch.empty(rows, Hq, D, device=q.device, dtype=torch.float32)
+        lse_part = torch.empty(rows, Hq, device=q.device, dtype=torch.float32)
+        ch_first = torch.empty(S, device=q.device, dtype=torch.int32)
+        k = _decode_chunk_kernel[(plan["programs"],)](
+            q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, o_part, lse_part, ch_first,
+            *strides, S, Hq, Hk, scale_log2, chunk, BSEQ=max(256, triton.next_power_of_2(S)),
+            **common)
+        if plan["max_chunks"] > 1:
+            _decode_chunk_reduce_kernel[(S, Hq)](
+                o_part, lse_part, ch_first, cu_seqlens_q, seq_lens, o, o.stride(0), o.stride(1),
+                Hq, chunk, D=D, BD=BD, BJ=min(16, triton.next_power_of_2(plan["max_chunks"])),
+                num_warps=plan["reduce_warps"])
+        return k
+    splits, part = plan["splits"], plan["part"]
+    if splits > 1:
+        o_part = torch.empty(S, Hq, splits, D, device=q.device, dtype=torch.float32)
+        lse_part = torch.empty(S, Hq, splits, device=q.device, dtype=torch.float32)
+    else:
+        o_part = lse_part = o  # unused
+    k = _decode_kernel[(S, Hk, splits)](
+        q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, o_part, lse_part, *strides,
+        Hq, scale_log2, part, splits, SPLIT=splits > 1, **common)
+    if splits > 1:
+        _decode_reduce_kernel[(S, Hq)](
+            o_part, lse_part, cu_seqlens_q, seq_lens, o, o.stride(0), o.stride(1), Hq, part, splits,
+            D=D, BD=BD, BSPLIT=triton.next_power_of_2(splits),
+            num_warps=plan["reduce_warps"])
+    return k
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -271,22 +456,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_
     strides = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0),
                o.stride(0), o.stride(1))
     if max_seqlen_q <= 1:
-        cfg = CONFIGS["decode"]
-        splits, part = decode_splits(S, Hk, max_seqlen_k, _num_sms(q.device))
-        BG = max(16, triton.next_power_of_2(G))
-        if splits > 1:
-            o_part = torch.empty(S, Hq, splits, D, device=q.device, dtype=torch.float32)
-            lse_part = torch.empty(S, Hq, splits, device=q.device, dtype=torch.float32)
-        else:
-            o_part = lse_part = o  # unused
-        _decode_kernel[(S, Hk, splits)](
-            q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, o_part, lse_part, *strides,
-            Hq, scale_log2, part, splits, G=G, BG=BG, D=D, BD=BD, BS=BS, BN=cfg["BN"], SPLIT=splits > 1,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        if splits > 1:
-            _decode_reduce_kernel[(S, Hq)](
-                o_part, lse_part, cu_seqlens_q, seq_lens, o, o.stride(0), o.stride(1), Hq, part, splits,
-                D=D, BD=BD, BSPLIT=triton.next_power_of_2(splits), num_warps=4)
+        _decode(q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, strides, scale_log2, BS,
+                decode_plan(S, Hk, max_seqlen_k, _num_sms(q.device)))
         return o
     cfg = CONFIGS["prefill"]
     BM = max(cfg["BM"], triton.next_power_of_2(G))

@@ -1,0 +1,273 @@
+"""Decode attention over the paged KV cache (rlcu.ops.paged_attention) against its own
+bandwidth bound, and a sweep of the decode kernels' launch plans.
+
+One decode step of one layer, Qwen3-0.6B shape (16 q heads, 8 KV heads, head_dim 128, bf16,
+block size 16): the fewest bytes it must move are the K and V of every cached key, read once,
+plus q, o and the block tables:
+    bytes = sum_s L_s * Hk * D * 2 (K, V) * 2 B + S * Hq * D * 2 (q, o) * 2 B + table entries,
+and bound = bytes / copy bandwidth (measured in the same run, bytes read + written). Cases: the
+generation protocol's mid-run state (B = 256, L uniform in [200, 2048]) and B x L = 64 x 1024,
+256 x 512, 32 x 4096. max_seqlen_k is what the engine's CUDA graph passes: the context bucket
+(1024, 4096, ...; model_runner._graph_key), not the batch's longest context.
+
+Each plan is checked against the reference twin (bf16 tolerance of the repo's GPU tests, 1e-2,
+the output poisoned with NaN first) and timed as a CUDA graph of a few launches (as the engine
+replays it): median of many replays after warm-up. Plans: the split-by-size kernel (the
+previous default) at a few tile configs, then the chunked work-list kernel (decode_plan
+kind "chunk"): first its tile configs at CHUNK = 512, then CHUNK x programs an SM around the
+best tile config of each case. Prints a table last; JSON to --out.
+
+    python bench/decode_attention.py [--out decode_attention.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import meta  # noqa: E402
+
+Hq, Hk, D, BS = 16, 8, 128, 16
+DEV, DT = "cuda", torch.bfloat16
+CASES = {  # name: (B, context lengths: "uniform lo hi" or a fixed length)
+    "mid-run B=256 L~U[200,2048]": (256, (200, 2048)),
+    "B=64 L=1024": (64, 1024),
+    "B=256 L=512": (256, 512),
+    "B=32 L=4096": (32, 4096),
+}
+SPLIT_TILES = [  # (BN, num_warps, num_stages, maxnreg): the first is the previous default
+    (64, 4, 3, None), (64, 4, 5, None), (32, 4, 5, None), (64, 8, 5, None), (128, 8, 3, None),
+]
+CHUNK_TILES = [
+    (64, 4, 3, None), (64, 4, 5, None), (64, 4, 3, 128), (64, 4, 5, 128), (32, 4, 3, None),
+    (32, 4, 5, None), (32, 4, 7, None), (64, 8, 3, None), (64, 8, 5, None), (128, 8, 3, None),
+    (128, 8, 5, None), (128, 4, 3, None),
+]
+CHUNKS = (256, 512, 1024, 2048)
+
+
+def graph_bucket(max_k: int) -> int:
+    kb = 1024
+    while kb < max_k:
+        kb *= 4
+    return kb
+
+
+def build(B: int, lens, seed: int = 0):
+    """A shuffled paged pool holding B random contexts -> (kernel args, lens list)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    if isinstance(lens, tuple):
+        lo, hi = lens
+        L = torch.randint(lo, hi + 1, (B,), generator=g, device=DEV)
+    else:
+        L = torch.full((B,), lens, device=DEV)
+    need = (L + BS - 1) // BS
+    nb = int(need.sum()) + 8
+    perm = torch.randperm(nb, generator=g, device=DEV).int()
+    W = int(need.max())
+    tables = torch.zeros(B, W, dtype=torch.int32, device=DEV)
+    start = torch.cumsum(need, 0) - need
+    col = torch.arange(W, device=DEV)
+    used = col[None, :] < need[:, None]
+    tables[used] = perm[(start[:, None] + col[None, :])[used]]
+    kc = torch.randn(nb, BS, Hk, D, generator=g, device=DEV).to(DT)
+    vc = torch.randn(nb, BS, Hk, D, generator=g, device=DEV).to(DT)
+    q = torch.randn(B, Hq, D, generator=g, device=DEV).to(DT)
+    cu = torch.arange(B + 1, dtype=torch.int32, device=DEV)
+    return [q, kc, vc, tables, cu, L.int()], L.tolist()
+
+
+def copy_bandwidth() -> float:
+    from triton.testing import do_bench
+
+    a = torch.empty(1 << 29, device=DEV, dtype=torch.float32).uniform_()  # 2 GiB
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    return 2 * a.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def time_graph(fn, reps: int = 5) -> float:
+    """ms a call: a CUDA graph of `reps` calls, replayed (median, triton's do_bench)."""
+    from triton.testing import do_bench
+
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return do_bench(g.replay, warmup=20, rep=80, return_mode="median") / reps
+
+
+class Case:
+    def __init__(self, name, B, lens, sms):
+        import rlcu.ops.paged_attention as pa
+
+        self.pa, self.name, self.B, self.sms = pa, name, B, sms
+        self.args, self.lens = build(B, lens)
+        q, kc, vc, tables, cu, L = self.args
+        self.max_k = graph_bucket(max(self.lens))
+        self.scale = D**-0.5
+        self.ref = pa.paged_attention_ref(*self.args, 1, self.max_k, self.scale)
+        self.kcv, self.vcv = kc.view(-1, Hk, D), vc.view(-1, Hk, D)
+        self.o = torch.empty_like(q)
+        self.strides = (q.stride(0), q.stride(1), self.kcv.stride(0), self.kcv.stride(1),
+                        tables.stride(0), self.o.stride(0), self.o.stride(1))
+        keys = sum(self.lens)
+        self.bytes = (keys * Hk * D * 2 * 2 + B * Hq * D * 2 * 2
+                      + sum(math.ceil(n / BS) for n in self.lens) * 4)
+
+    def launch(self, plan):
+        q, _, _, tables, cu, L = self.args
+        return self.pa._decode(q, self.kcv, self.vcv, tables, cu, L, self.o, self.strides,
+                               self.scale * self.pa._LOG2E, BS, plan)
+
+    def run(self, cfg: dict, copy_gbps: float) -> dict:
+        plan = self.pa.decode_plan(self.B, Hk, self.max_k, self.sms, cfg)
+        row = dict(case=self.name, cfg={k: v for k, v in cfg.items()},
+                   plan={k: v for k, v in plan.items() if k != "kernel"}, kernel=plan["kernel"])
+        try:
+            self.o.fill_(float("nan"))
+            k = self.launch(plan)
+            if DEV == "cuda":
+                torch.cuda.synchronize()
+            err = rel_err(self.o, self.ref)
+            row.update(err=err, ok=bool(err < 1e-2 and not torch.isnan(self.o).any()))
+            row.update(occupancy(k, plan["num_warps"]))
+            ms = time_graph(lambda: self.launch(plan)) if DEV == "cuda" else wall(
+                lambda: self.launch(plan))
+        except Exception as e:  # noqa: BLE001 - out of resources etc.: not a candidate
+            row.update(error=f"{type(e).__name__}: {str(e)[:200]}", ok=False)
+            return row
+        gbps = self.bytes / (ms * 1e-3) / 1e9
+        row.update(ms=ms, GBps=gbps, frac_copy=gbps / copy_gbps, frac_4800=gbps / 4800)
+        return row
+
+
+def occupancy(k, nw: int) -> dict:
+    """Registers, shared memory and programs an SM (H100/H200 limits) of a compiled kernel."""
+    try:
+        regs, shared = int(k.n_regs), int(k.metadata.shared)
+    except Exception:  # noqa: BLE001 - the interpreter, or a triton without n_regs
+        return {}
+    return dict(regs=regs, shared=shared, fit=min(65536 // max(regs * 32 * nw, 1), 64 // nw, 32,
+                                                  232448 // max(shared + 1024, 1)))
+
+
+def wall(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def tile(t):
+    bn, w, st, r = t
+    return dict(BN=bn, num_warps=w, num_stages=st, maxnreg=r)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="defaults and a few plans only")
+    ap.add_argument("--budget-s", type=float, default=110.0, help="stop sweeping after this")
+    ap.add_argument("--smoke", action="store_true",
+                    help="no GPU: tiny cases on the CPU under TRITON_INTERPRET=1, wall-clock")
+    args = ap.parse_args()
+    global DEV, DT, CASES, Hq, Hk, D
+    if args.smoke:  # fp32: the interpreter's bf16 dots are not right
+        DEV, DT, Hq, Hk, D = "cpu", torch.float32, 4, 2, 32
+        CASES = {"smoke B=3 L~U[5,150]": (3, (5, 150)), "smoke B=2 L=40": (2, 40)}
+        args.quick = True
+    import rlcu.ops.paged_attention as pa
+
+    t0 = time.time()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
+    copy = copy_bandwidth() if DEV == "cuda" else 1.0
+    print(f"copy bandwidth {copy:.0f} GB/s, {sms} SMs", flush=True)
+    rows, summary = [], []
+    default_cfg = {**pa.CONFIGS["decode"], **pa.CONFIGS["decode_plan"]}
+    for name, (B, lens) in CASES.items():
+        c = Case(name, B, lens, sms)
+        bound_ms = c.bytes / (copy * 1e9) * 1e3
+        print(f"== {name}: {sum(c.lens)} keys, {c.bytes / 1e6:.1f} MB, bound {bound_ms:.4f} ms "
+              f"at copy bw, max_seqlen_k {c.max_k}", flush=True)
+        case_rows = []
+
+        def go(cfg, tag, c=c, case_rows=case_rows):
+            if time.time() - t0 > args.budget_s and tag not in ("default", "previous"):
+                return None
+            r = c.run(cfg, copy)
+            r.update(tag=tag, bound_ms=bound_ms)
+            case_rows.append(r)
+            ms = f"{r['ms']:.4f} ms {r['frac_copy']:.0%}" if "ms" in r else r.get("error", "")
+            print(f"  {tag:<9} {r['kernel']:<6} {json.dumps(r['cfg'])[:95]:<95} "
+                  f"err {r.get('err', float('nan')):.1e} {'' if r['ok'] else 'FAIL '}{ms}",
+                  flush=True)
+            return r
+
+        go(default_cfg, "default")
+        go(dict(tile(SPLIT_TILES[0]), kernel="split"), "previous")
+        split_tiles = SPLIT_TILES[1:3] if args.quick else SPLIT_TILES[1:]
+        for t in split_tiles:
+            go(dict(tile(t), kernel="split"), "split")
+        chunk_tiles = CHUNK_TILES[:4] if args.quick else CHUNK_TILES
+        tiles = []
+        for t in chunk_tiles:
+            r = go(dict(tile(t), kernel="chunk", CHUNK=512, per_sm=2), "tile")
+            if r and r.get("ok") and "ms" in r:
+                # again at the occupancy the compiler reports, if that is not 2
+                if r.get("fit") and r["fit"] != 2:
+                    r2 = go(dict(tile(t), kernel="chunk", CHUNK=512, per_sm=r["fit"]), "tile")
+                    r = r2 if r2 and r2.get("ok") and r2["ms"] < r["ms"] else r
+                tiles.append((r["ms"], t, r.get("fit") or 2))
+        tiles.sort(key=lambda x: x[0])
+        for _, t, fit in tiles[:1 if args.quick else 2]:
+            for chunk in CHUNKS:
+                for per_sm in sorted({1, fit, 2 * fit}):
+                    go(dict(tile(t), kernel="chunk", CHUNK=chunk, per_sm=per_sm), "chunk")
+        good = [r for r in case_rows if r.get("ok") and "ms" in r]
+        best = min(good, key=lambda r: r["ms"]) if good else None
+        dflt = next((r for r in case_rows if r["tag"] == "default"), None)
+        prev = next((r for r in case_rows if r["tag"] == "previous"), None)
+        summary.append(dict(case=name, bound_ms=bound_ms, default=dflt, previous=prev, best=best))
+        rows += case_rows
+        del c
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    fails = [r for r in rows if not r.get("ok") and "error" not in r]
+    payload = dict(meta=meta(), copy_GBps=copy, sms=sms, shape=dict(Hq=Hq, Hk=Hk, D=D, BS=BS),
+                   default_cfg=default_cfg, summary=summary, rows=rows,
+                   wrong_results=len(fails), seconds=time.time() - t0)
+    if args.out:
+        Path(args.out).write_text(json.dumps(payload, indent=2, default=float))
+    print(f"\n{'case':<30} {'bound ms':>9} {'previous':>16} {'default':>16} {'best':>16}  best cfg")
+    for s in summary:
+        def f(r):
+            return f"{r['ms']:.4f} {r['frac_copy']:4.0%}" if r and "ms" in r else "-"
+        b = s["best"]
+        print(f"{s['case']:<30} {s['bound_ms']:9.4f} {f(s['previous']):>16} {f(s['default']):>16} "
+              f"{f(b):>16}  {b['kernel'] if b else ''} {json.dumps(b['cfg']) if b else ''}")
+    print(f"wrong results: {len(fails)}; {time.time() - t0:.0f} s")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
