@@ -58,10 +58,13 @@ _DEC_MAX_SPLITS = 64
 # 0.094 ms and two splits (1024 programs of 4 tiles + the reduce) 0.073 ms; at L = 2048 one
 # split took 0.136 ms and two 0.142 ms. So short contexts are split (per_sm programs an SM,
 # min_part keys or more a split) and a batch of at least 3 programs an SM runs unsplit from
-# unsplit_keys keys on.
+# unsplit_keys keys on. The default is the split kernel: on the H200 it reads K/V at 91-92% of
+# the measured copy bandwidth at 64-256 sequences, the chunk kernel at 71-76% there (2 programs
+# an SM by its registers) and better only for few long contexts (32 x 4096 keys: 93% against
+# 85%, CHUNK 2048, BN 32, 5 stages, 8 programs an SM); bench/results/decode_attention.json.
 CONFIGS = {
     "decode": dict(BN=64, num_warps=4, num_stages=3),
-    "decode_plan": dict(kernel="chunk", CHUNK=512, per_sm=2, reduce_warps=4),
+    "decode_plan": dict(kernel="split", CHUNK=512, per_sm=2, reduce_warps=4),
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
     "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024),
 }
