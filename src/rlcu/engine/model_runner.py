@@ -181,9 +181,11 @@ class ModelRunner:
             p = f"layers.{i}."
             h, _ = rmsnorm_fwd(x, w[p + "input_norm"], eps)
             qkv = mm_invariant(h, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
-            q = rmsnorm_fwd(qkv[:, :qs].reshape(N * Hq, D), w[p + "q_norm"], eps)[0]
-            k = rmsnorm_fwd(qkv[:, qs:qs + ks].reshape(N * Hk, D), w[p + "k_norm"], eps)[0]
-            q, k = rope_fwd(q.view(N, Hq, D), pos, c.rope_theta), rope_fwd(k.view(N, Hk, D), pos, c.rope_theta)
+            # the q / k heads read in place from qkv (the trainer copies them out first: the same
+            # rows, the same bits)
+            q = rmsnorm_fwd(qkv[:, :qs].view(N, Hq, D), w[p + "q_norm"], eps)[0]
+            k = rmsnorm_fwd(qkv[:, qs:qs + ks].view(N, Hk, D), w[p + "k_norm"], eps)[0]
+            q, k = rope_fwd(q, pos, c.rope_theta), rope_fwd(k, pos, c.rope_theta)
             kc, vc = self.kv[0, i], self.kv[1, i]
             kv_write(k, qkv[:, qs + ks:].reshape(N, Hk, D), kc, vc, kv_slots)
             o = attention_exact_paged(q, kc, vc, block_tables, cu_q, seq_lens, max_q, D**-0.5)
