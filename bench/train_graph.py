@@ -6,9 +6,13 @@ Arms, each from a snapshot of the initial weights, master and moments, the same 
           value_loss / backward, then FlatAdamW.step;
   static  StepGraph(graphs=False): the graph's own code (budget-padded buffers, the head over
           every row), run op by op -- what a replay must reproduce bit for bit;
-  graph   StepGraph(graphs=True): captured at the first step, replayed after.
+  graph   StepGraph(graphs=True): captured at the first step, replayed after;
+  static_again  the static arm once more, untimed in the summary: the step's own run-to-run
+          determinism, so that a graph-vs-static difference is told from a nondeterministic
+          kernel (it was one: the embedding backward's atomics, now sorted and atomic-free).
 Each arm runs warmup + steps optimizer steps (the first graph step captures); the median of the
 timed ones is reported, with the losses of every step and the buffers after the last compared.
+An arm's peak_GiB leaves out the earlier arms' final buffers, which stay on the device.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 import torch
 
 ARMS = ("eager", "static", "graph")
+RUNS = ARMS + ("static_again",)
 
 
 def _snapshot(model, opt) -> dict:
@@ -85,9 +90,10 @@ def bench_graph(cfg, B: int, T: int, steps: int, warmup: int, critic: bool = Fal
 
     snap = _snapshot(model, opt)
     res, finals = {}, {}
-    for arm in ARMS:
+    for arm in RUNS:
         _restore(model, opt, snap)
         sg = None if arm == "eager" else StepGraph(model, opt, budget=N, max_seqlen=T, graphs=arm == "graph")
+        held = sum(x.numel() * x.element_size() for f in finals.values() for x in f.values())
         step = eager_step if sg is None else (lambda sg=sg: sg.step([packed], lr))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -108,7 +114,7 @@ def bench_graph(cfg, B: int, T: int, steps: int, warmup: int, critic: bool = Fal
         times.sort()
         res[arm] = {"ms": times[len(times) // 2], "ms_min": times[0], "first_step_s": first_s, "losses": losses,
                     "grad_norms": [i["grad_norm"] for i in infos],
-                    "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
+                    "peak_GiB": (torch.cuda.max_memory_allocated() - held) / 2**30}
         if sg is not None:
             res[arm]["captures"] = sg.captures
         finals[arm] = _snapshot(model, opt)
@@ -118,6 +124,8 @@ def bench_graph(cfg, B: int, T: int, steps: int, warmup: int, critic: bool = Fal
     res["graph_vs_static"] = {"losses_equal": res["graph"]["losses"] == res["static"]["losses"],
                               "grad_norms_equal": res["graph"]["grad_norms"] == res["static"]["grad_norms"],
                               "state": _diff(finals["graph"], finals["static"])}
+    res["static_vs_static"] = {"losses_equal": res["static_again"]["losses"] == res["static"]["losses"],
+                               "state": _diff(finals["static_again"], finals["static"])}
     res["eager_vs_static"] = {"loss_max_rel": max(abs(a - b) / max(abs(b), 1e-30) for a, b in
                                                   zip(res["eager"]["losses"], res["static"]["losses"])),
                               "state": _diff(finals["eager"], finals["static"])}

@@ -240,15 +240,16 @@ def main_graph(args):
     res["wall_s"] = time.time() - t0
     write_json("train_graph.json", res)
     print(f"\n{'case':<16} {'eager ms':>9} {'static ms':>10} {'graph ms':>9} {'MFU e/g':>12} {'x vs eager':>10} "
-          f"{'bitwise':>8} {'eager rel':>9}")
+          f"{'bitwise':>8} {'rerun':>6} {'eager rel':>9}")
     for case, r in res["cases"].items():
         if "error" in r:
             print(f"{case:<16} {r['error'][-600:]}")
             continue
-        ok = r["graph_vs_static"]["losses_equal"] and all(d["equal"] for d in r["graph_vs_static"]["state"].values())
+        ok, again = (r[k]["losses_equal"] and all(d["equal"] for d in r[k]["state"].values())
+                     for k in ("graph_vs_static", "static_vs_static"))
         print(f"{case:<16} {r['eager']['ms']:>9.1f} {r['static']['ms']:>10.1f} {r['graph']['ms']:>9.1f} "
               f"{r['eager']['mfu']:>5.1%}/{r['graph']['mfu']:<6.1%} {r['speedup_graph_vs_eager']:>9.2f}x "
-              f"{str(ok):>8} {r['eager_vs_static']['loss_max_rel']:>9.1e}")
+              f"{str(ok):>8} {str(again):>6} {r['eager_vs_static']['loss_max_rel']:>9.1e}")
 
 
 if __name__ == "__main__":

@@ -164,6 +164,32 @@ def test_embedding_kernel(ids_dtype):
     assert rel_err(dW, dW0) < 1e-6
 
 
+
+@cpu
+def test_embedding_backward_is_deterministic(monkeypatch):
+    """The backward's bits do not depend on the order its programs run in (on a GPU, any): run
+    again with every launch's programs in reverse order (the interpreter patched), onto a dW that
+    already holds something (a tied head's gradient) and with many repeated ids over several
+    tiles and rounds. Atomic adds, which land in program order here, fail this."""
+    _seed()
+    V, D, N = 37, 20, 900
+    ids = torch.randint(0, V, (N,))
+    ids[::7] = 5  # a long run, across tiles
+    dx = torch.randn(N, D)
+    base = torch.randn(V, D)
+    fwd = base.clone()
+    emb.embedding_bwd_triton(dx, ids, fwd)
+    b = _interp.interpreter_builder
+    orig = b.set_grid_idx
+    monkeypatch.setattr(b, "set_grid_idx", lambda x, y, z: orig(*(g - 1 - i for g, i in zip(b.grid_dim, (x, y, z)))))
+    rev = base.clone()
+    emb.embedding_bwd_triton(dx, ids, rev)
+    assert torch.equal(fwd, rev)
+    ref = base.clone()
+    emb.embedding_bwd_ref(dx, ids, ref)
+    assert rel_err(fwd, ref) < 1e-6
+
+
 # ------------------------------------------------------------------ dispatch
 def _all_ops(x, w, dy, xr, pos, gu, da, ids, W, dW, suffix):
     """Every forward and backward of the four ops, through the public op (suffix "") or the
@@ -305,3 +331,24 @@ def test_gpu_embedding(D):
     emb.embedding_bwd_ref(dx.float(), ids, dW0)
     assert rel_err(dWv, dW0) < 1e-6 and float(flat[:4].abs().sum()) == 0.0
     assert float(flat[4 : 4 + V * (D + 64)].view(V, D + 64)[:, D:].abs().sum()) == 0.0
+
+
+@gpu
+def test_gpu_embedding_backward_is_deterministic():
+    """The same backward three times onto the same nonzero dW (a tied head's gradient), many
+    repeated ids over many tiles: the same bits (atomics did not give them)."""
+    torch.manual_seed(0)
+    V, D = 151936, 1024
+    ids = torch.randint(0, V, (N_GPU,), device="cuda")
+    ids[::5] = 11  # a run over many tiles and rounds
+    dx = _bf16(N_GPU, D)
+    base = torch.randn(V, D, device="cuda")
+    outs = []
+    for _ in range(3):
+        dW = base.clone()
+        emb.embedding_bwd(dx, ids, dW)
+        outs.append(dW)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    ref = base.clone()
+    emb.embedding_bwd_ref(dx.float(), ids, ref)
+    assert rel_err(outs[0], ref) < 1e-6

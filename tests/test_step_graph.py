@@ -170,6 +170,40 @@ def test_adamw_device_scalars_bitwise(monkeypatch, state):
     assert all(torch.equal(x, y) for x, y in zip(before, b))
 
 
+@needs_triton
+def test_static_step_does_not_depend_on_the_schedule(monkeypatch):
+    """A replayed step runs the op-by-op step's kernels on the same buffers, but not on the same
+    schedule: which of a launch's programs runs first is the GPU's choice, and differs between a
+    replay and an eager launch. The whole step (interpreted: forward, tied LM head, backward,
+    norm, clip, AdamW) gives the same bits with every launch's programs run in reverse order.
+    It caught the embedding backward's atomic adds (dW[id] += dx[i] in whatever order the
+    programs land, onto the tied head's gradient): the fp32 master and moments of a replay
+    differed from the eager step's in the last bits, the bf16 weights and the loss did not."""
+    from triton.runtime.interpreter import interpreter_builder as b
+
+    from rlcu.config import OptimConfig
+    from rlcu.train.optimizer import FlatAdamW
+
+    monkeypatch.setenv("RLCU_BACKEND", "triton")
+    lens = [70, 40, 20]  # 130 tokens of 61 ids: many repeats, over three tiles of the embedding backward
+    tokens, cu, dlp = batch(lens, seed=6)
+    packed = pack(tokens, cu, dlp / 130, 136, 4)
+
+    def run():
+        m = tiny()  # fp32: the interpreter's bf16 is not the GPU's
+        opt = FlatAdamW(m, OptimConfig(lr=1e-3, max_grad_norm=0.05))
+        out = StepGraph(m, opt, budget=136, max_seqlen=136, graphs=False).step([packed], 1e-3)
+        return out, [m.grad_flat.clone(), opt.master.clone(), opt.m.clone(), opt.v.clone()]
+
+    (loss, info), bufs = run()
+    orig = b.set_grid_idx
+    monkeypatch.setattr(b, "set_grid_idx", lambda x, y, z: orig(*(g - 1 - i for g, i in zip(b.grid_dim, (x, y, z)))))
+    (loss_r, info_r), bufs_r = run()
+    assert info["skipped"] == 0 and (loss_r, info_r) == (loss, info)
+    for name, x, y in zip(("grad", "master", "m", "v"), bufs, bufs_r):
+        assert torch.equal(x, y), name
+
+
 def test_config_switch(tmp_path):
     assert SFTConfig().cuda_graph is False
     assert load_config(SFTConfig, None, ["cuda_graph=yes"]).cuda_graph is True

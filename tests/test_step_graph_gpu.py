@@ -88,11 +88,29 @@ def test_nonfinite_step_is_skipped_on_the_device():
 
 
 def test_recaptures_when_the_gradients_move():
-    m, opt, sg = _make(False, True, True)
-    sg.step(_steps()[1], 1e-3)
-    m.release_grads()
-    sg.step(_steps()[1], 1e-3)
-    assert sg.captures == 4  # micro + update, twice
+    """release_grads between steps (as the RL trainers do), twice: freed, the block comes back at
+    the same address with the next step's zero_grad (nothing took it in between), so the graphs'
+    pointers are the live buffer's and nothing is captured again; held elsewhere (`old`), the
+    new buffer lands at another address and everything is captured again. Either way each step
+    is the eager one, bit for bit."""
+    runs = {}
+    for graphs in (False, True):
+        m, opt, sg = _make(False, graphs, True)
+        out, same = [sg.step(_steps()[1], 1e-3)], []
+        for hold in (False, True):
+            ptr, old = m.grad_flat.data_ptr(), m.grad_flat
+            if not hold:
+                del old
+            m.release_grads()
+            out.append(sg.step(_steps()[1], 1e-3))
+            same.append(m.grad_flat.data_ptr() == ptr)
+        runs[graphs] = out, _state(m, opt), same, sg.captures
+    (eo, es, _, _), (go, gs, same, captures) = runs[False], runs[True]
+    assert same[1] is False  # held: another address
+    assert captures == 2 * (1 + (not same[0]) + 1)  # micro + update, at the start and after each move
+    assert eo == go
+    for k in es:
+        assert torch.equal(es[k], gs[k]), k
 
 
 def test_sft_with_cuda_graph(tmp_path):

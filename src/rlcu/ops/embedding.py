@@ -1,19 +1,25 @@
 """Token embedding lookup; the backward scatter-adds rows into the (flat) gradient buffer.
 
 Forward: x[i] = W[ids[i]], a row gather. Backward: dW[ids[i]] += dx[i]. A token id can repeat
-within a batch, so the kernel adds with fp32 atomics (relaxed order: only the sum matters);
-the Triton kernel therefore adds into an fp32 dW (a bf16 gradient buffer goes through an
-fp32 scratch of its touched rows, see `embedding_bwd`), and repeated ids make the last bits
-of dW depend on the order the adds land in.
+within a batch, and atomics would make the last bits of dW depend on the order their adds land
+in -- between two runs of the same step (a CUDA-graph replay against the same step run op by
+op, train/step_graph.py, or any two runs): with a tied LM head dW already holds the head's
+gradient, so even two rows of one id, (dW + a) + b against (dW + b) + a, round differently.
+So the backward is deterministic, with no atomics: the ids are sorted (stably: rows of one id
+keep their order), and in sorted order one program per tile of BN rows (x BD columns) sums each
+run of equal ids by a segmented scan (a fixed tree). A run wholly inside a tile and not at its
+ends belongs to that tile alone, which adds it to its dW row (the only writer); the first and
+last run of each tile may go on in the neighbouring tiles, so their partial sums go to a
+scratch of 2 rows a tile, itself sorted by id, which the same kernel reduces again (BN / 2
+times fewer rows each round) until one tile holds them all and writes every run. Each dW row
+thus gets one add, dW + (a fixed tree of its rows), whatever the schedule. A bf16 dW goes
+through an fp32 scratch of its touched rows (see `embedding_bwd`).
 
-Backward traffic: dx once (N * D bf16) and each touched row of dW read and written in fp32
-(2 * U * D * 4 bytes for U distinct ids): 309 MB at [32768, 1024] into [151936, 1024], where
-this kernel (16-byte red.global.add.v4.f32 a thread, fire-and-forget) runs at 65% of copy
-bandwidth, as torch.compile's atomic scatter does. Handing each row to the TMA unit instead
-(one bulk tensor reduction of the whole fp32 row, cp.reduce.async.bulk.tensor) measured the
-same on the H200 (0.1125 vs 0.1116 ms), so the limit is not the atomic requests but the
-memory system on a random read-modify-write of 4 KB rows (a random 2 KB bf16 row gather,
-the forward, reaches 79%); it was not kept.
+Backward traffic: dx once (N * D bf16, gathered in sorted order), each touched row of dW read
+and written once in fp32, plus the sort of the N ids and 2 / BN of dx's rows in fp32 for the
+next round (3 rounds at N = 32768). An earlier version added with fp32 atomics (16-byte
+red.global.add.v4.f32 a thread) at 65% of copy bandwidth, 0.11 ms at [32768, 1024] into
+[151936, 1024]; it was replaced for the determinism.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from rlcu.ops._backend import dispatch, tl, triton
 
 _TILE = 4096  # elements a program handles: BN rows of BD columns
 _MAX_BD = 1024
+_BWD_BN = 64  # rows of a backward tile (sorted order): each round leaves 2 / 64 of them
+_BWD_BD = 64  # its columns
 _INTS = (torch.int32, torch.int64)
 
 
@@ -40,17 +48,50 @@ def _embedding_fwd_kernel(IDS, W, X, N, D, stride_w, stride_x, BN: tl.constexpr,
     tl.store(X + rows[:, None] * stride_x + cols[None, :], x, mask=mask)
 
 
+@triton.jit
+def _seg_add(av, af, bv, bf):
+    # segmented sum: a flag marks the first row of a run, where the running sum restarts
+    return tl.where(bf != 0, bv, av + bv), af | bf
+
+
 @triton.jit(do_not_specialize=["N"])
-def _embedding_bwd_kernel(DX, IDS, DW, N, D, stride_dx, stride_dw, BN: tl.constexpr, BD: tl.constexpr):
+def _embedding_bwd_kernel(X, ORDER, SID, DW, B, BID, N, V, D, stride_x, stride_dw, GATHER: tl.constexpr,
+                          FINAL: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    # rows in sorted order: row i is X[ORDER[i]] (GATHER) or X[i], its id SID[i] (V: a padding row
+    # of the scratch, never written); B [2 * tiles, D] fp32 / BID [2 * tiles]: this tile's first
+    # and last run, for the next round (unless FINAL, the one tile, which writes every run)
     pid_n = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1).to(tl.int64)
-    rows = pid_n * BN + tl.arange(0, BN)
+    t0 = pid_n * BN
+    rows = t0 + tl.arange(0, BN)
     cols = pid_d * BD + tl.arange(0, BD)
     rmask = rows < N
-    mask = rmask[:, None] & (cols < D)[None, :]
-    ids = tl.load(IDS + rows, mask=rmask, other=0).to(tl.int64)
-    dx = tl.load(DX + rows[:, None] * stride_dx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.atomic_add(DW + ids[:, None] * stride_dw + cols[None, :], dx, mask=mask, sem="relaxed")
+    cmask = cols < D
+    sid = tl.load(SID + rows, mask=rmask, other=V).to(tl.int64)
+    prev = tl.load(SID + rows - 1, mask=rmask & (rows > t0), other=-1).to(tl.int64)
+    nxt = tl.load(SID + rows + 1, mask=(rows + 1 < N) & (rows + 1 < t0 + BN), other=-1).to(tl.int64)
+    src = tl.load(ORDER + rows, mask=rmask, other=0).to(tl.int64) if GATHER else rows
+    x = tl.load(X + src[:, None] * stride_x + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                other=0.0).to(tl.float32)
+    start = tl.broadcast_to(((rows == t0) | (sid != prev)).to(tl.int32)[:, None], (BN, BD))
+    s, _ = tl.associative_scan((x, start), 0, _seg_add)  # at a run's last row: the run's sum here
+    end = (sid != nxt) & (sid < V)  # the last row of a run (in this tile), a real id
+    if FINAL:
+        own = end
+    else:
+        id0 = tl.load(SID + t0).to(tl.int64)
+        idl = tl.load(SID + t0 + BN - 1, mask=t0 + BN - 1 < N, other=V).to(tl.int64)
+        first, last = sid == id0, sid == idl
+        own = end & ~first & ~last
+        b = B + (2 * pid_n) * D + cols[None, :]
+        tl.store(b + 0 * rows[:, None], s, mask=(end & first)[:, None] & cmask[None, :])
+        tl.store(b + D + 0 * rows[:, None], s, mask=(end & last & ~first)[:, None] & cmask[None, :])
+        if pid_d == 0:
+            tl.store(BID + 2 * pid_n, id0)
+            tl.store(BID + 2 * pid_n + 1, idl)
+    dw = DW + sid[:, None] * stride_dw + cols[None, :]
+    m = own[:, None] & cmask[None, :]
+    tl.store(dw, tl.load(dw, mask=m, other=0.0) + s, mask=m)
 
 
 def _grid(N: int, D: int):
@@ -58,6 +99,11 @@ def _grid(N: int, D: int):
     BN = max(1, _TILE // BD)
     num_warps = 4 if BN * BD <= 2048 else 8
     return (triton.cdiv(N, BN), triton.cdiv(D, BD)), BN, BD, num_warps
+
+
+def _bwd_tiles(D: int):
+    BD = min(triton.next_power_of_2(D), _BWD_BD)
+    return _BWD_BN, BD
 
 
 def _check(ids: torch.Tensor, M: torch.Tensor, name: str):
@@ -97,10 +143,19 @@ def embedding_bwd_triton(dx: torch.Tensor, ids: torch.Tensor, dW: torch.Tensor):
     if dx.numel() == 0:
         return
     dx = dx if dx.stride(1) == 1 else dx.contiguous()
-    ids = ids.contiguous()
-    grid, BN, BD, num_warps = _grid(N, D)
-    _embedding_bwd_kernel[grid](dx, ids, dW, N, D, dx.stride(0), dW.stride(0), BN=BN, BD=BD,
-                                num_warps=num_warps)
+    sid, order = torch.sort(ids.contiguous(), stable=True)  # no host sync: capturable
+    V = dW.shape[0]
+    BN, BD = _bwd_tiles(D)
+    x, n, stride, gather = dx, N, dx.stride(0), True
+    while True:
+        tiles, final = triton.cdiv(n, BN), n <= BN
+        b = sid if final else torch.zeros(2 * tiles, D, device=dW.device, dtype=torch.float32)
+        bid = sid if final else torch.empty(2 * tiles, device=dW.device, dtype=sid.dtype)
+        _embedding_bwd_kernel[(tiles, triton.cdiv(D, BD))](x, order, sid, dW, b, bid, n, V, D, stride, dW.stride(0),
+                                                           GATHER=gather, FINAL=final, BN=BN, BD=BD, num_warps=4)
+        if final:
+            return
+        x, sid, n, stride, gather = b, bid, 2 * tiles, D, False
 
 
 def embedding_fwd_ref(ids: torch.Tensor, W: torch.Tensor):

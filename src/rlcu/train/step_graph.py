@@ -24,7 +24,11 @@ as long as the graphs live. They are captured again when what they hold an addre
 gradient checkpointing).
 
 With `graphs=False` the same code runs eagerly, op by op (on any device): the reference a
-replayed step must match bit for bit, and the CPU-testable half of this file.
+replayed step must match bit for bit, and the CPU-testable half of this file. Bit for bit needs
+every kernel of the step to give the same bits whatever order its programs run in, which a
+replay and an eager launch do not share: no atomics (the embedding backward's were the one
+difference, in the fp32 master and moments; tests/test_step_graph.py runs the step with every
+launch's programs reversed).
 
 The step's loss is sum_i dlp_i lp_i over the rows (the SFT loss, whose gradient in lp is the
 constant dlp), or the critic's clipped value loss (ops/rl_loss.value_loss).
@@ -143,6 +147,12 @@ class StepGraph:
 
     # ---------------------------------------------------------------- capture
     def _state_key(self) -> tuple:
+        """What the graphs hold an address of, and the modes they were captured in. A graph's
+        kernels read and write raw addresses, so an equal address is the same buffer: after
+        `release_grads` the next step's zero_grad allocates a gradient buffer of the same size,
+        which the caching allocator hands back at the freed block's address unless something
+        took the block in between -- then the graphs write the live buffer and are kept; at
+        another address they are captured again (test_step_graph_gpu.py does both)."""
         m, o = self.model, self.opt
         ptrs = (m.flat.data_ptr(), m.grad_flat.data_ptr())
         if o is not None:
