@@ -39,7 +39,8 @@ it well; a run is ~20 s of process start (imports, CUDA context, Triton cache, C
 40 steps of a fraction of a second plus its evaluations. learning.json (meta, per-run curves, a
 summary per task and mode) is rewritten after every finished run and learning.png drawn at the
 end, in --out (default bench/results/) and $OUT when set. --deadline S: no run starts after S
-seconds (those left are listed under "skipped"); runs go by seed, so a cut loses whole seeds last.
+seconds (those left are listed under "skipped"); runs start in seed order, so a cut drops the
+last seed's runs first.
 """
 
 from __future__ import annotations
