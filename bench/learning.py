@@ -69,8 +69,9 @@ def _job(kind, task, seed, mode, a, d: Path) -> dict:
     cmd = [sys.executable, "-m", "bench.learning_worker", kind, "--task", task, "--seed", str(seed), "--dir", str(d),
            "--mode", mode, "--steps", str(a.steps), "--device", a.device, "--dtype", a.dtype,
            "--scale", json.dumps(QUICK[task] if a.quick else {})] + (["--no-engine-eval"] if a.quick else [])
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    # offline: every model is a local folder, and a machine without a network must not wait on the hub
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **os.environ, "OMP_NUM_THREADS": str(a.threads),
+           "MKL_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     if mode == "exact" and kind == "grpo":
         env["RLCU_EXACT"] = "1"
     return {"kind": kind, "task": task, "seed": seed, "mode": mode if kind == "grpo" else "sft", "dir": d,
