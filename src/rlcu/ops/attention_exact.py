@@ -47,9 +47,10 @@ _LOG2E = 1.4426950408889634
 # key tile's load (K/V traffic / SUB) and change no bits (compiled for sm_90 at D = 128: the
 # float instructions are SUB times a decode program's; 118 registers at SUB = 1, 218 at 2, 255
 # and a 56-byte spill at 4; bench/exact.py times each)
-# BM_TRAIN: the row tile of training and prefill programs (many rows each), BM the decode one's
-# (one token a sequence): on the H200 the 16- and 32-row tiles at 4 warps give every row the
-# same bits, 64 rows or 8 warps do not (another reduction layout; bench/results/exact_tiles.json)
+# BM_TRAIN: the row tile of training and prefill programs (many rows each) at head_dim 128, BM
+# the decode one's (one token a sequence): on the H200 at head_dim 128 the 16- and 32-row tiles
+# at 4 warps give every row the same bits, 64 rows or 8 warps do not (another reduction
+# layout; bench/results/exact_tiles.json); at head_dim 24 even 32 rows do not
 CONFIG = {"BM": 16, "BM_TRAIN": 32, "BN": 64, "num_warps": 4, "num_stages": 2, "SUB_TRAIN": 2, "SUB_PREFILL": 2}
 _INTERPRET_CONFIG = {"BM": 16, "BM_TRAIN": 16, "BN": 16, "num_warps": 4, "num_stages": 1, "SUB_TRAIN": 2,
                      "SUB_PREFILL": 4}
@@ -168,9 +169,11 @@ if HAS_TRITON:
             _finish(a3, l3, m3, O, LSE, N_LSE, q_start, t_3, h3, rm3, stride_on, stride_oh, WITH_LSE, D, BD)
 
 
-def _tiles(G: int, many_rows: bool = False):
+def _tiles(G: int, many_rows: bool = False, D: int = 128):
     cfg = _INTERPRET_CONFIG if interpreting() else CONFIG
-    BM = max(cfg["BM_TRAIN" if many_rows else "BM"], triton.next_power_of_2(G))
+    # BM_TRAIN where the device check covers it (head_dim 128; at 24 it gave other bits:
+    # bench/results/exact_variants_tiny.json), else the decode's tile everywhere
+    BM = max(cfg["BM_TRAIN" if many_rows and D == 128 else "BM"], triton.next_power_of_2(G))
     return cfg, BM, BM // G
 
 
@@ -179,7 +182,7 @@ def _launch(q, k, v, o, lse, tables, cu_q, seq_lens, max_q, scale, paged, BS, su
     Hk = k.shape[-2]
     S = cu_q.numel() - 1
     G = Hq // Hk
-    cfg, BM, BMT = _tiles(G, max_q > 1)
+    cfg, BM, BMT = _tiles(G, max_q > 1, D)
     BD = max(16, triton.next_power_of_2(D))
     if q.stride(2) != 1:
         q = q.contiguous()

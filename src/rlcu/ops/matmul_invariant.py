@@ -45,6 +45,8 @@ CONFIGS: tuple[tuple[int, int, tuple], ...] = (
     (512, _BIG, (128, 256, 64, 8, 8, 4, True)),  # the LM head
     (_BIG, _BIG, (128, 256, 64, 8, 8, 3, True)),  # training and prefill
 )
+ONE_CONFIG = (128, 128, 64, 8, 8, 3, False)  # every M, for the shapes CONFIGS does not cover
+BY_M_MIN_K = 1024  # CONFIGS from this K on (multiples of 128); benches set 0 to try any shape
 _INTERPRET_CONFIG = (32, 32, 32, 4, 4, 1, False)  # few programs: the interpreter's cost is per op
 _REF_ELEMS = 1 << 22  # the twin's [rows, cols, K] product block, at most
 
@@ -155,11 +157,16 @@ def _check(x, w, c, out):
             raise ValueError(f"mm: {name} must be {x.dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
 
 
-def config_for(M: int, N: int) -> tuple:
-    """The tiles of an [M, K] x [K, N] product (the bits do not depend on the choice, the time
-    does)."""
+def config_for(M: int, N: int, K: int) -> tuple:
+    """The tiles of an [M, K] x [K, N] product. By M and N only where the device check covers
+    the shape (K >= 1024, a multiple of 128: every Qwen3 size's weights, bench/exact_tiles.py);
+    elsewhere one configuration for every M (at the learning bench's tiny model, K = 96 and 256,
+    the tiles by M gave 1.2% of the engine's tokens other bits than the trainer's:
+    bench/results/exact_variants_tiny.json)."""
     if interpreting():
         return _INTERPRET_CONFIG
+    if K < BY_M_MIN_K or K % 128:
+        return ONE_CONFIG
     return next(c for m, n, c in CONFIGS if M <= m and N <= n)
 
 
@@ -177,7 +184,7 @@ def mm_triton(x, w, c=None, out=None):
         c = c.contiguous()
     if y.stride(1) != 1:
         raise ValueError("mm: out must have a unit column stride")
-    BM, BN, BK, GM, warps, stages, tma = config_for(M, N)
+    BM, BN, BK, GM, warps, stages, tma = config_for(M, N, K)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     cc, sc = (c, c.stride(0)) if c is not None else (y, 0)
     if tma and x.dtype != torch.float32 and _tma_ok(x, w):
