@@ -89,8 +89,7 @@ def gemm(quick: bool, with_8b: bool = False) -> dict:
                                                 num_key_value_heads=8))
     Ms = (1, 7, 64, 256, 8192) if not quick else (1, 64, 512)
     big = Ms[-1]
-    out, keep, keep_k = {}, mi.CONFIGS, mi.BY_M_MIN_K
-    mi.BY_M_MIN_K = 0  # the forced tiles at every shape
+    out, keep = {}, mi.CONFIGS
     try:
         for model, shapes in models.items():
             for name, (N, K) in shapes.items():
@@ -126,7 +125,7 @@ def gemm(quick: bool, with_8b: bool = False) -> dict:
                         per[f"M={M}"] = {"ms": t, "cublas_ms": t_cub[M], "ratio": t / t_cub[M], "differ": bad}
                 print(f"  {model} {name} N={N} K={K} done", flush=True)
     finally:
-        mi.CONFIGS, mi.BY_M_MIN_K = keep, keep_k
+        mi.CONFIGS = keep
     for row in out.values():
         row["same_bits_as_ref"] = row["differing_elements"] == 0
         by_m = {}

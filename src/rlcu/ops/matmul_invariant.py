@@ -46,7 +46,6 @@ CONFIGS: tuple[tuple[int, int, tuple], ...] = (
     (_BIG, _BIG, (128, 256, 64, 8, 8, 3, True)),  # training and prefill
 )
 ONE_CONFIG = (128, 128, 64, 8, 8, 3, False)  # every M, for the shapes CONFIGS does not cover
-BY_M_MIN_K = 1024  # CONFIGS from this K on (multiples of 128); benches set 0 to try any shape
 _INTERPRET_CONFIG = (32, 32, 32, 4, 4, 1, False)  # few programs: the interpreter's cost is per op
 _REF_ELEMS = 1 << 22  # the twin's [rows, cols, K] product block, at most
 
@@ -158,14 +157,14 @@ def _check(x, w, c, out):
 
 
 def config_for(M: int, N: int, K: int) -> tuple:
-    """The tiles of an [M, K] x [K, N] product. By M and N only where the device check covers
-    the shape (K >= 1024, a multiple of 128: every Qwen3 size's weights, bench/exact_tiles.py);
-    elsewhere one configuration for every M (at the learning bench's tiny model, K = 96 and 256,
-    the tiles by M gave 1.2% of the engine's tokens other bits than the trainer's:
-    bench/results/exact_variants_tiny.json)."""
+    """The tiles of an [M, K] x [K, N] product: by M and N where K is a multiple of 128 (no
+    K tail in any of CONFIGS' tiles; bit-equal on the H200 at every Qwen3 weight shape,
+    bench/results/exact_tiles.json, and at K = 256), else one configuration for every M (at
+    K = 96, a tail, the tiles by M gave 11% of the engine's tokens other bits than the
+    trainer's: bench/results/exact_variants_tiny.json)."""
     if interpreting():
         return _INTERPRET_CONFIG
-    if K < BY_M_MIN_K or K % 128:
+    if K % 128:
         return ONE_CONFIG
     return next(c for m, n, c in CONFIGS if M <= m and N <= n)
 
