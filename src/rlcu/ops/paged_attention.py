@@ -13,13 +13,14 @@ never on lengths read back from the device, so a decode step can be captured in 
 - decode (max_seqlen_q == 1), flash-decoding, two kernels (`decode_plan` picks one; both run
   an online softmax for the G query heads of one KV head at once, the G rows padded to 16 so
   that Q K^T and P V are tensor-core dots and each K/V tile is loaded once for all G heads):
-  "chunk" (the default): a work list. Sequence s is cut into n_s = cdiv(L_s, CHUNK) chunks;
+  "split" (the default): program (s, KV head, split) over a
+  fixed partition of max_seqlen_k (`decode_splits`); with one split a long and a short context
+  are one program each, so a batch of mixed lengths ends on its longest programs.
+  "chunk" (`paged_decode_chunk.py`): a work list. Sequence s is cut into n_s = cdiv(L_s, CHUNK) chunks;
   unit (chunk, KV head) is CHUNK keys whatever the lengths, and a fixed grid of about per_sm
   programs an SM takes units pid, pid + P, ... (the list is built in each program from
   seq_lens, a cumsum over the batch), so the work is balanced across the machine for any mix
-  of lengths, and the grid depends on sizes only. "split": program (s, KV head, split) over a
-  fixed partition of max_seqlen_k (`decode_splits`); with one split a long and a short context
-  are one program each, so a batch of mixed lengths ends on its longest programs.
+  of lengths, and the grid depends on sizes only.
   A sequence of several chunks (splits) writes normalised partial outputs o_j and
   lse_j = m_j + log2 l_j, which the reduce kernel combines:
       o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M),   M = max_j lse_j;
@@ -42,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from rlcu.ops._backend import dispatch, tl, triton
+from rlcu.ops.paged_decode_chunk import _decode_chunk_kernel, _decode_chunk_reduce_kernel
 
 DEFAULT_BLOCK_SIZE = 16
 _LOG2E = 1.4426950408889634
@@ -150,114 +152,6 @@ def _decode_reduce_kernel(O_PART, LSE_PART, CU_Q, SEQ_LENS, O, stride_on, stride
                 other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(O + q_start * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d < D)
-
-
-@triton.jit(do_not_specialize=["stride_bt", "S", "CHUNK"])
-def _decode_chunk_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART, CH_FIRST,
-                         stride_qn, stride_qh, stride_cs, stride_ch, stride_bt, stride_on,
-                         stride_oh, S, Hq, Hk, scale_log2, CHUNK,
-                         G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                         BS: tl.constexpr, BN: tl.constexpr, BSEQ: tl.constexpr):
-    # The work list: sequence s has n_s = cdiv(L_s, CHUNK) chunks (0 for an empty query), unit
-    # u = (chunk t of the batch, KV head) with the heads fastest, so the Hk programs of one chunk
-    # read neighbouring bytes. Each program takes units pid, pid + P, ... (P programs resident at
-    # once): every unit is CHUNK keys but the last of a sequence, whatever the lengths' spread.
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    i = tl.arange(0, BSEQ)
-    imask = i < S
-    qlen = (tl.load(CU_Q + i + 1, mask=imask, other=0) - tl.load(CU_Q + i, mask=imask, other=0))
-    lens = tl.load(SEQ_LENS + i, mask=imask, other=0)
-    # an empty context (a graph's padding entry) takes one unit of no keys: its o is zeros
-    nch = tl.where(qlen > 0, tl.maximum((lens + CHUNK - 1) // CHUNK, 1), 0)  # [BSEQ]
-    cum = tl.cumsum(nch, 0)
-    first = cum - nch  # the batch's index of each sequence's first chunk
-    if pid == 0:
-        tl.store(CH_FIRST + i, first, mask=imask)  # for the combine
-    g = tl.arange(0, BG)
-    d = tl.arange(0, BD)
-    gmask = g < G
-    dmask = d < D
-    omask = gmask[:, None] & dmask[None, :]
-    for u in range(pid, tl.sum(nch, 0) * Hk, nprog):
-        t = u // Hk
-        hk = (u % Hk).to(tl.int64)
-        sel = i == tl.sum((cum <= t).to(tl.int32), 0)  # one-hot: the sequence of chunk t
-        s = tl.sum(tl.where(sel, i, 0), 0).to(tl.int64)
-        c = t - tl.sum(tl.where(sel, first, 0), 0)
-        n_s = tl.sum(tl.where(sel, nch, 0), 0)
-        L = tl.sum(tl.where(sel, lens, 0), 0)
-        q_start = tl.load(CU_Q + s).to(tl.int64)
-        n0 = c * CHUNK
-        n1 = tl.minimum(n0 + CHUNK, L)
-        h = hk * G + g  # [BG] query heads of this KV head
-        q = tl.load(Q + q_start * stride_qn + h[:, None] * stride_qh + d[None, :], mask=omask,
-                    other=0.0).to(KC.dtype.element_ty)
-        m = tl.full([BG], float("-inf"), tl.float32)
-        l = tl.zeros([BG], tl.float32)
-        acc = tl.zeros([BG, BD], tl.float32)
-        for n in range(n0, n1, BN):
-            pos = n + tl.arange(0, BN)
-            pmask = pos < n1
-            blk = tl.load(BLOCK_TABLES + s * stride_bt + pos // BS, mask=pmask, other=0)
-            kv_off = ((blk.to(tl.int64) * BS + pos % BS)[:, None] * stride_cs + hk * stride_ch
-                      + d[None, :])
-            kvmask = pmask[:, None] & dmask[None, :]
-            k = tl.load(KC + kv_off, mask=kvmask, other=0.0)  # [BN, BD]
-            sc = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN]
-            sc = tl.where(pmask[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(VC + kv_off, mask=kvmask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        if n_s == 1:  # the whole context in one chunk: no combine
-            tl.store(O + q_start * stride_on + h[:, None] * stride_oh + d[None, :],
-                     out.to(O.dtype.element_ty), mask=omask)
-        else:
-            row = t.to(tl.int64) * Hq + h  # [BG] rows of the [chunks, Hq] partials
-            tl.store(O_PART + row[:, None] * D + d[None, :], out, mask=omask)
-            tl.store(LSE_PART + row, m + tl.log2(l), mask=gmask)  # l >= 1: keys seen
-
-
-@triton.jit(do_not_specialize=["CHUNK"])
-def _decode_chunk_reduce_kernel(O_PART, LSE_PART, CH_FIRST, CU_Q, SEQ_LENS, O, stride_on,
-                                stride_oh, Hq, CHUNK, D: tl.constexpr, BD: tl.constexpr,
-                                BJ: tl.constexpr):
-    # online over the n_s partials of (s, h), BJ at a time:
-    #     o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M)
-    s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    q_start = tl.load(CU_Q + s).to(tl.int64)
-    if tl.load(CU_Q + s + 1).to(tl.int64) == q_start:
-        return
-    n_s = (tl.load(SEQ_LENS + s) + CHUNK - 1) // CHUNK
-    if n_s <= 1:  # written by the attention kernel
-        return
-    first = tl.load(CH_FIRST + s).to(tl.int64)
-    d = tl.arange(0, BD)
-    dmask = d < D
-    m = tl.full([1], float("-inf"), tl.float32)
-    den = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BD], tl.float32)
-    for j0 in range(0, n_s, BJ):
-        j = j0 + tl.arange(0, BJ)
-        jmask = j < n_s
-        row = (first + j) * Hq + h  # [BJ]
-        lse = tl.load(LSE_PART + row, mask=jmask, other=float("-inf"))
-        o = tl.load(O_PART + row[:, None] * D + d[None, :], mask=jmask[:, None] & dmask[None, :],
-                    other=0.0)
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: j0 < n_s
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)  # [BJ], 0 where masked
-        den = den * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        m = m_new
-    tl.store(O + q_start * stride_on + h * stride_oh + d, (acc / den).to(O.dtype.element_ty),
-             mask=dmask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
