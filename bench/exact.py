@@ -73,12 +73,11 @@ def case_kernels(quick: bool) -> dict:
             out["gemm"][f"{name} M={M}"] = {"N": N, "K": K, "invariant_ms": t_inv, "cublas_ms": t_cub,
                                             "ratio": t_inv / t_cub, "row_invariant": inv,
                                             "max_abs_vs_cublas": float((y.float() - (x @ w.t()).float()).abs().max())}
+    from bench.exact_tiles import packed_qkv
+
     Hq, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    B, T = (4, 512) if quick else (32, 1024)
+    q, k, v, B, T = packed_qkv(cfg, quick, g)
     N = B * T
-    q = torch.randn(N, Hq, D, device=d, dtype=bf, generator=g)
-    k = torch.randn(N, Hk, D, device=d, dtype=bf, generator=g)
-    v = torch.randn(N, Hk, D, device=d, dtype=bf, generator=g)
     cu = torch.arange(0, N + 1, T, device=d, dtype=torch.int32)
     sc = D**-0.5
     o, _ = attention_exact_varlen(q, k, v, cu, T, sc)

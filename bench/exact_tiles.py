@@ -150,19 +150,24 @@ def gemm(quick: bool, with_8b: bool = False) -> dict:
     return {"configs": out, "best_per_shape_and_M": best}
 
 
+def packed_qkv(cfg, quick: bool, g):
+    """Random bf16 q, k, v of B sequences of T tokens packed ([B T, heads, head_dim]), B, T."""
+    B, T = (4, 512) if quick else (32, 1024)
+    N, D, bf = B * T, cfg.head_dim, torch.bfloat16
+    q, k, v = (torch.randn(N, h, D, device="cuda", dtype=bf, generator=g)
+               for h in (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads))
+    return q, k, v, B, T
+
+
 def attention(quick: bool) -> dict:
     from rlcu.ops import attention_exact as ae
     from rlcu.ops.attention import attention_fwd
 
     cfg = qwen3_06b_config()
-    d, bf = "cuda", torch.bfloat16
+    d = "cuda"
     g = torch.Generator(device=d).manual_seed(1)
-    Hq, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    B, T = (4, 512) if quick else (32, 1024)
-    N = B * T
-    q = torch.randn(N, Hq, D, device=d, dtype=bf, generator=g)
-    k = torch.randn(N, Hk, D, device=d, dtype=bf, generator=g)
-    v = torch.randn(N, Hk, D, device=d, dtype=bf, generator=g)
+    q, k, v, B, T = packed_qkv(cfg, quick, g)
+    N, D = q.shape[0], cfg.head_dim
     lens = torch.randint(1, 2 * T, (B,), generator=torch.Generator().manual_seed(0)).tolist()
     lens[-1] = N - sum(lens[:-1]) if sum(lens[:-1]) < N else 1
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=d, dtype=torch.int32).clamp(max=N)
