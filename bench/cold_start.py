@@ -77,7 +77,8 @@ def child(args) -> dict:
     from bench.generate import random_model
     from rlcu.engine import LLM
 
-    out = {"case": args.case, "triton_cache_dir": "a folder of its own (TRITON_CACHE_DIR)" if os.environ.get("TRITON_CACHE_DIR") else "(default)",
+    own = os.environ.get("TRITON_CACHE_DIR")
+    out = {"case": args.case, "triton_cache_dir": "a folder of its own (TRITON_CACHE_DIR)" if own else "(default)",
            "import_s": time.perf_counter() - t_proc}
     t = time.perf_counter()
     torch.ones(1, device="cuda").add_(1)
