@@ -10,21 +10,14 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run inte
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hf_util import rel_err  # noqa: E402
+from interp_util import needs_triton as needs_triton_for  # noqa: E402
 
 from rlcu.ops import adamw as adamw_mod  # noqa: E402
 from rlcu.ops import logprob as logprob_mod  # noqa: E402
-from rlcu.ops._backend import HAS_TRITON  # noqa: E402
 from rlcu.ops.adamw import adamw_step, adamw_step_ref, clip_scale, grad_norm, grad_norm_ref  # noqa: E402
 from rlcu.ops.logprob import logprob_bwd, logprob_bwd_ref, logprob_fwd, logprob_fwd_ref  # noqa: E402
 
-if HAS_TRITON and not torch.cuda.is_available():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    # triton decides at decoration time: TRITON_INTERPRET=1 must precede its first import
-    _RUNNABLE = isinstance(logprob_mod._logprob_fwd_kernel, InterpretedFunction)
-else:
-    _RUNNABLE = HAS_TRITON
-needs_triton = pytest.mark.skipif(not _RUNNABLE, reason="no triton, or not interpreted on the CPU")
+needs_triton = needs_triton_for(logprob_mod._logprob_fwd_kernel)
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

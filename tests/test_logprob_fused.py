@@ -11,18 +11,12 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run inte
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hf_util import rel_err  # noqa: E402
+from interp_util import kernels_runnable  # noqa: E402
 
 from rlcu.ops import logprob as logprob_mod  # noqa: E402
-from rlcu.ops._backend import HAS_TRITON  # noqa: E402
 from rlcu.ops.logprob import chunk_rows, logprob_bwd, logprob_fwd, logprob_fwd_bwd, logprob_fwd_bwd_ref, logprob_fwd_ref  # noqa: E402
 
-if HAS_TRITON and not torch.cuda.is_available():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    # triton decides at decoration time: TRITON_INTERPRET=1 must precede its first import
-    _RUNNABLE = isinstance(logprob_mod._logprob_fwd_kernel, InterpretedFunction)
-else:
-    _RUNNABLE = HAS_TRITON
+_RUNNABLE = kernels_runnable(logprob_mod._logprob_fwd_kernel)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 N, D, V = 63, 96, 333

@@ -13,20 +13,14 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run inte
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hf_util import rel_err  # noqa: E402
+from interp_util import needs_triton as needs_triton_for  # noqa: E402
 
 from rlcu.config import ConfigError, OptimConfig, _build  # noqa: E402
 from rlcu.ops import adamw as adamw_mod  # noqa: E402
-from rlcu.ops._backend import HAS_TRITON  # noqa: E402
 from rlcu.ops.adamw import adamw_step, adamw_step_ref, rounding_bits_ref, rounding_key, sround_bf16_ref  # noqa: E402
 from rlcu.train.optimizer import FlatAdamW  # noqa: E402
 
-if HAS_TRITON and not torch.cuda.is_available():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    _RUNNABLE = isinstance(adamw_mod._adamw_kernel, InterpretedFunction)
-else:
-    _RUNNABLE = HAS_TRITON
-needs_triton = pytest.mark.skipif(not _RUNNABLE, reason="no triton, or not interpreted on the CPU")
+needs_triton = needs_triton_for(adamw_mod._adamw_kernel)
 
 HP = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 F32, BF16 = torch.float32, torch.bfloat16

@@ -12,24 +12,18 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run inte
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hf_util import rel_err  # noqa: E402
+from interp_util import needs_triton as needs_triton_for  # noqa: E402
 
 import rlcu  # noqa: E402
 from rlcu.config import ConfigError, SFTConfig, load_config  # noqa: E402
 from rlcu.ops import adamw as adamw_mod  # noqa: E402
-from rlcu.ops._backend import HAS_TRITON  # noqa: E402
 from rlcu.ops.adamw import adamw_step, adamw_step_device, step_coefs  # noqa: E402
 from rlcu.ops.rl_loss import value_loss  # noqa: E402
 from rlcu.train.critic import Critic  # noqa: E402
 from rlcu.train.static_batch import misfit, pack, slot_bucket  # noqa: E402
 from rlcu.train.step_graph import StepGraph, why_not  # noqa: E402
 
-if HAS_TRITON and not torch.cuda.is_available():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    _RUNNABLE = isinstance(adamw_mod._adamw_kernel, InterpretedFunction)
-else:
-    _RUNNABLE = HAS_TRITON
-needs_triton = pytest.mark.skipif(not _RUNNABLE, reason="no triton, or not interpreted on the CPU")
+needs_triton = needs_triton_for(adamw_mod._adamw_kernel)
 
 V = 61
 TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
