@@ -134,11 +134,11 @@ class LLM:
                  enforce_eager: bool = False, enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  tokenizer: Any = None, warmup: bool | None = None):
         from rlcu.config import GPU_MEMORY_UTILIZATION
+        from rlcu.ops.paged_attention import DEFAULT_BLOCK_SIZE
 
         t_start = time.perf_counter()
         if warmup is not None and not isinstance(warmup, bool):
             raise ValueError(f"LLM.warmup must be True, False or None, got {warmup!r}")
-        from rlcu.ops.paged_attention import DEFAULT_BLOCK_SIZE
 
         if gpu_memory_utilization is None:
             gpu_memory_utilization = GPU_MEMORY_UTILIZATION

@@ -125,13 +125,11 @@ def warm_up(runner) -> dict:
     if cuda:
         torch.cuda.synchronize(dev)
     reserved0 = torch.cuda.memory_reserved(dev) if cuda else 0
-    plan = runner.graph_plan() if cuda or runner.use_graphs else runner.graph_plan()[-1:]
     captures0, eager = runner.num_captures, 0
-    for b, kb in plan:
-        if runner.use_graphs:
-            if (b, kb) not in runner.graphs:
-                runner._capture(b, kb)
-        else:
+    if runner.use_graphs:
+        runner.capture_graphs(runner.max_model_len)
+    else:  # the same decode steps eagerly (off CUDA, one: nothing compiles there)
+        for b, kb in runner.graph_plan() if cuda else runner.graph_plan()[-1:]:
             runner._sample(runner._hidden(*decode_inputs(b, kb, bs, dev)), sampling_inputs(b, dev))
             eager += 1
     if cuda:
