@@ -7,9 +7,10 @@ of a 1-row product and of a 300-row product differ in the last bits (on the CPU 
 row counts give other bits than the 300-row product). This kernel fixes everything a row's
 sums depend on: K walked from 0 into one fp32 accumulator (no split-K, no stream-K), the
 optional c added to the fp32 accumulator in the epilogue and rounded once (as cuBLAS's beta = 1
-does). The tiles follow M and N for speed (CONFIGS): on the GPU a row's bits do not depend on
-them, since the tensor cores chain K in 16-wide steps into the accumulator whatever the tile,
-which bench/exact_tiles.py checks bit for bit on the device for every tile it times.
+does). The tiles follow M and N for speed (CONFIGS) where K is a multiple of 128: there, on
+the GPU, a row's bits do not depend on them (the tensor cores chain K in 16-wide steps into the
+accumulator whatever the tile; bench/exact_tiles.py checks every tile it times bit for bit on
+the device). With a K tail they did change bits end to end, so such shapes keep one tiling.
 
 The twin (the CPU path): y[m, n] = tree_sum over k of x[m, k] w[n, k] in fp32 (exact
 elementwise products, then a fixed halving tree), in row and column blocks that bound the
@@ -28,10 +29,11 @@ if HAS_TRITON:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-# A row's bits depend on the K order alone: each output element chains K in 16-wide tensor-core
-# steps into one fp32 accumulator, whatever BM, BN, BK, the warps or the load path (measured bit
-# for bit on the H200 for every tile below and more: bench/results/exact_tiles.json). So the
-# tiles may follow M (what must not is split-K, stream-K or any other split of K).
+# Where K is a multiple of 128, a row's bits depend on the K order alone: each output element
+# chains K in 16-wide tensor-core steps into one fp32 accumulator, whatever BM, BN, BK, the warps
+# or the load path (measured bit for bit on the H200 for every tile below and more:
+# bench/results/exact_tiles.json). So the tiles may follow M there (what must not is split-K,
+# stream-K or any other split of K); config_for says where.
 # (M, N, config): the first entry whose M and N bounds the product's do not exceed gives its
 # (BM, BN, BK, GROUP_M, num_warps, num_stages, tma). The fastest of 37 tiles at each 0.6B weight
 # shape and M in {1, 7, 64, 256, 8192} (bench/exact_tiles.py, H200): 0.93-1.24x cuBLAS's time.
@@ -66,20 +68,34 @@ if HAS_TRITON:
             out = tl.dot(a, b, acc)
         return out
 
+    @triton.jit
+    def _tile_of(M, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        # this program's (row tile, column tile) in grouped order: GROUP_M row tiles sweep the
+        # column tiles together, so W stays in L2
+        pid = tl.program_id(0)
+        n_m = tl.cdiv(M, BM)
+        n_n = tl.cdiv(N, BN)
+        per_group = GROUP_M * n_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = tl.minimum(n_m - first_m, GROUP_M)
+        return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+    @triton.jit
+    def _epilogue(acc, C, Y, offs_m, offs_n, M, N: tl.constexpr, stride_cm, stride_ym, HAS_C: tl.constexpr):
+        # + c in fp32 (cuBLAS's beta = 1), one rounding to Y's dtype
+        omask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        if HAS_C:
+            acc += tl.load(C + offs_m[:, None] * stride_cm + offs_n[None, :], mask=omask,
+                           other=0.0).to(tl.float32)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=omask)
+
     @triton.jit(do_not_specialize=["M"])
     def _mm_kernel(X, W, C, Y, M, stride_xm, stride_wn, stride_cm, stride_ym,
                    N: tl.constexpr, K: tl.constexpr, HAS_C: tl.constexpr, IEEE: tl.constexpr, BY_SUM: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                    EVEN_K: tl.constexpr):
-        pid = tl.program_id(0)
-        n_m = tl.cdiv(M, BM)
-        n_n = tl.cdiv(N, BN)
-        # grouped order (GROUP_M row tiles sweep the column tiles together: W stays in L2)
-        per_group = GROUP_M * n_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = tl.minimum(n_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
+        pid_m, pid_n = _tile_of(M, N, BM, BN, GROUP_M)
         offs_m = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
         offs_n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
@@ -99,13 +115,7 @@ if HAS_TRITON:
             acc = dot_invariant(a, b, acc, IEEE, BY_SUM)
             xp += BK
             wp += BK
-        omask = mmask[:, None] & nmask[None, :]
-        if HAS_C:
-            acc += tl.load(C + offs_m[:, None] * stride_cm + offs_n[None, :], mask=omask,
-                           other=0.0).to(tl.float32)
-        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=omask)
-
+        _epilogue(acc, C, Y, offs_m, offs_n, M, N, stride_cm, stride_ym, HAS_C)
 
     @triton.jit(do_not_specialize=["M"])
     def _mm_tma_kernel(x_desc, w_desc, C, Y, M, stride_cm, stride_ym,
@@ -114,14 +124,7 @@ if HAS_TRITON:
         # _mm_kernel's sums with the tiles brought in by the tensor-memory accelerator (rows and
         # K past the ends read as zeros, as the masked loads do): the same K order, so the
         # same bits (bench/exact_tiles.py checks it on the device)
-        pid = tl.program_id(0)
-        n_m = tl.cdiv(M, BM)
-        n_n = tl.cdiv(N, BN)
-        per_group = GROUP_M * n_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = tl.minimum(n_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
+        pid_m, pid_n = _tile_of(M, N, BM, BN, GROUP_M)
         m0 = pid_m * BM
         n0 = pid_n * BN
         acc = tl.zeros([BM, BN], tl.float32)
@@ -129,14 +132,8 @@ if HAS_TRITON:
             a = x_desc.load([m0, k0])  # [BM, BK]
             b = w_desc.load([n0, k0])  # [BN, BK]
             acc = tl.dot(a, b.T, acc)
-        offs_m = m0.to(tl.int64) + tl.arange(0, BM)
-        offs_n = n0.to(tl.int64) + tl.arange(0, BN)
-        omask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        if HAS_C:
-            acc += tl.load(C + offs_m[:, None] * stride_cm + offs_n[None, :], mask=omask,
-                           other=0.0).to(tl.float32)
-        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=omask)
+        _epilogue(acc, C, Y, m0.to(tl.int64) + tl.arange(0, BM), n0.to(tl.int64) + tl.arange(0, BN), M, N,
+                  stride_cm, stride_ym, HAS_C)
 
 
 def _tma_ok(x, w) -> bool:
