@@ -190,3 +190,75 @@ def test_gpu_fp32_matches_twin_and_does_not_recompile(monkeypatch):
             compiled.append(sum(len(c[0]) for c in caches.values()))
     if compiled:
         assert compiled[0] == compiled[-1], f"kernel compiled again for a new N: {compiled}"
+
+
+# ------------------------------------------------------------------ exact mode: the trainer's entry
+def _stats_twin(qkv, q_w, k_w, pos, Hq, Hk, D):
+    """The unfused ops on all rows, with the rstd rmsnorm returns: what qk_norm_rope stands for."""
+    N, qs, ks = qkv.shape[0], Hq * D, Hk * D
+    q, rq = rmsnorm_fwd(qkv[:, :qs].reshape(N * Hq, D), q_w, EPS)
+    k, rk = rmsnorm_fwd(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, EPS)
+    q, k = rope_fwd(q.view(N, Hq, D), pos, THETA), rope_fwd(k.view(N, Hk, D), pos, THETA)
+    return q, k, qkv[:, qs + ks:].reshape(N, Hk, D), rq, rk
+
+
+def _check_stats(got, want, tol):
+    for name, a, b in zip(("q", "k", "v", "rq", "rk"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if name == "v":
+            assert torch.equal(a, b)
+        else:
+            assert rel_err(a.float(), b.float()) < tol, name
+
+
+def _rows_alone(qkv, q_w, k_w, pos, Hq, Hk, D, lo, hi):
+    """Rows lo:hi given alone (another N, another program and place in it): same bits."""
+    full = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, THETA)
+    part = qp.qk_norm_rope(qkv[lo:hi].clone(), q_w, k_w, pos[lo:hi].clone(), Hq, Hk, D, EPS, THETA)
+    for name, a, b in zip(("q", "k", "v"), full, part):
+        assert torch.equal(a[lo:hi], b), name
+    assert torch.equal(full[3].view(-1, Hq)[lo:hi], part[3].view(-1, Hq))
+    assert torch.equal(full[4].view(-1, Hk)[lo:hi], part[4].view(-1, Hk))
+
+
+def test_qk_norm_rope_twin_is_the_unfused_ops(monkeypatch):
+    monkeypatch.setenv("RLCU_BACKEND", "torch")
+    Hq, Hk, D = 4, 2, 32
+    qkv, q_w, k_w, pos, *_ = _inputs(21, Hq, Hk, D, seed=4)
+    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, THETA)
+    for a, b in zip(got, _stats_twin(qkv, q_w, k_w, pos, Hq, Hk, D)):
+        assert torch.equal(a, b)
+
+
+@cpu
+@pytest.mark.parametrize("N,Hq,Hk,D", [(33, 4, 2, 32), (9, 3, 1, 6), (17, 6, 2, 24)])
+def test_qk_norm_rope_kernel_matches_twin_and_engine(N, Hq, Hk, D, triton_backend):
+    """The kernel's q, k, v and stats against the unfused ops; a row's bits do not depend on the
+    batch; and the engine's call (`qkv_prep(..., stats=True)` into a paged cache) gives the
+    trainer's q and k bit for bit."""
+    qkv, q_w, k_w, pos, slots, kc, vc = _inputs(N, Hq, Hk, D, seed=N)
+    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, THETA)
+    _check_stats(got, _stats_twin(qkv, q_w, k_w, pos, Hq, Hk, D), 1e-5)
+    _rows_alone(qkv, q_w, k_w, pos, Hq, Hk, D, 3, 8)
+    slots = torch.randperm(kc.shape[0] * kc.shape[1])[:N]  # every token has a slot here
+    q, rq, rk = qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, THETA, True)
+    assert torch.equal(q, got[0]) and torch.equal(rq, got[3]) and torch.equal(rk, got[4])
+    assert torch.equal(kc.view(-1, Hk, D)[slots], got[1]) and torch.equal(vc.view(-1, Hk, D)[slots], got[2])
+
+
+@gpu
+def test_gpu_qk_norm_rope_engine_rows_equal_trainer_rows(monkeypatch):
+    """Qwen3-0.6B heads in bf16: a training batch of 8192 tokens through qk_norm_rope, and 64 of
+    its rows through the engine's call into a paged cache (a decode step): the same bits."""
+    monkeypatch.delenv("RLCU_BACKEND", raising=False)
+    Hq, Hk, D = 16, 8, 128
+    qkv, q_w, k_w, pos, _, kc, vc = _inputs(8192, Hq, Hk, D, torch.bfloat16, "cuda", seed=7)
+    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, THETA)
+    _check_stats(got, _stats_twin(qkv, q_w, k_w, pos, Hq, Hk, D), 2e-3)
+    rows = torch.randperm(8192, device="cuda")[:64]
+    slots = torch.randperm(kc.shape[0] * kc.shape[1], device="cuda")[:64]
+    q, rq, rk = qp.qkv_prep(qkv[rows], q_w, k_w, pos[rows], slots, kc, vc, Hq, Hk, D, EPS, THETA, True)
+    assert torch.equal(q, got[0][rows])
+    assert torch.equal(kc.view(-1, Hk, D)[slots], got[1][rows])
+    assert torch.equal(rq.view(-1, Hq), got[3].view(-1, Hq)[rows])
+    _rows_alone(qkv, q_w, k_w, pos, Hq, Hk, D, 1000, 1037)

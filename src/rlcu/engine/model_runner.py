@@ -12,9 +12,9 @@ Per layer, over the N new tokens of the step (packed, any mix of prefill chunks 
     o = paged_attention(q, cache); x += o Wo^T
     x += swiglu(rmsnorm(x) Wgu^T) Wd^T
 then the final norm and the LM head only on the rows that sample a token. In exact mode
-(ops/exact.py) `_hidden_exact` runs the trainer's ops in the trainer's order instead (no fused
-qkv_prep, the batch-invariant GEMM, the exact attention over the cache) and the sampled token's
-logprob is taken by the trainer's head kernel (`_sample`).
+(ops/exact.py) `_hidden_exact` runs the trainer's ops in the trainer's order instead (qkv_prep
+with its stats, as the trainer's forward runs it, the batch-invariant GEMM, the exact attention
+over the cache) and the sampled token's logprob is taken by the trainer's head kernel (`_sample`).
 
 KV pool: one tensor [2, layers, num_blocks, block_size, Hk, D]. On CUDA its size is what
 `gpu_memory_utilization` of the device's memory leaves after everything already allocated
@@ -57,13 +57,11 @@ from rlcu.model.qwen3 import Qwen3
 from rlcu.ops.attention_exact import attention_exact_paged
 from rlcu.ops.embedding import embedding_fwd
 from rlcu.ops.exact import is_exact
-from rlcu.ops.kv_cache import kv_write
 from rlcu.ops.logprob import token_logprob
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.paged_attention import _num_sms, decode_plan, paged_attention
 from rlcu.ops.qkv_prep import qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
-from rlcu.ops.rope import rope_fwd
 from rlcu.ops.sampling import sample
 from rlcu.ops.swiglu import swiglu_fwd
 
@@ -171,23 +169,20 @@ class ModelRunner:
         return rmsnorm_fwd(x, w["final_norm"], eps)[0]
 
     def _hidden_exact(self, x, pos, kv_slots, block_tables, cu_q, seq_lens, max_q: int, rows):
-        """Exact mode's layers (ops/exact.py): the trainer's ops in the trainer's order (norms
-        and rope as Qwen3._layer_fwd runs them, not the fused qkv_prep), the batch-invariant
-        GEMM, and the attention kernel the trainer runs, here over the paged cache."""
+        """Exact mode's layers (ops/exact.py): the trainer's ops in the trainer's order (the q/k
+        norm and rope by the fused kernel that Qwen3._layer_fwd runs in exact mode too), the
+        batch-invariant GEMM, and the attention kernel the trainer runs, over the paged cache."""
         c, w = self.cfg, self.model.w
         N, Hq, Hk, D, eps = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-        qs, ks = c.q_size, c.kv_size
+        qs = c.q_size
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             h, _ = rmsnorm_fwd(x, w[p + "input_norm"], eps)
             qkv = mm_invariant(h, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
-            # the q / k heads read in place from qkv (the trainer copies them out first: the same
-            # rows, the same bits)
-            q = rmsnorm_fwd(qkv[:, :qs].view(N, Hq, D), w[p + "q_norm"], eps)[0]
-            k = rmsnorm_fwd(qkv[:, qs:qs + ks].view(N, Hk, D), w[p + "k_norm"], eps)[0]
-            q, k = rope_fwd(q, pos, c.rope_theta), rope_fwd(k, pos, c.rope_theta)
             kc, vc = self.kv[0, i], self.kv[1, i]
-            kv_write(k, qkv[:, qs + ks:].reshape(N, Hk, D), kc, vc, kv_slots)
+            # the kernel the trainer's forward runs (qk_norm_rope), its stats included
+            q = qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, kv_slots, kc, vc, Hq, Hk, D, eps,
+                         c.rope_theta, True)[0]
             o = attention_exact_paged(q, kc, vc, block_tables, cu_q, seq_lens, max_q, D**-0.5)
             mm_invariant(o.view(N, qs), w[p + "o"], x, out=x)  # x += o Wo^T, in place
             h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps)

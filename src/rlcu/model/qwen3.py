@@ -13,8 +13,8 @@ op. When the loss's gradient is an elementwise function of each token's lp (and 
 `forward_backward` does both passes in one sweep of the head, which then skips the logits
 recompute (3 vocabulary GEMMs, not 4).
 
-In exact mode (rlcu.set_exact, ops/exact.py) the forward's matmuls and attention are the
-batch-invariant ones the engine runs too, so `forward`'s lp of a token is bit for bit the
+In exact mode (rlcu.set_exact, ops/exact.py) the forward's matmuls, attention and q/k norm +
+rope are the batch-invariant ones the engine runs too, so `forward`'s lp of a token is bit for bit the
 engine's sampling logprob of it; the backward is the same either way.
 """
 
@@ -35,6 +35,7 @@ from rlcu.ops.embedding import embedding_bwd, embedding_fwd
 from rlcu.ops.exact import is_exact
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
 from rlcu.ops.matmul_invariant import mm as mm_invariant
+from rlcu.ops.qkv_prep import qk_norm_rope
 from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from rlcu.ops.rope import positions_from_cu_seqlens, rope_bwd, rope_fwd
 from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
@@ -197,13 +198,18 @@ class Qwen3:
             mm, addmm, attend = lambda a, wt: a @ wt.t(), torch.addmm, attention_fwd
         h1, r1 = rmsnorm_fwd(x, w[p + "input_norm"], eps)
         qkv = mm(h1, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
-        q0 = qkv[:, : c.q_size].reshape(N * Hq, D)
-        k0 = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(N * Hk, D)
-        v = qkv[:, c.q_size + c.kv_size :].reshape(N, Hk, D)
-        qn, rq = rmsnorm_fwd(q0, w[p + "q_norm"], eps)
-        kn, rk = rmsnorm_fwd(k0, w[p + "k_norm"], eps)
-        q = rope_fwd(qn.view(N, Hq, D), pos, c.rope_theta)
-        k = rope_fwd(kn.view(N, Hk, D), pos, c.rope_theta)
+        if is_exact():  # the engine's fused kernel, so that q and k have the engine's bits
+            q, k, v, rq, rk = qk_norm_rope(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, Hq, Hk, D, eps, c.rope_theta)
+            q0 = qkv[:, : c.q_size].view(N, Hq, D)  # the backward's rmsnorm input (copied there)
+            k0 = qkv[:, c.q_size : c.q_size + c.kv_size].view(N, Hk, D)
+        else:
+            q0 = qkv[:, : c.q_size].reshape(N * Hq, D)
+            k0 = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(N * Hk, D)
+            v = qkv[:, c.q_size + c.kv_size :].reshape(N, Hk, D)
+            qn, rq = rmsnorm_fwd(q0, w[p + "q_norm"], eps)
+            kn, rk = rmsnorm_fwd(k0, w[p + "k_norm"], eps)
+            q = rope_fwd(qn.view(N, Hq, D), pos, c.rope_theta)
+            k = rope_fwd(kn.view(N, Hk, D), pos, c.rope_theta)
         o, lse = attn if attn is not None else attend(q, k, v, cu, max_seqlen, D**-0.5)
         x2 = addmm(x, o.view(N, c.q_size), w[p + "o"].t())  # residual add in the GEMM epilogue
         h2, r2 = rmsnorm_fwd(x2, w[p + "post_norm"], eps)
@@ -233,9 +239,9 @@ class Qwen3:
         dq, dk, dv = attention_bwd(do, s["q"], s["k"], s["v"], s["o"], s["lse"], cu, max_seqlen, D**-0.5)
         dqn = rope_bwd(dq, pos, c.rope_theta).reshape(N * Hq, D)
         dkn = rope_bwd(dk, pos, c.rope_theta).reshape(N * Hk, D)
-        dq0, dw = rmsnorm_bwd(dqn, s["q0"], w[p + "q_norm"], s["rq"])
+        dq0, dw = rmsnorm_bwd(dqn, s["q0"].reshape(N * Hq, D), w[p + "q_norm"], s["rq"])
         g[p + "q_norm"] += dw
-        dk0, dw = rmsnorm_bwd(dkn, s["k0"], w[p + "k_norm"], s["rk"])
+        dk0, dw = rmsnorm_bwd(dkn, s["k0"].reshape(N * Hk, D), w[p + "k_norm"], s["rk"])
         g[p + "k_norm"] += dw
         dqkv = torch.cat([dq0.view(N, c.q_size), dk0.view(N, c.kv_size), dv.reshape(N, c.kv_size)], 1)
         acc_wgrad(g[p + "qkv"], dqkv, s["h1"])

@@ -16,6 +16,14 @@ holds BT whole token rows (all Hq + 2 Hk heads) read in place from qkv, the angl
 tokens are formed once and shared by the q and k heads, and each element is read once and
 written once: 2 (Hq + 2 Hk) D elements a token. N is not specialised on, so that a new token
 count (prefill chunks, decode batch sizes) never compiles the kernel again.
+
+Exact mode (ops/exact.py) runs this kernel on both sides: the engine through `qkv_prep(...,
+stats=True)` and the trainer's forward through `qk_norm_rope`, which writes k and v into
+contiguous [N, Hk, D] tensors seen as a cache of N one-token blocks (slot n = token n). Both
+compile the same kernel (same block shapes, warps and `STATS`: the per-head rstd is stored for
+the trainer's backward, and the engine stores it too so that nothing in the kernel differs), and
+a token row's float ops do not depend on which program holds it, so q and k have the same bits
+whatever the batch.
 """
 
 from __future__ import annotations
@@ -37,11 +45,13 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _norm_rope(X, W, t, h, i, mask, stride_x, D, D2, eps, cos, sin):
     """Heads [BT, BH, D] at X + t * stride_x + h * D -> their rotated halves (y1, y2), each
-    [BT, BH, BD2] in X's dtype: rmsnorm (rounding as rmsnorm.py), then rope (as rope.py)."""
+    [BT, BH, BD2] in X's dtype, and their rstd [BT, BH]: rmsnorm (rounding as rmsnorm.py), then
+    rope (as rope.py)."""
     off = t[:, None, None] * stride_x + h[None, :, None] * D + i[None, None, :]
     x1 = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)  # [BT, BH, BD2]
     x2 = tl.load(X + off + D2, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / D + eps)[:, :, None]
+    r = tl.rsqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / D + eps)  # [BT, BH]
+    rstd = r[:, :, None]
     imask = i < D2
     w1 = tl.load(W + i, mask=imask, other=0.0).to(tl.float32)[None, None, :]
     w2 = tl.load(W + D2 + i, mask=imask, other=0.0).to(tl.float32)[None, None, :]
@@ -49,13 +59,13 @@ def _norm_rope(X, W, t, h, i, mask, stride_x, D, D2, eps, cos, sin):
     # rmsnorm rounds x * rstd to the model dtype before the scale by w, and its output
     y1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
     y2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    return (y1 * cos - y2 * sin).to(dt), (y2 * cos + y1 * sin).to(dt)
+    return (y1 * cos - y2 * sin).to(dt), (y2 * cos + y1 * sin).to(dt), r
 
 
 @triton.jit(do_not_specialize=["N"])
-def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, N, Hq, Hk, D, D2, stride_qkv, stride_cs,
-                     stride_ch, eps, freq_scale, BT: tl.constexpr, BHQ: tl.constexpr,
-                     BHK: tl.constexpr, BD2: tl.constexpr):
+def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, RQ, RK, N, Hq, Hk, D, D2, stride_qkv,
+                     stride_cs, stride_ch, eps, freq_scale, BT: tl.constexpr, BHQ: tl.constexpr,
+                     BHK: tl.constexpr, BD2: tl.constexpr, STATS: tl.constexpr):
     # freq_scale = -2 log2(theta) / D, so that theta^(-2i/D) = exp2(i * freq_scale), as rope.py
     pid = tl.program_id(0).to(tl.int64)
     t = pid * BT + tl.arange(0, BT)  # [BT] tokens
@@ -73,14 +83,18 @@ def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, N, Hq, Hk, D, D2, stride
 
     # q: every token row
     qmask = tmask[:, None, None] & (hq < Hq)[None, :, None] & imask
-    q1, q2 = _norm_rope(QKV, QW, t, hq, i, qmask, stride_qkv, D, D2, eps, cos, sin)
+    q1, q2, rq = _norm_rope(QKV, QW, t, hq, i, qmask, stride_qkv, D, D2, eps, cos, sin)
     q_off = t[:, None, None] * (Hq * D) + hq[None, :, None] * D + i[None, None, :]
     tl.store(Q + q_off, q1, mask=qmask)
     tl.store(Q + q_off + D2, q2, mask=qmask)
+    if STATS:  # the per-head rstd, [N, Hq] (and [N, Hk] below), for the trainer's backward
+        tl.store(RQ + t[:, None] * Hq + hq[None, :], rq, mask=tmask[:, None] & (hq < Hq)[None, :])
 
     # k and v: only the rows that have a cache slot; row slot of the cache seen as [slots, Hk, D]
     kmask = (slot >= 0)[:, None, None] & (hk < Hk)[None, :, None] & imask
-    k1, k2 = _norm_rope(QKV + Hq * D, KW, t, hk, i, kmask, stride_qkv, D, D2, eps, cos, sin)
+    k1, k2, rk = _norm_rope(QKV + Hq * D, KW, t, hk, i, kmask, stride_qkv, D, D2, eps, cos, sin)
+    if STATS:
+        tl.store(RK + t[:, None] * Hk + hk[None, :], rk, mask=(slot >= 0)[:, None] & (hk < Hk)[None, :])
     c_off = slot[:, None, None] * stride_cs + hk[None, :, None] * stride_ch + i[None, None, :]
     tl.store(KC + c_off, k1.to(KC.dtype.element_ty), mask=kmask)
     tl.store(KC + c_off + D2, k2.to(KC.dtype.element_ty), mask=kmask)
@@ -122,44 +136,60 @@ def _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int
 
 
 def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                    eps: float, theta: float) -> torch.Tensor:
+                    eps: float, theta: float, stats: bool = False):
     N = qkv.shape[0]
     q = torch.empty(N, Hq, D, device=qkv.device, dtype=qkv.dtype)
-    if N == 0:
-        return q
-    if qkv.stride(1) != 1:
-        qkv = qkv.contiguous()
-    D2 = D // 2
-    BHQ, BHK, BD2 = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk), triton.next_power_of_2(D2)
-    row = (BHQ + 2 * BHK) * 2 * BD2  # elements of one token row in the program's blocks
-    BT = max(1, _TILE // triton.next_power_of_2(row))
-    # ~32 fp32 elements a thread per live block (Qwen3-0.6B: 4 warps, 80 registers, no spill)
-    num_warps = min(16, max(4, triton.next_power_of_2(BT * row) // 1024))
-    kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
-    _qkv_prep_kernel[(triton.cdiv(N, BT),)](
-        qkv, q_w.contiguous(), k_w.contiguous(), pos.contiguous(), slots.contiguous(), q, kc, vc,
-        N, Hq, Hk, D, D2, qkv.stride(0), kc.stride(0), kc.stride(1), eps, -2.0 * math.log2(theta) / D,
-        BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, num_warps=num_warps)
-    return q
+    rq = torch.empty(N * Hq if stats else 0, device=qkv.device, dtype=torch.float32)
+    rk = torch.empty(N * Hk if stats else 0, device=qkv.device, dtype=torch.float32)
+    if N > 0:
+        if qkv.stride(1) != 1:
+            qkv = qkv.contiguous()
+        D2 = D // 2
+        BHQ, BHK, BD2 = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk), triton.next_power_of_2(D2)
+        row = (BHQ + 2 * BHK) * 2 * BD2  # elements of one token row in the program's blocks
+        BT = max(1, _TILE // triton.next_power_of_2(row))
+        # ~32 fp32 elements a thread per live block (Qwen3-0.6B: 4 warps, 80 registers, no spill)
+        num_warps = min(16, max(4, triton.next_power_of_2(BT * row) // 1024))
+        kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
+        _qkv_prep_kernel[(triton.cdiv(N, BT),)](
+            qkv, q_w.contiguous(), k_w.contiguous(), pos.to(torch.int32).contiguous(), slots.contiguous(), q, kc, vc,
+            rq, rk, N, Hq, Hk, D, D2, qkv.stride(0), kc.stride(0), kc.stride(1), eps,
+            -2.0 * math.log2(theta) / D, BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, STATS=stats, num_warps=num_warps)
+    return (q, rq, rk) if stats else q
 
 
 def qkv_prep_ref(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                 eps: float, theta: float) -> torch.Tensor:
+                 eps: float, theta: float, stats: bool = False):
     N, qs, ks = qkv.shape[0], Hq * D, Hk * D
-    q, _ = rmsnorm_fwd_ref(qkv[:, :qs].reshape(N * Hq, D), q_w, eps)
-    k, _ = rmsnorm_fwd_ref(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, eps)
+    q, rq = rmsnorm_fwd_ref(qkv[:, :qs].reshape(N * Hq, D), q_w, eps)
+    k, rk = rmsnorm_fwd_ref(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, eps)
     v = qkv[:, qs + ks:].view(N, Hk, D)
     q = rope_fwd_ref(q.view(N, Hq, D), pos, theta)
     k = rope_fwd_ref(k.view(N, Hk, D), pos, theta)
     kv_write_ref(k, v, k_cache, v_cache, slots)
-    return q
+    return (q, rq, rk) if stats else q
 
 
 @dispatch(qkv_prep_triton, qkv_prep_ref, on="qkv")
 def qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, eps: float,
-             theta: float) -> torch.Tensor:
+             theta: float, stats: bool = False):
     """qkv: [N, (Hq + 2 Hk) D] (the fused projection; any row stride), q_w, k_w: [D] (the
     q/k RMSNorm weights), pos: [N] int32, slots: [N] int64 (block * block_size + offset, < 0:
     write nowhere), k_cache, v_cache: [num_blocks, block_size, Hk, D] (written in place)
-    -> q [N, Hq, D] (contiguous, qkv's dtype): normed and rotated."""
+    -> q [N, Hq, D] (contiguous, qkv's dtype): normed and rotated; with stats, (q, rq [N Hq],
+    rk [N Hk]): the heads' rstd (fp32; rk only where slot >= 0), as exact mode runs it."""
     _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, theta)
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, pos: torch.Tensor, Hq: int,
+                 Hk: int, D: int, eps: float, theta: float):
+    """The trainer's q/k norm and rope in exact mode, by the engine's kernel: qkv [N, (Hq + 2 Hk) D]
+    -> (q [N, Hq, D], k [N, Hk, D], v [N, Hk, D] (a copy), rq [N Hq], rk [N Hk] (fp32 rstd)).
+    k and v are written as a cache of N blocks of one token (slot n = token n), so that each token
+    row goes through the float ops the engine's `qkv_prep(..., stats=True)` gives it."""
+    N = qkv.shape[0]
+    k = torch.empty(N, 1, Hk, D, device=qkv.device, dtype=qkv.dtype)
+    v = torch.empty_like(k)
+    slots = torch.arange(N, device=qkv.device, dtype=torch.int64)
+    q, rq, rk = qkv_prep(qkv, q_w, k_w, pos, slots, k, v, Hq, Hk, D, eps, theta, True)
+    return q, k.view(N, Hk, D), v.view(N, Hk, D), rq, rk
