@@ -3,6 +3,7 @@ model's own `forward` logprobs, on tiny random checkpoints."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hf_util import make_hf_model, rel_err
@@ -156,6 +157,9 @@ def test_bad_inputs(model):
         (list(range(32)), "context holds 32"),
         ([3, 333, 4], "token id 333 is outside the vocabulary"),
         ([3, -1], "token id -1"),
+        ([3, True, 4], "must be a list of integers"),  # a bool is no token id
+        ([3, 4.0], "must be a list of integers"),
+        ([np.int64(3), 999], "token id 999"),
     ]
     for bad, msg in bad_prompts:
         with pytest.raises(InvalidRequestError, match=f"request 1: .*{msg}") as ei:
@@ -304,3 +308,13 @@ def test_sleep_keeping_graphs_emulated(model):
     assert r.graph_wakes["kept"] >= 2 and r.graph_wakes["recaptured"] >= 1
     llm.sleep()  # the default frees the graphs too
     assert not r.graphs
+
+
+def test_numpy_and_tuple_prompts_equal_lists(model):
+    """Prompt ids given as numpy ints or a tuple are the same request as a list of ints."""
+    llm = LLM(model, num_kv_blocks=64, max_model_len=32)
+    ids = toks(PROMPTS[:1])[0]["prompt_token_ids"]
+    ref = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for alt in ([np.int32(t) for t in ids], tuple(ids), np.array(ids).tolist()):
+        got = llm.generate([{"prompt_token_ids": alt}], GREEDY, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == ref and got.prompt_token_ids == list(ids)

@@ -261,15 +261,22 @@ class LLM:
                           f"got {type(p).__name__}")
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                         for t in ids):
+        if not isinstance(ids, (list, tuple)):
             return None, "prompt_token_ids must be a list of integers"
-        ids = [int(t) for t in ids]
+        # checked by the set of the ids' types and by min / max, passes at C speed: a batch of
+        # 146k prompt tokens took ~100 ms of a generate call to check one id at a time
+        types = set(map(type, ids))
+        if types <= {int}:
+            ids = list(ids)
+        elif all(issubclass(t, numbers.Integral) and not issubclass(t, bool) for t in types):
+            ids = [int(t) for t in ids]  # numpy ints and the like
+        else:
+            return None, "prompt_token_ids must be a list of integers"
         V = self.model.cfg.vocab_size
         if not ids:
             return None, "empty prompt (it has no tokens)"
-        bad = next((t for t in ids if not 0 <= t < V), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= V:
+            bad = next(t for t in ids if not 0 <= t < V)
             return None, f"token id {bad} is outside the vocabulary [0, {V})"
         if len(ids) >= self.max_model_len:
             return None, (f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
