@@ -51,7 +51,6 @@ import torch
 
 from rlcu.engine import warmup
 from rlcu.engine.decode_state import DecodeState
-from rlcu.engine.host_staging import HostStaging
 from rlcu.engine.scheduler import ScheduledBatch
 from rlcu.engine.warmup import context_bucket, graph_buckets
 from rlcu.model.qwen3 import Qwen3
@@ -67,6 +66,21 @@ from rlcu.ops.sampling import sample
 from rlcu.ops.swiglu import swiglu_fwd
 
 CPU_KV_BYTES = 1 << 30  # the largest default KV pool on the CPU (gpu_memory_utilization does not apply there)
+
+
+def _pack(arrays: list, dtype, device: torch.device) -> list[torch.Tensor]:
+    """Concatenate 1-D arrays into one buffer with each start 16 bytes aligned, copy it to the
+    device (one non-blocking copy) -> the arrays' views on the device."""
+    a = 16 // np.dtype(dtype).itemsize
+    starts, n = [], 0
+    for x in arrays:
+        starts.append(n)
+        n += -(-len(x) // a) * a
+    host = np.zeros(max(n, 1), dtype=dtype)
+    for x, o in zip(arrays, starts):
+        host[o:o + len(x)] = x
+    buf = torch.from_numpy(host).to(device, non_blocking=True)
+    return [buf[o:o + len(x)] for x, o in zip(arrays, starts)]
 
 
 class _Readback:
@@ -117,7 +131,6 @@ class ModelRunner:
         self._last_samples: torch.Tensor | None = None  # the tokens sampled by the last launch (placeholders' values)
         self._dec: DecodeState | None = None  # everything of the pure decode steps (engine/decode_state.py)
         self._rb = _Readback(max_num_seqs)  # pinned host buffers of the samples (see _readback)
-        self._staging = HostStaging(self.device)  # pinned buffers of the non-graph steps' inputs
         self._graph_kv_ptr = 0  # the KV pool's address when graphs were kept through a release
         self.graph_wakes = {"kept": 0, "recaptured": 0}  # wakes after release(keep_graphs=True)
         self.num_captures = 0  # CUDA graphs captured by this runner, ever
@@ -220,11 +233,12 @@ class ModelRunner:
                     ph_rows=ph_rows, max_q=max(batch.num_tokens), max_k=int(lens.max()))
 
     def _to_device(self, a):
-        """Two host-to-device copies (one int64, one int32 buffer) instead of nine, from pinned
-        memory (engine/host_staging.py)."""
-        ids, kv_slots, rows, ph, ph_rows = self._staging.pack(
-            [a["ids"], a["kv_slots"], a["rows"], a["ph"], a["ph_rows"]], np.int64)
-        pos, cu, lens, tables = self._staging.pack([a["pos"], a["cu"], a["lens"], a["tables"].ravel()], np.int32)
+        """Two host-to-device copies (one int64, one int32 buffer) instead of nine; every
+        array starts 16 bytes aligned, so the kernels see the same pointer alignment (and
+        Triton compiles no new variant) whatever the step's sizes."""
+        ids, kv_slots, rows, ph, ph_rows = _pack([a["ids"], a["kv_slots"], a["rows"], a["ph"], a["ph_rows"]],
+                                                 np.int64, self.device)
+        pos, cu, lens, tables = _pack([a["pos"], a["cu"], a["lens"], a["tables"].ravel()], np.int32, self.device)
         if len(ph):
             ids.index_copy_(0, ph, self._last_samples.index_select(0, ph_rows))
         return ids, pos, kv_slots, tables.view(len(a["lens"]), -1), cu, lens, rows
@@ -243,8 +257,8 @@ class ModelRunner:
                 fl += [(sp.temperature, sp.top_p, sp.min_p)] * ns
                 il += [(sp.top_k, sd, off) for sd in seq.sample_seeds()]
         fl, il = np.array(fl, dtype=np.float32).T, np.array(il, dtype=np.int64).T
-        temp, top_p, min_p = self._staging.pack(list(fl), np.float32)
-        top_k, seeds, offsets = self._staging.pack(list(il), np.int64)
+        temp, top_p, min_p = _pack(list(fl), np.float32, self.device)
+        top_k, seeds, offsets = _pack(list(il), np.int64, self.device)
         return temp, top_k.to(torch.int32), top_p, min_p, seeds, offsets
 
     @torch.no_grad()
