@@ -13,8 +13,9 @@ op. When the loss's gradient is an elementwise function of each token's lp (and 
 `forward_backward` does both passes in one sweep of the head, which then skips the logits
 recompute (3 vocabulary GEMMs, not 4).
 
-In exact mode (rlcu.set_exact, ops/exact.py) the forward's matmuls, attention and q/k norm +
-rope are the batch-invariant ones the engine runs too, so `forward`'s lp of a token is bit for bit the
+The q/k norm and rope are the engine's fused kernel (ops/qkv_prep.py). In exact mode
+(rlcu.set_exact, ops/exact.py) the forward's matmuls and attention are the batch-invariant
+ones the engine runs too, so `forward`'s lp of a token is bit for bit the
 engine's sampling logprob of it; the backward is the same either way.
 """
 
@@ -37,7 +38,7 @@ from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.qkv_prep import qk_norm_rope
 from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
-from rlcu.ops.rope import positions_from_cu_seqlens, rope_bwd, rope_fwd
+from rlcu.ops.rope import positions_from_cu_seqlens, rope_bwd
 from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 # files copied along when a model loaded from a folder is saved to another
@@ -198,18 +199,11 @@ class Qwen3:
             mm, addmm, attend = lambda a, wt: a @ wt.t(), torch.addmm, attention_fwd
         h1, r1 = rmsnorm_fwd(x, w[p + "input_norm"], eps)
         qkv = mm(h1, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
-        if is_exact():  # the engine's fused kernel, so that q and k have the engine's bits
-            q, k, v, rq, rk = qk_norm_rope(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, Hq, Hk, D, eps, c.rope_theta)
-            q0 = qkv[:, : c.q_size].view(N, Hq, D)  # the backward's rmsnorm input (copied there)
-            k0 = qkv[:, c.q_size : c.q_size + c.kv_size].view(N, Hk, D)
-        else:
-            q0 = qkv[:, : c.q_size].reshape(N * Hq, D)
-            k0 = qkv[:, c.q_size : c.q_size + c.kv_size].reshape(N * Hk, D)
-            v = qkv[:, c.q_size + c.kv_size :].reshape(N, Hk, D)
-            qn, rq = rmsnorm_fwd(q0, w[p + "q_norm"], eps)
-            kn, rk = rmsnorm_fwd(k0, w[p + "k_norm"], eps)
-            q = rope_fwd(qn.view(N, Hq, D), pos, c.rope_theta)
-            k = rope_fwd(kn.view(N, Hk, D), pos, c.rope_theta)
+        # q/k norm and rope in one kernel, the engine's (ops/qkv_prep.py: in exact mode the same
+        # bits as the engine's); q0 and k0, the norms' inputs, are views (copied in the backward)
+        q, k, v, rq, rk = qk_norm_rope(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, Hq, Hk, D, eps, c.rope_theta)
+        q0 = qkv[:, : c.q_size].view(N, Hq, D)
+        k0 = qkv[:, c.q_size : c.q_size + c.kv_size].view(N, Hk, D)
         o, lse = attn if attn is not None else attend(q, k, v, cu, max_seqlen, D**-0.5)
         x2 = addmm(x, o.view(N, c.q_size), w[p + "o"].t())  # residual add in the GEMM epilogue
         h2, r2 = rmsnorm_fwd(x2, w[p + "post_norm"], eps)

@@ -10,9 +10,8 @@ What changes with it on (the default mode's kernels and speed are untouched when
   split-K: a row's result does not depend on how many rows there are);
 - attention, in training and in the engine (chunked prefill and decode alike), goes through
   `attention_exact` (one kernel: fixed KV tiles from position 0, combined in order);
-- the q/k norm and rope run, in the trainer's forward as in the engine, through the engine's
-  fused kernel (`qkv_prep` with its stats; `qk_norm_rope` in the trainer), not the separate
-  rmsnorm and rope ops of the default training forward;
+- the engine's q/k norm and rope (`qkv_prep`) store their stats, as the trainer's forward
+  (`qk_norm_rope`, the same kernel in either mode) does, so that the two compile one kernel;
 - the engine's logprob of a sampled token is taken by the trainer's fused-head kernel on the
   same logits (`logprob.token_logprob`), not by the sampler's own log-softmax.
 

@@ -17,13 +17,12 @@ tokens are formed once and shared by the q and k heads, and each element is read
 written once: 2 (Hq + 2 Hk) D elements a token. N is not specialised on, so that a new token
 count (prefill chunks, decode batch sizes) never compiles the kernel again.
 
-Exact mode (ops/exact.py) runs this kernel on both sides: the engine through `qkv_prep(...,
-stats=True)` and the trainer's forward through `qk_norm_rope`, which writes k and v into
-contiguous [N, Hk, D] tensors seen as a cache of N one-token blocks (slot n = token n). Both
-compile the same kernel (same block shapes, warps and `STATS`: the per-head rstd is stored for
-the trainer's backward, and the engine stores it too so that nothing in the kernel differs), and
-a token row's float ops do not depend on which program holds it, so q and k have the same bits
-whatever the batch.
+The trainer's forward runs this kernel too, in either mode, through `qk_norm_rope`, which
+writes k and v into contiguous [N, Hk, D] tensors seen as a cache of N one-token blocks (slot
+n = token n) and stores the per-head rstd for the backward (`STATS`). In exact mode
+(ops/exact.py) the engine calls `qkv_prep(..., stats=True)`, so that both sides compile the
+same kernel (same block shapes, warps and `STATS`); a token row's float ops do not depend on
+which program holds it, so q and k have the same bits whatever the batch.
 """
 
 from __future__ import annotations
@@ -183,7 +182,7 @@ def qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: i
 
 def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, pos: torch.Tensor, Hq: int,
                  Hk: int, D: int, eps: float, theta: float):
-    """The trainer's q/k norm and rope in exact mode, by the engine's kernel: qkv [N, (Hq + 2 Hk) D]
+    """The trainer's q/k norm and rope, by the engine's kernel: qkv [N, (Hq + 2 Hk) D]
     -> (q [N, Hq, D], k [N, Hk, D], v [N, Hk, D] (a copy), rq [N Hq], rk [N Hk] (fp32 rstd)).
     k and v are written as a cache of N blocks of one token (slot n = token n), so that each token
     row goes through the float ops the engine's `qkv_prep(..., stats=True)` gives it."""
