@@ -16,7 +16,9 @@ recompute (3 vocabulary GEMMs, not 4).
 The q/k norm and rope are the engine's fused kernel (ops/qkv_prep.py). In exact mode
 (rlcu.set_exact, ops/exact.py) the forward's matmuls and attention are the batch-invariant
 ones the engine runs too, so `forward`'s lp of a token is bit for bit the
-engine's sampling logprob of it; the backward is the same either way.
+engine's sampling logprob of it; the backward is the default mode's, its recompute of a
+checkpointed layer included (a gradient needs no batch invariance, and the recompute in
+cuBLAS and the default attention costs what it costs in the default mode).
 """
 
 from __future__ import annotations
@@ -186,14 +188,15 @@ class Qwen3:
         return mx
 
     # ---------------------------------------------------------------- one layer
-    def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, attn=None):
+    def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, attn=None, exact: bool | None = None):
         """One decoder layer. `attn` = (o, lse) saved by a selective-checkpointing forward
-        skips the attention kernel when the layer is recomputed."""
+        skips the attention kernel when the layer is recomputed. exact: the batch-invariant
+        GEMMs and attention (None: as exact mode is set); the backward's recompute passes False."""
         c, w = self.cfg, self.w
         p = f"layers.{i}."
         N, Hq, Hk, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps = c.rms_norm_eps
-        if is_exact():  # batch-invariant GEMMs and the attention the engine runs (ops/exact.py)
+        if is_exact() if exact is None else exact:  # batch-invariant GEMMs and attention (ops/exact.py)
             mm, addmm, attend = mm_invariant, lambda x, a, wt: mm_invariant(a, wt.t(), x), attention_exact_varlen
         else:
             mm, addmm, attend = lambda a, wt: a @ wt.t(), torch.addmm, attention_fwd
@@ -324,8 +327,9 @@ class Qwen3:
         pos, cu, ms = s["pos"], s["cu"], s["max_seqlen"]
         for i in reversed(range(c.num_hidden_layers)):
             acts = s["saved"][i]
-            if "h1" not in acts:  # checkpointed: recompute the layer from its input
-                _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, attn=acts.get("attn"))
+            if "h1" not in acts:  # checkpointed: recompute the layer from its input, in the
+                # default mode's kernels even in exact mode: a gradient needs no batch invariance
+                _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, attn=acts.get("attn"), exact=False)
             s["saved"][i] = None
             dx = self._layer_bwd(i, dx, acts, pos, cu, ms)
             self._grads_done(i)
