@@ -12,7 +12,8 @@ never on lengths read back from the device, so a decode step can be captured in 
 (capture with max_seqlen_k = the longest context the graph will serve):
 - decode (max_seqlen_q == 1), flash-decoding, two kernels (`decode_plan` picks one; both run
   an online softmax for the G query heads of one KV head at once, the G rows padded to 16 so
-  that Q K^T and P V are tensor-core dots and each K/V tile is loaded once for all G heads):
+  that Q K^T and P V are tensor-core dots and each K/V tile is loaded once for all G heads;
+  that loop is one function, `paged_keys.attend_keys`, which both kernels call):
   "split" (the default): program (s, KV head, split) over a
   fixed partition of max_seqlen_k (`decode_splits`); with one split a long and a short context
   are one program each, so a batch of mixed lengths ends on its longest programs.
@@ -44,6 +45,7 @@ import torch
 
 from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.paged_decode_chunk import _decode_chunk_kernel, _decode_chunk_reduce_kernel
+from rlcu.ops.paged_keys import attend_keys
 
 DEFAULT_BLOCK_SIZE = 16
 _LOG2E = 1.4426950408889634
@@ -98,30 +100,12 @@ def _decode_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART,
     gmask = g < G
     dmask = d < D
     h = hk * G + g  # [BG] query heads of this KV head
-    q = tl.load(Q + q_start * stride_qn + h[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(KC.dtype.element_ty)
-    m = tl.full([BG], float("-inf"), tl.float32)
-    l = tl.zeros([BG], tl.float32)
-    acc = tl.zeros([BG, BD], tl.float32)
-    for n in range(n0, n1, BN):
-        pos = n + tl.arange(0, BN)
-        pmask = pos < n1
-        blk = tl.load(BLOCK_TABLES + s * stride_bt + pos // BS, mask=pmask, other=0).to(tl.int64)
-        kv_off = (blk * BS + pos % BS)[:, None] * stride_cs + hk * stride_ch + d[None, :]
-        kvmask = pmask[:, None] & dmask[None, :]
-        k = tl.load(KC + kv_off, mask=kvmask, other=0.0)  # [BN, BD]
-        sc = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN]
-        sc = tl.where(pmask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(VC + kv_off, mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    omask = gmask[:, None] & dmask[None, :]
+    m, l, acc = attend_keys(Q, q_start, h, omask, stride_qn, stride_qh, KC, VC, BLOCK_TABLES, s,
+                            stride_bt, hk, d, dmask, n0, n1, stride_cs, stride_ch, scale_log2,
+                            BG=BG, BD=BD, BS=BS, BN=BN)
     l_safe = tl.where(l > 0, l, 1.0)
     out = acc / l_safe[:, None]
-    omask = gmask[:, None] & dmask[None, :]
     if not SPLIT:
         tl.store(O + q_start * stride_on + h[:, None] * stride_oh + d[None, :],
                  out.to(O.dtype.element_ty), mask=omask)

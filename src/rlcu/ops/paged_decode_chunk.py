@@ -3,13 +3,15 @@ sequence s is cut into cdiv(L_s, CHUNK) chunks, unit (chunk, KV head) is CHUNK k
 lengths, and a fixed grid of per_sm programs an SM takes units pid, pid + P, ...; the list is
 built in each program from seq_lens, so the grid depends on sizes only (CUDA graphs). A
 sequence of one chunk writes its output; the others write partials (o_j, lse_j) that
-_decode_chunk_reduce_kernel combines in chunk order. On the H200 it beats the split kernel only
+_decode_chunk_reduce_kernel combines in chunk order. A unit's keys go through
+paged_keys.attend_keys, the split kernel's loop. On the H200 this kernel beats the split one only
 for few long contexts (bench/results/decode_attention.json), so it is not the default.
 """
 
 from __future__ import annotations
 
 from rlcu.ops._backend import tl, triton
+from rlcu.ops.paged_keys import attend_keys
 
 
 @triton.jit(do_not_specialize=["stride_bt", "S", "CHUNK"])
@@ -51,28 +53,9 @@ def _decode_chunk_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE
         n0 = c * CHUNK
         n1 = tl.minimum(n0 + CHUNK, L)
         h = hk * G + g  # [BG] query heads of this KV head
-        q = tl.load(Q + q_start * stride_qn + h[:, None] * stride_qh + d[None, :], mask=omask,
-                    other=0.0).to(KC.dtype.element_ty)
-        m = tl.full([BG], float("-inf"), tl.float32)
-        l = tl.zeros([BG], tl.float32)
-        acc = tl.zeros([BG, BD], tl.float32)
-        for n in range(n0, n1, BN):
-            pos = n + tl.arange(0, BN)
-            pmask = pos < n1
-            blk = tl.load(BLOCK_TABLES + s * stride_bt + pos // BS, mask=pmask, other=0)
-            kv_off = ((blk.to(tl.int64) * BS + pos % BS)[:, None] * stride_cs + hk * stride_ch
-                      + d[None, :])
-            kvmask = pmask[:, None] & dmask[None, :]
-            k = tl.load(KC + kv_off, mask=kvmask, other=0.0)  # [BN, BD]
-            sc = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN]
-            sc = tl.where(pmask[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(VC + kv_off, mask=kvmask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        m, l, acc = attend_keys(Q, q_start, h, omask, stride_qn, stride_qh, KC, VC, BLOCK_TABLES,
+                                s, stride_bt, hk, d, dmask, n0, n1, stride_cs, stride_ch,
+                                scale_log2, BG=BG, BD=BD, BS=BS, BN=BN)
         out = acc / tl.where(l > 0, l, 1.0)[:, None]
         if n_s == 1:  # the whole context in one chunk: no combine
             tl.store(O + q_start * stride_on + h[:, None] * stride_oh + d[None, :],

@@ -1,0 +1,51 @@
+"""The inner loop of the paged-attention decode kernels, written once: the G query heads of one KV
+head (padded to BG rows) attend to keys n0 .. n1 - 1 of one sequence, BN keys a step, with an
+online softmax.
+
+Each BN-key tile: the block-table entries of its positions (key p is at cache slot
+BLOCK_TABLES[s, p // BS] * BS + p % BS), the gather of K and V from the paged cache, the scores
+q K^T * scale_log2 (log2 domain), keys at or past n1 masked to -inf, then
+    m' = max(m, rowmax(sc)),  l' = l 2^(m - m') + rowsum(2^(sc - m')),
+    acc' = acc 2^(m - m') + 2^(sc - m') V.
+Both decode kernels (the split kernel of paged_attention.py, the work-list kernel of
+paged_decode_chunk.py) call it; each normalises and stores the result its own way. Triton
+inlines a jit function into its caller, so this is the code each kernel had inline.
+"""
+
+from __future__ import annotations
+
+from rlcu.ops._backend import tl, triton
+
+
+@triton.jit
+def attend_keys(Q, q_start, h, qmask, stride_qn, stride_qh, KC, VC, BLOCK_TABLES, s, stride_bt, hk, d,
+                dmask, n0, n1, stride_cs, stride_ch, scale_log2, BG: tl.constexpr, BD: tl.constexpr,
+                BS: tl.constexpr, BN: tl.constexpr):
+    """The query heads h ([BG], rows where qmask [BG, BD] is False read as zeros) of query row
+    q_start of Q (strides stride_qn, stride_qh) over keys n0 .. n1 - 1 of KV head hk of
+    sequence s -> (m, l, acc): [BG] fp32 running max and sum (log2 domain), [BG, BD] fp32
+    unnormalised output (o = acc / l where l > 0). KC, VC: the caches as [slots, Hk, D] (slot
+    stride stride_cs, head stride stride_ch); row s of BLOCK_TABLES (row stride stride_bt): the
+    sequence's blocks; d, dmask: arange(BD) and d < D."""
+    q = tl.load(Q + q_start * stride_qn + h[:, None] * stride_qh + d[None, :], mask=qmask,
+                other=0.0).to(KC.dtype.element_ty)
+    m = tl.full([BG], float("-inf"), tl.float32)
+    l = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BD], tl.float32)
+    for n in range(n0, n1, BN):
+        pos = n + tl.arange(0, BN)
+        pmask = pos < n1
+        blk = tl.load(BLOCK_TABLES + s * stride_bt + pos // BS, mask=pmask, other=0).to(tl.int64)
+        kv_off = (blk * BS + pos % BS)[:, None] * stride_cs + hk * stride_ch + d[None, :]
+        kvmask = pmask[:, None] & dmask[None, :]
+        k = tl.load(KC + kv_off, mask=kvmask, other=0.0)  # [BN, BD]
+        sc = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN]
+        sc = tl.where(pmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(VC + kv_off, mask=kvmask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    return m, l, acc
