@@ -67,7 +67,7 @@ def gemm_rows(cfg) -> dict:
 
 @contextlib.contextmanager
 def variant(name: str):
-    from rlcu.engine import model_runner as mr
+    from rlcu.engine import paged_forward as mr
     from rlcu.ops import attention_exact as ae
     from rlcu.ops import matmul_invariant as mi
 
