@@ -8,7 +8,7 @@ plus q, o and the block tables:
 and bound = bytes / copy bandwidth (measured in the same run, bytes read + written). Cases: the
 generation protocol's mid-run state (B = 256, L uniform in [200, 2048]) and B x L = 64 x 1024,
 256 x 512, 32 x 4096. max_seqlen_k is what the engine's CUDA graph passes: the context bucket
-(1024, 4096, ...; model_runner._graph_key), not the batch's longest context.
+(1024, 4096, ...; graphs.DecodeGraphs.key), not the batch's longest context.
 
 Each plan is checked against the reference twin (bf16 tolerance of the repo's GPU tests, 1e-2,
 the output poisoned with NaN first) and timed as a CUDA graph of a few launches (as the engine

@@ -67,22 +67,22 @@ def gemm_rows(cfg) -> dict:
 
 @contextlib.contextmanager
 def variant(name: str):
-    from rlcu.engine import model_runner as mr
+    from rlcu.engine import paged_forward as pf
     from rlcu.ops import attention_exact as ae
     from rlcu.ops import matmul_invariant as mi
 
-    keep_ae, keep_mi, keep_rms = dict(ae.CONFIG), mi.CONFIGS, mr.rmsnorm_fwd
+    keep_ae, keep_mi, keep_rms = dict(ae.CONFIG), mi.CONFIGS, pf.rmsnorm_fwd
     try:
         if name in ("bm16", "all_old"):
             ae.CONFIG["BM_TRAIN"] = 16
         if name in ("rms_copy", "all_old"):
-            mr.rmsnorm_fwd = _copied(keep_rms)
+            pf.rmsnorm_fwd = _copied(keep_rms)
         if name in ("gemm_one", "all_old", "gemm_one_bm16", "gemm_one_rms_copy"):
             mi.CONFIGS = ((1 << 62, 1 << 62, (128, 128, 64, 8, 8, 3, False)),)
         if name == "gemm_one_bm16":
             ae.CONFIG["BM_TRAIN"] = 16
         if name == "gemm_one_rms_copy":
-            mr.rmsnorm_fwd = _copied(keep_rms)
+            pf.rmsnorm_fwd = _copied(keep_rms)
         if name == "no_tma":
             mi.CONFIGS = tuple((m, n, c[:6] + (False,)) for m, n, c in keep_mi)
         if name == "bk64":
@@ -94,7 +94,7 @@ def variant(name: str):
         ae.CONFIG.clear()
         ae.CONFIG.update(keep_ae)
         mi.CONFIGS = keep_mi
-        mr.rmsnorm_fwd = keep_rms
+        pf.rmsnorm_fwd = keep_rms
 
 
 def main(argv=None) -> int:

@@ -254,7 +254,7 @@ def test_graph_replay_logic_emulated(model):
         out = fn()
         return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
 
-    r._record = record
+    r.decode_graphs._record = record
     got = [llm.generate(toks(PROMPTS), sp, use_tqdm=False) for sp in (dataclasses.replace(GREEDY, n=2), sampled)]
     assert llm.stats["graph_steps"] > 0 and {b for b, _ in r.graphs} >= {4, 6}
     for w, g in zip(want, got):
@@ -282,7 +282,7 @@ def test_sleep_keeping_graphs_emulated(model):
         out = fn()
         return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
 
-    r._record = record
+    r.decode_graphs._record = record
     for moved in (False, True, False):
         llm.generate(toks(PROMPTS), sp, use_tqdm=False)
         n = len(captures)
@@ -293,7 +293,7 @@ def test_sleep_keeping_graphs_emulated(model):
 
         def pool_at(*a, **k):
             t = zeros(*a, **k)
-            r._graph_kv_ptr = -1 if moved else t.data_ptr()
+            r.decode_graphs.kv_ptr = -1 if moved else t.data_ptr()
             return t
 
         torch.zeros = pool_at

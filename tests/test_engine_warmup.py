@@ -49,7 +49,7 @@ def test_graph_plan_covers_every_step_and_merges_unsplit_batches(monkeypatch):
     assert len(plan) == len(set(plan))
     assert [b for b, _ in plan] == sorted((b for b, _ in plan), reverse=True)  # largest batch first
     # every decode step a run can make asks for a planned graph
-    keys = {r._graph_key(S, k) for S, k in itertools.product(range(1, 257), [1, 2, 1000, 1024, 1025, 3000, 4096,
+    keys = {r.decode_graphs.key(S, k) for S, k in itertools.product(range(1, 257), [1, 2, 1000, 1024, 1025, 3000, 4096,
                                                                               5000, 16384, 20000, 40960])}
     assert keys == set(plan)
     # batches that run unsplit (S x Hk fills 3 programs an SM: 64 rows and up at 8 KV heads)
@@ -63,7 +63,7 @@ def test_graph_plan_covers_every_step_and_merges_unsplit_batches(monkeypatch):
         if kb == 40960 and b >= 64:
             assert all(decode_splits(b, 8, k)[0] == 1 for k in (1024, 4096, 16384, 40960))
     # capture_graphs(max_context) plans the same keys, up to that context
-    assert set(r.graph_plan(2064)) == {r._graph_key(S, k) for S in range(1, 257) for k in (1, 2064)}
+    assert set(r.graph_plan(2064)) == {r.decode_graphs.key(S, k) for S in range(1, 257) for k in (1, 2064)}
 
 
 def test_graph_plan_keeps_every_bucket_for_the_chunk_kernel(monkeypatch):
@@ -73,7 +73,7 @@ def test_graph_plan_keeps_every_bucket_for_the_chunk_kernel(monkeypatch):
     monkeypatch.setitem(pa.CONFIGS, "decode_plan", dict(pa.CONFIGS["decode_plan"], kernel="chunk"))
     r = LLM(_model(), num_kv_blocks=40960 // 16, warmup=False).runner
     plan = r.graph_plan()
-    keys = {r._graph_key(S, k) for S, k in itertools.product(range(1, 257), [1, 1024, 1025, 5000, 20000, 40960])}
+    keys = {r.decode_graphs.key(S, k) for S, k in itertools.product(range(1, 257), [1, 1024, 1025, 5000, 20000, 40960])}
     assert keys == set(plan)
     assert len(plan) == 4 * len(graph_buckets(256))
 
@@ -129,10 +129,10 @@ def test_warmup_captures_every_graph_the_run_replays_emulated():
 
     def record(fn):
         out = fn()
-        r.num_captures += 1
+        r.decode_graphs.num_captures += 1
         return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
 
-    r._record = record
+    r.decode_graphs._record = record
     st = r.warm_up()
     assert r.max_model_len == 256 and r.graph_plan() == [(6, 256), (4, 256), (2, 256), (1, 256)]
     assert st["captures"] == 4 and set(r.graphs) == set(r.graph_plan())

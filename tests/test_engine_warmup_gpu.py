@@ -32,7 +32,7 @@ def _workload(V: int):
 
 
 def test_unsplit_decode_is_the_same_at_any_context_bucket(monkeypatch):
-    """The merge of _graph_key: a batch that runs unsplit launches the same kernel for a
+    """The merge of DecodeGraphs.key: a batch that runs unsplit launches the same kernel for a
     context bucket of 1k, 4k or max_model_len (its one split covers any context), bit for bit."""
     from rlcu.ops import paged_attention as pa
 

@@ -50,7 +50,7 @@ def _inputs(N, Hq, Hk, D, dtype=torch.float32, device="cpu", BS=16, seed=0, pad_
 
 
 def _unfused(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, eps, theta):
-    """The sequence of ops of ModelRunner._hidden (before fusion)."""
+    """The sequence of ops of paged_forward.hidden (before fusion)."""
     N, qs, ks = qkv.shape[0], Hq * D, Hk * D
     q, _ = rmsnorm_fwd(qkv[:, :qs].reshape(N * Hq, D), q_w, eps)
     k, _ = rmsnorm_fwd(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, eps)

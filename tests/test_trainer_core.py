@@ -303,8 +303,8 @@ def test_engine_graphs_are_captured_once_through_sleeps_and_yields(tmp_path):
     tr = grpo(tmp_path, steps=4, max_new_tokens=8, model=dict(device="cuda", dtype="bfloat16"))
     h = tr.hooks = YieldOnce()
     runner = tr.llm.runner
-    captures, orig = [], runner._capture
-    runner._capture = lambda b, kb: (captures.append((tr.step, b, kb)), orig(b, kb))
+    captures, orig = [], runner.decode_graphs.capture
+    runner.decode_graphs.capture = lambda b, kb, *a: (captures.append((tr.step, b, kb)), orig(b, kb, *a))
     tr.train()
     # the engine's start captured them (engine/warmup.py); any left over come in the first step
     assert runner.graphs and all(s == 0 for s, _, _ in captures), captures

@@ -1,0 +1,168 @@
+"""The CUDA graphs of the pure decode steps: their buckets, their capture and their replay.
+
+Pure decode steps (one token per sequence) of up to `max_num_seqs` sequences replay one graph
+of the whole step (embedding to the sampled tokens and their logprobs, the LM head and the
+sampler included) captured for the next batch-size bucket (1, 2, 4, 8, then multiples of 16)
+and context bucket (1k, 4k, 16k, ..., max_model_len: the decode kernel's split-KV grid is
+sized by the longest context; a batch wide enough to run unsplit has one graph for every
+context), all at the engine's start (engine/warmup.py), else or after a wake that dropped them
+on first use. Padding rows write nowhere (kv slot -1), attend to one key and sample at
+temperature 1 (their tokens are never read).
+
+A graph holds the addresses it was captured on: the step's fields (the decode state's device
+buffers, engine/decode_state.py, and a block-table buffer of its own), the weights (a
+replaced `model.flat`, or exact mode switched, drops every graph: `follow`) and the KV pool
+(graphs kept through a release stay only if the new pool sits at the old address: `keep`,
+`rebind`).
+
+The step itself is the runner's: `capture`, `capture_all` and `replay` take it as
+`step(args, samp) -> (tokens, logprobs)`, with args the forward's (engine/paged_forward.py,
+`hidden`) and samp the sampler's per-row tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlcu.engine import warmup
+from rlcu.engine.decode_state import DecodeState
+from rlcu.engine.warmup import context_bucket, graph_buckets
+from rlcu.ops.exact import is_exact
+from rlcu.ops.paged_attention import _num_sms, decode_plan
+
+
+class DecodeGraphs:
+    def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, num_kv_heads: int,
+                 device: torch.device, weights_ptr: int):
+        self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
+        self.num_kv_heads, self.device = num_kv_heads, device
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (batch, context bucket) -> (replay, output)
+        self._static: dict[str, torch.Tensor] | None = None
+        self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
+        self.weights_ptr = weights_ptr  # model.flat's address when the graphs were captured
+        self.exact = is_exact()  # the mode the graphs were captured in
+        self.kv_ptr = 0  # the KV pool's address when graphs were kept through a release
+        self.wakes = {"kept": 0, "recaptured": 0}  # wakes after a release that kept the graphs
+        self.num_captures = 0  # CUDA graphs captured, ever
+
+    # ------------------------------------------------------------------ what the graphs hold
+    def drop(self) -> None:
+        self.graphs, self._static, self._pool = {}, None, None
+
+    def follow(self, weights_ptr: int) -> None:
+        """Drop the graphs if the weights moved or exact mode was switched (they hold other
+        kernels' launches or other addresses)."""
+        if weights_ptr != self.weights_ptr or self.exact != is_exact():
+            self.drop()
+            self.weights_ptr = weights_ptr
+            self.exact = is_exact()
+
+    def keep(self, kv_ptr: int) -> None:
+        """The KV pool at kv_ptr goes away and the graphs stay (see `rebind`)."""
+        self.kv_ptr = kv_ptr
+
+    def rebind(self, kv_ptr: int) -> None:
+        """A new KV pool at kv_ptr: graphs kept through a release stay if it sits where the old
+        one was, else they are dropped (and captured again)."""
+        if self.graphs:
+            kept = kv_ptr == self.kv_ptr
+            self.wakes["kept" if kept else "recaptured"] += 1
+            if not kept:
+                self.drop()
+
+    # ------------------------------------------------------------------ buckets
+    def batch_bucket(self, S: int) -> int:
+        """The graphs' batch size for S rows (rows S.. are padding rows)."""
+        return next(b for b in graph_buckets(self.max_num_seqs) if b >= S)
+
+    def key(self, S: int, max_k: int) -> tuple[int, int]:
+        """(batch bucket, context bucket): the decode kernel's split count follows max_seqlen_k,
+        so graphs are kept per context bucket (1k, 4k, 16k, ... up to max_model_len). A batch
+        wide enough to run unsplit at its bucket and at max_model_len takes the max_model_len
+        bucket: an unsplit step is the same kernel whatever the bucket (its one split covers
+        any context), so one graph serves every context."""
+        b = self.batch_bucket(S)
+        kb = context_bucket(max_k, self.max_model_len)
+        if kb < self.max_model_len and not is_exact() and self._unsplit(b, kb) and self._unsplit(b, self.max_model_len):
+            kb = self.max_model_len
+        return b, kb
+
+    def _unsplit(self, b: int, kb: int) -> bool:
+        # the split kernel with one split is the same launch at any bucket; the chunk kernel's
+        # partials are sized by the bucket, so it keeps a graph per bucket
+        plan = decode_plan(b, self.num_kv_heads, kb, _num_sms(self.device))
+        return plan["kernel"] == "split" and plan["splits"] == 1
+
+    def plan(self, max_context: int | None = None) -> list[tuple[int, int]]:
+        """The graph keys of every batch bucket at every context bucket up to max_context
+        (default: max_model_len), in capture order (warmup.graph_plan)."""
+        mc = self.max_model_len if max_context is None else max_context
+        return warmup.graph_plan(self.max_num_seqs, mc, self.max_model_len, self.key)
+
+    # ------------------------------------------------------------------ capture, replay
+    @torch.no_grad()
+    def capture(self, b: int, kb: int, dec: DecodeState, step) -> None:
+        """Capture the graph of key (b, kb) on dec's device buffers."""
+        d = self.device
+        if self._static is None:
+            max_bs, W = self.max_num_seqs, math.ceil(self.max_model_len / self.block_size)
+            v = dec.dev  # ids, pos, kv slots, lens: filled by the decode step's one copy
+            self._static = dict(
+                ids=v["ids"], pos=v["pos"], kv_slots=v["kv_slots"], lens=v["lens"],
+                tables=torch.zeros(max_bs, W, device=d, dtype=torch.int32),
+                cu=torch.arange(max_bs + 1, device=d, dtype=torch.int32),
+            )
+            self._pool = torch.cuda.graph_pool_handle() if d.type == "cuda" else None
+        st = self._static
+        args = (st["ids"][:b], st["pos"][:b], st["kv_slots"][:b], st["tables"][:b], st["cu"][:b + 1], st["lens"][:b],
+                1, kb)
+        saved = {k: v.clone() for k, v in st.items() if k != "tables"}
+        st["kv_slots"].fill_(-1)  # the warm-up and capture runs must write nowhere
+        st["lens"].fill_(1)
+        samp = dec.sampling(b)
+
+        def run():
+            return step(args, samp)
+
+        run()  # compiles the kernels outside the capture
+        self.graphs[(b, kb)] = self._record(run)
+        for k, v in saved.items():
+            st[k].copy_(v)
+
+    def _record(self, fn) -> tuple:
+        """Capture fn() -> (replay function, its outputs). The capture stream is this object's
+        own: torch's default one is made once per process, on the device current at the first
+        capture, and capturing on it would switch a later capture to that device."""
+        torch.cuda.synchronize(self.device)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool, stream=self._capture_stream):
+            out = fn()
+        self.num_captures += 1
+        torch.cuda.synchronize(self.device)
+        return g.replay, out
+
+    def capture_all(self, max_context: int, dec: DecodeState, step) -> None:
+        """Capture the graphs of `plan(max_context)` not captured yet."""
+        for key in self.plan(max_context):
+            if key not in self.graphs:
+                self.capture(*key, dec, step)
+
+    def replay(self, S: int, max_k: int, dec: DecodeState, step):
+        """Run a decode step of S rows, their fields loaded into dec for batch_bucket(S) rows,
+        by its graph (captured now if missing) -> (tokens [S], logprobs [S])."""
+        key = self.key(S, max_k)
+        if key not in self.graphs:
+            self.capture(*key, dec, step)
+        b = key[0]
+        # the entries the kernel may read: those of the step's context bucket (a graph merged
+        # into the max_model_len bucket reads no further, see key)
+        W = math.ceil(context_bucket(max_k, self.max_model_len) / self.block_size)
+        self._static["tables"][:b, :W] = dec.block_tables(b, W)
+        replay, (tokens, logprobs) = self.graphs[key]
+        replay()
+        return tokens[:S], logprobs[:S]
