@@ -50,6 +50,7 @@ def tiny_model_and_tokenizer(device=None, seed: int = 0):
 def read_prompts(path: str) -> list[tuple[int, object]]:
     """(line number, prompt) per non-blank line; ValueError naming file and line if malformed."""
     from rlcu.data.datasets import jsonl_rows
+    from rlcu.engine.requests import token_ids
 
     try:
         fh = sys.stdin.buffer if path == "-" else open(path, "rb")  # bytes: a non-UTF-8 line is named
@@ -61,7 +62,7 @@ def read_prompts(path: str) -> list[tuple[int, object]]:
     for no, rec in rows:
         if "prompt_token_ids" in rec:
             ids = rec["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not isinstance(ids, list) or token_ids(ids) is None:
                 raise ValueError(f'{path}:{no}: "prompt_token_ids" must be a list of integers')
             out.append((no, {"prompt_token_ids": ids}))
             continue
