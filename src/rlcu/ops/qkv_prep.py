@@ -138,8 +138,11 @@ def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: in
                     eps: float, theta: float, stats: bool = False):
     N = qkv.shape[0]
     q = torch.empty(N, Hq, D, device=qkv.device, dtype=qkv.dtype)
-    rq = torch.empty(N * Hq if stats else 0, device=qkv.device, dtype=torch.float32)
-    rk = torch.empty(N * Hk if stats else 0, device=qkv.device, dtype=torch.float32)
+    if stats:
+        rq = torch.empty(N * Hq, device=qkv.device, dtype=torch.float32)
+        rk = torch.empty(N * Hk, device=qkv.device, dtype=torch.float32)
+    else:
+        rq = rk = q  # not written (STATS off): no allocations on the engine's hot path
     if N > 0:
         if qkv.stride(1) != 1:
             qkv = qkv.contiguous()
