@@ -5,11 +5,11 @@ bench's tiny model, head_dim 24), random bf16 weights, n = 8 samples of 32 promp
 sampled tokens whose engine logprob equals Qwen3.forward's (and forward_backward's fused head's)
 bit for bit, with the current choices and with each one swapped for its older form:
 - attention_exact's training / prefill row tile (BM_TRAIN 32 -> 16, the decode's);
-- the engine's q / k norm reading the heads in place (-> copied out first, as the trainer does);
 - the GEMM's tiles by M and N (-> one pointer-load configuration for every M).
 (The first run of this, at this session's first form -- tiles by M at any K, the 32-row
 attention tile at any head_dim -- found 87.5% of the tokens equal; 100% with both restricted as
-they are now: bench/results/exact_variants_tiny.json.)
+they are now: bench/results/exact_variants_tiny.json. Its variant "rms_copy", the engine's q / k
+norm reading the heads in place or copied out, is gone: both sides now run one fused kernel.)
 
     python bench/exact_variants.py [--shape tiny|0.6b] [--out PATH]
 """
@@ -28,15 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TINY = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=24, max_position_embeddings=2048, tie_word_embeddings=True, vocab_size=128)
-
-
-def _copied(rms):
-    def copied(x, w, eps):
-        if x.dim() == 3:
-            y, r = rms(x.reshape(-1, x.shape[-1]), w, eps)
-            return y.view(x.shape), r
-        return rms(x, w, eps)
-    return copied
 
 
 def gemm_rows(cfg) -> dict:
@@ -67,22 +58,17 @@ def gemm_rows(cfg) -> dict:
 
 @contextlib.contextmanager
 def variant(name: str):
-    from rlcu.engine import paged_forward as pf
     from rlcu.ops import attention_exact as ae
     from rlcu.ops import matmul_invariant as mi
 
-    keep_ae, keep_mi, keep_rms = dict(ae.CONFIG), mi.CONFIGS, pf.rmsnorm_fwd
+    keep_ae, keep_mi = dict(ae.CONFIG), mi.CONFIGS
     try:
         if name in ("bm16", "all_old"):
             ae.CONFIG["BM_TRAIN"] = 16
-        if name in ("rms_copy", "all_old"):
-            pf.rmsnorm_fwd = _copied(keep_rms)
-        if name in ("gemm_one", "all_old", "gemm_one_bm16", "gemm_one_rms_copy"):
+        if name in ("gemm_one", "all_old", "gemm_one_bm16"):
             mi.CONFIGS = ((1 << 62, 1 << 62, (128, 128, 64, 8, 8, 3, False)),)
         if name == "gemm_one_bm16":
             ae.CONFIG["BM_TRAIN"] = 16
-        if name == "gemm_one_rms_copy":
-            pf.rmsnorm_fwd = _copied(keep_rms)
         if name == "no_tma":
             mi.CONFIGS = tuple((m, n, c[:6] + (False,)) for m, n, c in keep_mi)
         if name == "bk64":
@@ -94,7 +80,6 @@ def variant(name: str):
         ae.CONFIG.clear()
         ae.CONFIG.update(keep_ae)
         mi.CONFIGS = keep_mi
-        pf.rmsnorm_fwd = keep_rms
 
 
 def main(argv=None) -> int:
@@ -102,7 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=("tiny", "0.6b"), default="tiny")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--out")
-    ap.add_argument("--variants", default="current,bm16,rms_copy,gemm_one,all_old")
+    ap.add_argument("--variants", default="current,bm16,gemm_one,all_old")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/exact_variants.py: needs a CUDA device", file=sys.stderr)

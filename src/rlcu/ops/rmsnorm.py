@@ -47,18 +47,15 @@ _RESIDENT: dict = {}  # (device, dtypes, blocks) -> backward programs that fit o
 
 
 @triton.jit(do_not_specialize=["N"])
-def _rmsnorm_fwd_kernel(X, W, Y, RSTD, N, D, stride_x, stride_y, eps, H, stride_h,
+def _rmsnorm_fwd_kernel(X, W, Y, RSTD, N, D, stride_x, stride_y, eps,
                         BN: tl.constexpr, BD: tl.constexpr):
-    # row r of X is at (r // H) * stride_x + (r % H) * stride_h: H = 1 for a 2-D x, the heads
-    # of a token otherwise (the addresses differ, the float ops on a row do not)
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BN + tl.arange(0, BN)  # [BN]
     cols = tl.arange(0, BD)
     rmask = rows < N
     cmask = cols < D
     mask = rmask[:, None] & cmask[None, :]
-    xrow = (rows // H) * stride_x + (rows % H) * stride_h
-    x = tl.load(X + xrow[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)  # [BN]
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     # as the twin (and HF): the normalised x is rounded to x's dtype before the scale by w
@@ -166,26 +163,17 @@ def _bwd_programs(device: torch.device, n_tiles: int, key, warm) -> int:
 
 
 def rmsnorm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
-    heads = x.dim() == 3
-    if heads:  # [T, H, D] with any token and head strides: rows read in place, no copy
-        if x.stride(2) != 1:
-            x = x.contiguous()
-        T, H, _ = x.shape
-        st, sh = x.stride(0), x.stride(1)
-        _, D = _check(_rows(x[:, 0], "x"), w)  # (dtype, D and w checked on one head's rows)
-        N = T * H
-    else:
-        x = _rows(x, "x")
-        N, D = _check(x, w)
-        H, st, sh = 1, x.stride(0), 0
+    x = _rows(x, "x")
+    N, D = _check(x, w)
     w = w.contiguous()
     y = torch.empty(N, D, device=x.device, dtype=x.dtype)
     rstd = torch.empty(N, device=x.device, dtype=torch.float32)
-    if N:
-        BN, BD, num_warps = _blocks(D)
-        _rmsnorm_fwd_kernel[(triton.cdiv(N, BN),)](x, w, y, rstd, N, D, st, y.stride(0), eps, H, sh,
-                                                   BN=BN, BD=BD, num_warps=num_warps)
-    return (y.view(T, H, D) if heads else y), rstd
+    if N == 0:
+        return y, rstd
+    BN, BD, num_warps = _blocks(D)
+    _rmsnorm_fwd_kernel[(triton.cdiv(N, BN),)](x, w, y, rstd, N, D, x.stride(0), y.stride(0), eps,
+                                               BN=BN, BD=BD, num_warps=num_warps)
+    return y, rstd
 
 
 def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
@@ -221,9 +209,6 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd:
 
 
 def rmsnorm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
-    if x.dim() == 3:  # the rows of [T, H, D]
-        y, rstd = rmsnorm_fwd_ref(x.reshape(-1, x.shape[-1]), w, eps)
-        return y.view(x.shape), rstd
     xf = x.float()
     if is_exact():  # a fixed tree, and sqrt / division (torch's CPU rsqrt rounds by position)
         rstd = 1.0 / torch.sqrt(tree_sum(xf * xf) / x.shape[-1] + eps)
@@ -243,9 +228,7 @@ def rmsnorm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: to
 
 @dispatch(rmsnorm_fwd_triton, rmsnorm_fwd_ref, on="x")
 def rmsnorm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
-    """x: [N, D], w: [D] -> (y [N, D] in x.dtype, rstd [N] fp32). x may also be [T, H, D] (the
-    heads of each token, e.g. a slice of a fused qkv: read in place) -> (y [T, H, D] contiguous,
-    rstd [T H]); a row's bits are the same as in the 2-D call."""
+    """x: [N, D], w: [D] -> (y [N, D] in x.dtype, rstd [N] fp32)."""
 
 
 @dispatch(rmsnorm_bwd_triton, rmsnorm_bwd_ref, on="x")
