@@ -10,7 +10,7 @@ import torch
 
 from rlcu import Qwen3
 from rlcu.engine import LLM, SamplingParams
-from rlcu.engine.warmup import context_bucket, context_buckets, graph_buckets
+from rlcu.engine.graphs import context_bucket, context_buckets, graph_buckets
 from rlcu.model.config import Qwen3Config
 from rlcu.ops.paged_attention import decode_splits
 

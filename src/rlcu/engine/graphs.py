@@ -26,11 +26,41 @@ import math
 
 import torch
 
-from rlcu.engine import warmup
 from rlcu.engine.decode_state import DecodeState
-from rlcu.engine.warmup import context_bucket, graph_buckets
 from rlcu.ops.exact import is_exact
 from rlcu.ops.paged_attention import _num_sms, decode_plan
+
+CONTEXT_BUCKET0 = 1024  # the smallest context bucket; then x4 up to max_model_len
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    """The decode graphs' batch sizes: 1, 2, 4, 8, multiples of 16, and max_bs."""
+    return sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if b < max_bs} | {max_bs})
+
+
+def context_bucket(max_k: int, max_model_len: int) -> int:
+    """The smallest context bucket (1k, 4k, 16k, ..., max_model_len) holding max_k keys."""
+    kb = CONTEXT_BUCKET0
+    while kb < max_k:
+        kb *= 4
+    return min(kb, max_model_len)
+
+
+def context_buckets(max_context: int, max_model_len: int) -> list[int]:
+    """The context buckets up to the one holding max_context."""
+    top = context_bucket(min(max_context, max_model_len), max_model_len)
+    out, kb = [], CONTEXT_BUCKET0
+    while kb < top:
+        out.append(kb)
+        kb *= 4
+    return out + [top]
+
+
+def graph_plan(max_num_seqs: int, max_context: int, max_model_len: int, key) -> list[tuple[int, int]]:
+    """The distinct graph keys `key(batch, context)` of every batch bucket at every context
+    bucket up to max_context, largest batch first (then smaller contexts first)."""
+    keys = {key(b, kb) for kb in context_buckets(max_context, max_model_len) for b in graph_buckets(max_num_seqs)}
+    return sorted(keys, key=lambda k: (-k[0], k[1]))
 
 
 class DecodeGraphs:
@@ -98,9 +128,9 @@ class DecodeGraphs:
 
     def plan(self, max_context: int | None = None) -> list[tuple[int, int]]:
         """The graph keys of every batch bucket at every context bucket up to max_context
-        (default: max_model_len), in capture order (warmup.graph_plan)."""
+        (default: max_model_len), in capture order (graph_plan)."""
         mc = self.max_model_len if max_context is None else max_context
-        return warmup.graph_plan(self.max_num_seqs, mc, self.max_model_len, self.key)
+        return graph_plan(self.max_num_seqs, mc, self.max_model_len, self.key)
 
     # ------------------------------------------------------------------ capture, replay
     @torch.no_grad()

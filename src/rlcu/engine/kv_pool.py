@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from rlcu.engine import paged_forward, warmup
-from rlcu.engine.warmup import context_bucket
+from rlcu.engine.graphs import context_bucket
 from rlcu.model.config import Qwen3Config
 from rlcu.model.qwen3 import Qwen3
 
