@@ -72,7 +72,7 @@ def _packs(prompts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, i
     return out
 
 
-def _profile(fn, top: int) -> list[dict]:
+def _profile(fn, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -83,7 +83,7 @@ def _profile(fn, top: int) -> list[dict]:
     print(f"   device total {total:.1f} ms")
     for k in ks[:top]:
         print(f"   {k[1]:8.2f} ms  x{k[2]:5d}  {k[0][:80]}")
-    return [{"device_ms_total": total}] + [{"name": k[0][:90], "ms": k[1], "calls": k[2]} for k in ks[:top]]
+    return {"device_ms_total": total, "top": [{"name": k[0][:90], "ms": k[1], "calls": k[2]} for k in ks[:top]]}
 
 
 def _host_profile(fn, top: int) -> list[dict]:
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
             print(f"   {st['steps']} steps; host ms: {res[name]['host_ms']}")
         print(f"{name:<15} {med:8.1f} ms  {n_tok / med * 1e3:>11,.0f} tok/s  (passes {[round(x, 1) for x in ms]})",
               flush=True)
-        res[name]["top_kernels"] = _profile(fn, a.top)
+        res[name]["device"] = _profile(fn, a.top)
         if a.host_profile:
             res[name]["host_profile"] = _host_profile(fn, a.host_profile)
     r = res["engine_prefill"]["tok_per_s"] / res["train_forward"]["tok_per_s"]
