@@ -64,6 +64,18 @@ def write_json(name: str, payload: dict) -> Path:
     return path
 
 
+SHAPES = {  # published Qwen3 shapes, by name (0.6B: Qwen3Config's defaults)
+    "0.6b": {},
+    "4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=9728, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=12288, tie_word_embeddings=False),
+}
+# the optimizer's precisions: default (fp32 master, m, v and gradients) and the bf16 memory mode
+MEMORY_MODES = {"default": dict(master_weights=True, state_dtype="float32"),
+                "bf16": dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16")}
+
+
 def qwen3_06b_config(**kw):
     """The published Qwen3-0.6B shape (rlcu.Qwen3Config's defaults)."""
     from rlcu.model.config import Qwen3Config

@@ -36,17 +36,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {
-    "0.6b": {},
-    "4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=9728, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=12288, tie_word_embeddings=False),
-}
+from bench.common import MEMORY_MODES, SHAPES  # noqa: E402
+
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
-MEMORY_MODES = {"default": dict(master_weights=True, state_dtype="float32"),
-                "bf16": dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16")}
+
+
+def _ckpt(value: str):
+    """--ckpt as Qwen3.gradient_checkpointing takes it: a mode name or a number of layers."""
+    return int(value) if value.isdigit() else {"full": True, "none": False}.get(value, value)
 
 
 def _sync():
@@ -108,8 +106,12 @@ def _train_step(a, cfg) -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     model = Qwen3.from_config(cfg, device=dev, dtype=dtype, seed=0)
-    model.gradient_checkpointing = True
     opt = make_optimizer(model, OptimConfig(lr=1e-5, **MEMORY_MODES[a.memory_mode]))
+    model.gradient_checkpointing = _ckpt(a.ckpt)
+    if model.gradient_checkpointing == "auto":
+        from rlcu.dist.memory import resolve_auto
+
+        print(resolve_auto(model, opt, a.micro_batch_tokens), file=sys.stderr)
     B, T = a.batch, a.seqlen
     if B % w.size:
         raise SystemExit(f"--batch {B} must be a multiple of the number of GPUs {w.size}")
@@ -132,7 +134,8 @@ def _train_step(a, cfg) -> dict:
         _sync()
         if s >= a.warmup:
             times.append(time.perf_counter() - t0)
-    res = {"s_per_step": statistics.median(times), "tokens_per_step": B * T, "peak_GiB_per_rank": _peak_GiB()}
+    res = {"s_per_step": statistics.median(times), "tokens_per_step": B * T, "peak_GiB_per_rank": _peak_GiB(),
+           "gradient_checkpointing": model.gradient_checkpointing}
     if a.check and w.distributed:
         res["rel_diff_vs_one_process"] = _check_one_process(a, cfg, model.flat, per_mb)
     del model, opt
@@ -182,7 +185,7 @@ def _grpo_step(a, cfg) -> dict:
     Lp, Lc = (8, 8) if a.tiny else (128, 256)
     P, G = a.prompts, a.group
     model = Qwen3.from_config(cfg, device=dev, dtype=dtype, seed=0)
-    model.gradient_checkpointing = True
+    model.gradient_checkpointing = _ckpt(a.ckpt)  # 'auto': the trainer decides at its first update
     total = a.warmup + a.steps
     rows = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size, P * total, Lp)]
     block = 16
@@ -209,7 +212,7 @@ def _grpo_step(a, cfg) -> dict:
             phases.append({k[5:]: m[k] for k in ("time/generate", "time/train") if k in m})
     res = {"s_per_step": statistics.median(times), "tokens_per_step": P * G * (Lp + Lc),
            "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
-           "peak_GiB_per_rank": _peak_GiB()}
+           "peak_GiB_per_rank": _peak_GiB(), "gradient_checkpointing": model.gradient_checkpointing}
     del tr, model
     return res
 
@@ -255,6 +258,8 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
     ap.add_argument("--memory-mode", choices=sorted(MEMORY_MODES), default="bf16")
+    ap.add_argument("--ckpt", default="full",
+                    help="gradient checkpointing: full | attention | none | auto | a number of checkpointed layers")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--bw-reps", type=int, default=20)
@@ -274,10 +279,11 @@ def main():
 
     t0 = time.time()
     res = {"method": __doc__.split("\n\n")[1].replace("\n", " "), "shape": "tiny" if a.tiny else a.shape,
-           "memory_mode": a.memory_mode, "train_batch": [a.batch, a.seqlen], "grpo_batch": [a.prompts, a.group]}
+           "memory_mode": a.memory_mode, "checkpointing": a.ckpt, "train_batch": [a.batch, a.seqlen],
+           "grpo_batch": [a.prompts, a.group]}
     passthrough = []
-    for k in ("shape", "what", "batch", "seqlen", "prompts", "group", "micro_batch_tokens", "memory_mode", "steps",
-              "warmup", "bw_reps"):
+    for k in ("shape", "what", "batch", "seqlen", "prompts", "group", "micro_batch_tokens", "memory_mode", "ckpt",
+              "steps", "warmup", "bw_reps"):
         passthrough += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     passthrough += [f for f, on in (("--tiny", a.tiny), ("--check", a.check)) if on]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
@@ -298,7 +304,8 @@ def main():
         if one and many and N > 1:
             res[f"{step}_scaling_efficiency"] = one["s_per_step"] / (N * many["s_per_step"])
     res["wall_s"] = time.time() - t0
-    path = write_json(f"dp_{'tiny' if a.tiny else a.shape}_{N}gpu.json", res)
+    ckpt = "" if a.ckpt == "full" else f"_ckpt-{a.ckpt}"
+    path = write_json(f"dp_{'tiny' if a.tiny else a.shape}_{N}gpu{ckpt}.json", res)
     print(f"\n{'step':<12} {'GPUs':>4} {'s/step':>8} {'tok/s':>10} {'peak GiB/rank':>14} {'efficiency':>10}")
     for step in ("train_step", "grpo_step"):
         for n in sorted({1, N}):

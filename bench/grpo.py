@@ -44,14 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import qwen3_06b_config, write_json  # noqa: E402
+from bench.common import MEMORY_MODES, qwen3_06b_config, write_json  # noqa: E402
 
 PROTOCOLS = {"A": dict(prompts=8, group=8, prompt_len=128, completion_len=256),
              "B": dict(prompts=8, group=8, prompt_len=128, completion_len=2048)}
-MEMORY_MODES = {
-    "default": dict(master_weights=True, state_dtype="float32"),
-    "bf16": dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16"),
-}
 MEMORY_NOTES = {
     "default": "rlcu's default optimizer precision: fp32 master weights + fp32 Adam m, v (12 bytes/param of "
                "optimizer state beside the bf16 weights); fp32 gradients, freed between steps",

@@ -1,14 +1,21 @@
 """Training-step benchmark (BENCHMARKS.md section 2): batch 32 x 1024 tokens, next-token loss
-on all tokens, AdamW step, Qwen3-0.6B shape with random bf16 weights.
+on all tokens, AdamW step, Qwen3-0.6B shape with random bf16 weights (--shape 4b | 8b: the
+larger published shapes, e.g. 8 x 2048 in the bf16 memory mode).
 
-rlcu: bf16 weights, fp32 master + moments, gradient checkpointing by layer, the fused
-logprob head, Triton kernels. Peer (same run): HF transformers Qwen3ForCausalLM in bf16,
-SDPA attention, torch.optim.AdamW(fused=True), no checkpointing.
-MFU = 3 x forward FLOPs x tokens / time / 989e12.
+rlcu: bf16 weights, rlcu's FlatAdamW (fp32 master + moments, or the bf16 memory mode), the
+fused logprob head, Triton kernels; three sides by gradient checkpointing: full, keeping the
+attention outputs, and auto (the fewest checkpointed layers whose estimated peak fits the GPU,
+rlcu.dist.memory). Peer (same run): HF transformers Qwen3ForCausalLM in bf16, SDPA attention,
+torch.optim.AdamW(fused=True), without checkpointing (gradient accumulation if the batch does
+not fit) and with it (hf_ckpt); speedups are against the faster of the two.
+MFU = 3 x forward FLOPs x tokens / time / 989e12 (recomputation is not counted as work).
 
-    python bench/train_step.py [--batch 32 --seqlen 1024 --steps 6 --no-hf]
+    python bench/train_step.py [--batch 32 --seqlen 1024 --steps 6 --sides rlcu_auto,hf --profile]
+    python bench/train_step.py --shape 4b --batch 8 --seqlen 2048 --memory-mode bf16 \
+        --sides rlcu,rlcu_auto,hf,hf_ckpt
     python bench/train_step.py --graph [--cases 32x1024,8x1024,4x512,critic:8x1024]
 
+--profile: one more step of each rlcu side under torch.profiler, its kernels by class.
 --graph: the step replayed as CUDA graphs against the same step eager, per case, each case in
 its own process (bench/train_graph.py; train_graph.json).
 """
@@ -26,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import qwen3_06b_config, write_json  # noqa: E402
+from bench.common import MEMORY_MODES, SHAPES, write_json  # noqa: E402
 
 PEAK_FLOPS = 989e12
 
@@ -56,24 +63,51 @@ def timed(step, steps, warmup):
     return times[len(times) // 2]
 
 
-def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False):
+KERNEL_CLASSES = (("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "cublas")), ("attention", ("_attn_",)),
+                  ("lm head", ("logprob",)), ("optimizer", ("adamw", "grad_norm", "_norm_sq")))
+
+
+def kernel_profile(step, top: int = 20) -> dict:
+    """One step under torch.profiler: the device total, by class (GEMMs, attention, the LM head's
+    kernels, the optimizer, the rest: the memory-bound ops), and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_engine import _kernels
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ks = _kernels(prof)
+    by = {name: 0.0 for name, _ in KERNEL_CLASSES} | {"other": 0.0}
+    for name, ms, _ in ks:
+        low = name.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+        by[cls] += ms
+    return {"device_ms": sum(k[1] for k in ks), "by_class_ms": by,
+            "top": [{"name": k[0][:90], "ms": k[1], "calls": k[2]} for k in ks[:top]]}
+
+
+def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="default", profile=False):
     import rlcu
-    from rlcu.ops.adamw import adamw_step
+    from rlcu.config import OptimConfig
+    from rlcu.dist.memory import resolve_auto
+    from rlcu.train.optimizer import FlatAdamW
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     m = rlcu.Qwen3.from_config(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
+    opt = FlatAdamW(m, OptimConfig(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=0.0,
+                                   **MEMORY_MODES[memory_mode]))
     m.gradient_checkpointing = ckpt
-    master = m.flat.float()
-    mom = torch.zeros_like(master)
-    var = torch.zeros_like(master)
+    note = resolve_auto(m, opt, B * T) if ckpt == "auto" else None
     m.zero_grad()
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (B * T,), generator=g).cuda()
     cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device="cuda")
     N = B * T
     dlp = torch.full((N,), -1.0 / (N - B), device="cuda")  # d(mean NLL)/d lp
-    state = {"step": 0, "loss": None}
+    state = {"loss": None}
 
     def step():
         m.zero_grad()
@@ -82,21 +116,24 @@ def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False):
         else:
             lp = m.forward(tokens, cu)
             m.backward(dlp)
-        state["step"] += 1
-        adamw_step(master, m.grad_flat, mom, var, m.flat, lr=1e-5, beta1=0.9, beta2=0.95, eps=1e-8,
-                   weight_decay=0.0, step=state["step"], grad_scale=1.0)
+        opt.step(1e-5)
         state["loss"] = lp
 
     ms = timed(step, steps, warmup)
     loss = float(-state["loss"].sum() / (N - B))
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    m = master = mom = var = None
+    out = {"ms": ms, "peak_GiB": peak, "loss": loss, "gradient_checkpointing": m.gradient_checkpointing}
+    if note:
+        out["note"] = note
+    if profile:
+        out["profile"] = kernel_profile(step)
+    m = opt = None
     gc.collect()
     torch.cuda.empty_cache()
-    return {"ms": ms, "peak_GiB": peak, "loss": loss}
+    return out
 
 
-def bench_hf(cfg, B, T, steps, warmup):
+def bench_hf(cfg, B, T, steps, warmup, checkpointing=False):
     from transformers import Qwen3Config as HFConfig
     from transformers import Qwen3ForCausalLM
 
@@ -107,6 +144,8 @@ def bench_hf(cfg, B, T, steps, warmup):
     base = torch.cuda.memory_allocated()
     model = Qwen3ForCausalLM(hcfg).to("cuda", torch.bfloat16)
     model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=True)
     ids = torch.randint(0, cfg.vocab_size, (B, T), device="cuda")
 
@@ -121,7 +160,9 @@ def bench_hf(cfg, B, T, steps, warmup):
         return step
 
     res = {}
-    for micro in (1, 2, 4):  # the whole batch at once if it fits, else gradient accumulation
+    for micro in (1, 2, 4, 8):  # the whole batch at once if it fits, else gradient accumulation
+        if micro > B:
+            break
         try:
             torch.cuda.reset_peak_memory_stats()
             ms = timed(make_step(micro), steps, warmup)
@@ -141,12 +182,18 @@ def bench_hf(cfg, B, T, steps, warmup):
 
 SIDES = {"rlcu": "rlcu, full checkpointing, forward then backward",
          "rlcu_fast": "rlcu, checkpointing that keeps attention outputs, fused head forward+backward",
-         "hf": "HF transformers + PyTorch"}
+         "rlcu_auto": "rlcu, checkpointing auto (the fewest checkpointed layers whose estimated peak fits the GPU; "
+                      "every activation of the others kept), fused head forward+backward",
+         "hf": "HF transformers + PyTorch, no checkpointing (gradient accumulation where the batch does not fit)",
+         "hf_ckpt": "HF transformers + PyTorch, gradient checkpointing (non-reentrant), the whole batch"}
+RLCU_SIDES = {"rlcu": ("full", False), "rlcu_fast": ("attention", True), "rlcu_auto": ("auto", True)}
 
 
 def run_side(side, args):
     """Each side runs in its own process, so that one's allocator state cannot starve the other."""
-    cfg = qwen3_06b_config()
+    from rlcu.model.config import Qwen3Config
+
+    cfg = Qwen3Config(**SHAPES[args.shape])
     B, T = args.batch, args.seqlen
     if side in ("graph", "graph_critic"):
         from bench.train_graph import ARMS, bench_graph
@@ -158,11 +205,12 @@ def run_side(side, args):
         for arm in ARMS:
             r[arm].update(tok_s=B * T / r[arm]["ms"] * 1e3, mfu=flops / (r[arm]["ms"] * 1e-3) / PEAK_FLOPS)
         return r
-    if side == "hf":
-        r = bench_hf(cfg, B, T, args.steps, args.warmup)
+    if side in ("hf", "hf_ckpt"):
+        r = bench_hf(cfg, B, T, args.steps, args.warmup, checkpointing=side == "hf_ckpt")
     else:
-        fast = side == "rlcu_fast"
-        r = bench_rlcu(cfg, B, T, args.steps, args.warmup, ckpt="attention" if fast else "full", fused=fast)
+        ckpt, fused = RLCU_SIDES[side]
+        r = bench_rlcu(cfg, B, T, args.steps, args.warmup, ckpt=ckpt, fused=fused, memory_mode=args.memory_mode,
+                       profile=args.profile)
     if "ms" in r:
         flops = 3 * fwd_flops_per_token(cfg, T) * B * T
         r.update(tok_s=B * T / r["ms"] * 1e3, mfu=flops / (r["ms"] * 1e-3) / PEAK_FLOPS)
@@ -178,7 +226,11 @@ def main():
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--sides", default="rlcu,rlcu_fast,hf")
+    ap.add_argument("--sides", default="rlcu,rlcu_fast,rlcu_auto,hf")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="a published Qwen3 shape")
+    ap.add_argument("--memory-mode", choices=sorted(MEMORY_MODES), default="default",
+                    help="rlcu's optimizer precisions (bf16: no master, bf16 m, v and gradients)")
+    ap.add_argument("--profile", action="store_true", help="rlcu sides: the kernels of one more step, by class")
     ap.add_argument("--graph", action="store_true", help="CUDA-graph step against the eager step, per case")
     ap.add_argument("--cases", default="32x1024,8x1024,4x512,critic:8x1024", help="with --graph: [critic:]BxT,...")
     ap.add_argument("--ckpt", default="full", help="with --graph: gradient checkpointing (full | attention)")
@@ -191,31 +243,37 @@ def main():
         return main_graph(args)
     t0 = time.time()
     res = {"protocol": f"{args.batch} x {args.seqlen} tokens, next-token loss on all tokens, AdamW step, "
-                       "Qwen3-0.6B shape, random bf16 weights; median of timed steps after warm-up; "
-                       "each side in its own process"}
+                       f"Qwen3-{args.shape.upper()} shape, random bf16 weights, rlcu's optimizer in the "
+                       f"{args.memory_mode} memory mode; median of timed steps after warm-up; each side in its "
+                       "own process", "shape": args.shape, "memory_mode": args.memory_mode}
     for side in args.sides.split(","):
         cmd = [sys.executable, __file__, "--side", side, "--batch", str(args.batch), "--seqlen", str(args.seqlen),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--shape", args.shape,
+               "--memory-mode", args.memory_mode] + (["--profile"] if args.profile else [])
         env = dict(os.environ)
-        if side == "hf":  # the peer at its best: less fragmentation of its large activations
+        if side.startswith("hf"):  # the peer at its best: less fragmentation of its large activations
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         res[side] = json.loads(line[-1][7:]) if line else {"error": (p.stderr or p.stdout)[-600:]}
         res[side]["what"] = SIDES[side]
-    hf = res.get("hf", {})
-    for side in ("rlcu", "rlcu_fast"):
-        if "ms" in res.get(side, {}) and "ms" in hf:
+    peers = [res[k] for k in ("hf", "hf_ckpt") if "ms" in res.get(k, {})]
+    hf = min(peers, key=lambda r: r["ms"]) if peers else {}
+    for side in RLCU_SIDES:
+        if "ms" in res.get(side, {}) and hf:  # against the faster of the peer's two forms
             res[side]["speedup_vs_hf"] = hf["ms"] / res[side]["ms"]
             res[side]["memory_ratio_vs_hf"] = res[side]["peak_GiB"] / hf["peak_GiB"]
     res["wall_s"] = time.time() - t0
-    write_json("train_step.json", res)
+    write_json("train_step.json" if args.shape == "0.6b" else f"train_step_{args.shape}.json", res)
     print(f"\n{'train step':<12} {'ms':>8} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'vs HF':>6}")
     for k in SIDES:
         r = res.get(k)
         if r and "ms" in r:
             sp = f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else ""
             print(f"{k:<12} {r['ms']:>8.1f} {r['tok_s']:>9.0f} {r['mfu']:>6.1%} {r['peak_GiB']:>9.1f} {sp:>6}")
+            if "profile" in r:
+                by = "  ".join(f"{c} {v:.0f}" for c, v in r["profile"]["by_class_ms"].items())
+                print(f"{'':<12} device {r['profile']['device_ms']:.0f} ms: {by}")
         elif r:
             print(f"{k:<12} {r['error'][-300:]}")
 

@@ -85,6 +85,40 @@ def test_checkpointing_gives_identical_grads(tmp_path):
         m.forward(tokens, cu)
 
 
+def test_checkpointing_a_number_of_layers_gives_identical_grads(tmp_path):
+    """gradient_checkpointing = k (an int): the first k layers keep only their input, the others
+    every activation; the lp and gradients are those of full checkpointing, bit for bit."""
+    L = 3
+    _, folder = make_hf_model(tmp_path, num_hidden_layers=L)
+    m = rlcu.Qwen3.from_pretrained(folder)
+    _, tokens, cu = _packed([13, 40, 7], 333, seed=3)
+    dlp = torch.randn(tokens.numel(), generator=torch.Generator().manual_seed(1))
+
+    def run(ckpt):
+        m.gradient_checkpointing = ckpt
+        m.zero_grad()
+        lp = m.forward(tokens, cu)
+        checkpointed = ["h1" not in s for s in m._trunk_ctx["saved"]]  # True: only the input kept
+        m.backward(dlp)
+        return lp, m.grad_flat.clone(), checkpointed
+
+    lp_full, g_full, ck = run(True)
+    assert ck == [True] * L
+    assert run(False)[2] == [False] * L
+    for k in (0, 1, L - 1, L):
+        lp, g, ck = run(k)
+        assert ck == [True] * k + [False] * (L - k), k  # the FIRST k layers are checkpointed
+        assert torch.equal(lp, lp_full), k
+        assert torch.equal(g, g_full), k
+    assert g_full.abs().sum() > 0
+    for bad, msg in (("auto", r"resolve_auto"), (-1, r"\[0, 3\], got -1"), (L + 1, r"\[0, 3\], got 4")):
+        m.gradient_checkpointing = bad
+        with pytest.raises(ValueError, match=msg):
+            m.forward(tokens, cu)
+    m.gradient_checkpointing = "auto"  # not yet resolved: a forward without gradients keeps nothing
+    assert torch.equal(m.forward(tokens, cu, grad=False), lp_full)
+
+
 def test_packed_equals_alone(tmp_path):
     _, folder = make_hf_model(tmp_path)
     m = rlcu.Qwen3.from_pretrained(folder)

@@ -220,6 +220,9 @@ def _unknown(key, names, prefix, source) -> ConfigError:
 GPU_MEMORY_UTILIZATION = 0.6  # the engine's default (LLM and engine.gpu_memory_utilization: null)
 
 
+CHECKPOINTING_MODES = ("full", "attention", "none", "auto")
+
+
 @dataclasses.dataclass
 class ModelConfig(Section):
     path: str | None = opt(None, "HF folder of a Qwen3 checkpoint (config.json + safetensors); "
@@ -231,11 +234,21 @@ class ModelConfig(Section):
                      choices=("auto", "float32", "bfloat16"))
     device: str = opt("auto", "where the model runs; auto: cuda when available, else cpu",
                       choices=("auto", "cpu", "cuda"))
-    gradient_checkpointing: bool = opt(True, "keep only layer inputs in the forward and recompute in the "
-                                             "backward (same gradients, less memory)")
+    gradient_checkpointing: bool | int | str = opt(
+        True, "true / 'full': keep only each layer's input and recompute the layer in the backward (same "
+              "gradients, less memory); 'attention': also keep attention's output (the recompute skips it); "
+              "false / 'none': keep every activation (fastest, most memory); an int k: checkpoint k layers, "
+              "keep everything of the others; 'auto': the fewest checkpointed layers whose estimated peak fits "
+              "the GPU (decided at the first update)")
     init_seed: int = opt(0, "seed of the random initialisation of a `tiny` model", ge=0)
 
     def check(self):
+        gc = self.gradient_checkpointing
+        if isinstance(gc, str) and gc not in CHECKPOINTING_MODES:
+            raise ConfigError("gradient_checkpointing", f"must be true, false, a number of layers or one of "
+                                                        f"{', '.join(map(repr, CHECKPOINTING_MODES))}; got {gc!r}")
+        if isinstance(gc, int) and not isinstance(gc, bool) and gc < 0:
+            raise ConfigError("gradient_checkpointing", f"as a number of checkpointed layers must be >= 0, got {gc}")
         if self.path is not None and self.tiny is not None:
             raise ConfigError("tiny", "must be null when path is set (give one of model.path, model.tiny)")
 

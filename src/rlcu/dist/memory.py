@@ -38,9 +38,49 @@ def _layer_act_bytes(cfg: Qwen3Config, T: int, ab: int) -> int:
     return T * ((4 * H + 3 * q + 5 * kv + 3 * F) * ab + cfg.num_attention_heads * 4)
 
 
+def kept_activation_bytes(cfg: Qwen3Config, T: int, ab: int, checkpointing: str | int) -> int:
+    """What the forward keeps for the backward over all layers: checkpointing 'full' (each
+    layer's input), 'attention' (+ its attention output and lse), 'none' (every activation),
+    or an int k (k layers checkpointed, every activation of the others)."""
+    L, H = cfg.num_hidden_layers, cfg.hidden_size
+    per = {"full": T * H * ab, "attention": T * (H + cfg.q_size) * ab + T * cfg.num_attention_heads * 4,
+           "none": _layer_act_bytes(cfg, T, ab)}
+    if isinstance(checkpointing, int) and not isinstance(checkpointing, bool):
+        if not 0 <= checkpointing <= L:
+            raise ValueError(f"checkpointing as a number of layers must be in [0, {L}], got {checkpointing}")
+        return checkpointing * per["full"] + (L - checkpointing) * per["none"]
+    if checkpointing not in per:
+        raise ValueError(f"checkpointing must be 'full', 'attention', 'none' or a number of layers, "
+                         f"got {checkpointing!r}")
+    return per[checkpointing] * L
+
+
+def checkpointing_name(mode) -> str | int:
+    """The model attribute's value (True/'full', 'attention', False/'none', an int) as
+    `estimate` names it."""
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        return mode
+    return {True: "full", "full": "full", "attention": "attention"}.get(mode, "none")
+
+
+def fit_checkpointing(budget_bytes: int, cfg: Qwen3Config, **kw) -> int:
+    """The fewest checkpointed layers (an int for `Qwen3.gradient_checkpointing`) whose
+    estimated peak (`estimate(cfg, checkpointing=k, **kw)`) is within budget_bytes; every
+    layer (the full checkpointing's peak) when none fits, the caller's out-of-memory to meet.
+    The peak falls as k grows, so a bisection finds it."""
+    lo, hi = 0, cfg.num_hidden_layers
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if estimate(cfg, checkpointing=mid, **kw)["peak"] <= budget_bytes:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def estimate(cfg: Qwen3Config, world_size: int = 1, *, weight_bytes: int = 2, master_weights: bool = True,
              state_bytes: int = 4, grad_bytes: int = 4, micro_batch_tokens: int = 8192, kv_tokens: int = 0,
-             kv_bytes: int = 2, engine_tokens: int = 8192, checkpointing: str = "full", ref_model: bool = False,
+             kv_bytes: int = 2, engine_tokens: int = 8192, checkpointing: str | int = "full", ref_model: bool = False,
              overlap: bool = True) -> dict:
     """Bytes per rank by part (see the module docstring); 'peak' is the total."""
     import torch
@@ -67,8 +107,7 @@ def estimate(cfg: Qwen3Config, world_size: int = 1, *, weight_bytes: int = 2, ma
     else:
         out["gradient_shard"] = grad_bytes * (bk.shard_numel if N > 1 else P)
         out["gradient_buckets"] = grad_bytes * P if N > 1 else 0  # the full buffer, reduce-scattered at the step
-    keep = {"full": T * H * ab, "attention": T * (H + cfg.q_size) * ab + T * cfg.num_attention_heads * 4,
-            "none": _layer_act_bytes(cfg, T, ab)}[checkpointing] * L
+    keep = kept_activation_bytes(cfg, T, ab, checkpointing)
     layer = 2 * _layer_act_bytes(cfg, T, ab)  # the recomputed layer and its backward's temporaries
     C = chunk_rows(V, torch.bfloat16 if ab == 2 else torch.float32)
     head = 3 * T * H * ab + 2 * C * V * 4 + 4 * T * 4
@@ -83,21 +122,64 @@ def estimate(cfg: Qwen3Config, world_size: int = 1, *, weight_bytes: int = 2, ma
     return out
 
 
-def estimate_for(model, opt, world_size: int, micro_batch_tokens: int, kv_tokens: int = 0,
-                 ref_model: bool = False) -> dict:
-    """`estimate` for a run's model and optimizer (their dtypes and modes)."""
+def _estimate_kwargs(model, opt, world_size: int, micro_batch_tokens: int, kv_tokens: int = 0,
+                     ref_model: bool = False) -> dict:
+    """`estimate`'s keywords for a run's model and optimizer (their dtypes and modes)."""
     import torch
 
-    wb = model.flat.element_size()
     has_master = getattr(opt, "master", None) is not None and not getattr(opt, "master_is_model", True)
-    return estimate(model.cfg, world_size, weight_bytes=wb, master_weights=has_master,
-                    state_bytes=opt.m.element_size(),
-                    grad_bytes=torch.empty((), dtype=getattr(opt, "grad_dtype", getattr(model, "grad_dtype",
-                                                                                        torch.float32))).element_size(),
-                    micro_batch_tokens=micro_batch_tokens, kv_tokens=kv_tokens, ref_model=ref_model,
-                    checkpointing={True: "full", "full": "full", "attention": "attention"}.get(
-                        model.gradient_checkpointing, "none"),
-                    overlap=getattr(opt, "sink", None) is not None)
+    grad_dtype = getattr(opt, "grad_dtype", getattr(model, "grad_dtype", torch.float32))
+    return dict(world_size=world_size, weight_bytes=model.flat.element_size(), master_weights=has_master,
+                state_bytes=opt.m.element_size(), grad_bytes=torch.empty((), dtype=grad_dtype).element_size(),
+                micro_batch_tokens=micro_batch_tokens, kv_tokens=kv_tokens, ref_model=ref_model,
+                overlap=getattr(opt, "sink", None) is not None)
+
+
+def estimate_for(model, opt, world_size: int, micro_batch_tokens: int, kv_tokens: int = 0,
+                 ref_model: bool = False) -> dict:
+    """`estimate` for a run's model and optimizer (their dtypes and modes); a checkpointing
+    still 'auto' is estimated at the number of layers it will become (`auto_layers`)."""
+    kw = _estimate_kwargs(model, opt, world_size, micro_batch_tokens, kv_tokens, ref_model)
+    mode = model.gradient_checkpointing
+    ckpt = auto_layers(model, kw)[0] if mode == "auto" else checkpointing_name(mode)
+    return estimate(model.cfg, checkpointing=ckpt, **kw)
+
+
+def _kv_tokens(llm) -> int:
+    runner = getattr(llm, "runner", None)
+    return getattr(runner, "num_blocks", 0) * getattr(runner, "block_size", 0) if runner is not None else 0
+
+
+def auto_layers(model, kw: dict, extra_bytes: int = 0) -> tuple[int, int, int]:
+    """(k, its estimated peak, the budget): the fewest checkpointed layers whose estimated
+    peak (`estimate(model.cfg, **kw)`) fits what this process may hold on its GPU (the free
+    memory plus what it has reserved already), less extra_bytes held outside the estimate.
+    Every layer on the CPU (peak and budget 0)."""
+    import torch
+
+    if model.device.type != "cuda":
+        return model.cfg.num_hidden_layers, 0, 0
+    free, _ = torch.cuda.mem_get_info(model.device)
+    budget = free + torch.cuda.memory_reserved(model.device) - extra_bytes
+    k = fit_checkpointing(budget, model.cfg, **kw)
+    return k, estimate(model.cfg, checkpointing=k, **kw)["peak"], budget
+
+
+def resolve_auto(model, opt, micro_batch_tokens: int, llm=None, ref_model: bool = False,
+                 extra_bytes: int = 0) -> str:
+    """`gradient_checkpointing: auto` made a number (`auto_layers`): sets
+    model.gradient_checkpointing and returns a line for the log."""
+    from rlcu.dist.comm import world
+
+    L = model.cfg.num_hidden_layers
+    kw = _estimate_kwargs(model, opt, world().size, micro_batch_tokens, _kv_tokens(llm), ref_model)
+    k, peak, budget = auto_layers(model, kw, extra_bytes)
+    model.gradient_checkpointing = k
+    if model.device.type != "cuda":
+        return f"gradient checkpointing auto: all {L} layers checkpointed (on the CPU)"
+    return (f"gradient checkpointing auto: {k} of {L} layers checkpointed, every activation of the others kept "
+            f"(estimated peak {(peak + extra_bytes) / GiB:.1f} GiB of {(budget + extra_bytes) / GiB:.1f} GiB "
+            f"this process may hold)")
 
 
 def summary(est: dict) -> str:
@@ -115,8 +197,6 @@ def log_estimate(log, model, opt, micro_batch_tokens: int, llm=None, ref_model: 
     w = world()
     if not w.distributed:
         return None
-    runner = getattr(llm, "runner", None)
-    kv = getattr(runner, "num_blocks", 0) * getattr(runner, "block_size", 0) if runner is not None else 0
-    est = estimate_for(model, opt, w.size, micro_batch_tokens, kv_tokens=kv, ref_model=ref_model)
+    est = estimate_for(model, opt, w.size, micro_batch_tokens, kv_tokens=_kv_tokens(llm), ref_model=ref_model)
     log.info(summary(est))
     return est

@@ -66,8 +66,9 @@ class Qwen3:
         self.grad_sink = None
         # True / "full": keep each layer's input, recompute the layer in backward;
         # "attention": also keep attention's output and lse (recompute skips the attention
-        # kernel, +4 bytes x q_size per token and layer); False / "none": keep everything
-        self.gradient_checkpointing: bool | str = True
+        # kernel, +4 bytes x q_size per token and layer); False / "none": keep everything;
+        # an int k: checkpoint the first k layers, keep everything of the others
+        self.gradient_checkpointing: bool | str | int = True
         self.source: Path | None = None
         self._ctx: dict | None = None  # the LM head's saved tensors
         self._trunk_ctx: dict | None = None  # the trunk's
@@ -248,33 +249,48 @@ class Qwen3:
         return dx + dx2
 
     # ---------------------------------------------------------------- trunk
-    def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str, pos=None):
-        """Embedding + layers. keep: 'none' | 'inputs' (full checkpointing) | 'attention'
-        (layer input + attention output and lse) | 'all' (every activation). pos: the tokens'
-        positions, or None to derive them from cu_seqlens."""
+    def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str | tuple[str, ...], pos=None):
+        """Embedding + layers. keep, one for all layers or one per layer: 'none' | 'inputs'
+        (checkpointed) | 'attention' (layer input + attention output and lse) | 'all' (every
+        activation). pos: the tokens' positions, or None to derive them from cu_seqlens."""
         if pos is None:
             pos = positions_from_cu_seqlens(cu_seqlens, tokens.numel())
+        L = self.cfg.num_hidden_layers
+        keeps = (keep,) * L if isinstance(keep, str) else keep
         x = embedding_fwd(tokens, self.w["embed"])
         saved = []
-        for i in range(self.cfg.num_hidden_layers):
+        for i in range(L):
             x_in = x
             x, acts = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen)
-            if keep == "inputs":
+            if keeps[i] == "inputs":
                 saved.append({"x": x_in})
-            elif keep == "attention":
+            elif keeps[i] == "attention":
                 saved.append({"x": x_in, "attn": (acts["o"], acts["lse"])})
-            elif keep == "all":
+            elif keeps[i] == "all":
                 saved.append(acts)
         return x, pos, saved
 
     _CKPT_MODES = {True: "inputs", "full": "inputs", "attention": "attention", False: "all", "none": "all"}
 
-    def _keep_mode(self) -> str:
+    def _keep_mode(self) -> tuple[str, ...]:
+        """What each layer's forward keeps, per `gradient_checkpointing`. An int k checkpoints
+        the first k layers and keeps every activation of the others: their backward runs
+        last, once the kept layers' activations are freed, so the layer it recomputes adds
+        nothing to the peak."""
+        gc, L = self.gradient_checkpointing, self.cfg.num_hidden_layers
+        if gc == "auto":
+            raise ValueError("gradient_checkpointing 'auto' is decided by the trainers at the first update "
+                             "(rlcu.dist.memory.resolve_auto); a bare model needs a mode or a number of layers")
+        if isinstance(gc, int) and not isinstance(gc, bool):
+            if not 0 <= gc <= L:
+                raise ValueError(f"gradient_checkpointing as a number of checkpointed layers must be in "
+                                 f"[0, {L}], got {gc}")
+            return ("inputs",) * gc + ("all",) * (L - gc)
         try:
-            return self._CKPT_MODES[self.gradient_checkpointing]
+            return (self._CKPT_MODES[gc],) * L
         except (KeyError, TypeError):
-            raise ValueError(f"gradient_checkpointing must be one of True/'full', 'attention', False/'none'; "
-                             f"got {self.gradient_checkpointing!r}") from None
+            raise ValueError(f"gradient_checkpointing must be one of True/'full', 'attention', False/'none', "
+                             f"or a number of checkpointed layers in [0, {L}]; got {gc!r}") from None
 
     # ---------------------------------------------------------------- public API
     @torch.no_grad()

@@ -51,6 +51,17 @@ class PPOTrainer(RLTrainer):
         self.critic_opt = make_optimizer(self.critic, cc.optim)  # ShardedAdamW across ranks
         self.score_stats = losses.RunningMoments()
 
+    def _resolve_checkpointing(self) -> None:
+        super()._resolve_checkpointing()
+        self.critic.gradient_checkpointing = self.model.gradient_checkpointing  # the same trunk shape
+
+    def _bytes_outside_estimate(self) -> int:
+        """The critic's weights, gradient and optimizer state."""
+        c, o = self.critic, self.critic_opt
+        held = [c.flat, o.m, o.v, None if o.master_is_model else o.master]
+        grad = c.layout.numel * torch.empty((), dtype=c.grad_dtype).element_size()  # also when released
+        return grad + sum(t.numel() * t.element_size() for t in held if t is not None)
+
     def _grad_holders(self) -> list:
         return [*super()._grad_holders(), (self.critic, self.cfg.critic.optim)]
 
@@ -112,6 +123,7 @@ class PPOTrainer(RLTrainer):
         n_seq = batch.num_masked_in_seqs()
         batch = batch.view(*dp.rank_seq_range(batch.num_seqs, c.group_size))  # the groups this rank trains on
         clip = c.critic.value_clip if c.critic.value_clip > 0 else math.inf
+        self._resolve_checkpointing()
         self.critic.zero_grad()
         stats = torch.zeros(len(VALUE_STATS), dtype=torch.float64)
         for a, b in (batch.micro_batches(c.micro_batch_tokens) if batch.num_seqs else []):

@@ -349,12 +349,27 @@ class RLTrainer(Trainer):
 
         return lr_at(update, optim_cfg or self.cfg.optim, total)
 
+    def _resolve_checkpointing(self) -> None:
+        """`gradient_checkpointing: auto` becomes a number of checkpointed layers at the first
+        update, when every buffer the run keeps exists (rlcu.dist.memory.resolve_auto)."""
+        if self.model.gradient_checkpointing != "auto":
+            return
+        from rlcu.dist.memory import resolve_auto
+
+        self._log_info(resolve_auto(self.model, self.opt, self.cfg.micro_batch_tokens, self.llm,
+                                      self.ref is not None, extra_bytes=self._bytes_outside_estimate()))
+
+    def _bytes_outside_estimate(self) -> int:
+        """Device bytes the run holds that the policy's memory estimate does not count."""
+        return 0
+
     def _policy_update(self, batch: ro.RolloutBatch, update: int, total_updates: int, agg: str,
                        kl_coef: float, record=None) -> dict:
         """One optimizer step of the policy over the whole batch, micro-batch by micro-batch;
         record(a, b, lp), when given, receives each micro-batch's logprobs (rlcu.train.mismatch)."""
         from rlcu.dist import batch as dp
 
+        self._resolve_checkpointing()
         c, model = self.cfg, self.model
         n_tok = float(batch.mask.sum())  # of the global batch: every rank holds all of it
         n_seq = batch.num_masked_in_seqs()

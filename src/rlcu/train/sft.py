@@ -208,6 +208,10 @@ class SFTTrainer(Trainer):
     def _step(self, step: int) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
+        if self.model.gradient_checkpointing == "auto":  # a number of layers from the memory estimate
+            from rlcu.dist.memory import resolve_auto
+
+            self._log_info(resolve_auto(self.model, self.optimizer, cfg.batch_tokens))
         lr = lr_at(step, cfg.optim, cfg.steps)
         graph = self.step_graph
         batches = [self._micro_batch(device="cpu" if graph else None) for _ in range(cfg.grad_accum)]
