@@ -105,6 +105,30 @@ def test_rmsnorm_kernel_bf16():
 
 
 @cpu
+@pytest.mark.parametrize("N,D,strided", [(63, 96, False), (5, 1024, True), (130, 10, False)])
+def test_rmsnorm_bwd_adds_the_residual(N, D, strided):
+    """The residual branch's gradient is added in the backward's pass, before its one rounding:
+    the kernel against the twin, and the twin against the norm's dx plus the residual."""
+    _seed(N)
+    x, dy, w = torch.randn(N, D), torch.randn(N, D), 1 + 0.1 * torch.randn(D)
+    res = torch.randn(N, D + 7)[:, 3 : 3 + D] if strided else torch.randn(N, D)
+    _, rstd = rms.rmsnorm_fwd_ref(x, w, 1e-6)
+    dx, dw = rms.rmsnorm_bwd_triton(dy, x, w, rstd, res)
+    dx0, dw0 = rms.rmsnorm_bwd_ref(dy, x, w, rstd, res)
+    plain, _ = rms.rmsnorm_bwd_ref(dy, x, w, rstd)
+    assert rel_err(dx, dx0) < TOL32 and rel_err(dw, dw0) < TOL32
+    assert rel_err(dx0, plain + res) < 1e-6 and rel_err(dx0, plain) > 0.1
+    assert torch.equal(rms.rmsnorm_bwd(dy, x, w, rstd, res)[0], rms.rmsnorm_bwd(dy, x, w, rstd, residual=res)[0])
+    # half precision: one rounding of (dx + residual), not two
+    xh, dyh, resh = x.half(), dy.half(), res.half()
+    dxh, _ = rms.rmsnorm_bwd_triton(dyh, xh, w.half(), rstd, resh)
+    want = (rms.rmsnorm_bwd_ref(dyh.float(), xh.float(), w.half().float(), rstd)[0] + resh.float()).half()
+    assert dxh.dtype == torch.float16 and rel_err(dxh, want) < 2e-3
+    with pytest.raises(ValueError, match="residual has shape"):
+        rms.rmsnorm_bwd_triton(dy, x, w, rstd, res[:-1])
+
+
+@cpu
 @pytest.mark.parametrize("N,H,D,strided", [(63, 3, 96, False), (17, 5, 24, True), (9, 2, 10, False)])
 def test_rope_kernel(N, H, D, strided):
     _seed(N)
@@ -262,6 +286,10 @@ def test_gpu_rmsnorm(rows, D):
     assert rel_err(dx, dx0) < TOL16 and rel_err(dw, dw0) < 1e-3
     # the fixed-order dw reduction is deterministic
     assert torch.equal(rms.rmsnorm_bwd(dy, x, w, rstd)[1], dw)
+    # with the residual branch's gradient added in the same pass (the decoder layers' form)
+    res = _bf16(rows, D)
+    dxr, dwr = rms.rmsnorm_bwd(dy, x, w, rstd, res)
+    assert rel_err(dxr, dx0 + res.float()) < TOL16 and torch.equal(dwr, dw)
     # a row-strided view (a slice of a wider activation) gives the same numbers
     wide = _bf16(rows, D + 64)
     wide[:, 32 : 32 + D] = x

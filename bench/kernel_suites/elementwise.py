@@ -115,11 +115,12 @@ def static(dtype: str = "bf16") -> list[dict]:
     rows = []
     for D in (HIDDEN, HEAD_DIM):
         BN, BD, num_warps, stages, maxnreg = rmsnorm._blocks_bwd(D)
-        types = {n: f"*{dtype}" for n in ("DY", "X", "W", "DX")}
+        types = {n: f"*{dtype}" for n in ("DY", "X", "W", "RES", "DX")}
         types.update(RSTD="*fp32", DW_PART="*fp32", D="i32")
-        rows.append(dict(D=D, **static_compile(rmsnorm._rmsnorm_bwd_kernel, types,
-                                               dict(BN=BN, BD=BD, STAGES=stages), num_warps,
-                                               maxnreg=maxnreg, aligned=("D",))))
+        for res in (False, True):  # the final norm's backward, and the layers' (with the residual)
+            rows.append(dict(D=D, residual=res, **static_compile(rmsnorm._rmsnorm_bwd_kernel, types,
+                                                                 dict(BN=BN, BD=BD, STAGES=stages, HAS_RES=res),
+                                                                 num_warps, maxnreg=maxnreg, aligned=("D",))))
     return rows
 
 

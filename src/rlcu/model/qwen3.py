@@ -228,9 +228,8 @@ class Qwen3:
         dgu = swiglu_bwd(da, s["gu"])
         acc_wgrad(g[p + "gate_up"], dgu, s["h2"])
         dh2 = dgu @ w[p + "gate_up"]
-        dx2, dw = rmsnorm_bwd(dh2, s["x2"], w[p + "post_norm"], s["r2"])
+        dx2, dw = rmsnorm_bwd(dh2, s["x2"], w[p + "post_norm"], s["r2"], dy)  # + dy: the residual
         g[p + "post_norm"] += dw
-        dx2 = dx2 + dy
         # attention: x2 = x + attn(rope(norm(q)), rope(norm(k)), v) Wo^T
         acc_wgrad(g[p + "o"], dx2, s["o"].view(N, c.q_size))
         do = (dx2 @ w[p + "o"]).view(N, Hq, D)
@@ -244,9 +243,9 @@ class Qwen3:
         dqkv = torch.cat([dq0.view(N, c.q_size), dk0.view(N, c.kv_size), dv.reshape(N, c.kv_size)], 1)
         acc_wgrad(g[p + "qkv"], dqkv, s["h1"])
         dh1 = dqkv @ w[p + "qkv"]
-        dx, dw = rmsnorm_bwd(dh1, s["x"], w[p + "input_norm"], s["r1"])
+        dx, dw = rmsnorm_bwd(dh1, s["x"], w[p + "input_norm"], s["r1"], dx2)  # + dx2: the residual
         g[p + "input_norm"] += dw
-        return dx + dx2
+        return dx
 
     # ---------------------------------------------------------------- trunk
     def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str | tuple[str, ...], pos=None):

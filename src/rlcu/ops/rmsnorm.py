@@ -66,9 +66,9 @@ def _rmsnorm_fwd_kernel(X, W, Y, RSTD, N, D, stride_x, stride_y, eps,
 
 
 @triton.jit(do_not_specialize=["N", "tiles_per_program"])
-def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, N, D, stride_dy, stride_x, stride_dx,
+def _rmsnorm_bwd_kernel(DY, X, W, RSTD, RES, DX, DW_PART, N, D, stride_dy, stride_x, stride_res, stride_dx,
                         tiles_per_program, BN: tl.constexpr, BD: tl.constexpr,
-                        STAGES: tl.constexpr):
+                        STAGES: tl.constexpr, HAS_RES: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     P = tl.num_programs(0).to(tl.int64)
     cols = tl.arange(0, BD)
@@ -89,6 +89,8 @@ def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PART, N, D, stride_dy, stride_x, 
         # d/dx of x * rstd(x): rstd * (g - xhat * mean(g * xhat)); padded rows give 0
         c = tl.sum(g * xhat, 1) / D  # [BN]
         dx = rstd[:, None] * (g - xhat * c[:, None])
+        if HAS_RES:  # a residual branch's gradient, added before the one rounding
+            dx += tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
     tl.store(DW_PART + pid * D + cols, tl.sum(dw, 0), mask=cmask)
@@ -176,11 +178,16 @@ def rmsnorm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
     return y, rstd
 
 
-def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
+def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
+                       residual: torch.Tensor | None = None):
     x, dy = _rows(x, "x"), _rows(dy, "dy")
     N, D = _check(x, w)
     if dy.shape != x.shape:
         raise ValueError(f"rmsnorm: dy has shape {list(dy.shape)}, x has {list(x.shape)}")
+    if residual is not None:
+        residual = _rows(residual, "residual")
+        if residual.shape != x.shape:
+            raise ValueError(f"rmsnorm: residual has shape {list(residual.shape)}, x has {list(x.shape)}")
     if rstd.shape != (N,) or rstd.dtype != torch.float32:
         raise ValueError(f"rmsnorm: rstd must be fp32 [{N}], got {rstd.dtype} {list(rstd.shape)}")
     w, rstd = w.contiguous(), rstd.contiguous()
@@ -191,14 +198,16 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd:
     n_tiles = triton.cdiv(N, BN)
 
     def launch(grid, dw_part, tiles_per_program, warmup=False):
-        args = (dy, x, w, rstd, dx, dw_part, N, D, dy.stride(0), x.stride(0), dx.stride(0),
+        res = dy if residual is None else residual  # dy stands in for an absent residual (never read)
+        args = (dy, x, w, rstd, res, dx, dw_part, N, D, dy.stride(0), x.stride(0), res.stride(0), dx.stride(0),
                 tiles_per_program)
-        kw = dict(BN=BN, BD=BD, STAGES=stages, num_warps=num_warps, maxnreg=maxnreg)
+        kw = dict(BN=BN, BD=BD, STAGES=stages, HAS_RES=residual is not None, num_warps=num_warps, maxnreg=maxnreg)
         if warmup:
             return _rmsnorm_bwd_kernel.warmup(*args, grid=grid, **kw)
         _rmsnorm_bwd_kernel[grid](*args, **kw)
 
-    key = (x.device, dy.dtype, x.dtype, w.dtype, BN, BD, stages, num_warps)
+    key = (x.device, dy.dtype, x.dtype, w.dtype, None if residual is None else residual.dtype, BN, BD, stages,
+           num_warps)
     # rstd stands in for the fp32 partial buffer; any tiles_per_program >= 2 compiles the same
     P = _bwd_programs(x.device, n_tiles, key, lambda: launch((1,), rstd, 2, warmup=True))
     tiles_per_program = triton.cdiv(n_tiles, P)
@@ -218,10 +227,13 @@ def rmsnorm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
     return y.to(x.dtype), rstd
 
 
-def rmsnorm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
+def rmsnorm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
+                    residual: torch.Tensor | None = None):
     xhat = x.float() * rstd[:, None]
     g = dy.float() * w.float()
     dx = rstd[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    if residual is not None:
+        dx = dx + residual.float()
     dw = (dy.float() * xhat).sum(0)
     return dx.to(x.dtype), dw
 
@@ -232,5 +244,8 @@ def rmsnorm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
 
 
 @dispatch(rmsnorm_bwd_triton, rmsnorm_bwd_ref, on="x")
-def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor):
-    """dy, x: [N, D], w: [D], rstd: [N] -> (dx [N, D] in x.dtype, dw [D] fp32)."""
+def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
+                residual: torch.Tensor | None = None):
+    """dy, x: [N, D], w: [D], rstd: [N] -> (dx [N, D] in x.dtype, dw [D] fp32). residual
+    [N, D], when given, is added to dx before its rounding: the gradient of a residual
+    branch around the norm, in the same pass (one read instead of an add's two and a write)."""
