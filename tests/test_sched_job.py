@@ -152,6 +152,28 @@ def test_memory_estimates():
     assert mem["rollout"] == 3.0 and clusters["actor"]["peak"] == max(v for k, v in mem.items() if k != "resident")
 
 
+def test_memory_estimate_follows_the_checkpointing_and_refuses_auto():
+    from rlcu.config import ConfigError
+    from rlcu.dist.memory import kept_activation_bytes
+    from rlcu.model.config import Qwen3Config
+    from rlcu.train.rl_config import GRPOConfig
+
+    def est(mode):
+        return estimate_memory(GRPOConfig(**{**config("x"), "model": {"dtype": "bfloat16",
+                                                                      "gradient_checkpointing": mode}}))
+
+    full, none, half = est(True), est(False), est(14)
+    qc, T = Qwen3Config(), GRPOConfig(**config("x")).micro_batch_tokens
+    kept = {k: kept_activation_bytes(qc, T, 2, k) for k in ("full", "none", 14)}
+    assert none["actor_train"] - full["actor_train"] == pytest.approx((kept["none"] - kept["full"]) * 1.25 / (1 << 30))
+    assert full["actor_train"] < half["actor_train"] < none["actor_train"]
+    assert half["resident"] == full["resident"] and half["rollout"] == full["rollout"]
+    for bad, match in (("auto", "a scheduled job shares one"), (29, "checkpoints 29 layers; the model has 28")):
+        with pytest.raises(ConfigError, match=match) as e:
+            est(bad)
+        assert e.value.path == "model.gradient_checkpointing"
+
+
 @pytest.mark.gpu
 def test_two_jobs_share_one_gpu(tmp_path):
     """Two small GRPO jobs, threads of one process, phase-shared on cuda:0 (bf16, Triton)."""

@@ -49,16 +49,22 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: i
     """Rough GiB per device: `resident` (weights, fp32 master, Adam m and v, the grads unless
     optim.release_grads frees them between steps (then actor_train counts them), the
     reference copy), and the transient need of init, rollout (KV pool for one step's
-    sequences + logits), ref_logprobs and actor_train (checkpointed activations of one
-    micro-batch + one layer's recompute + the chunked LM head). Override with measurements.
+    sequences + logits), ref_logprobs and actor_train (the activations one micro-batch keeps
+    under model.gradient_checkpointing + one layer's recompute + the chunked LM head). Override with measurements.
     world_size N > 1 (data parallel, one device a rank): the master, m, v and the gradient are
     1/N shards (rlcu.dist.zero), actor_train adds the reduce-scattered gradient buckets
     (rlcu.dist.memory), and a rank's rollout holds its block of the step's prompts."""
+    from rlcu.config import ConfigError
+    from rlcu.dist.memory import checkpointing_name, kept_activation_bytes
     from rlcu.model.config import Qwen3Config
     from rlcu.model.layout import ParamLayout
     from rlcu.ops.logprob import chunk_rows
 
     m = cfg.model
+    if m.gradient_checkpointing == "auto":
+        raise ConfigError("model.gradient_checkpointing", "'auto' sizes the activations to the free memory of a "
+                                                          "GPU of its own; a scheduled job shares one: give true, "
+                                                          "'attention', false or a number of checkpointed layers")
     if m.tiny is not None:
         qc = Qwen3Config(**m.tiny)
     elif m.path is not None:
@@ -82,7 +88,12 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: i
     T = cfg.micro_batch_tokens
     layer = T * (qc.q_size + 2 * qc.kv_size + 4 * H + 6 * I) * w
     head = min(T, chunk_rows(V, m.resolve_dtype())) * V * 4 * 2  # the fused head's logits tile
-    train = (T * H * w * L + layer * 2 + head) * 1.25 + (grads if o.release_grads else 0)
+    if isinstance(m.gradient_checkpointing, int) and not isinstance(m.gradient_checkpointing, bool):
+        if m.gradient_checkpointing > L:
+            raise ConfigError("model.gradient_checkpointing", f"checkpoints {m.gradient_checkpointing} layers; "
+                                                              f"the model has {L}")
+    kept = kept_activation_bytes(qc, T, w, checkpointing_name(m.gradient_checkpointing))  # per the mode
+    train = (kept + layer * 2 + head) * 1.25 + (grads if o.release_grads else 0)
     if N > 1:
         from rlcu.dist.memory import estimate
 
