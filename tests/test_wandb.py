@@ -4,6 +4,7 @@ it from the step after the last one logged; the history is read back from the of
 import json
 import struct
 import sys
+import time
 
 import pytest
 
@@ -32,8 +33,19 @@ def _records(path):
     return out
 
 
-def _offline_run(path):
-    """(run id, [history rows]) of one offline run folder."""
+def _offline_run(path, rows: int = 0, timeout: float = 30.0):
+    """(run id, [history rows]) of one offline run folder, read again until it holds `rows`
+    history rows or `timeout` seconds pass: W&B's service process writes the file behind
+    `finish()`, and on a loaded machine the records land late."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = _read_offline_run(path)
+        if len(out[1]) >= rows or time.monotonic() > deadline:
+            return out
+        time.sleep(0.2)
+
+
+def _read_offline_run(path):
     from wandb.proto import wandb_internal_pb2 as pb
 
     (f,) = path.glob("run-*.wandb")
@@ -79,7 +91,7 @@ def test_wandb_offline_resume_continues_the_run(tmp_path, offline):
     assert (out / "wandb_run_id").read_text().strip() == run_id
     runs = sorted(offline.glob("offline-run-*"))
     assert len(runs) == 2 and all(p.name.endswith("-" + run_id) for p in runs)
-    (id1, rows1), (id2, rows2) = _offline_run(runs[0]), _offline_run(runs[1])
+    (id1, rows1), (id2, rows2) = _offline_run(runs[0], 5), _offline_run(runs[1], 1)
     # the folder names carry the id (checked above); the run record itself may reach the file late on a
     # loaded machine, so it is checked where present
     assert {id1, id2} - {None} == {run_id}
@@ -98,7 +110,7 @@ def test_wandb_turned_on_at_resume_gets_every_step(tmp_path, offline):
             log.log(s, {"loss": float(s)})
     _run(out, range(4, 7), lambda s: 10.0 * s, resume_step=3)  # no earlier W&B run: a new one, from step 4
     (run,) = offline.glob("offline-run-*")
-    assert [(r["_step"], r["loss"]) for r in _offline_run(run)[1]] == [(4, 40), (5, 50), (6, 60)]
+    assert [(r["_step"], r["loss"]) for r in _offline_run(run, 3)[1]] == [(4, 40), (5, 50), (6, 60)]
 
 
 def test_wandb_missing_names_the_field(tmp_path, monkeypatch):
