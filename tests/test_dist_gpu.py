@@ -37,7 +37,7 @@ def _slices_vs_whole(n, cuts, device="cpu"):
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_slices_with_index_base_round_as_the_whole_buffer(monkeypatch, backend):
     monkeypatch.setenv("RLCU_BACKEND", backend)
-    monkeypatch.setattr(adamw_mod, "BLOCK", 256)
+    monkeypatch.setattr(adamw_mod, "LAUNCH", {"sr": (256, 4), "plain": (256, 4)})
     whole, parts = _slices_vs_whole(1000, [0, 300, 301, 777, 1000])
     for a, b in zip(whole, parts):
         assert torch.equal(a, b)

@@ -134,7 +134,7 @@ def test_adamw_twin_matches_torch_optim():
 @pytest.mark.parametrize("g_dtype", [torch.float32, torch.bfloat16])
 def test_adamw_kernel_vs_twin(monkeypatch, scale_kind, g_dtype):
     monkeypatch.setenv("RLCU_BACKEND", "triton")
-    monkeypatch.setattr(adamw_mod, "BLOCK", 256)
+    monkeypatch.setattr(adamw_mod, "LAUNCH", {"sr": (256, 4), "plain": (256, 4)})
     n = 1000  # not a multiple of the block
     p0, grads = _adam_state(n, seed=3)
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)

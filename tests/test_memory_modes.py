@@ -45,7 +45,7 @@ def _grads(n, steps, seed=1, device="cpu"):
 @pytest.mark.parametrize("p_dtype, s_dtype", [(BF16, BF16), (BF16, F32), (F32, BF16), (F32, F32)])
 @pytest.mark.parametrize("scale_kind, g_dtype", [("float", F32), ("tensor", BF16)])
 def test_kernel_equals_twin_bit_for_bit(monkeypatch, p_dtype, s_dtype, scale_kind, g_dtype):
-    monkeypatch.setattr(adamw_mod, "BLOCK", 256)
+    monkeypatch.setattr(adamw_mod, "LAUNCH", {"sr": (256, 4), "plain": (256, 4)})
     monkeypatch.setattr(adamw_mod, "REF_CHUNK", 384)  # the twin's chunks cut across the kernel's blocks
     n = 1000
     p, m, v = _state(n, p_dtype, s_dtype)
@@ -64,6 +64,23 @@ def test_kernel_equals_twin_bit_for_bit(monkeypatch, p_dtype, s_dtype, scale_kin
         assert torch.equal(p, pr) and torch.equal(m, mr) and torch.equal(v, vr), t
     assert p.dtype == p_dtype and m.dtype == v.dtype == s_dtype
     assert (v.float() >= 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("base", [(1 << 32) - 300, (5 << 32) - 256, 7 << 32])
+def test_kernel_rounds_as_the_twin_across_a_2_32_boundary(monkeypatch, base):
+    """The kernel hashes k = H(key ^ hi) once or twice a program; a block whose indices cross
+    a multiple of 2^32 (a shard far into a large buffer) takes each element's own hi."""
+    monkeypatch.setattr(adamw_mod, "LAUNCH", {"sr": (256, 4), "plain": (256, 4)})
+    n = 1000
+    p, m, v = _state(n, BF16, BF16)
+    pr, mr, vr = p.clone(), m.clone(), v.clone()
+    for t, g in enumerate(_grads(n, 2), start=1):
+        monkeypatch.setenv("RLCU_BACKEND", "triton")
+        adamw_step(p, g, m, v, None, step=t, grad_scale=1.0, seed=3, index_base=base, **HP)
+        monkeypatch.setenv("RLCU_BACKEND", "torch")
+        adamw_step(pr, g, mr, vr, None, step=t, grad_scale=1.0, seed=3, index_base=base, **HP)
+        assert torch.equal(p, pr) and torch.equal(m, mr) and torch.equal(v, vr), t
 
 
 def test_rounding_bits_are_the_documented_hash():

@@ -142,7 +142,7 @@ def test_adamw_device_scalars_bitwise(monkeypatch, state):
     """The step's scalars read from device memory give the host-scalar kernel's bits; gate 0
     writes nothing."""
     monkeypatch.setenv("RLCU_BACKEND", "triton")
-    monkeypatch.setattr(adamw_mod, "BLOCK", 256)
+    monkeypatch.setattr(adamw_mod, "LAUNCH", {"sr": (256, 4), "plain": (256, 4)})
     n, hp = 1000, dict(beta1=0.9, beta2=0.95, eps=1e-8)
     g0 = torch.Generator().manual_seed(7)
     p0 = torch.randn(n, generator=g0)

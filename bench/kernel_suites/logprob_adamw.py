@@ -20,6 +20,7 @@ torch.linalg.vector_norm.
 
     python bench/kernels.py --only logprob_adamw
     python bench/kernel_suites/logprob_adamw.py
+    python bench/kernel_suites/logprob_adamw.py --sweep   # the bf16 mode's step per launch config
 """
 
 from __future__ import annotations
@@ -225,12 +226,62 @@ def _adamw_rows(ceil: dict) -> list[dict]:
     return rows
 
 
-def run(ceil: dict) -> list[dict]:
+SR_CANDIDATES = ((4096, 8), (2048, 8), (2048, 4), (1024, 4), (1024, 2), (8192, 16))  # (block, warps)
+
+
+def _adamw_bf16_rows(ceil: dict, candidates) -> list[dict]:
+    """The bf16 memory mode's step (bf16 p, m, v and g, all three rounded stochastically) over
+    the Qwen3-4B shape's parameter count, per launch config (block, warps); every config must
+    give the default's bits. Peer: torch's fused AdamW on bf16 parameters (round to nearest)."""
+    from bench.common import SHAPES
+    from rlcu.model.config import Qwen3Config
+    from rlcu.model.layout import ParamLayout
+    from rlcu.ops import adamw as A
+
+    n = ParamLayout(Qwen3Config(**SHAPES["4b"])).numel
+    torch.manual_seed(0)
+    p0 = (torch.randn(n, device="cuda") * 0.02).bfloat16()
+    g = (torch.randn(n, device="cuda") * 1e-3).bfloat16()
+    copy, default, rows, want = ceil.get("copy_GBps"), A.LAUNCH["sr"], [], None
+    for cfg in dict.fromkeys((default, *candidates)):
+        A.LAUNCH["sr"] = cfg
+        p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+        A.adamw_step(p, g, m, v, None, step=3, grad_scale=1.0, seed=1, **HP)
+        got = (p, m, v)
+        want = want or tuple(t.clone() for t in got)
+        ms = _ms(lambda p=p, m=m, v=v: A.adamw_step(p, g, m, v, None, step=10, grad_scale=1.0, **HP))
+        row = dict(name=f"adamw step P={n} bf16 p, m, v, g (stochastic rounding)", block=cfg[0], warps=cfg[1],
+                   default=cfg == default, ms=ms, GBps=14 * n / ms * 1e-6,
+                   same_bits_as_default=all(torch.equal(a, b) for a, b in zip(got, want)))
+        if copy:
+            row["frac_copy_bw"] = row["GBps"] / copy
+        rows.append(row)
+        p = m = v = got = None
+    A.LAUNCH["sr"] = default
+    want = None
+    torch.cuda.empty_cache()
+    q = p0.clone().requires_grad_()
+    q.grad = g
+    opt = torch.optim.AdamW([q], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], fused=True)
+    opt.step()
+    ms_torch = _ms(opt.step)
+    for r in rows:
+        r.update(ms_torch=ms_torch, speedup=ms_torch / r["ms"])
+    opt = q = p0 = g = None
+    torch.cuda.empty_cache()
+    return rows
+
+
+def run(ceil: dict, sweep: bool = False) -> list[dict]:
+    from rlcu.ops.adamw import LAUNCH
+
     rows = _logprob_rows(ceil, N, entropy=False)
     torch.cuda.empty_cache()
     rows += _logprob_rows(ceil, N_ENT, entropy=True)
     torch.cuda.empty_cache()
     rows += _adamw_rows(ceil)
+    rows += _adamw_bf16_rows(ceil, SR_CANDIDATES if sweep else (LAUNCH["sr"],))
     return rows
 
 
@@ -239,6 +290,12 @@ def main():
     from bench.common import measure_ceilings, write_json
 
     ceil = measure_ceilings()
+    if "--sweep" in sys.argv:  # only the bf16 mode's step, at each launch candidate
+        rows = _adamw_bf16_rows(ceil, SR_CANDIDATES)
+        for r in rows:
+            print(r)
+        write_json("adamw_bf16_sweep.json", {"ceilings": ceil, "results": rows})
+        return
     rows = run(ceil)
     for r in rows:
         print(r)

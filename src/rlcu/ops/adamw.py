@@ -54,7 +54,9 @@ if HAS_TRITON:
 
     from rlcu.ops._hash import hash32 as _hash32
 
-BLOCK = 4096  # elements per program of the step
+# (elements per program, warps) of the step: with stochastic rounding (a bf16 p or bf16
+# moments) and without; bench/kernel_suites/logprob_adamw.py --sweep times the candidates
+LAUNCH = {"sr": (4096, 8), "plain": (4096, 8)}
 NORM_BLOCK = 4096  # elements summed by one program of the norm
 REF_CHUNK = 1 << 22  # elements per pass of the twin (bounds its int64 temporaries)
 _V_SALT = 0x9E3779B9  # v's rounding bits: H(r ^ salt), independent of p's and m's halves of r
@@ -79,9 +81,15 @@ if HAS_TRITON:
         return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
-    def _rounding_bits(Key, offs):
-        # r = H(H(lo ^ k) + k), k = H(key ^ hi) for the index's 32-bit halves lo, hi
-        k = _hash32(Key.to(tl.uint32, bitcast=True) ^ (offs >> 32).to(tl.uint32))
+    def _rounding_bits(Key, offs, first, BLOCK: tl.constexpr):
+        # r = H(H(lo ^ k) + k), k = H(key ^ hi) for the index's 32-bit halves lo, hi. A block's
+        # indices [first, first + BLOCK) span at most two values of hi, so k is hashed twice a
+        # program, not once an element (the step is bound by its integer ops in the bf16 mode)
+        key = Key.to(tl.uint32, bitcast=True)
+        hi0 = first >> 32
+        k0 = _hash32(key ^ hi0.to(tl.uint32))
+        k1 = _hash32(key ^ ((first + BLOCK - 1) >> 32).to(tl.uint32))
+        k = tl.where((offs >> 32) == hi0, k0, k1)
         return _hash32(_hash32(offs.to(tl.uint32) ^ k) + k)
 
     @triton.jit(do_not_specialize=["Key"])
@@ -117,7 +125,8 @@ if HAS_TRITON:
         p = p * decay - tl.math.div_rn(m, d) * step_size
         r = offs.to(tl.uint32)  # [BLOCK] the rounding bits (unused without rounding)
         if SR_P or SR_MV:
-            r = _rounding_bits(Key, offs + Base)  # Base: the slice's first index in the full buffer
+            # Base: the slice's first index in the full buffer
+            r = _rounding_bits(Key, offs + Base, pid * BLOCK + Base, BLOCK)
         if SR_P:
             tl.store(P + offs, _sround_bf16(p, r >> 16), mask=mask)
         else:
@@ -178,16 +187,17 @@ def _adamw_step_triton(p, g, m, v, p_out, c: dict, key: int, grad_scale, index_b
     if scale_ptr and (grad_scale.numel() != 1 or grad_scale.device != p.device):
         raise ValueError(f"grad_scale must be a float or a 1-element tensor on {p.device}, "
                          f"got shape {list(grad_scale.shape)} on {grad_scale.device}")
-    grid = (triton.cdiv(n, BLOCK),)
+    sr_p, sr_mv = p.dtype == torch.bfloat16, m.dtype == torch.bfloat16
+    block, warps = LAUNCH["sr" if sr_p or sr_mv else "plain"]
+    grid = (triton.cdiv(n, block),)
     coef, key_t = dev if dev is not None else (p, p)
     _adamw_kernel[grid](
         p, g, m, v, p_out if p_out is not None else p, grad_scale if scale_ptr else p, coef, key_t, n,
         _int32_bits(key), index_base,
         1.0 if scale_ptr else float(grad_scale), c["beta1"], c["omb1"], c["beta2"], c["omb2"], c["eps"],
         c["decay"], c["step_size"], c["inv_bc2_sqrt"],
-        SCALE_PTR=scale_ptr, HAS_OUT=p_out is not None, SR_P=p.dtype == torch.bfloat16,
-        SR_MV=m.dtype == torch.bfloat16, COEF_PTR=dev is not None, BLOCK=BLOCK, num_warps=8,
-        enable_fp_fusion=False)
+        SCALE_PTR=scale_ptr, HAS_OUT=p_out is not None, SR_P=sr_p, SR_MV=sr_mv, COEF_PTR=dev is not None,
+        BLOCK=block, num_warps=warps, enable_fp_fusion=False)
 
 
 def _grad_norm_triton(g: torch.Tensor) -> torch.Tensor:
