@@ -84,7 +84,7 @@ if HAS_TRITON:
     def _rounding_bits(Key, offs, first, BLOCK: tl.constexpr):
         # r = H(H(lo ^ k) + k), k = H(key ^ hi) for the index's 32-bit halves lo, hi. A block's
         # indices [first, first + BLOCK) span at most two values of hi, so k is hashed twice a
-        # program, not once an element (the step is bound by its integer ops in the bf16 mode)
+        # program, not once an element (the bf16 mode's step hashes three times an element)
         key = Key.to(tl.uint32, bitcast=True)
         hi0 = first >> 32
         k0 = _hash32(key ^ hi0.to(tl.uint32))
