@@ -37,11 +37,12 @@ CASES = ("fresh", "cached", "off", "default")
 def _protocol(n_req: int, lo: int, hi: int, V: int):
     import numpy as np
 
+    from bench.common import random_prompts
     from rlcu.engine import SamplingParams
 
     rng = np.random.default_rng(1234)  # bench/generate.py's protocol draw
     plens, olens = rng.integers(lo, hi + 1, n_req), rng.integers(lo, hi + 1, n_req)
-    prompts = [{"prompt_token_ids": rng.integers(0, V, int(n)).tolist()} for n in plens]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(rng, V, plens)]
     params = [SamplingParams(temperature=0.6, max_tokens=int(o), ignore_eos=True, seed=i) for i, o in enumerate(olens)]
     return prompts, params
 

@@ -76,6 +76,12 @@ MEMORY_MODES = {"default": dict(master_weights=True, state_dtype="float32"),
                 "bf16": dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16")}
 
 
+def random_prompts(rng, vocab_size: int, lens) -> list[list[int]]:
+    """One prompt of uniform random token ids per length in `lens`, drawn from the numpy
+    Generator `rng` in order (so a bench's prompts depend only on its seed and lengths)."""
+    return [rng.integers(0, vocab_size, int(n)).tolist() for n in lens]
+
+
 def qwen3_06b_config(**kw):
     """The published Qwen3-0.6B shape (rlcu.Qwen3Config's defaults)."""
     from rlcu.model.config import Qwen3Config

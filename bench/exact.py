@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import qwen3_06b_config, write_json
+from bench.common import qwen3_06b_config, random_prompts, write_json
 
 CASES = ("kernels", "generate", "train_step", "grpo")
 TARGETS = {"generate": ("tok_per_s", 0.85, "throughput ratio >="), "train_step": ("tok_s", 0.90, "throughput ratio >="),
@@ -153,13 +153,13 @@ def case_generate(quick: bool) -> dict:
     m = random_model(cfg, "cuda")
     llm = LLM(m, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.6)
     rng = np.random.default_rng(0)
-    warm = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(lo, hi + 1, 64)]
+    warm = random_prompts(rng, cfg.vocab_size, rng.integers(lo, hi + 1, 64))
     llm.generate([{"prompt_token_ids": w} for w in warm],
                  SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True), use_tqdm=False)
     llm.capture_graphs(2 * hi + 16)
     rng = np.random.default_rng(1234)
     plens, olens = rng.integers(lo, hi + 1, n_req), rng.integers(lo, hi + 1, n_req)
-    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in plens]
+    prompts = random_prompts(rng, cfg.vocab_size, plens)
     params = [SamplingParams(temperature=0.6, max_tokens=int(o), ignore_eos=True, seed=i) for i, o in enumerate(olens)]
     return run_rlcu(llm, prompts, params, cfg, m.num_params() * 2, 4.3e12, f"protocol {n_req} x [{lo},{hi}]")
 

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import measure_ceilings, qwen3_06b_config, write_json  # noqa: E402
+from bench.common import measure_ceilings, qwen3_06b_config, random_prompts, write_json  # noqa: E402
 
 MATMUL_PEAK = 790e12  # bf16 dense, measured on the H200 (BENCHMARKS.md section 4)
 
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     # enough prompts that prefill runs full token-budget steps and mixed prefill+decode steps,
     # so every kernel variant the timed runs use is compiled here
     n_warm = 8 if args.quick else 64
-    warm = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(lo, hi + 1, n_warm)]
+    warm = random_prompts(rng, cfg.vocab_size, rng.integers(lo, hi + 1, n_warm))
     llm.generate([{"prompt_token_ids": w} for w in warm], SamplingParams(temperature=0.6, max_tokens=8,
                                                                          ignore_eos=True), use_tqdm=False)
     graphs = llm.capture_graphs(2 * hi + 16)
@@ -199,12 +199,12 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(1234)
     plens = rng.integers(lo, hi + 1, n_req)
     olens = rng.integers(lo, hi + 1, n_req)
-    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in plens]
+    prompts = random_prompts(rng, cfg.vocab_size, plens)
     params = [SamplingParams(temperature=0.6, max_tokens=int(o), ignore_eos=True, seed=i) for i, o in enumerate(olens)]
     results["rlcu"].append(run_rlcu(llm, prompts, params, cfg, weight_bytes, bw,
                                     f"protocol {n_req} x [{lo},{hi}]"))
     for B, pl, new in fixed:
-        prompts = [rng.integers(0, cfg.vocab_size, pl).tolist() for _ in range(B)]
+        prompts = random_prompts(rng, cfg.vocab_size, [pl] * B)
         sp = SamplingParams(temperature=0.6, max_tokens=new, ignore_eos=True, seed=7)
         results["rlcu"].append(run_rlcu(llm, prompts, sp, cfg, weight_bytes, bw, f"fixed B={B} {pl}/{new}"))
 

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import qwen3_06b_config, write_json  # noqa: E402
+from bench.common import qwen3_06b_config, random_prompts, write_json  # noqa: E402
 from bench.generate import random_model  # noqa: E402
 from bench.profile_engine import _kernels  # noqa: E402
 
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     cfg = qwen3_06b_config()
     m = random_model(cfg, "cuda")
     rng = np.random.default_rng(1234)
-    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(100, 1025, 256)]
+    prompts = random_prompts(rng, cfg.vocab_size, rng.integers(100, 1025, 256))
     n_tok = sum(map(len, prompts))
     llm = LLM(m, max_num_seqs=256, max_num_batched_tokens=BUDGET, gpu_memory_utilization=0.6,
               enable_prefix_caching=False)

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import qwen3_06b_config, write_json  # noqa: E402
+from bench.common import qwen3_06b_config, random_prompts, write_json  # noqa: E402
 from bench.generate import random_model  # noqa: E402
 
 
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     m = random_model(cfg, "cuda")
     llm = LLM(m, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.6)
     rng = np.random.default_rng(0)
-    warm = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(100, 1025, 64)]
+    warm = random_prompts(rng, cfg.vocab_size, rng.integers(100, 1025, 64))
     llm.generate([{"prompt_token_ids": w} for w in warm], SamplingParams(temperature=0.6, max_tokens=8,
                                                                          ignore_eos=True), use_tqdm=False)
     llm.capture_graphs(2048)
@@ -95,10 +95,10 @@ def main(argv=None) -> int:
     for c in args.cases.split(","):
         if c.startswith("decode"):
             B = int(c[6:])
-            prompts = [rng.integers(0, cfg.vocab_size, 128).tolist() for _ in range(B)]
+            prompts = random_prompts(rng, cfg.vocab_size, [128] * B)
             sp = SamplingParams(temperature=0.6, max_tokens=256, ignore_eos=True, seed=7)
         elif c == "prefill":
-            prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(100, 1025, 64)]
+            prompts = random_prompts(rng, cfg.vocab_size, rng.integers(100, 1025, 64))
             sp = SamplingParams(temperature=0.6, max_tokens=2, ignore_eos=True, seed=7)
         else:
             raise SystemExit(f"--cases: unknown case {c!r} (decodeB or prefill)")
