@@ -252,6 +252,13 @@ class ModelConfig(Section):
         if self.path is not None and self.tiny is not None:
             raise ConfigError("tiny", "must be null when path is set (give one of model.path, model.tiny)")
 
+    def check_layers(self, num_layers: int) -> None:
+        """A number of checkpointed layers against the model's layer count (known once the
+        model's config is read)."""
+        gc = self.gradient_checkpointing
+        if isinstance(gc, int) and not isinstance(gc, bool) and gc > num_layers:
+            raise ConfigError("model.gradient_checkpointing", f"checkpoints {gc} layers; the model has {num_layers}")
+
     def resolve_device(self) -> str:
         if self.device != "auto":
             return self.device

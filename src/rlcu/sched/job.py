@@ -88,10 +88,7 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: i
     T = cfg.micro_batch_tokens
     layer = T * (qc.q_size + 2 * qc.kv_size + 4 * H + 6 * I) * w
     head = min(T, chunk_rows(V, m.resolve_dtype())) * V * 4 * 2  # the fused head's logits tile
-    if isinstance(m.gradient_checkpointing, int) and not isinstance(m.gradient_checkpointing, bool):
-        if m.gradient_checkpointing > L:
-            raise ConfigError("model.gradient_checkpointing", f"checkpoints {m.gradient_checkpointing} layers; "
-                                                              f"the model has {L}")
+    m.check_layers(L)
     kept = kept_activation_bytes(qc, T, w, checkpointing_name(m.gradient_checkpointing))  # per the mode
     train = (kept + layer * 2 + head) * 1.25 + (grads if o.release_grads else 0)
     if N > 1:

@@ -242,8 +242,6 @@ def build_model(cfg, device: str | None = None, dtype: torch.dtype | None = None
         model = Qwen3.from_config(qc, device=device, dtype=dtype, seed=cfg.init_seed)
     else:
         raise ConfigError("model.path", "must be set (or model.tiny for a model made from scratch)")
-    gc, L = cfg.gradient_checkpointing, model.cfg.num_hidden_layers
-    if isinstance(gc, int) and not isinstance(gc, bool) and gc > L:
-        raise ConfigError("model.gradient_checkpointing", f"checkpoints {gc} layers; the model has {L}")
-    model.gradient_checkpointing = gc
+    cfg.check_layers(model.cfg.num_hidden_layers)
+    model.gradient_checkpointing = cfg.gradient_checkpointing
     return model
