@@ -13,7 +13,11 @@ The bound: a step must read every weight once plus the K/V of every running sequ
 and the achieved fraction is sum(bound) / wall. The per-phase host timings (schedule, launch,
 wait for the device, postprocess) and the prefill/decode split say where the rest goes.
 
-    python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure]
+    python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
+                             [--no-prefill-graphs]
+
+--shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
+runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import measure_ceilings, qwen3_06b_config, random_prompts, write_json  # noqa: E402
+from bench.common import SHAPES, measure_ceilings, qwen3_06b_config, random_prompts, write_json  # noqa: E402
 
 MATMUL_PEAK = 790e12  # bf16 dense, measured on the H200 (BENCHMARKS.md section 4)
 
@@ -149,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--sync-scheduling", action="store_true", help="no one-step lookahead")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="a published Qwen3 shape")
+    p.add_argument("--no-prefill-graphs", action="store_true", help="prefill and mixed steps eagerly")
     args = p.parse_args(argv)
 
     from rlcu.engine import LLM, SamplingParams
@@ -166,13 +172,14 @@ def main(argv=None) -> int:
             num_key_value_heads=2, head_dim=32, bos_token_id=None, eos_token_id=None)
         n_req, lo, hi, fixed = min(args.requests, 32 if cuda else 8), 16, 128 if cuda else 48, [(8, 32, 32)]
     else:
-        cfg = qwen3_06b_config()
+        cfg = qwen3_06b_config(**SHAPES[args.shape])
         n_req, lo, hi, fixed = args.requests, 100, 1024, [(64, 128, 256), (256, 128, 256)]
     m = random_model(cfg, dev)
     weight_bytes = m.num_params() * 2
     llm = LLM(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              async_scheduling=not args.sync_scheduling, num_kv_blocks=None if cuda else 4096)
+              async_scheduling=not args.sync_scheduling, num_kv_blocks=None if cuda else 4096,
+              prefill_graphs=not args.no_prefill_graphs)
     print(f"model: {cfg.num_hidden_layers} layers, {m.num_params() / 1e6:.0f}M params; KV pool "
           f"{llm.runner.num_blocks} blocks x {llm.runner.block_size} tokens; max_model_len {llm.max_model_len}",
           flush=True)
@@ -195,6 +202,7 @@ def main(argv=None) -> int:
                           "max_num_batched_tokens": args.max_num_batched_tokens,
                           "kv_blocks": llm.runner.num_blocks, "block_size": llm.runner.block_size,
                           "cuda_graphs": llm.runner.use_graphs, "async_scheduling": llm.async_scheduling,
+                          "prefill_graphs": sorted(llm.runner.prefill_graphs.graphs), "shape": args.shape,
                           "quick": args.quick}, "ceilings": ceil, "rlcu": [], "hf": []}
     rng = np.random.default_rng(1234)
     plens = rng.integers(lo, hi + 1, n_req)
@@ -220,7 +228,8 @@ def main(argv=None) -> int:
         for r, h in zip(results["rlcu"][1:], results["hf"]):
             r["speedup_vs_hf"] = r["tok_per_s"] / h["tok_per_s"]
             print(f"{r['case']}: rlcu / hf = {r['speedup_vs_hf']:.2f}x", flush=True)
-    path = write_json("generate_quick.json" if args.quick else "generate.json", results)
+    name = "generate_quick" if args.quick else "generate" + ("" if args.shape == "0.6b" else "_" + args.shape)
+    path = write_json(name + ("_eager_prefill" if args.no_prefill_graphs else "") + ".json", results)
     print(f"wrote {path}")
     return 0
 

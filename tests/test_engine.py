@@ -239,14 +239,15 @@ def test_progress_bar_runs(model, capsys):
 
 
 def test_graph_replay_logic_emulated(model):
-    """The decode-graph path (static buffers, batch padding, buckets, the LM head and the
-    sampler inside the graph) on the CPU: a 'graph' that re-runs the captured step on the
-    static buffers at replay stands in for a CUDA graph. Greedy and seeded sampling (padding
-    rows must not change the real rows' draws)."""
+    """The decode- and prefill-graph paths (static buffers, batch and token padding, buckets,
+    the tile list, placeholders, the LM head and the sampler inside the graph) on the CPU: a
+    'graph' that re-runs the captured step on the static buffers at replay stands in for a
+    CUDA graph. Greedy and seeded sampling (padding rows must not change the real rows' draws),
+    with a small token budget so that prompts are chunked and mixed with decodes."""
     sampled = SamplingParams(n=2, temperature=0.8, top_k=5, max_tokens=6, seed=3, logprobs=True)
     ref = LLM(model, num_kv_blocks=64, block_size=4, max_num_seqs=6)
     want = [ref.generate(toks(PROMPTS), sp, use_tqdm=False) for sp in (dataclasses.replace(GREEDY, n=2), sampled)]
-    llm = LLM(model, num_kv_blocks=64, block_size=4, max_num_seqs=6)
+    llm = LLM(model, num_kv_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=24)
     r = llm.runner
     r.use_graphs = True
 
@@ -254,9 +255,19 @@ def test_graph_replay_logic_emulated(model):
         out = fn()
         return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
 
-    r.decode_graphs._record = record
+    r.decode_graphs._record = r.prefill_graphs._record = record
+    staged, load = [], r.prefill_graphs.load
+
+    def spy(a, samp, last):
+        staged.append((len(a["ids"]), len(a["ph"])))
+        return load(a, samp, last)
+
+    r.prefill_graphs.load = spy
     got = [llm.generate(toks(PROMPTS), sp, use_tqdm=False) for sp in (dataclasses.replace(GREEDY, n=2), sampled)]
     assert llm.stats["graph_steps"] > 0 and {b for b, _ in r.graphs} >= {4, 6}
+    assert set(r.prefill_graphs.graphs) == {24}
+    # full and padded steps, and steps whose decode tokens are the last step's samples
+    assert {n == 24 for n, _ in staged} == {True, False} and any(p for _, p in staged)
     for w, g in zip(want, got):
         for a, b in zip(w, g):
             for x, y in zip(a.outputs, b.outputs):
@@ -282,12 +293,16 @@ def test_sleep_keeping_graphs_emulated(model):
         out = fn()
         return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
 
-    r.decode_graphs._record = record
+    def record_prefill(fn):
+        out = fn()
+        return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
+
+    r.decode_graphs._record, r.prefill_graphs._record = record, record_prefill
     for moved in (False, True, False):
         llm.generate(toks(PROMPTS), sp, use_tqdm=False)
         n = len(captures)
         llm.sleep(keep_graphs=True)
-        assert llm.runner.kv is None and r.graphs
+        assert llm.runner.kv is None and r.graphs and not r.prefill_graphs.graphs  # those go (their pool is big)
         # the CPU allocator promises no address: say where the pool "was" to steer the test
         zeros = torch.zeros
 
@@ -302,12 +317,13 @@ def test_sleep_keeping_graphs_emulated(model):
         finally:
             torch.zeros = zeros
         got = llm.generate(toks(PROMPTS), sp, use_tqdm=False)
+        assert r.prefill_graphs.graphs  # captured again on first use
         assert (len(captures) > n) == moved, (moved, n, len(captures))
         for a, b in zip(want, got):
             assert [x.token_ids for x in a.outputs] == [y.token_ids for y in b.outputs]
     assert r.graph_wakes["kept"] >= 2 and r.graph_wakes["recaptured"] >= 1
     llm.sleep()  # the default frees the graphs too
-    assert not r.graphs
+    assert not r.graphs and not r.prefill_graphs.graphs
 
 
 def test_numpy_and_tuple_prompts_equal_lists(model):

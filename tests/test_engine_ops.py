@@ -147,6 +147,28 @@ def test_paged_attention_kernel_vs_twin(case, triton_backend):
     assert rel_err(o, ref) < (1e-5 if INTERPRET else 3e-3)  # fp32 dots are tf32 on a GPU
 
 
+def test_prefill_tile_list_launch_equals_the_grid(triton_backend):
+    """The engine's prefill launch by a tile list (one program a tile with work, padded with
+    entries that exit, as a CUDA graph holds it) writes what the grid launch does, bit for bit:
+    a mixed step of decodes, a chunk of two tiles after context, and a sequence taking no
+    tokens this step."""
+    q_lens, ctx, Hq, Hk, D, BS = [1, 50, 0, 9, 1], [40, 70, 12, 9, 3], 6, 2, 24, 16
+    args, _ = _paged_setup(q_lens, ctx, Hq, Hk, D, BS, seed=3)
+    scale = D**-0.5
+    cap = pa.prefill_tiles_cap(sum(q_lens), len(q_lens), Hq, Hk)
+    seq, idx = pa.prefill_tiles(q_lens, Hq, Hk, size=cap + 3)
+    assert seq.tolist() == [0, 1, 1, 3, 4] + [-1] * (cap - 2) and idx.tolist()[:5] == [0, 0, 1, 0, 0]
+    tiles = (torch.from_numpy(seq).to(DEV), torch.from_numpy(idx).to(DEV))
+    grid = pa.paged_attention(*args, max(q_lens), max(ctx), scale)
+    listed = pa.paged_attention(*args, max(q_lens), max(ctx), scale, tiles)
+    assert torch.equal(listed, grid)
+    assert rel_err(listed, pa.paged_attention_ref(*args, max(q_lens), max(ctx), scale)) < (1e-5 if INTERPRET else 3e-3)
+    with pytest.raises(ValueError, match="do not fit"):
+        pa.prefill_tiles(q_lens, Hq, Hk, size=4)
+    with pytest.raises(ValueError, match="tiles must be"):
+        pa.paged_attention(*args, max(q_lens), max(ctx), scale, (tiles[0].long(), tiles[1]))
+
+
 DECODE_PLANS = {  # name: cfg overrides of decode_plan (tiny chunks so that contexts span many)
     "split": dict(kernel="split", BN=16),
     "chunk": dict(kernel="chunk", CHUNK=32, BN=16, per_sm=1),

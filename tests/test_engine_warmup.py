@@ -123,22 +123,26 @@ def test_warmup_captures_every_graph_the_run_replays_emulated():
     prompts = [{"prompt_token_ids": list(range(i, i + 3 + 5 * i))} for i in range(7)]
     sp = [SamplingParams(temperature=0.8, top_k=5, max_tokens=2 + 3 * i, seed=i, logprobs=True) for i in range(7)]
     ref = LLM(m, num_kv_blocks=64, block_size=4, max_num_seqs=6).generate(prompts, sp, use_tqdm=False)
-    llm = LLM(m, num_kv_blocks=64, block_size=4, max_num_seqs=6, warmup=False)
+    llm = LLM(m, num_kv_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=512, warmup=False)
     r = llm.runner
     r.use_graphs = True
 
-    def record(fn):
-        out = fn()
-        r.decode_graphs.num_captures += 1
-        return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
+    def recorder(graphs):
+        def record(fn):
+            out = fn()
+            graphs.num_captures += 1
+            return (lambda: [o.copy_(n) for o, n in zip(out, fn())]), out
+        return record
 
-    r.decode_graphs._record = record
+    r.decode_graphs._record = recorder(r.decode_graphs)
+    r.prefill_graphs._record = recorder(r.prefill_graphs)
     st = r.warm_up()
     assert r.max_model_len == 256 and r.graph_plan() == [(6, 256), (4, 256), (2, 256), (1, 256)]
     assert st["captures"] == 4 and set(r.graphs) == set(r.graph_plan())
-    n = r.num_captures
+    assert st["prefill_graphs"] == 2 and set(r.prefill_graphs.graphs) == {256, 512}
+    n, n_prefill = r.num_captures, r.prefill_graphs.num_captures
     got = llm.generate(prompts, sp, use_tqdm=False)
-    assert r.num_captures == n and llm.stats["graph_steps"] > 0
+    assert r.num_captures == n and r.prefill_graphs.num_captures == n_prefill and llm.stats["graph_steps"] > 0
     for a, b in zip(ref, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert torch.allclose(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-5)

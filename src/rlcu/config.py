@@ -371,6 +371,8 @@ class EngineConfig(Section):
                                           "then sizes the pool (on the CPU the engine holds 4 longest sequences)",
                                     ge=1)
     enforce_eager: bool = opt(False, "never capture CUDA graphs")
+    prefill_graphs: bool = opt(True, "run prefill and mixed steps by CUDA graphs too (their pool holds about one "
+                                     "full-budget step's activations while the engine is awake)")
 
 
 @dataclasses.dataclass

@@ -63,13 +63,17 @@ def graph_plan(max_num_seqs: int, max_context: int, max_model_len: int, key) -> 
     return sorted(keys, key=lambda k: (-k[0], k[1]))
 
 
-class DecodeGraphs:
-    def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, num_kv_heads: int,
-                 device: torch.device, weights_ptr: int):
-        self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
-        self.num_kv_heads, self.device = num_kv_heads, device
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (batch, context bucket) -> (replay, output)
-        self._static: dict[str, torch.Tensor] | None = None
+class GraphSet:
+    """What a set of CUDA graphs of engine steps holds, and when they are dropped: the weights'
+    address and the exact mode they were captured in (`follow`), the KV pool's address
+    (`keep`, `rebind`), their private memory pool and capture stream (`_record`). The decode
+    graphs (below) and the prefill graphs (engine/prefill_graphs.py) are one each, with pools
+    of their own, so that either can be dropped and give its memory back."""
+
+    def __init__(self, device: torch.device, weights_ptr: int):
+        self.device = device
+        self.graphs: dict = {}  # key -> (replay, outputs)
+        self._static: dict[str, torch.Tensor] | None = None  # the buffers the graphs read
         self._pool = None
         self._capture_stream: torch.cuda.Stream | None = None
         self.weights_ptr = weights_ptr  # model.flat's address when the graphs were captured
@@ -78,7 +82,6 @@ class DecodeGraphs:
         self.wakes = {"kept": 0, "recaptured": 0}  # wakes after a release that kept the graphs
         self.num_captures = 0  # CUDA graphs captured, ever
 
-    # ------------------------------------------------------------------ what the graphs hold
     def drop(self) -> None:
         self.graphs, self._static, self._pool = {}, None, None
 
@@ -102,6 +105,30 @@ class DecodeGraphs:
             self.wakes["kept" if kept else "recaptured"] += 1
             if not kept:
                 self.drop()
+
+    def _record(self, fn) -> tuple:
+        """Capture fn() -> (replay function, its outputs). The capture stream is this object's
+        own: torch's default one is made once per process, on the device current at the first
+        capture, and capturing on it would switch a later capture to that device."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(self.device)
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool, stream=self._capture_stream):
+            out = fn()
+        self.num_captures += 1
+        torch.cuda.synchronize(self.device)
+        return g.replay, out
+
+
+class DecodeGraphs(GraphSet):
+    def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, num_kv_heads: int,
+                 device: torch.device, weights_ptr: int):
+        super().__init__(device, weights_ptr)
+        self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
+        self.num_kv_heads = num_kv_heads
 
     # ------------------------------------------------------------------ buckets
     def batch_bucket(self, S: int) -> int:
@@ -145,7 +172,6 @@ class DecodeGraphs:
                 tables=torch.zeros(max_bs, W, device=d, dtype=torch.int32),
                 cu=torch.arange(max_bs + 1, device=d, dtype=torch.int32),
             )
-            self._pool = torch.cuda.graph_pool_handle() if d.type == "cuda" else None
         st = self._static
         args = (st["ids"][:b], st["pos"][:b], st["kv_slots"][:b], st["tables"][:b], st["cu"][:b + 1], st["lens"][:b],
                 1, kb)
@@ -161,20 +187,6 @@ class DecodeGraphs:
         self.graphs[(b, kb)] = self._record(run)
         for k, v in saved.items():
             st[k].copy_(v)
-
-    def _record(self, fn) -> tuple:
-        """Capture fn() -> (replay function, its outputs). The capture stream is this object's
-        own: torch's default one is made once per process, on the device current at the first
-        capture, and capturing on it would switch a later capture to that device."""
-        torch.cuda.synchronize(self.device)
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool, stream=self._capture_stream):
-            out = fn()
-        self.num_captures += 1
-        torch.cuda.synchronize(self.device)
-        return g.replay, out
 
     def capture_all(self, max_context: int, dec: DecodeState, step) -> None:
         """Capture the graphs of `plan(max_context)` not captured yet."""

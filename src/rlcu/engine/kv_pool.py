@@ -4,7 +4,8 @@ One tensor [2, layers, num_blocks, block_size, Hk, D] (K and V of every layer; a
 block_size tokens' keys and values, engine/block_manager.py hands blocks out). On CUDA its
 size is what `gpu_memory_utilization` of the device's memory leaves after everything already
 allocated (the trainer's buffers too), the activations of a step of the full token budget and,
-with graphs, the graphs' private pool (about one decode step of `max_num_seqs` rows): both
+with graphs, the graphs' private pools (the decode graphs': about one decode step of
+`max_num_seqs` rows; the prefill graphs': about one full-budget step, engine/prefill_graphs.py):
 measured by running those steps over a one-block pool (`probe_memory`). Off CUDA it holds 4
 longest sequences (or the token budget), at most `CPU_KV_BYTES`.
 """
@@ -42,9 +43,10 @@ def give_back(device: torch.device) -> None:
 
 
 def auto_num_blocks(model: Qwen3, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                    max_model_len: int, gpu_memory_utilization: float, graphs: bool) -> tuple[int, dict]:
+                    max_model_len: int, gpu_memory_utilization: float, graphs: bool,
+                    prefill_graphs: bool = False) -> tuple[int, dict]:
     """The pool's size when none is given -> (blocks, what the sizing set aside: {} off CUDA,
-    else {"activation_bytes", "graph_bytes"})."""
+    else {"activation_bytes", "graph_bytes", "prefill_graph_bytes"})."""
     bb = block_bytes(model.cfg, block_size, model.dtype)
     if model.device.type != "cuda":  # room for 4 longest sequences (or the token budget), at most 1 GiB
         want = -(-max(4 * max_model_len, max_num_batched_tokens) // block_size)
@@ -55,17 +57,19 @@ def auto_num_blocks(model: Qwen3, *, block_size: int, max_num_seqs: int, max_num
     activations, graph_bytes = probe_memory(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                             max_num_batched_tokens=max_num_batched_tokens,
                                             max_model_len=max_model_len, graphs=graphs)
-    probe = {"activation_bytes": activations, "graph_bytes": graph_bytes}
+    prefill_graph_bytes = activations if prefill_graphs else 0  # the largest bucket is the full-budget step
+    probe = {"activation_bytes": activations, "graph_bytes": graph_bytes, "prefill_graph_bytes": prefill_graph_bytes}
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
-    budget = total * gpu_memory_utilization - (total - free) - activations - graph_bytes
+    budget = total * gpu_memory_utilization - (total - free) - activations - graph_bytes - prefill_graph_bytes
     n = int(budget // bb)
     if n < 1:
         gib = 1 << 30
         raise RuntimeError(
             f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV cache: "
             f"{(total - free) / gib:.1f} GiB of {total / gib:.1f} GiB in use, {activations / gib:.2f} GiB "
-            f"for activations, {graph_bytes / gib:.2f} GiB for the decode graphs; raise gpu_memory_utilization, "
+            f"for activations, {(graph_bytes + prefill_graph_bytes) / gib:.2f} GiB for the graphs; "
+            "raise gpu_memory_utilization, "
             "lower max_num_batched_tokens, or free memory")
     return n, probe
 
@@ -82,9 +86,10 @@ def probe_memory(model: Qwen3, *, block_size: int, max_num_seqs: int, max_num_ba
     N = max_num_batched_tokens
     L = min(N, max_model_len)
     lens = [L] * (N // L) + ([N % L] if N % L else [])
-    args, _ = warmup.prefill_inputs(lens, block_size, max_num_seqs, d)
+    c = model.cfg
+    args, _ = warmup.prefill_inputs(lens, block_size, max_num_seqs, d, (c.num_attention_heads, c.num_key_value_heads))
     R = min(max_num_seqs, N)  # the most rows a step samples
-    args = (*args[:-1], torch.full((R,), N - 1, device=d, dtype=torch.int64))
+    args = (*args[:8], torch.full((R,), N - 1, device=d, dtype=torch.int64), args[9])
     peaks = []
     steps = [(args, R)]
     if graphs:

@@ -3,10 +3,11 @@ reads its samples back. It holds the step's parts, each owned by its own module:
 - the forward over the paged cache, the LM head and the sampler: engine/paged_forward.py;
 - the KV pool (its size, allocation, release): engine/kv_pool.py;
 - the CUDA graphs of the pure decode steps: engine/graphs.py (`DecodeGraphs`);
-- the pure decode steps' fields on the device: engine/decode_state.py (`DecodeState`).
-Everything but the graphs' decode steps runs eagerly. `allocate` and `release` keep the
-three stateful ones in step (the pool's address, the graphs kept or dropped, the decode
-state reset or dropped).
+- the pure decode steps' fields on the device: engine/decode_state.py (`DecodeState`);
+- the CUDA graphs of prefill and mixed steps, and their fields: engine/prefill_graphs.py.
+With graphs, the steps the graphs do not hold run eagerly (exact mode's prefill, steps wider
+than the graphs). `allocate` and `release` keep the stateful ones in step (the pool's
+address, the graphs kept or dropped, the decode state reset or dropped).
 
 Readback: a step's samples travel to pinned host buffers behind it on the stream and the
 host waits on that copy's event (`collect`), so with the one-step lookahead the host
@@ -29,8 +30,11 @@ import torch
 from rlcu.engine import kv_pool, paged_forward, warmup
 from rlcu.engine.decode_state import DecodeState
 from rlcu.engine.graphs import DecodeGraphs
+from rlcu.engine.prefill_graphs import PrefillGraphs
 from rlcu.engine.scheduler import ScheduledBatch
 from rlcu.model.qwen3 import Qwen3
+from rlcu.ops.exact import is_exact
+from rlcu.ops.paged_attention import prefill_tiles
 
 
 def _pack(arrays: list, dtype, device: torch.device) -> list[torch.Tensor]:
@@ -73,7 +77,7 @@ class _Readback:
 class ModelRunner:
     def __init__(self, model: Qwen3, *, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.6,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, prefill_graphs: bool = True):
         self.model = model
         c = self.cfg = model.cfg
         self.device, self.dtype = model.device, model.dtype
@@ -82,18 +86,24 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.gpu_memory_utilization = gpu_memory_utilization
         self.use_graphs = self.device.type == "cuda" and not enforce_eager
+        self.use_prefill_graphs = prefill_graphs  # and use_graphs (which tests may switch on for the CPU)
         self.block_bytes = kv_pool.block_bytes(c, block_size, self.dtype)
         self.memory_probe: dict = {}  # what the pool's sizing set aside (kv_pool.auto_num_blocks)
         if num_kv_blocks is None:
             num_kv_blocks, self.memory_probe = kv_pool.auto_num_blocks(
                 model, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, graphs=self.use_graphs)
+                max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization, graphs=self.use_graphs,
+                prefill_graphs=self.use_graphs and prefill_graphs)
         self.num_blocks = num_kv_blocks
         self.max_model_len = min(max_model_len, self.num_blocks * block_size)
         self.kv: torch.Tensor | None = None  # the KV pool (engine/kv_pool.py); None while released
         self.decode_graphs = DecodeGraphs(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                           block_size=block_size, num_kv_heads=c.num_key_value_heads,
                                           device=self.device, weights_ptr=model.flat.data_ptr())
+        self.prefill_graphs = PrefillGraphs(budget=max_num_batched_tokens, max_seqs=max_num_seqs, max_rows=max_num_seqs,
+                                            max_model_len=self.max_model_len, block_size=block_size,
+                                            num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                            device=self.device, weights_ptr=model.flat.data_ptr())
         self._last_samples: torch.Tensor | None = None  # the tokens sampled by the last launch (placeholders' values)
         self._dec: DecodeState | None = None  # everything of the pure decode steps (engine/decode_state.py)
         self._rb = _Readback(max_num_seqs)  # pinned host buffers of the samples (see _readback)
@@ -155,21 +165,35 @@ class ModelRunner:
         rows = np.repeat(cu[1:].astype(np.int64) - 1, batch.num_samples)
         ph = np.flatnonzero(ids < 0)  # placeholders: tokens sampled by the last step, still on the device
         ph_rows = np.array([seqs[i].pending_row for i in np.searchsorted(cu, ph, side="right") - 1], dtype=np.int64)
+        c = self.cfg
+        tile_seq, tile_idx = prefill_tiles(batch.num_tokens, c.num_attention_heads, c.num_key_value_heads)
         return dict(ids=ids, pos=pos, kv_slots=kv_slots, tables=tables, cu=cu, lens=lens, rows=rows, ph=ph,
-                    ph_rows=ph_rows, max_q=max(batch.num_tokens), max_k=int(lens.max()))
+                    ph_rows=ph_rows, tile_seq=tile_seq, tile_idx=tile_idx, max_q=max(batch.num_tokens),
+                    max_k=int(lens.max()))
 
     def _to_device(self, a):
-        """Two host-to-device copies (one int64, one int32 buffer) instead of nine; every
+        """Two host-to-device copies (one int64, one int32 buffer) instead of eleven; every
         array starts 16 bytes aligned, so the kernels see the same pointer alignment (and
-        Triton compiles no new variant) whatever the step's sizes."""
+        Triton compiles no new variant) whatever the step's sizes -> `_hidden`'s arguments."""
         ids, kv_slots, rows, ph, ph_rows = _pack([a["ids"], a["kv_slots"], a["rows"], a["ph"], a["ph_rows"]],
                                                  np.int64, self.device)
-        pos, cu, lens, tables = _pack([a["pos"], a["cu"], a["lens"], a["tables"].ravel()], np.int32, self.device)
+        pos, cu, lens, tables, ts, ti = _pack([a["pos"], a["cu"], a["lens"], a["tables"].ravel(), a["tile_seq"],
+                                               a["tile_idx"]], np.int32, self.device)
         if len(ph):
             ids.index_copy_(0, ph, self._last_samples.index_select(0, ph_rows))
-        return ids, pos, kv_slots, tables.view(len(a["lens"]), -1), cu, lens, rows
+        return (ids, pos, kv_slots, tables.view(len(a["lens"]), -1), cu, lens, a["max_q"], a["max_k"], rows,
+                (ts, ti))
 
     def _sampling_tensors(self, batch: ScheduledBatch):
+        fl, il = self._sampling_arrays(batch)
+        temp, top_p, min_p = _pack(list(fl), np.float32, self.device)
+        top_k, seeds, offsets = _pack(list(il), np.int64, self.device)
+        return temp, top_k.to(torch.int32), top_p, min_p, seeds, offsets
+
+    @staticmethod
+    def _sampling_arrays(batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray]:
+        """The sampler's rows: (temperature, top_p, min_p) float32 [3, R] and (top_k, seed,
+        offset) int64 [3, R]."""
         fl, il = [], []  # rows of (temperature, top_p, min_p) and (top_k, seed, offset)
         for seq, ns in zip(batch.seqs, batch.num_samples):
             if ns == 0:
@@ -182,10 +206,7 @@ class ModelRunner:
             else:
                 fl += [(sp.temperature, sp.top_p, sp.min_p)] * ns
                 il += [(sp.top_k, sd, off) for sd in seq.sample_seeds()]
-        fl, il = np.array(fl, dtype=np.float32).T, np.array(il, dtype=np.int64).T
-        temp, top_p, min_p = _pack(list(fl), np.float32, self.device)
-        top_k, seeds, offsets = _pack(list(il), np.int64, self.device)
-        return temp, top_k.to(torch.int32), top_p, min_p, seeds, offsets
+        return np.array(fl, dtype=np.float32).reshape(-1, 3).T, np.array(il, dtype=np.int64).reshape(-1, 3).T
 
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch):
@@ -206,11 +227,20 @@ class ModelRunner:
             if self._dec is not None:
                 self._dec.invalidate()  # the next decode step is no continuation of this one
             a = self.prepare(batch)
-            ids, pos, kv_slots, tables, cu, lens, rows = self._to_device(a)
-            h = self._hidden(ids, pos, kv_slots, tables, cu, lens, a["max_q"], a["max_k"], rows)
-            if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
-                return None, graph
-            out = self._sample(h, self._sampling_tensors(batch))
+            b = self.prefill_graphs.bucket(a) if self.use_graphs and self.use_prefill_graphs else None
+            if b is not None:
+                graph = True
+                pg = self.prefill_graphs
+                pg.follow(self.model.flat.data_ptr())  # the weights moved, or exact mode was switched
+                samp = self._sampling_arrays(batch) if len(a["rows"]) else None
+                out = pg.replay(a, samp, b, self._last_samples, self._graph_step)
+                if not len(a["rows"]):
+                    return None, graph
+            else:
+                h = self._hidden(*self._to_device(a))
+                if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
+                    return None, graph
+                out = self._sample(h, self._sampling_tensors(batch))
         self._last_samples = out[0]
         return self._readback(out), graph
 
@@ -271,17 +301,21 @@ class ModelRunner:
         if self.kv is None:
             self.kv = kv_pool.new_pool(self.cfg, self.num_blocks, self.block_size, self.device, self.dtype)
             self.decode_graphs.rebind(self.kv.data_ptr())
+            self.prefill_graphs.rebind(self.kv.data_ptr())
 
     def release(self, keep_graphs: bool = False) -> None:
         """Give the KV pool, and unless keep_graphs the graphs, back to the allocator (and the
         device). Kept graphs hold their memory pool (the activations of one decode step per
-        batch bucket: tens of MB, against GBs of KV)."""
+        batch bucket: tens of MB, against GBs of KV). The prefill graphs are dropped either way:
+        their pool is about one full-budget step's activations (hundreds of MB at 0.6B, GBs at
+        8B), which a trainer sharing the device wants; they are captured again on first use."""
         if keep_graphs and self.graphs and self.kv is not None:
             self.decode_graphs.keep(self.kv.data_ptr())
             self._dec.reset()
         else:
             self.decode_graphs.drop()
             self._dec = None
+        self.prefill_graphs.drop()  # always: its pool is a full step's activations, which training wants
         self.kv = None
         kv_pool.give_back(self.device)
 
@@ -296,6 +330,14 @@ class ModelRunner:
         if self.use_graphs and self.kv is not None:
             self.decode_graphs.capture_all(max_context, self._dec_state(), self._graph_step)
         return len(self.graphs)
+
+    def capture_prefill_graphs(self) -> int:
+        """Capture now (not on first use) the prefill graphs of every token bucket (none in
+        exact mode, whose prefill runs eagerly); returns how many exist."""
+        if self.use_graphs and self.use_prefill_graphs and self.kv is not None and not is_exact():
+            self.prefill_graphs.follow(self.model.flat.data_ptr())
+            self.prefill_graphs.capture_all(self._graph_step)
+        return len(self.prefill_graphs.graphs)
 
     def warm_up(self) -> dict:
         """Compile the kernels of every step kind and capture every decode graph now

@@ -38,9 +38,10 @@ from rlcu.ops.swiglu import swiglu_fwd
 
 
 def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_q, seq_lens, max_q: int, max_k: int,
-           rows=None) -> torch.Tensor:
+           rows=None, tiles=None) -> torch.Tensor:
     """ids, pos (int32), kv_slots (int64, -1: write nowhere): [N]; block_tables [S, W] int32;
-    cu_q [S+1], seq_lens [S] int32; rows: [R] indices of the tokens whose logits are wanted (None: all)
+    cu_q [S+1], seq_lens [S] int32; rows: [R] indices of the tokens whose logits are wanted (None: all);
+    tiles: the prefill attention's tile list (ops/paged_attention.py `prefill_tiles`), or None
     -> final-normed hidden states [R, hidden]."""
     c, w = model.cfg, model.w
     N, Hq, Hk, D, eps = ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
@@ -55,7 +56,7 @@ def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_
         qkv = h @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
         kc, vc = kv[0, i], kv[1, i]
         q = qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, kv_slots, kc, vc, Hq, Hk, D, eps, c.rope_theta)
-        o = paged_attention(q, kc, vc, block_tables, cu_q, seq_lens, max_q, max_k, scale)
+        o = paged_attention(q, kc, vc, block_tables, cu_q, seq_lens, max_q, max_k, scale, tiles)
         x.addmm_(o.view(N, qs), w[p + "o"].t())  # in place: no copy of x for cuBLAS's C
         h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps)
         x.addmm_(swiglu_fwd(h @ w[p + "gate_up"].t()), w[p + "down"].t())

@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from rlcu.ops.paged_attention import prefill_tiles
+
 
 # ---------------------------------------------------------------------------- dummy steps
 def sampling_inputs(rows: int, device) -> tuple:
@@ -46,10 +48,11 @@ def sampling_inputs(rows: int, device) -> tuple:
     return (f(1.0), torch.full((rows,), 50, device=device, dtype=torch.int32), f(0.9), f(0.0), i64, i64.clone())
 
 
-def prefill_inputs(lens: list[int], block_size: int, max_num_seqs: int, device) -> tuple:
+def prefill_inputs(lens: list[int], block_size: int, max_num_seqs: int, device, heads: tuple[int, int]) -> tuple:
     """`_hidden`'s arguments for a prefill step of sequences of `lens` new tokens from
     position 0, writing nowhere (kv slot -1; attention reads block 0 again and again), with
-    the last token of each sequence sampled (at most max_num_seqs rows) -> (args, rows)."""
+    the last token of each sequence sampled (at most max_num_seqs rows) and the attention's
+    tile list for `heads` = (query heads, KV heads), as the engine's steps pass it -> (args, rows)."""
     N, L = sum(lens), max(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device, dtype=torch.int32)
     pos = torch.cat([torch.arange(n, device=device, dtype=torch.int32) for n in lens])
@@ -58,7 +61,8 @@ def prefill_inputs(lens: list[int], block_size: int, max_num_seqs: int, device) 
     tables = torch.zeros(len(lens), -(-L // block_size), device=device, dtype=torch.int32)
     rows = (cu[1:].long() - 1)[:max_num_seqs]
     seq_lens = torch.tensor(lens, device=device, dtype=torch.int32)
-    return (ids, pos, kv_slots, tables, cu, seq_lens, L, L, rows), rows.shape[0]
+    tiles = tuple(torch.from_numpy(t).to(device) for t in prefill_tiles(lens, *heads))
+    return (ids, pos, kv_slots, tables, cu, seq_lens, L, L, rows, tiles), rows.shape[0]
 
 
 def decode_inputs(b: int, kb: int, block_size: int, device) -> tuple:
@@ -86,7 +90,8 @@ def warm_up(runner) -> dict:
     dev, bs, cuda = runner.device, runner.block_size, runner.device.type == "cuda"
     n = min(runner.max_num_batched_tokens, 2 * bs + 3)  # any lengths do: one variant a kernel
     lens = [n, 1] if n < runner.max_num_batched_tokens else [n]
-    args, R = prefill_inputs(lens, bs, runner.max_num_seqs, dev)
+    c = runner.cfg
+    args, R = prefill_inputs(lens, bs, runner.max_num_seqs, dev, (c.num_attention_heads, c.num_key_value_heads))
     out = runner._sample(runner._hidden(*args), sampling_inputs(R, dev))
     for _ in range(2):  # both readback buffers (pinned host memory)
         runner.collect(runner._readback(out))
@@ -100,8 +105,9 @@ def warm_up(runner) -> dict:
         for b, kb in runner.graph_plan() if cuda else runner.graph_plan()[-1:]:
             runner._sample(runner._hidden(*decode_inputs(b, kb, bs, dev)), sampling_inputs(b, dev))
             eager += 1
+    prefill_graphs = runner.capture_prefill_graphs()
     if cuda:
         torch.cuda.synchronize(dev)
-    return dict(seconds=time.perf_counter() - t0, graphs=len(runner.graphs),
+    return dict(seconds=time.perf_counter() - t0, graphs=len(runner.graphs), prefill_graphs=prefill_graphs,
                 captures=runner.num_captures - captures0, eager_decode_steps=eager,
                 graph_memory_bytes=(torch.cuda.memory_reserved(dev) - reserved0) if cuda else 0)

@@ -28,8 +28,10 @@ never on lengths read back from the device, so a decode step can be captured in 
   one of a single chunk writes o directly.
 - prefill (max_seqlen_q > 1), FlashAttention-2 style: program (query tile, s, kv head) holds
   BM rows = (query token, head of the group) pairs, so the G heads of a KV head share every
-  K/V tile; keys below the tile's first query position need no causal mask (first loop), the
-  few tiles at the diagonal do (second loop).
+  K/V tile (the engine passes the step's tile list, `prefill_tiles`: one program a tile with
+  work, on a grid of a fixed size that a CUDA graph can hold); keys below the tile's first
+  query position need no causal mask (first loop), the few tiles at the diagonal do (second
+  loop).
 Statistics are fp32 in the log2 domain (scores are multiplied by scale * log2 e, exp2 is used).
 
 Block size: the kernels take any power-of-two block_size (a constexpr; each K/V row is
@@ -41,6 +43,7 @@ at the cost of a longer block table (256 entries for 4k tokens), which is neglig
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rlcu.ops._backend import dispatch, tl, triton
@@ -139,12 +142,19 @@ def _decode_reduce_kernel(O_PART, LSE_PART, CU_Q, SEQ_LENS, O, stride_on, stride
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
-def _prefill_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O,
+def _prefill_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, TILE_SEQ, TILE_IDX,
                     stride_qn, stride_qh, stride_cs, stride_ch, stride_bt, stride_on, stride_oh,
                     scale_log2, G: tl.constexpr, BM: tl.constexpr, BMT: tl.constexpr,
-                    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1).to(tl.int64)
+                    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, BN: tl.constexpr,
+                    LISTED: tl.constexpr):
+    if LISTED:  # program (entry, -, kv head) of a tile list: entry -> (sequence, tile), -1 ends it
+        s = tl.load(TILE_SEQ + tl.program_id(0)).to(tl.int64)
+        if s < 0:
+            return
+        tile = tl.load(TILE_IDX + tl.program_id(0)).to(tl.int64)
+    else:
+        tile = tl.program_id(0).to(tl.int64)
+        s = tl.program_id(1).to(tl.int64)
     hk = tl.program_id(2).to(tl.int64)
     q_start = tl.load(CU_Q + s).to(tl.int64)
     q_len = tl.load(CU_Q + s + 1).to(tl.int64) - q_start
@@ -316,8 +326,42 @@ def _decode(q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, strides, scale_l
     return k
 
 
+def _prefill_rows(Hq: int, Hk: int) -> tuple[int, int]:
+    """The prefill kernel's tile: (BM rows, BMT = BM / G query tokens). Plain Python: the
+    engine builds tile lists on the host whether triton is there or not."""
+    BM = max(CONFIGS["prefill"]["BM"], 1 << (Hq // Hk - 1).bit_length())
+    return BM, BM // (Hq // Hk)
+
+
+def prefill_tiles(q_lens, Hq: int, Hk: int, size: int | None = None):
+    """The prefill kernel's tile list of a step whose sequences take q_lens new tokens (host
+    ints) -> (tile_seq, tile_idx), int32 numpy arrays: entry e is query tile tile_idx[e] of
+    sequence tile_seq[e], sequences in order; padded with tile_seq = -1 (an entry that exits)
+    to `size` entries when given (`prefill_tiles_cap` bounds the list). With the list the grid
+    is one program a tile and KV head, instead of the widest sequence's tiles times every
+    sequence (a step of 200 one-token decodes and one 1000-token chunk: 16 x 201 programs a
+    KV head, 216 of them with work)."""
+    BMT = _prefill_rows(Hq, Hk)[1]
+    n = -(-np.asarray(q_lens, dtype=np.int64) // BMT)  # tiles a sequence
+    seq = np.repeat(np.arange(len(n), dtype=np.int32), n)
+    first = np.repeat(np.cumsum(n) - n, n)
+    idx = (np.arange(len(seq), dtype=np.int64) - first).astype(np.int32)
+    if size is not None:
+        if size < len(seq):
+            raise ValueError(f"prefill_tiles: {len(seq)} tiles do not fit a list of {size}")
+        seq = np.concatenate([seq, np.full(size - len(seq), -1, dtype=np.int32)])
+        idx = np.concatenate([idx, np.zeros(size - len(idx), dtype=np.int32)])
+    return seq, idx
+
+
+def prefill_tiles_cap(num_tokens: int, num_seqs: int, Hq: int, Hk: int) -> int:
+    """The most tiles a step of num_tokens new tokens over num_seqs sequences can have (each
+    sequence's last tile may be partial)."""
+    return -(-num_tokens // _prefill_rows(Hq, Hk)[1]) + num_seqs
+
+
 def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                           max_seqlen_q, max_seqlen_k, scale):
+                           max_seqlen_q, max_seqlen_k, scale, tiles=None):
     N, Hq, D = q.shape
     BS, Hk = k_cache.shape[1], k_cache.shape[2]
     S = seq_lens.shape[0]
@@ -341,17 +385,21 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_
                 decode_plan(S, Hk, max_seqlen_k, _num_sms(q.device)))
         return o
     cfg = CONFIGS["prefill"]
-    BM = max(cfg["BM"], triton.next_power_of_2(G))
-    BMT = BM // G  # query tokens a tile
-    _prefill_kernel[(triton.cdiv(max_seqlen_q, BMT), S, Hk)](
-        q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, *strides, scale_log2,
-        G=G, BM=BM, BMT=BMT, D=D, BD=BD, BS=BS, BN=cfg["BN"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+    BM, BMT = _prefill_rows(Hq, Hk)
+    if tiles is None:  # every (tile, sequence) of the widest sequence's tiles; the rest exit
+        grid, tile_seq, tile_idx = (triton.cdiv(max_seqlen_q, BMT), S, Hk), cu_seqlens_q, cu_seqlens_q
+    else:
+        tile_seq, tile_idx = tiles
+        grid = (tile_seq.shape[0], 1, Hk)
+    _prefill_kernel[grid](
+        q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, tile_seq, tile_idx, *strides, scale_log2,
+        G=G, BM=BM, BMT=BMT, D=D, BD=BD, BS=BS, BN=cfg["BN"], LISTED=tiles is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return o
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
-                        max_seqlen_k, scale):
+                        max_seqlen_k, scale, tiles=None):
     N, Hq, D = q.shape
     BS, Hk = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hk
@@ -377,12 +425,18 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_len
 
 @dispatch(paged_attention_triton, paged_attention_ref, on="q")
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q: int,
-                    max_seqlen_k: int, scale: float):
+                    max_seqlen_k: int, scale: float, tiles=None):
     """q: [N, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]; block_tables:
     [S, max_blocks] int32; cu_seqlens_q: [S+1] int32; seq_lens: [S] int32 (context length
     including the new tokens, whose K/V are already cached); max_seqlen_q, max_seqlen_k: host
     ints bounding q_len and seq_lens (they size the launch grid) -> o [N, Hq, D] in q.dtype.
     max_seqlen_q == 1 takes the split-KV decode kernel. A sequence with seq_lens == 0 (a
     padding entry of a CUDA-graph batch) gets zeros; rows of q past cu_seqlens_q[-1] are
-    left unwritten."""
+    left unwritten. tiles: None, or the prefill kernel's tile list on the device
+    (`prefill_tiles`: (tile_seq, tile_idx) int32 [T], T fixed for a CUDA graph whatever the
+    step's lengths); the decode kernels and the twin do not read it."""
     _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    if tiles is not None and (len(tiles) != 2 or tiles[0].shape != tiles[1].shape or tiles[0].dim() != 1
+                              or tiles[0].dtype != torch.int32 or tiles[1].dtype != torch.int32):
+        raise ValueError("paged_attention: tiles must be (tile_seq, tile_idx), two int32 [T] tensors "
+                         "(prefill_tiles)")

@@ -185,6 +185,7 @@ class RLTrainer(Trainer):
         c, e = self.cfg, self.cfg.engine
         kw = dict(device=str(self.device), max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                   num_kv_blocks=e.num_kv_blocks, block_size=e.block_size, enforce_eager=e.enforce_eager,
+                  prefill_graphs=e.prefill_graphs,
                   gpu_memory_utilization=e.gpu_memory_utilization)
         if kw["num_kv_blocks"] is None and e.gpu_memory_utilization is None:
             # RL knows its batch: a pool that holds one step's sequences (or one evaluation's),
