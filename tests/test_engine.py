@@ -258,9 +258,9 @@ def test_graph_replay_logic_emulated(model):
     r.decode_graphs._record = r.prefill_graphs._record = record
     staged, load = [], r.prefill_graphs.load
 
-    def spy(a, samp, last):
+    def spy(a, last):
         staged.append((len(a["ids"]), len(a["ph"])))
-        return load(a, samp, last)
+        return load(a, last)
 
     r.prefill_graphs.load = spy
     got = [llm.generate(toks(PROMPTS), sp, use_tqdm=False) for sp in (dataclasses.replace(GREEDY, n=2), sampled)]

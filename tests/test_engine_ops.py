@@ -158,10 +158,14 @@ def test_prefill_tile_list_launch_equals_the_grid(triton_backend):
     cap = pa.prefill_tiles_cap(sum(q_lens), len(q_lens), Hq, Hk)
     seq, idx = pa.prefill_tiles(q_lens, Hq, Hk, size=cap + 3)
     assert seq.tolist() == [0, 1, 1, 3, 4] + [-1] * (cap - 2) and idx.tolist()[:5] == [0, 0, 1, 0, 0]
-    tiles = (torch.from_numpy(seq).to(DEV), torch.from_numpy(idx).to(DEV))
+    # longest first, by the keys each tile reads (42 tokens a tile): 70 and 62 (sequence 1), 40, 9, 3
+    lpt = pa.prefill_tiles(q_lens, Hq, Hk, size=cap + 3, ctx_lens=ctx)
+    assert list(zip(*(a.tolist()[:5] for a in lpt))) == [(1, 1), (1, 0), (0, 0), (3, 0), (4, 0)]
     grid = pa.paged_attention(*args, max(q_lens), max(ctx), scale)
-    listed = pa.paged_attention(*args, max(q_lens), max(ctx), scale, tiles)
-    assert torch.equal(listed, grid)
+    for s, i in ((seq, idx), lpt):
+        tiles = (torch.from_numpy(s).to(DEV), torch.from_numpy(i).to(DEV))
+        listed = pa.paged_attention(*args, max(q_lens), max(ctx), scale, tiles)
+        assert torch.equal(listed, grid)
     assert rel_err(listed, pa.paged_attention_ref(*args, max(q_lens), max(ctx), scale)) < (1e-5 if INTERPRET else 3e-3)
     with pytest.raises(ValueError, match="do not fit"):
         pa.prefill_tiles(q_lens, Hq, Hk, size=4)

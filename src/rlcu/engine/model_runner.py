@@ -100,7 +100,7 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                           block_size=block_size, num_kv_heads=c.num_key_value_heads,
                                           device=self.device, weights_ptr=model.flat.data_ptr())
-        self.prefill_graphs = PrefillGraphs(budget=max_num_batched_tokens, max_seqs=max_num_seqs, max_rows=max_num_seqs,
+        self.prefill_graphs = PrefillGraphs(budget=max_num_batched_tokens, max_seqs=max_num_seqs,
                                             max_model_len=self.max_model_len, block_size=block_size,
                                             num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                             device=self.device, weights_ptr=model.flat.data_ptr())
@@ -166,7 +166,8 @@ class ModelRunner:
         ph = np.flatnonzero(ids < 0)  # placeholders: tokens sampled by the last step, still on the device
         ph_rows = np.array([seqs[i].pending_row for i in np.searchsorted(cu, ph, side="right") - 1], dtype=np.int64)
         c = self.cfg
-        tile_seq, tile_idx = prefill_tiles(batch.num_tokens, c.num_attention_heads, c.num_key_value_heads)
+        tile_seq, tile_idx = prefill_tiles(batch.num_tokens, c.num_attention_heads, c.num_key_value_heads,
+                                           ctx_lens=lens)
         return dict(ids=ids, pos=pos, kv_slots=kv_slots, tables=tables, cu=cu, lens=lens, rows=rows, ph=ph,
                     ph_rows=ph_rows, tile_seq=tile_seq, tile_idx=tile_idx, max_q=max(batch.num_tokens),
                     max_k=int(lens.max()))
@@ -185,15 +186,6 @@ class ModelRunner:
                 (ts, ti))
 
     def _sampling_tensors(self, batch: ScheduledBatch):
-        fl, il = self._sampling_arrays(batch)
-        temp, top_p, min_p = _pack(list(fl), np.float32, self.device)
-        top_k, seeds, offsets = _pack(list(il), np.int64, self.device)
-        return temp, top_k.to(torch.int32), top_p, min_p, seeds, offsets
-
-    @staticmethod
-    def _sampling_arrays(batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray]:
-        """The sampler's rows: (temperature, top_p, min_p) float32 [3, R] and (top_k, seed,
-        offset) int64 [3, R]."""
         fl, il = [], []  # rows of (temperature, top_p, min_p) and (top_k, seed, offset)
         for seq, ns in zip(batch.seqs, batch.num_samples):
             if ns == 0:
@@ -206,7 +198,10 @@ class ModelRunner:
             else:
                 fl += [(sp.temperature, sp.top_p, sp.min_p)] * ns
                 il += [(sp.top_k, sd, off) for sd in seq.sample_seeds()]
-        return np.array(fl, dtype=np.float32).reshape(-1, 3).T, np.array(il, dtype=np.int64).reshape(-1, 3).T
+        fl, il = np.array(fl, dtype=np.float32).T, np.array(il, dtype=np.int64).T
+        temp, top_p, min_p = _pack(list(fl), np.float32, self.device)
+        top_k, seeds, offsets = _pack(list(il), np.int64, self.device)
+        return temp, top_k.to(torch.int32), top_p, min_p, seeds, offsets
 
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch):
@@ -232,10 +227,11 @@ class ModelRunner:
                 graph = True
                 pg = self.prefill_graphs
                 pg.follow(self.model.flat.data_ptr())  # the weights moved, or exact mode was switched
-                samp = self._sampling_arrays(batch) if len(a["rows"]) else None
-                out = pg.replay(a, samp, b, self._last_samples, self._graph_step)
+                h = pg.replay(a, b, self._last_samples, self._hidden)
                 if not len(a["rows"]):
                     return None, graph
+                out = self._sample(h.index_select(0, _pack([a["rows"]], np.int64, self.device)[0]),
+                                   self._sampling_tensors(batch))
             else:
                 h = self._hidden(*self._to_device(a))
                 if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
@@ -336,7 +332,7 @@ class ModelRunner:
         exact mode, whose prefill runs eagerly); returns how many exist."""
         if self.use_graphs and self.use_prefill_graphs and self.kv is not None and not is_exact():
             self.prefill_graphs.follow(self.model.flat.data_ptr())
-            self.prefill_graphs.capture_all(self._graph_step)
+            self.prefill_graphs.capture_all(self._hidden)
         return len(self.prefill_graphs.graphs)
 
     def warm_up(self) -> dict:

@@ -333,19 +333,28 @@ def _prefill_rows(Hq: int, Hk: int) -> tuple[int, int]:
     return BM, BM // (Hq // Hk)
 
 
-def prefill_tiles(q_lens, Hq: int, Hk: int, size: int | None = None):
+def prefill_tiles(q_lens, Hq: int, Hk: int, size: int | None = None, ctx_lens=None):
     """The prefill kernel's tile list of a step whose sequences take q_lens new tokens (host
     ints) -> (tile_seq, tile_idx), int32 numpy arrays: entry e is query tile tile_idx[e] of
-    sequence tile_seq[e], sequences in order; padded with tile_seq = -1 (an entry that exits)
-    to `size` entries when given (`prefill_tiles_cap` bounds the list). With the list the grid
-    is one program a tile and KV head, instead of the widest sequence's tiles times every
-    sequence (a step of 200 one-token decodes and one 1000-token chunk: 16 x 201 programs a
-    KV head, 216 of them with work)."""
+    sequence tile_seq[e]; padded with tile_seq = -1 (an entry that exits) to `size` entries
+    when given (`prefill_tiles_cap` bounds the list). With the list the grid is one program a
+    tile and KV head, instead of the widest sequence's tiles times every sequence (a step of
+    200 one-token decodes and one 1000-token chunk: 16 x 201 programs a KV head, 216 of them
+    with work). With ctx_lens (each sequence's context, its new tokens included) the tiles
+    run longest first (the keys a tile reads: its last query's position + 1), so that the
+    short ones fill the last wave instead of a long one making a tail; the order changes no
+    output bit (each program writes its own rows)."""
     BMT = _prefill_rows(Hq, Hk)[1]
-    n = -(-np.asarray(q_lens, dtype=np.int64) // BMT)  # tiles a sequence
+    q = np.asarray(q_lens, dtype=np.int64)
+    n = -(-q // BMT)  # tiles a sequence
     seq = np.repeat(np.arange(len(n), dtype=np.int32), n)
-    first = np.repeat(np.cumsum(n) - n, n)
-    idx = (np.arange(len(seq), dtype=np.int64) - first).astype(np.int32)
+    idx = np.arange(len(seq), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    if ctx_lens is not None:
+        ctx = np.asarray(ctx_lens, dtype=np.int64)[seq]
+        keys = np.minimum(ctx - q[seq] + (idx + 1) * BMT, ctx)
+        order = np.argsort(-keys, kind="stable")
+        seq, idx = seq[order], idx[order]
+    idx = idx.astype(np.int32)
     if size is not None:
         if size < len(seq):
             raise ValueError(f"prefill_tiles: {len(seq)} tiles do not fit a list of {size}")
