@@ -63,10 +63,25 @@ def graph_plan(max_num_seqs: int, max_context: int, max_model_len: int, key) -> 
     return sorted(keys, key=lambda k: (-k[0], k[1]))
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every engine graph of this process on `device` is captured on. torch's
+    default capture stream is made once per process, on the device current at the first
+    capture, and capturing on it would switch a later capture to that device; and each stream
+    a GEMM runs on gets a cuBLAS workspace of its own (32 MiB on the H200), so the decode and
+    prefill graphs share one."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[idx] = torch.cuda.Stream(torch.device("cuda", idx))
+    return _CAPTURE_STREAMS[idx]
+
+
 class GraphSet:
     """What a set of CUDA graphs of engine steps holds, and when they are dropped: the weights'
     address and the exact mode they were captured in (`follow`), the KV pool's address
-    (`keep`, `rebind`), their private memory pool and capture stream (`_record`). The decode
+    (`keep`, `rebind`), their private memory pool (`_record`). The decode
     graphs (below) and the prefill graphs (engine/prefill_graphs.py) are one each, with pools
     of their own, so that either can be dropped and give its memory back."""
 
@@ -75,7 +90,6 @@ class GraphSet:
         self.graphs: dict = {}  # key -> (replay, outputs)
         self._static: dict[str, torch.Tensor] | None = None  # the buffers the graphs read
         self._pool = None
-        self._capture_stream: torch.cuda.Stream | None = None
         self.weights_ptr = weights_ptr  # model.flat's address when the graphs were captured
         self.exact = is_exact()  # the mode the graphs were captured in
         self.kv_ptr = 0  # the KV pool's address when graphs were kept through a release
@@ -107,16 +121,13 @@ class GraphSet:
                 self.drop()
 
     def _record(self, fn) -> tuple:
-        """Capture fn() -> (replay function, its outputs). The capture stream is this object's
-        own: torch's default one is made once per process, on the device current at the first
-        capture, and capturing on it would switch a later capture to that device."""
+        """Capture fn() -> (replay function, its outputs), on the capture stream of this
+        object's device (`capture_stream`)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._pool, stream=self._capture_stream):
+        with torch.cuda.graph(g, pool=self._pool, stream=capture_stream(self.device)):
             out = fn()
         self.num_captures += 1
         torch.cuda.synchronize(self.device)

@@ -16,6 +16,7 @@ import torch
 
 from rlcu.engine import paged_forward, warmup
 from rlcu.engine.graphs import context_bucket
+from rlcu.engine.prefill_graphs import token_buckets
 from rlcu.model.config import Qwen3Config
 from rlcu.model.qwen3 import Qwen3
 
@@ -57,7 +58,10 @@ def auto_num_blocks(model: Qwen3, *, block_size: int, max_num_seqs: int, max_num
     activations, graph_bytes = probe_memory(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                             max_num_batched_tokens=max_num_batched_tokens,
                                             max_model_len=max_model_len, graphs=graphs)
-    prefill_graph_bytes = activations if prefill_graphs else 0  # the largest bucket is the full-budget step
+    prefill_graph_bytes = 0
+    if prefill_graphs:  # the largest bucket's step (no more than the probed one), and every bucket's output
+        out_bytes = model.cfg.hidden_size * torch.finfo(model.dtype).bits // 8
+        prefill_graph_bytes = activations + sum(token_buckets(max_num_batched_tokens)[:-1]) * out_bytes
     probe = {"activation_bytes": activations, "graph_bytes": graph_bytes, "prefill_graph_bytes": prefill_graph_bytes}
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
