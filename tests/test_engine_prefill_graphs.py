@@ -102,3 +102,13 @@ def test_replay_captures_once_per_bucket_and_returns_the_steps_rows():
     assert h.shape == (257, 3) and h[:, 0].tolist() == list(range(100, 357))
     g.replay(_step([300], [310]), 512, None, trunk)
     assert set(g.graphs) == {512} and len(seen) == 4
+
+
+def test_a_dropped_bucket_is_captured_on_its_second_step():
+    g = _graphs()
+    assert not g.take(64) and g.take(64)  # first step eagerly, the second by the graph
+    g.graphs[64] = "graph"
+    g.drop()
+    assert not g.graphs and not g.take(64) and g.take(64)
+    g.graphs[64] = "graph"
+    assert g.take(64)

@@ -223,7 +223,7 @@ class ModelRunner:
                 self._dec.invalidate()  # the next decode step is no continuation of this one
             a = self.prepare(batch)
             b = self.prefill_graphs.bucket(a) if self.use_graphs and self.use_prefill_graphs else None
-            if b is not None:
+            if b is not None and self.prefill_graphs.take(b):
                 graph = True
                 pg = self.prefill_graphs
                 pg.follow(self.model.flat.data_ptr())  # the weights moved, or exact mode was switched

@@ -22,6 +22,9 @@ rows the step uses. Padding writes nowhere and computes nothing that is read:
 Placeholder tokens (sampled by the step before, still on the device) are copied into the ids
 on the device before the replay, outside the graph.
 
+The warm-up captures every bucket at the engine's start; after a drop (a sleep, moved
+weights), a bucket is captured again the second time a step needs it (`take`).
+
 The graphs hold the addresses they were captured on (`GraphSet`, engine/graphs.py: the
 weights, the exact mode, the KV pool) and a private memory pool of about one full-budget
 step's activations (kv_pool.py counts it when it sizes the KV pool).
@@ -73,6 +76,11 @@ class PrefillGraphs(GraphSet):
         self.offsets, self.nbytes = self._layout()
         self._host: list | None = None  # two pinned staging copies: (bytes, views, event)
         self._turn = 0
+        self.seen: set[int] = set()  # buckets run eagerly once since the graphs were dropped
+
+    def drop(self) -> None:
+        super().drop()
+        self.seen = set()
 
     def _layout(self) -> tuple[dict, int]:
         """Each field's (byte offset, item size), 16-byte aligned (Triton specialises pointers on
@@ -105,6 +113,18 @@ class PrefillGraphs(GraphSet):
         if len(a["ph"]) > self.max_seqs or a["tables"].shape[1] > self.width:
             return None
         return next(b for b in self.buckets if b >= N)
+
+    def take(self, b: int) -> bool:
+        """Whether a step of bucket b runs by its graph now: yes when the graph exists; else the
+        first step of the bucket since the graphs were dropped runs eagerly and the second one
+        captures it. An RL loop's sleep drops the graphs every step (their pool is training's
+        memory), so its one prefill step a rollout runs eagerly instead of paying a capture
+        (a warm-up run and the capture) for one replay; the engine's warm-up captures every
+        bucket at once."""
+        if b in self.graphs or b in self.seen:
+            return True
+        self.seen.add(b)
+        return False
 
     # ------------------------------------------------------------------ the fields
     def _static_fields(self) -> dict:
