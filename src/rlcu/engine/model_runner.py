@@ -222,11 +222,13 @@ class ModelRunner:
             if self._dec is not None:
                 self._dec.invalidate()  # the next decode step is no continuation of this one
             a = self.prepare(batch)
-            b = self.prefill_graphs.bucket(a) if self.use_graphs and self.use_prefill_graphs else None
-            if b is not None and self.prefill_graphs.take(b):
-                graph = True
-                pg = self.prefill_graphs
+            pg = self.prefill_graphs
+            b = pg.bucket(a) if self.use_graphs and self.use_prefill_graphs else None
+            if b is not None:
                 pg.follow(self.model.flat.data_ptr())  # the weights moved, or exact mode was switched
+                b = b if pg.take(b) else None
+            if b is not None:
+                graph = True
                 h = pg.replay(a, b, self._last_samples, self._hidden)
                 if not len(a["rows"]):
                     return None, graph
@@ -304,7 +306,8 @@ class ModelRunner:
         device). Kept graphs hold their memory pool (the activations of one decode step per
         batch bucket: tens of MB, against GBs of KV). The prefill graphs are dropped either way:
         their pool is about one full-budget step's activations (hundreds of MB at 0.6B, GBs at
-        8B), which a trainer sharing the device wants; they are captured again on first use."""
+        8B), which a trainer sharing the device wants; a bucket is captured again on the second
+        step that needs it (`PrefillGraphs.take`)."""
         if keep_graphs and self.graphs and self.kv is not None:
             self.decode_graphs.keep(self.kv.data_ptr())
             self._dec.reset()

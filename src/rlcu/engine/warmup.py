@@ -13,7 +13,8 @@ Left to the first generate, three kinds of one-time work land inside it:
   count (BSPLIT, 2 .. 64). The prefill attention, norms, qkv_prep, swiglu, embedding and both
   sampler kernels (the row kernel is the largest compile) are one variant each.
 - CUDA-graph captures: one per (batch bucket, context bucket) of the pure decode steps, tens
-  of ms each (a warm-up step, then the capture).
+  of ms each (a warm-up step, then the capture), and one per token bucket of the prefill and
+  mixed steps (engine/prefill_graphs.py).
 - first calls: cuBLAS's handle and workspace, the decode state's and the readback's pinned
   host buffers.
 
@@ -21,7 +22,8 @@ The warm-up runs the runner's own forward and sampler (`_hidden`, `_sample`) on 
 that write nowhere in the KV pool (kv slot -1): one small prefill step that samples (the
 prefill kernels and the sampler), then every decode graph of `graph_plan` (each batch bucket
 at each context bucket, after merging the context buckets whose steps launch the same
-kernels), largest batch first so that the smaller graphs reuse the capture pool's memory.
+kernels), largest batch first so that the smaller graphs reuse the capture pool's memory,
+then the prefill graphs of every token bucket, largest first.
 Without graphs (enforce_eager) the same decode steps run eagerly, which compiles their
 kernels. Off CUDA nothing compiles; one prefill and one decode step run on the twins.
 
