@@ -40,6 +40,11 @@ def test_tiny_smoke_run(tmp_path, capsys):
     main(["generate", "--input", inp, "--output", str(out2), "--max-tokens", "5", "--n", "2", "--seed", "1",
           "--logprobs", "--temperature", "0.8", "--ignore-eos", "--no-progress"])
     assert out2.read_text() == out.read_text()
+    # --no-prefill-graphs is taken (the CPU has no graphs either way: the same output)
+    out3 = tmp_path / "o3.jsonl"
+    main(["generate", "--input", inp, "--output", str(out3), "--max-tokens", "5", "--n", "2", "--seed", "1",
+          "--logprobs", "--temperature", "0.8", "--ignore-eos", "--no-progress", "--no-prefill-graphs"])
+    assert out3.read_text() == out.read_text()
 
 
 def test_builtin_prompts_to_stdout(capsys):

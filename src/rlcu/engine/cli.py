@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest sequence (unset: the model's max_position_embeddings, lowered to what the pool "
                         "holds)")
     e.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    e.add_argument("--no-prefill-graphs", action="store_true",
+                   help="run prefill and mixed steps eagerly (decode steps keep their graphs; saves about one "
+                        "full-budget step's activations)")
     e.add_argument("--no-warmup", action="store_true", help="compile kernels and capture graphs on first use, not "
                                                             "at the engine's start")
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
                       num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-                      enforce_eager=args.enforce_eager, warmup=False if args.no_warmup else None)
+                      enforce_eager=args.enforce_eager, warmup=False if args.no_warmup else None,
+                      prefill_graphs=not args.no_prefill_graphs)
         if tiny:
             model, tok = tiny_model_and_tokenizer(args.device)
             llm = LLM(model, tokenizer=tok, **engine)
