@@ -13,7 +13,9 @@ A graph holds the addresses it was captured on: the step's fields (the decode st
 buffers, engine/decode_state.py, and a block-table buffer of its own), the weights (a
 replaced `model.flat`, or exact mode switched, drops every graph: `follow`) and the KV pool
 (graphs kept through a release stay only if the new pool sits at the old address: `keep`,
-`rebind`).
+`rebind`). `GraphSet` holds those rules, a private memory pool, and the capture (on one stream
+a device, `capture_stream`) for both kinds of step graphs: these and the prefill graphs
+(engine/prefill_graphs.py).
 
 The step itself is the runner's: `capture`, `capture_all` and `replay` take it as
 `step(args, samp) -> (tokens, logprobs)`, with args the forward's (engine/paged_forward.py,
