@@ -48,7 +48,7 @@ import torch
 
 from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.paged_decode_chunk import _decode_chunk_kernel, _decode_chunk_reduce_kernel
-from rlcu.ops.paged_keys import attend_keys
+from rlcu.ops.paged_keys import attend_keys, softmax_tile
 
 DEFAULT_BLOCK_SIZE = 16
 _LOG2E = 1.4426950408889634
@@ -185,13 +185,7 @@ def _prefill_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, TILE_SEQ, TILE_I
         kv_off = (blk * BS + pos % BS)[:, None] * stride_cs + hk * stride_ch + d[None, :]
         k = tl.load(KC + kv_off, mask=dmask[None, :], other=0.0)  # [BN, BD]
         sc = tl.dot(q, tl.trans(k)) * scale_log2  # [BM, BN]
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(VC + kv_off, mask=dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = softmax_tile(m, l, acc, sc, VC, kv_off, dmask[None, :])
     # the diagonal: key p is visible to row i iff p <= pos_q[i]
     for n in range(tl.maximum(((first + 1) // BN) * BN, 0), last + 1, BN):
         pos = n + tl.arange(0, BN)
@@ -202,13 +196,7 @@ def _prefill_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, TILE_SEQ, TILE_I
         k = tl.load(KC + kv_off, mask=kvmask, other=0.0)
         sc = tl.dot(q, tl.trans(k)) * scale_log2
         sc = tl.where(pmask[None, :] & (pos[None, :] <= pos_q[:, None]), sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(VC + kv_off, mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = softmax_tile(m, l, acc, sc, VC, kv_off, kvmask)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_off = (q_start + t)[:, None] * stride_on + h[:, None] * stride_oh + d[None, :]
     tl.store(O + o_off, out.to(O.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])

@@ -1,6 +1,7 @@
 """The inner loop of the paged-attention decode kernels, written once: the G query heads of one KV
 head (padded to BG rows) attend to keys n0 .. n1 - 1 of one sequence, BN keys a step, with an
-online softmax.
+online softmax; and that softmax's update for one tile of scores (`softmax_tile`), which the
+prefill kernel's two loops (paged_attention.py) take too.
 
 Each BN-key tile: the block-table entries of its positions (key p is at cache slot
 BLOCK_TABLES[s, p // BS] * BS + p % BS), the gather of K and V from the paged cache, the scores
@@ -9,12 +10,29 @@ q K^T * scale_log2 (log2 domain), keys at or past n1 masked to -inf, then
     acc' = acc 2^(m - m') + 2^(sc - m') V.
 Both decode kernels (the split kernel of paged_attention.py, the work-list kernel of
 paged_decode_chunk.py) call it; each normalises and stores the result its own way. Triton
-inlines a jit function into its caller, so this is the code each kernel had inline.
+inlines a jit function into its caller, so this is the code each kernel had inline (the
+kernels' sm_90 PTX is the same as with the lines written out).
 """
 
 from __future__ import annotations
 
 from rlcu.ops._backend import tl, triton
+
+
+@triton.jit
+def softmax_tile(m, l, acc, sc, VC, kv_off, vmask):
+    """One tile of the online softmax: scores sc [rows, BN] (log2 domain, -inf where masked)
+    and the tile's V rows, gathered at VC + kv_off where vmask -> the updated (m, l, acc):
+        m' = max(m, rowmax(sc)),  l' = l 2^(m - m') + rowsum(2^(sc - m')),
+        acc' = acc 2^(m - m') + 2^(sc - m') V.
+    V is loaded after the scores' exponentials, where each kernel had its load."""
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(VC + kv_off, mask=vmask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
 
 
 @triton.jit
@@ -41,11 +59,5 @@ def attend_keys(Q, q_start, h, qmask, stride_qn, stride_qh, KC, VC, BLOCK_TABLES
         k = tl.load(KC + kv_off, mask=kvmask, other=0.0)  # [BN, BD]
         sc = tl.dot(q, tl.trans(k)) * scale_log2  # [BG, BN]
         sc = tl.where(pmask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(VC + kv_off, mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = softmax_tile(m, l, acc, sc, VC, kv_off, kvmask)
     return m, l, acc
