@@ -24,6 +24,8 @@ from typing import Any
 
 import yaml
 
+from rlcu.model.config import checkpointed_layers
+
 _MISSING = dataclasses.MISSING
 
 
@@ -247,7 +249,7 @@ class ModelConfig(Section):
         if isinstance(gc, str) and gc not in CHECKPOINTING_MODES:
             raise ConfigError("gradient_checkpointing", f"must be true, false, a number of layers or one of "
                                                         f"{', '.join(map(repr, CHECKPOINTING_MODES))}; got {gc!r}")
-        if isinstance(gc, int) and not isinstance(gc, bool) and gc < 0:
+        if (checkpointed_layers(gc) or 0) < 0:
             raise ConfigError("gradient_checkpointing", f"as a number of checkpointed layers must be >= 0, got {gc}")
         if self.path is not None and self.tiny is not None:
             raise ConfigError("tiny", "must be null when path is set (give one of model.path, model.tiny)")
@@ -255,9 +257,9 @@ class ModelConfig(Section):
     def check_layers(self, num_layers: int) -> None:
         """A number of checkpointed layers against the model's layer count (known once the
         model's config is read)."""
-        gc = self.gradient_checkpointing
-        if isinstance(gc, int) and not isinstance(gc, bool) and gc > num_layers:
-            raise ConfigError("model.gradient_checkpointing", f"checkpoints {gc} layers; the model has {num_layers}")
+        k = checkpointed_layers(self.gradient_checkpointing)
+        if k is not None and k > num_layers:
+            raise ConfigError("model.gradient_checkpointing", f"checkpoints {k} layers; the model has {num_layers}")
 
     def resolve_device(self) -> str:
         if self.device != "auto":

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import types
 
-from rlcu.model.config import Qwen3Config
+from rlcu.model.config import Qwen3Config, checkpointed_layers
 
 GiB = 1 << 30
 OVERHEAD = int(1.5 * GiB)
@@ -45,7 +45,7 @@ def kept_activation_bytes(cfg: Qwen3Config, T: int, ab: int, checkpointing: str 
     L, H = cfg.num_hidden_layers, cfg.hidden_size
     per = {"full": T * H * ab, "attention": T * (H + cfg.q_size) * ab + T * cfg.num_attention_heads * 4,
            "none": _layer_act_bytes(cfg, T, ab)}
-    if isinstance(checkpointing, int) and not isinstance(checkpointing, bool):
+    if checkpointed_layers(checkpointing) is not None:
         if not 0 <= checkpointing <= L:
             raise ValueError(f"checkpointing as a number of layers must be in [0, {L}], got {checkpointing}")
         return checkpointing * per["full"] + (L - checkpointing) * per["none"]
@@ -58,7 +58,7 @@ def kept_activation_bytes(cfg: Qwen3Config, T: int, ab: int, checkpointing: str 
 def checkpointing_name(mode) -> str | int:
     """The model attribute's value (True/'full', 'attention', False/'none', an int) as
     `estimate` names it."""
-    if isinstance(mode, int) and not isinstance(mode, bool):
+    if checkpointed_layers(mode) is not None:
         return mode
     return {True: "full", "full": "full", "attention": "attention"}.get(mode, "none")
 

@@ -15,6 +15,12 @@ from pathlib import Path
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
+def checkpointed_layers(mode) -> int | None:
+    """The number of checkpointed layers when a `gradient_checkpointing` value is one (an int,
+    not a bool: True and False are the modes 'full' and 'none'), else None."""
+    return mode if isinstance(mode, int) and not isinstance(mode, bool) else None
+
+
 @dataclasses.dataclass
 class Qwen3Config:
     vocab_size: int = 151936

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from rlcu.model import io
-from rlcu.model.config import Qwen3Config
+from rlcu.model.config import Qwen3Config, checkpointed_layers
 from rlcu.model.layout import ParamLayout
 from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.attention import attention_bwd, attention_fwd
@@ -280,7 +280,7 @@ class Qwen3:
         if gc == "auto":
             raise ValueError("gradient_checkpointing 'auto' is decided by the trainers at the first update "
                              "(rlcu.dist.memory.resolve_auto); a bare model needs a mode or a number of layers")
-        if isinstance(gc, int) and not isinstance(gc, bool):
+        if checkpointed_layers(gc) is not None:
             if not 0 <= gc <= L:
                 raise ValueError(f"gradient_checkpointing as a number of checkpointed layers must be in "
                                  f"[0, {L}], got {gc}")
