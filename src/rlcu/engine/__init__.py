@@ -4,7 +4,8 @@ Split as the best small engines are: `Sequence` (state and block table), `BlockM
 (CPU bookkeeping: ref-counted blocks, fork, copy-on-write, prefix cache), `Scheduler`
 (policy: continuous batching, chunked prefill, preemption), `ModelRunner` (a step's tensors,
 launch and readback) over the forward on the paged cache (paged_forward), the KV pool
-(kv_pool) and the decode CUDA graphs (graphs), `LLM` (the public API).
+(kv_pool) and the CUDA graphs of decode steps (graphs) and of prefill steps (prefill_graphs),
+`LLM` (the public API).
 """
 
 from rlcu.engine.llm import LLM
