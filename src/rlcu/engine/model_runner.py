@@ -222,25 +222,28 @@ class ModelRunner:
             if self._dec is not None:
                 self._dec.invalidate()  # the next decode step is no continuation of this one
             a = self.prepare(batch)
-            pg = self.prefill_graphs
-            b = pg.bucket(a) if self.use_graphs and self.use_prefill_graphs else None
-            if b is not None:
-                pg.follow(self.model.flat.data_ptr())  # the weights moved, or exact mode was switched
-                b = b if pg.take(b) else None
-            if b is not None:
+            b = self._prefill_bucket(a)
+            if b is not None:  # the trunk by its graph (every token), then the sampled rows
                 graph = True
-                h = pg.replay(a, b, self._last_samples, self._hidden)
-                if not len(a["rows"]):
-                    return None, graph
-                out = self._sample(h.index_select(0, _pack([a["rows"]], np.int64, self.device)[0]),
-                                   self._sampling_tensors(batch))
+                h = self.prefill_graphs.replay(a, b, self._last_samples, self._hidden)
+                if len(a["rows"]):
+                    h = h.index_select(0, _pack([a["rows"]], np.int64, self.device)[0])
             else:
                 h = self._hidden(*self._to_device(a))
-                if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
-                    return None, graph
-                out = self._sample(h, self._sampling_tensors(batch))
+            if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
+                return None, graph
+            out = self._sample(h, self._sampling_tensors(batch))
         self._last_samples = out[0]
         return self._readback(out), graph
+
+    def _prefill_bucket(self, a: dict) -> int | None:
+        """The prefill graph's token bucket a prepared step runs by, or None (eagerly)."""
+        pg = self.prefill_graphs
+        b = pg.bucket(a) if self.use_graphs and self.use_prefill_graphs else None
+        if b is None:
+            return None
+        pg.follow(self.model.flat.data_ptr())  # the weights moved, or exact mode was switched
+        return b if pg.take(b) else None
 
     def _readback(self, out):
         """Start the copy of a step's (tokens, logprobs) to pinned host memory, behind the
