@@ -44,25 +44,41 @@ def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_
     tiles: the prefill attention's tile list (ops/paged_attention.py `prefill_tiles`), or None
     -> final-normed hidden states [R, hidden]."""
     c, w = model.cfg, model.w
-    N, Hq, Hk, D, eps = ids.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-    qs = c.q_size
-    scale = D**-0.5
+    scale = c.head_dim**-0.5
     x = embedding_fwd(ids, w["embed"])
     if is_exact():
         return hidden_exact(model, kv, x, pos, kv_slots, block_tables, cu_q, seq_lens, max_q, rows)
     for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        h, _ = rmsnorm_fwd(x, w[p + "input_norm"], eps)
-        qkv = h @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
-        kc, vc = kv[0, i], kv[1, i]
-        q = qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, kv_slots, kc, vc, Hq, Hk, D, eps, c.rope_theta)
-        o = paged_attention(q, kc, vc, block_tables, cu_q, seq_lens, max_q, max_k, scale, tiles)
-        x.addmm_(o.view(N, qs), w[p + "o"].t())  # in place: no copy of x for cuBLAS's C
-        h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps)
-        x.addmm_(swiglu_fwd(h @ w[p + "gate_up"].t()), w[p + "down"].t())
+        q = attention_inputs(model, kv, i, x, pos, kv_slots)
+        o = paged_attention(q, kv[0, i], kv[1, i], block_tables, cu_q, seq_lens, max_q, max_k, scale, tiles)
+        attention_out(model, i, x, o)
+    return final(model, x, rows)
+
+
+def final(model: Qwen3, x, rows=None) -> torch.Tensor:
+    """The final norm of the rows `rows` of x (None: all)."""
     if rows is not None:
         x = x.index_select(0, rows)
-    return rmsnorm_fwd(x, w["final_norm"], eps)[0]
+    return rmsnorm_fwd(x, model.w["final_norm"], model.cfg.rms_norm_eps)[0]
+
+
+def attention_inputs(model: Qwen3, kv: torch.Tensor, i: int, x, pos, kv_slots) -> torch.Tensor:
+    """Layer i up to its attention: the input norm, the fused QKV projection, and qkv_prep
+    (q, k normed and rotated, k and v written to their kv slots) -> q [N, Hq, D]."""
+    c, w, p = model.cfg, model.w, f"layers.{i}."
+    h, _ = rmsnorm_fwd(x, w[p + "input_norm"], c.rms_norm_eps)
+    qkv = h @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
+    return qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, kv_slots, kv[0, i], kv[1, i],
+                    c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta)
+
+
+def attention_out(model: Qwen3, i: int, x, o) -> None:
+    """Layer i from its attention's output o [N, Hq, D] on, in place on the residual x:
+    x += o Wo^T; x += swiglu(rmsnorm(x) Wgu^T) Wd^T."""
+    c, w, p = model.cfg, model.w, f"layers.{i}."
+    x.addmm_(o.view(x.shape[0], c.q_size), w[p + "o"].t())  # in place: no copy of x for cuBLAS's C
+    h, _ = rmsnorm_fwd(x, w[p + "post_norm"], c.rms_norm_eps)
+    x.addmm_(swiglu_fwd(h @ w[p + "gate_up"].t()), w[p + "down"].t())
 
 
 def hidden_exact(model: Qwen3, kv: torch.Tensor, x, pos, kv_slots, block_tables, cu_q, seq_lens, max_q: int,
@@ -85,9 +101,7 @@ def hidden_exact(model: Qwen3, kv: torch.Tensor, x, pos, kv_slots, block_tables,
         mm_invariant(o.view(N, qs), w[p + "o"], x, out=x)  # x += o Wo^T, in place
         h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps)
         mm_invariant(swiglu_fwd(mm_invariant(h, w[p + "gate_up"])), w[p + "down"], x, out=x)
-    if rows is not None:
-        x = x.index_select(0, rows)
-    return rmsnorm_fwd(x, w["final_norm"], eps)[0]
+    return final(model, x, rows)
 
 
 def logits(model: Qwen3, h: torch.Tensor) -> torch.Tensor:
