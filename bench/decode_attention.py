@@ -18,6 +18,10 @@ kind "chunk"): first its tile configs at CHUNK = 512, then CHUNK x programs an S
 best tile config of each case. Prints a table last; JSON to --out.
 
     python bench/decode_attention.py [--out decode_attention.json] [--quick]
+    python bench/decode_attention.py --splits [--out decode_splits.json]
+
+--splits times the split kernel under each max_part policy (decode_splits: no split longer
+than max_part keys, or today's rule of one split for wide batches) on batches of mixed lengths.
 """
 
 from __future__ import annotations
@@ -118,13 +122,13 @@ def time_graph(fn, reps: int = 5) -> float:
 
 
 class Case:
-    def __init__(self, name, B, lens, sms):
+    def __init__(self, name, B, lens, sms, max_k=None):
         import rlcu.ops.paged_attention as pa
 
         self.pa, self.name, self.B, self.sms = pa, name, B, sms
         self.args, self.lens = build(B, lens)
         q, kc, vc, tables, cu, L = self.args
-        self.max_k = graph_bucket(max(self.lens))
+        self.max_k = max_k or graph_bucket(max(self.lens))
         self.scale = D**-0.5
         self.ref = pa.paged_attention_ref(*self.args, 1, self.max_k, self.scale)
         self.kcv, self.vcv = kc.view(-1, Hk, D), vc.view(-1, Hk, D)
@@ -183,6 +187,43 @@ def tile(t):
     return dict(BN=bn, num_warps=w, num_stages=st, maxnreg=r)
 
 
+SPLIT_CASES = {  # name: (B, lens, max_k or None: the context bucket of the longest)
+    **{f"B={B} L~U[200,2048]": (B, (200, 2048), None) for B in (32, 64, 128, 192, 256)},
+    **{f"B={B} L~U[100,1024]": (B, (100, 1024), None) for B in (128, 256)},
+    "B=64 L=1024": (64, 1024, None), "B=256 L=512": (256, 512, None),
+    "B=128 L~U[200,2048] bucket 16k": (128, (200, 2048), 16384),
+}
+SPLIT_POLICIES = [None, 2048, 1024, 512, 256]  # max_part (None: today's unsplit rule)
+
+
+def split_sweep(copy: float, sms: int) -> list[dict]:
+    """The split kernel under each max_part policy (ops/paged_attention.py decode_splits) on
+    batches of mixed and of equal lengths: one split a sequence leaves a batch of mixed lengths
+    waiting on its longest programs."""
+    import rlcu.ops.paged_attention as pa
+
+    saved = dict(pa.CONFIGS["splits"])
+    cfg = {**pa.CONFIGS["decode"], **pa.CONFIGS["decode_plan"], "kernel": "split"}
+    out = []
+    try:
+        for name, (B, lens, max_k) in SPLIT_CASES.items():
+            c = Case(name, B, lens, sms, max_k)
+            bound_ms = c.bytes / (copy * 1e9) * 1e3
+            for mp in SPLIT_POLICIES:
+                pa.CONFIGS["splits"] = dict(saved, max_part=mp)
+                r = c.run(cfg, copy)
+                r.update(max_part=mp, bound_ms=bound_ms, max_k=c.max_k)
+                out.append(r)
+                ms = f"{r['ms']:.4f} ms {r['frac_copy']:.0%}" if "ms" in r else r.get("error", "")
+                print(f"  {name:<32} max_part {mp!s:>5} splits {r['plan'].get('splits'):>3} "
+                      f"err {r.get('err', float('nan')):.1e} {'' if r['ok'] else 'FAIL '}{ms}", flush=True)
+            del c
+            torch.cuda.empty_cache()
+    finally:
+        pa.CONFIGS["splits"] = saved
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -190,7 +231,16 @@ def main():
     ap.add_argument("--budget-s", type=float, default=110.0, help="stop sweeping after this")
     ap.add_argument("--smoke", action="store_true",
                     help="no GPU: tiny cases on the CPU under TRITON_INTERPRET=1, wall-clock")
+    ap.add_argument("--splits", action="store_true",
+                    help="only the split kernel's max_part policies on mixed-length batches")
     args = ap.parse_args()
+    if args.splits:
+        copy = copy_bandwidth()
+        rows = split_sweep(copy, torch.cuda.get_device_properties(0).multi_processor_count)
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(meta=meta(), copy_GBps=copy, rows=rows), indent=2,
+                                                 default=float))
+        return 1 if any(not r.get("ok") for r in rows) else 0
     global DEV, DT, CASES, Hq, Hk, D
     if args.smoke:  # fp32: the interpreter's bf16 dots are not right
         DEV, DT, Hq, Hk, D = "cpu", torch.float32, 4, 2, 32

@@ -217,14 +217,18 @@ def _num_sms(device: torch.device) -> int:
 def decode_splits(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132, BN: int | None = None):
     """(splits, keys per split) for a decode launch: about CONFIGS["splits"]["per_sm"]
     programs an SM, each split at least min_part keys (a multiple of the tile); unsplit once
-    S * Hk fills 3 programs an SM and the context reaches unsplit_keys. It depends on sizes
+    S * Hk fills 3 programs an SM and the context reaches unsplit_keys, unless max_part (if
+    set) caps the keys of a split. It depends on sizes
     only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
     cfg = CONFIGS["splits"]
     max_seqlen_k = max(int(max_seqlen_k), 1)
     BN = BN or CONFIGS["decode"]["BN"]
-    if S * Hk >= 3 * num_sms and max_seqlen_k >= cfg["unsplit_keys"]:
+    max_part = cfg.get("max_part")
+    if max_part is None and S * Hk >= 3 * num_sms and max_seqlen_k >= cfg["unsplit_keys"]:
         return 1, triton.cdiv(max_seqlen_k, BN) * BN
     want = triton.cdiv(cfg["per_sm"] * num_sms, max(S * Hk, 1))
+    if max_part is not None:  # no split longer than max_part keys, whatever the batch
+        want = max(want, triton.cdiv(max_seqlen_k, max_part))
     splits = max(1, min(want, triton.cdiv(max_seqlen_k, cfg["min_part"]), _DEC_MAX_SPLITS))
     part = triton.cdiv(triton.cdiv(max_seqlen_k, splits), BN) * BN
     return triton.cdiv(max_seqlen_k, part), part
