@@ -20,8 +20,9 @@ best tile config of each case. Prints a table last; JSON to --out.
     python bench/decode_attention.py [--out decode_attention.json] [--quick]
     python bench/decode_attention.py --splits [--out decode_splits.json]
 
---splits times the split kernel under each max_part policy (decode_splits: no split longer
-than max_part keys, or today's rule of one split for wide batches) on batches of mixed lengths.
+--splits times the split kernel under each split policy (decode_splits: the previous rule of
+one split for batches of 3 programs an SM, the default, and caps of max_part keys a split) on
+batches of mixed and of equal lengths.
 """
 
 from __future__ import annotations
@@ -193,13 +194,18 @@ SPLIT_CASES = {  # name: (B, lens, max_k or None: the context bucket of the long
     "B=64 L=1024": (64, 1024, None), "B=256 L=512": (256, 512, None),
     "B=128 L~U[200,2048] bucket 16k": (128, (200, 2048), 16384),
 }
-SPLIT_POLICIES = [None, 2048, 1024, 512, 256]  # max_part (None: today's unsplit rule)
+SPLIT_POLICIES = {  # name: CONFIGS["splits"] updates
+    "previous": dict(unsplit_per_sm=3, max_part=None),  # one split for batches of 3 programs an SM
+    "default": {},
+    **{f"max_part {mp}": dict(unsplit_per_sm=1 << 30, max_part=mp) for mp in (2048, 1024, 512, 256)},
+}
 
 
 def split_sweep(copy: float, sms: int) -> list[dict]:
-    """The split kernel under each max_part policy (ops/paged_attention.py decode_splits) on
-    batches of mixed and of equal lengths: one split a sequence leaves a batch of mixed lengths
-    waiting on its longest programs."""
+    """The split kernel under each policy of SPLIT_POLICIES (ops/paged_attention.py
+    decode_splits; the max_part ones never run unsplit) on batches of mixed and of equal
+    lengths: one split a sequence leaves a batch of mixed lengths waiting on its longest
+    programs."""
     import rlcu.ops.paged_attention as pa
 
     saved = dict(pa.CONFIGS["splits"])
@@ -209,13 +215,13 @@ def split_sweep(copy: float, sms: int) -> list[dict]:
         for name, (B, lens, max_k) in SPLIT_CASES.items():
             c = Case(name, B, lens, sms, max_k)
             bound_ms = c.bytes / (copy * 1e9) * 1e3
-            for mp in SPLIT_POLICIES:
-                pa.CONFIGS["splits"] = dict(saved, max_part=mp)
+            for pname, upd in SPLIT_POLICIES.items():
+                pa.CONFIGS["splits"] = dict(saved, **upd)
                 r = c.run(cfg, copy)
-                r.update(max_part=mp, bound_ms=bound_ms, max_k=c.max_k)
+                r.update(policy=pname, splits_cfg=pa.CONFIGS["splits"], bound_ms=bound_ms, max_k=c.max_k)
                 out.append(r)
                 ms = f"{r['ms']:.4f} ms {r['frac_copy']:.0%}" if "ms" in r else r.get("error", "")
-                print(f"  {name:<32} max_part {mp!s:>5} splits {r['plan'].get('splits'):>3} "
+                print(f"  {name:<32} {pname:<13} splits {r['plan'].get('splits'):>3} "
                       f"err {r.get('err', float('nan')):.1e} {'' if r['ok'] else 'FAIL '}{ms}", flush=True)
             del c
             torch.cuda.empty_cache()

@@ -14,10 +14,12 @@ and the achieved fraction is sum(bound) / wall. The per-phase host timings (sche
 wait for the device, postprocess) and the prefill/decode split say where the rest goes.
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
-                             [--no-prefill-graphs]
+                             [--no-prefill-graphs] [--previous-splits]
 
 --shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
-runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json).
+runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
+--previous-splits runs the decode attention under its previous split policy (ops/paged_attention.py
+decode_splits: one split for every batch of 3 programs an SM; JSON *_previous_splits.json).
 """
 
 from __future__ import annotations
@@ -155,7 +157,13 @@ def main(argv=None) -> int:
     p.add_argument("--sync-scheduling", action="store_true", help="no one-step lookahead")
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="a published Qwen3 shape")
     p.add_argument("--no-prefill-graphs", action="store_true", help="prefill and mixed steps eagerly")
+    p.add_argument("--previous-splits", action="store_true",
+                   help="the decode attention's previous split policy (one split for 3 programs an SM, no cap)")
     args = p.parse_args(argv)
+    from rlcu.ops import paged_attention as pa
+
+    if args.previous_splits:
+        pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], unsplit_per_sm=3, max_part=None)
 
     from rlcu.engine import LLM, SamplingParams
 
@@ -203,6 +211,7 @@ def main(argv=None) -> int:
                           "kv_blocks": llm.runner.num_blocks, "block_size": llm.runner.block_size,
                           "cuda_graphs": llm.runner.use_graphs, "async_scheduling": llm.async_scheduling,
                           "prefill_graphs": sorted(llm.runner.prefill_graphs.graphs), "shape": args.shape,
+                          "decode_splits": dict(pa.CONFIGS["splits"]),
                           "quick": args.quick}, "ceilings": ceil, "rlcu": [], "hf": []}
     rng = np.random.default_rng(1234)
     plens = rng.integers(lo, hi + 1, n_req)
@@ -229,7 +238,8 @@ def main(argv=None) -> int:
             r["speedup_vs_hf"] = r["tok_per_s"] / h["tok_per_s"]
             print(f"{r['case']}: rlcu / hf = {r['speedup_vs_hf']:.2f}x", flush=True)
     name = "generate_quick" if args.quick else "generate" + ("" if args.shape == "0.6b" else "_" + args.shape)
-    path = write_json(name + ("_eager_prefill" if args.no_prefill_graphs else "") + ".json", results)
+    name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_previous_splits" if args.previous_splits else "")
+    path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0
 

@@ -52,15 +52,18 @@ def test_graph_plan_covers_every_step_and_merges_unsplit_batches(monkeypatch):
     keys = {r.decode_graphs.key(S, k) for S, k in itertools.product(range(1, 257), [1, 2, 1000, 1024, 1025, 3000, 4096,
                                                                               5000, 16384, 20000, 40960])}
     assert keys == set(plan)
-    # batches that run unsplit (S x Hk fills 3 programs an SM: 64 rows and up at 8 KV heads)
-    # have one graph, at max_model_len; the split ones one per context bucket
-    wide = [b for b in graph_buckets(256) if b >= 64]
-    narrow = [b for b in graph_buckets(256) if b < 64]
+    # batches that run unsplit (S x Hk fills unsplit_per_sm programs an SM: 198 rows and up at
+    # 8 KV heads and 12 programs an SM) have one graph, at max_model_len; the split ones one per
+    # context bucket
+    lo = -(-pa.CONFIGS["splits"]["unsplit_per_sm"] * 132 // 8)
+    wide = [b for b in graph_buckets(256) if b >= lo]
+    narrow = [b for b in graph_buckets(256) if b < lo]
+    assert wide and narrow
     assert {(b, 40960) for b in wide} <= set(plan)
     assert {(b, kb) for b in narrow for kb in (1024, 4096, 16384, 40960)} <= set(plan)
     assert len(plan) == len(wide) + 4 * len(narrow)
     for b, kb in plan:  # a merged graph launches what its own bucket's graph would: one split
-        if kb == 40960 and b >= 64:
+        if kb == 40960 and b >= lo:
             assert all(decode_splits(b, 8, k)[0] == 1 for k in (1024, 4096, 16384, 40960))
     # capture_graphs(max_context) plans the same keys, up to that context
     assert set(r.graph_plan(2064)) == {r.decode_graphs.key(S, k) for S in range(1, 257) for k in (1, 2064)}

@@ -37,7 +37,7 @@ def test_unsplit_decode_is_the_same_at_any_context_bucket(monkeypatch):
     from rlcu.ops import paged_attention as pa
 
     monkeypatch.setitem(pa.CONFIGS, "decode_plan", dict(pa.CONFIGS["decode_plan"], kernel="split"))  # merged buckets
-    S, Hq, Hk, D, BS = 64, 16, 8, 128, 16
+    S, Hq, Hk, D, BS = 256, 16, 8, 128, 16
     sms = _num_sms(torch.device("cuda"))
     assert all(decode_splits(S, Hk, k, sms)[0] == 1 for k in (1024, 4096, 40960))
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -64,8 +64,14 @@ _DEC_MAX_SPLITS = 64
 # kernel (B = 64, Hk = 8): at L = 512 one split (512 programs of 8 tiles, no reduce) took
 # 0.094 ms and two splits (1024 programs of 4 tiles + the reduce) 0.073 ms; at L = 2048 one
 # split took 0.136 ms and two 0.142 ms. So short contexts are split (per_sm programs an SM,
-# min_part keys or more a split) and a batch of at least 3 programs an SM runs unsplit from
-# unsplit_keys keys on. The default is the split kernel: on the H200 it reads K/V at 91-92% of
+# min_part keys or more a split). One split a sequence suits equal lengths, but a batch of
+# mixed lengths then waits on its longest programs: with contexts uniform in [200, 2048]
+# (bench/decode_attention.py --splits, bench/results/decode_splits.json) one split read K/V at
+# 55 / 73 / 81 / 90 / 93% of the copy bandwidth at 32 / 64 / 128 / 192 / 256 sequences and
+# splits of at most max_part = 512 keys at 67 / 79 / 87 / 91 / 92% (equal lengths: 64 x 1024
+# keys 93% against 86%, 256 x 512 95% against 92%). So no split is longer than max_part keys,
+# except that a batch of at least unsplit_per_sm programs an SM (Hk = 8: 198 sequences) runs
+# unsplit from unsplit_keys keys on. The default is the split kernel: on the H200 it reads K/V at 91-92% of
 # the measured copy bandwidth at 64-256 sequences, the chunk kernel at 71-76% there (2 programs
 # an SM by its registers) and better only for few long contexts (32 x 4096 keys: 93% against
 # 85%, CHUNK 2048, BN 32, 5 stages, 8 programs an SM); bench/results/decode_attention.json.
@@ -73,7 +79,7 @@ CONFIGS = {
     "decode": dict(BN=64, num_warps=4, num_stages=3),
     "decode_plan": dict(kernel="split", CHUNK=512, per_sm=2, reduce_warps=4),
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
-    "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024),
+    "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024, unsplit_per_sm=12, max_part=512),
 }
 
 
@@ -215,20 +221,19 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132, BN: int | None = None):
-    """(splits, keys per split) for a decode launch: about CONFIGS["splits"]["per_sm"]
-    programs an SM, each split at least min_part keys (a multiple of the tile); unsplit once
-    S * Hk fills 3 programs an SM and the context reaches unsplit_keys, unless max_part (if
-    set) caps the keys of a split. It depends on sizes
+    """(splits, keys per split) for a decode launch (CONFIGS["splits"]): about per_sm programs
+    an SM, each split at least min_part keys (a multiple of the tile) and at most max_part (None:
+    no cap); unsplit once S * Hk fills unsplit_per_sm programs an SM and the context reaches
+    unsplit_keys. It depends on sizes
     only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
     cfg = CONFIGS["splits"]
     max_seqlen_k = max(int(max_seqlen_k), 1)
     BN = BN or CONFIGS["decode"]["BN"]
-    max_part = cfg.get("max_part")
-    if max_part is None and S * Hk >= 3 * num_sms and max_seqlen_k >= cfg["unsplit_keys"]:
+    if S * Hk >= cfg["unsplit_per_sm"] * num_sms and max_seqlen_k >= cfg["unsplit_keys"]:
         return 1, triton.cdiv(max_seqlen_k, BN) * BN
     want = triton.cdiv(cfg["per_sm"] * num_sms, max(S * Hk, 1))
-    if max_part is not None:  # no split longer than max_part keys, whatever the batch
-        want = max(want, triton.cdiv(max_seqlen_k, max_part))
+    if cfg["max_part"] is not None:  # no split longer than max_part keys
+        want = max(want, triton.cdiv(max_seqlen_k, cfg["max_part"]))
     splits = max(1, min(want, triton.cdiv(max_seqlen_k, cfg["min_part"]), _DEC_MAX_SPLITS))
     part = triton.cdiv(triton.cdiv(max_seqlen_k, splits), BN) * BN
     return triton.cdiv(max_seqlen_k, part), part
