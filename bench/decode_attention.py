@@ -195,9 +195,10 @@ SPLIT_CASES = {  # name: (B, lens, max_k or None: the context bucket of the long
     "B=128 L~U[200,2048] bucket 16k": (128, (200, 2048), 16384),
 }
 SPLIT_POLICIES = {  # name: CONFIGS["splits"] updates
-    "previous": dict(unsplit_per_sm=3, max_part=None),  # one split for batches of 3 programs an SM
+    "previous": dict(max_part=None),  # one split for batches of 3 programs an SM
     "default": {},
-    **{f"max_part {mp}": dict(unsplit_per_sm=1 << 30, max_part=mp) for mp in (2048, 1024, 512, 256)},
+    **{f"max_part {mp}": dict(unsplit_per_sm=1 << 30, long_keys=0, long_per_sm=1 << 30, max_part=mp)
+       for mp in (2048, 1024, 512, 256)},
 }
 
 

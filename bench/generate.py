@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     from rlcu.ops import paged_attention as pa
 
     if args.previous_splits:
-        pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], unsplit_per_sm=3, max_part=None)
+        pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], max_part=None)
 
     from rlcu.engine import LLM, SamplingParams
 

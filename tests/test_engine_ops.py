@@ -234,16 +234,19 @@ def test_decode_splits_fill_the_machine():
 
 
 def test_decode_splits_cap_the_keys_of_a_split():
-    """Below unsplit_per_sm programs an SM no split is longer than max_part keys (a batch of
-    mixed lengths would wait on its longest programs); wide batches run unsplit."""
+    """Past long_keys (4k context buckets and up) no split is longer than max_part keys below
+    long_per_sm programs an SM (a batch of mixed lengths would wait on its longest programs);
+    wider batches run unsplit, and so do batches of unsplit_per_sm programs an SM in the 1k
+    bucket (short contexts: the reduce would cost more than the balance gains)."""
     cfg = pa.CONFIGS["splits"]
-    lo = -(-cfg["unsplit_per_sm"] * 132 // 8)  # sequences at 8 KV heads
+    lo = -(-cfg["long_per_sm"] * 132 // 8)  # sequences at 8 KV heads
     for S in (1, 16, 64, 128, lo - 1):
-        for kb in (1024, 4096, 16384, 40960):
+        for kb in (4096, 16384, 40960):
             splits, part = pa.decode_splits(S, 8, kb, 132)
             assert splits * part >= kb and part % 64 == 0
             assert part <= max(cfg["max_part"], -(-kb // pa._DEC_MAX_SPLITS // 64) * 64)
     assert pa.decode_splits(64, 8, 4096, 132) == (8, 512)
+    assert pa.decode_splits(64, 8, 1024, 132) == (1, 1024) and pa.decode_splits(48, 8, 1024, 132)[0] == 2
     assert pa.decode_splits(lo, 8, 4096, 132)[0] == pa.decode_splits(256, 8, 40960, 132)[0] == 1
     assert pa.decode_splits(8, 8, 512, 132) == (2, 256)  # a split has min_part keys or more
 

@@ -69,17 +69,21 @@ _DEC_MAX_SPLITS = 64
 # (bench/decode_attention.py --splits, bench/results/decode_splits.json) one split read K/V at
 # 55 / 73 / 81 / 90 / 93% of the copy bandwidth at 32 / 64 / 128 / 192 / 256 sequences and
 # splits of at most max_part = 512 keys at 67 / 79 / 87 / 91 / 92% (equal lengths: 64 x 1024
-# keys 93% against 86%, 256 x 512 95% against 92%). So no split is longer than max_part keys,
-# except that a batch of at least unsplit_per_sm programs an SM (Hk = 8: 198 sequences) runs
-# unsplit from unsplit_keys keys on. The default is the split kernel: on the H200 it reads K/V at 91-92% of
-# the measured copy bandwidth at 64-256 sequences, the chunk kernel at 71-76% there (2 programs
-# an SM by its registers) and better only for few long contexts (32 x 4096 keys: 93% against
+# keys 93% against 86%, 256 x 512 95% against 92%; and a decode step of 64 sequences of
+# 128-384 keys, bench/generate.py's fixed case, was 3.5% slower for the reduce kernel). So up
+# to long_keys (the 1k context bucket) a batch of at least unsplit_per_sm programs an SM runs
+# unsplit from unsplit_keys keys on; past it no split is longer than max_part keys, except that
+# a batch of at least long_per_sm programs an SM (Hk = 8: 198 sequences) runs unsplit.
+# The default is the split kernel: on the H200 it reads K/V at 91-92% of the measured copy
+# bandwidth at 64-256 sequences, the chunk kernel at 71-76% there (2 programs an SM by its
+# registers) and better only for few long contexts (32 x 4096 keys: 93% against
 # 85%, CHUNK 2048, BN 32, 5 stages, 8 programs an SM); bench/results/decode_attention.json.
 CONFIGS = {
     "decode": dict(BN=64, num_warps=4, num_stages=3),
     "decode_plan": dict(kernel="split", CHUNK=512, per_sm=2, reduce_warps=4),
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
-    "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024, unsplit_per_sm=12, max_part=512),
+    "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024, unsplit_per_sm=3, long_keys=2048, long_per_sm=12,
+                   max_part=512),
 }
 
 
@@ -222,17 +226,19 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_splits(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132, BN: int | None = None):
     """(splits, keys per split) for a decode launch (CONFIGS["splits"]): about per_sm programs
-    an SM, each split at least min_part keys (a multiple of the tile) and at most max_part (None:
-    no cap); unsplit once S * Hk fills unsplit_per_sm programs an SM and the context reaches
-    unsplit_keys. It depends on sizes
+    an SM, each split at least min_part keys (a multiple of the tile); unsplit once S * Hk fills
+    unsplit_per_sm programs an SM and the context reaches unsplit_keys. Past long_keys (a
+    context bucket of 4k and up) no split is longer than max_part keys (None: no cap) and a
+    batch runs unsplit only from long_per_sm programs an SM. It depends on sizes
     only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
     cfg = CONFIGS["splits"]
     max_seqlen_k = max(int(max_seqlen_k), 1)
     BN = BN or CONFIGS["decode"]["BN"]
-    if S * Hk >= cfg["unsplit_per_sm"] * num_sms and max_seqlen_k >= cfg["unsplit_keys"]:
+    long = cfg["max_part"] is not None and max_seqlen_k > cfg["long_keys"]
+    if S * Hk >= cfg["long_per_sm" if long else "unsplit_per_sm"] * num_sms and max_seqlen_k >= cfg["unsplit_keys"]:
         return 1, triton.cdiv(max_seqlen_k, BN) * BN
     want = triton.cdiv(cfg["per_sm"] * num_sms, max(S * Hk, 1))
-    if cfg["max_part"] is not None:  # no split longer than max_part keys
+    if long:  # no split longer than max_part keys
         want = max(want, triton.cdiv(max_seqlen_k, cfg["max_part"]))
     splits = max(1, min(want, triton.cdiv(max_seqlen_k, cfg["min_part"]), _DEC_MAX_SPLITS))
     part = triton.cdiv(triton.cdiv(max_seqlen_k, splits), BN) * BN
