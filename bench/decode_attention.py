@@ -21,8 +21,8 @@ best tile config of each case. Prints a table last; JSON to --out.
     python bench/decode_attention.py --splits [--out decode_splits.json]
 
 --splits times the split kernel under each split policy (decode_splits: the previous rule of
-one split for batches of 3 programs an SM, the default, and caps of max_part keys a split) on
-batches of mixed and of equal lengths.
+the default of one split for batches of 3 programs an SM, `generate.py --split-cap`'s policy, and
+caps of max_part keys a split for any batch) on batches of mixed and of equal lengths.
 """
 
 from __future__ import annotations
@@ -195,8 +195,8 @@ SPLIT_CASES = {  # name: (B, lens, max_k or None: the context bucket of the long
     "B=128 L~U[200,2048] bucket 16k": (128, (200, 2048), 16384),
 }
 SPLIT_POLICIES = {  # name: CONFIGS["splits"] updates
-    "previous": dict(max_part=None),  # one split for batches of 3 programs an SM
-    "default": {},
+    "default": {},  # one split for batches of 3 programs an SM
+    "cap 512": dict(max_part=512),  # generate.py --split-cap
     **{f"max_part {mp}": dict(unsplit_per_sm=1 << 30, long_keys=0, long_per_sm=1 << 30, max_part=mp)
        for mp in (2048, 1024, 512, 256)},
 }

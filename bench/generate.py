@@ -14,12 +14,13 @@ and the achieved fraction is sum(bound) / wall. The per-phase host timings (sche
 wait for the device, postprocess) and the prefill/decode split say where the rest goes.
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
-                             [--no-prefill-graphs] [--previous-splits]
+                             [--no-prefill-graphs] [--split-cap]
 
 --shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
 runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
---previous-splits runs the decode attention under its previous split policy (ops/paged_attention.py
-decode_splits: one split for every batch of 3 programs an SM; JSON *_previous_splits.json).
+--split-cap caps the decode attention's splits (ops/paged_attention.py decode_splits, max_part
+512: past the 1k context bucket no split longer than 512 keys below 12 programs an SM; JSON
+*_split_cap.json).
 """
 
 from __future__ import annotations
@@ -157,13 +158,13 @@ def main(argv=None) -> int:
     p.add_argument("--sync-scheduling", action="store_true", help="no one-step lookahead")
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="a published Qwen3 shape")
     p.add_argument("--no-prefill-graphs", action="store_true", help="prefill and mixed steps eagerly")
-    p.add_argument("--previous-splits", action="store_true",
-                   help="the decode attention's previous split policy (one split for 3 programs an SM, no cap)")
+    p.add_argument("--split-cap", action="store_true",
+                   help="the decode attention's splits capped at 512 keys past the 1k context bucket")
     args = p.parse_args(argv)
     from rlcu.ops import paged_attention as pa
 
-    if args.previous_splits:
-        pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], max_part=None)
+    if args.split_cap:
+        pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], max_part=512)
 
     from rlcu.engine import LLM, SamplingParams
 
@@ -238,7 +239,7 @@ def main(argv=None) -> int:
             r["speedup_vs_hf"] = r["tok_per_s"] / h["tok_per_s"]
             print(f"{r['case']}: rlcu / hf = {r['speedup_vs_hf']:.2f}x", flush=True)
     name = "generate_quick" if args.quick else "generate" + ("" if args.shape == "0.6b" else "_" + args.shape)
-    name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_previous_splits" if args.previous_splits else "")
+    name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0

@@ -233,12 +233,16 @@ def test_decode_splits_fill_the_machine():
     assert pa.decode_splits(256, 8, 4096, 132)[0] == 1
 
 
-def test_decode_splits_cap_the_keys_of_a_split():
+def test_decode_splits_cap_the_keys_of_a_split(monkeypatch):
     """Past long_keys (4k context buckets and up) no split is longer than max_part keys below
     long_per_sm programs an SM (a batch of mixed lengths would wait on its longest programs);
     wider batches run unsplit, and so do batches of unsplit_per_sm programs an SM in the 1k
-    bucket (short contexts: the reduce would cost more than the balance gains)."""
-    cfg = pa.CONFIGS["splits"]
+    bucket (short contexts: the reduce would cost more than the balance gains). The cap is
+    bench/generate.py --split-cap's, not the default."""
+    assert pa.CONFIGS["splits"]["max_part"] is None
+    assert pa.decode_splits(64, 8, 4096, 132) == (1, 4096)  # the default: unsplit from 3 programs an SM
+    cfg = dict(pa.CONFIGS["splits"], max_part=512)
+    monkeypatch.setitem(pa.CONFIGS, "splits", cfg)
     lo = -(-cfg["long_per_sm"] * 132 // 8)  # sequences at 8 KV heads
     for S in (1, 16, 64, 128, lo - 1):
         for kb in (4096, 16384, 40960):

@@ -52,10 +52,11 @@ def test_graph_plan_covers_every_step_and_merges_unsplit_batches(monkeypatch):
     keys = {r.decode_graphs.key(S, k) for S, k in itertools.product(range(1, 257), [1, 2, 1000, 1024, 1025, 3000, 4096,
                                                                               5000, 16384, 20000, 40960])}
     assert keys == set(plan)
-    # batches that run unsplit at every bucket (S x Hk fills long_per_sm programs an SM: 198
-    # rows and up at 8 KV heads and 12 programs an SM) have one graph, at max_model_len; the
-    # split ones one per context bucket
-    lo = -(-pa.CONFIGS["splits"]["long_per_sm"] * 132 // 8)
+    # batches that run unsplit at every bucket (S x Hk fills unsplit_per_sm programs an SM: 64
+    # rows and up at 8 KV heads; with a split cap, long_per_sm) have one graph, at
+    # max_model_len; the split ones one per context bucket
+    sc = pa.CONFIGS["splits"]
+    lo = -(-sc["long_per_sm" if sc["max_part"] else "unsplit_per_sm"] * 132 // 8)
     wide = [b for b in graph_buckets(256) if b >= lo]
     narrow = [b for b in graph_buckets(256) if b < lo]
     assert wide and narrow

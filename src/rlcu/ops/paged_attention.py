@@ -70,10 +70,13 @@ _DEC_MAX_SPLITS = 64
 # 55 / 73 / 81 / 90 / 93% of the copy bandwidth at 32 / 64 / 128 / 192 / 256 sequences and
 # splits of at most max_part = 512 keys at 67 / 79 / 87 / 91 / 92% (equal lengths: 64 x 1024
 # keys 93% against 86%, 256 x 512 95% against 92%; and a decode step of 64 sequences of
-# 128-384 keys, bench/generate.py's fixed case, was 3.5% slower for the reduce kernel). So up
-# to long_keys (the 1k context bucket) a batch of at least unsplit_per_sm programs an SM runs
-# unsplit from unsplit_keys keys on; past it no split is longer than max_part keys, except that
-# a batch of at least long_per_sm programs an SM (Hk = 8: 198 sequences) runs unsplit.
+# 128-384 keys, bench/generate.py's fixed case, was 3.5% slower for the reduce kernel). The
+# cap (max_part: past long_keys, the 1k context bucket, no split longer than max_part keys, and
+# unsplit only from long_per_sm programs an SM) is not the default: on the generation protocol
+# it moved the decode time by +0.6% at the 0.6B shape and -1.2% at the 8B shape (bench/
+# generate.py --split-cap, same device call; the reduce kernel and the partials cost what the
+# balance gains). So a batch of at least unsplit_per_sm programs an SM runs unsplit from
+# unsplit_keys keys on.
 # The default is the split kernel: on the H200 it reads K/V at 91-92% of the measured copy
 # bandwidth at 64-256 sequences, the chunk kernel at 71-76% there (2 programs an SM by its
 # registers) and better only for few long contexts (32 x 4096 keys: 93% against
@@ -83,7 +86,7 @@ CONFIGS = {
     "decode_plan": dict(kernel="split", CHUNK=512, per_sm=2, reduce_warps=4),
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
     "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024, unsplit_per_sm=3, long_keys=2048, long_per_sm=12,
-                   max_part=512),
+                   max_part=None),
 }
 
 
