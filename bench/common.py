@@ -51,6 +51,22 @@ def measure_ceilings() -> dict:
     return {"copy_GBps": copy, "bf16_matmul_TFLOPs": mm}
 
 
+def replay_ms(fn, reps: int, warm: int = 0) -> float:
+    """The median device time of fn() (a CUDA graph's replay), in ms: CUDA events around each
+    of `reps` calls, after `warm` untimed ones."""
+    for _ in range(warm):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
 def write_json(name: str, payload: dict) -> Path:
     """Write to $OUT (on the device machine) and bench/results/."""
     payload = {"meta": meta(), **payload}

@@ -13,7 +13,7 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            below; measured slower at every size on the H200: each half reads every weight, and
            the attention's programs fill the SMs, so the GEMMs wait for them anyway).
 Each variant is one CUDA graph (as the engine replays it), checked against serial (relative
-error of the logits), timed by CUDA events: median of 30 replays after 5; `kernels` is the sum
+error of the logits), timed by CUDA events: median of 30 replays after 5 (common.replay_ms); `kernels` is the sum
 of serial's kernel times (torch.profiler), so serial - kernels is the time between kernels.
 The bound: (weight bytes + context tokens x KV bytes a token) / the copy bandwidth measured in
 the same run (bytes read + written), as bench/generate.py counts a decode step.
@@ -24,7 +24,6 @@ the same run (bytes read + written), as bench/generate.py counts a decode step.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, measure_ceilings, qwen3_06b_config, write_json  # noqa: E402
+from bench.common import SHAPES, measure_ceilings, qwen3_06b_config, replay_ms, write_json  # noqa: E402
 from bench.generate import random_model  # noqa: E402
 
 BS = 16
@@ -69,20 +68,6 @@ def graph(fn):
         out = fn()
     torch.cuda.synchronize()
     return g, out
-
-
-def time_ms(g, reps: int = 30, warm: int = 5) -> float:
-    for _ in range(warm):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def halves(model, kv, ids, pos, kv_slots, tables, cu, lens, max_k: int, side) -> torch.Tensor:
@@ -168,7 +153,7 @@ def run_case(model, B: int, copy_Bps: float) -> dict:
     ref = None
     for name, fn in (("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)):
         gr, out = graph(fn)
-        e = {"ms": time_ms(gr)}
+        e = {"ms": replay_ms(gr.replay, 30, warm=5)}
         e["bound_fraction"] = bound / e["ms"]
         if name == "serial":
             ref = out.float().clone()

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import meta, qwen3_06b_config
+from bench.common import meta, qwen3_06b_config, replay_ms
 
 REF = (128, 128, 64, 8, 8, 3, False)
 GEMM_CANDIDATES = [REF] + [(bm, bn, bk, 8, w, st, tma) for tma in (False, True) for bm, bn, bk, w, st in (
@@ -60,16 +60,7 @@ def _timed(fn_of, n_sets: int, inner: int = 12, reps: int = 7) -> float:
             f()
     graph.replay()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / inner)
-    ts.sort()
-    return ts[len(ts) // 2]
+    return replay_ms(graph.replay, reps) / inner
 
 
 def _shapes(cfg):

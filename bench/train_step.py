@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import MEMORY_MODES, SHAPES, write_json  # noqa: E402
+from bench.common import MEMORY_MODES, SHAPES, replay_ms, write_json  # noqa: E402
 
 PEAK_FLOPS = 989e12
 
@@ -48,19 +48,8 @@ def fwd_flops_per_token(cfg, T: int) -> float:
 
 
 def timed(step, steps, warmup):
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        step()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
+    """Median ms of `steps` steps after `warmup` (CUDA events, common.replay_ms)."""
+    return replay_ms(step, steps, warm=warmup)
 
 
 KERNEL_CLASSES = (("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "cublas")), ("attention", ("_attn_",)),

@@ -11,7 +11,8 @@ Per layer, over the N new tokens of the step (packed, any mix of prefill chunks 
     (qkv_prep, one kernel: q, k normed and rotated, k and v written to their kv slots)
     o = paged_attention(q, cache); x += o Wo^T
     x += swiglu(rmsnorm(x) Wgu^T) Wd^T
-then the final norm and the LM head only on the rows that sample a token. In exact mode
+(a layer's parts before and after its attention are `attention_inputs` and `attention_out`)
+then the final norm (`final`) and the LM head only on the rows that sample a token. In exact mode
 (ops/exact.py) `hidden_exact` runs the trainer's ops in the trainer's order instead (qkv_prep
 with its stats, as the trainer's forward runs it, the batch-invariant GEMM, the exact attention
 over the cache) and the sampled token's logprob is taken by the trainer's head kernel
