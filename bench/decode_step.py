@@ -12,9 +12,10 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            so that one half's attention could run beside the other half's GEMMs (`halves`
            below; measured slower at every size on the H200: each half reads every weight, and
            the attention's programs fill the SMs, so the GEMMs wait for them anyway).
-Each variant is one CUDA graph (as the engine replays it), checked against serial (relative
-error of the logits), timed by CUDA events: median of 30 replays after 5 (common.replay_ms); `kernels` is the sum
-of serial's kernel times (torch.profiler), so serial - kernels is the time between kernels.
+Each variant is one CUDA graph (as the engine replays it), timed by CUDA events: median of 30
+replays after 5 (common.replay_ms); halves' logits are compared with serial's (relative error,
+recorded: the GEMMs round M and M / 2 rows differently); `kernels` is the sum of serial's
+kernel times (torch.profiler), so serial - kernels is the time between kernels.
 The bound: (weight bytes + context tokens x KV bytes a token) / the copy bandwidth measured in
 the same run (bytes read + written), as bench/generate.py counts a decode step.
 
