@@ -227,7 +227,7 @@ class ModelRunner:
                 graph = True
                 h = self.prefill_graphs.replay(a, b, self._last_samples, self._hidden)
                 if len(a["rows"]):
-                    h = h.index_select(0, _pack([a["rows"]], np.int64, self.device)[0])
+                    h = h.index_select(0, self.prefill_graphs.sampled_rows(len(a["rows"])))
             else:
                 h = self._hidden(*self._to_device(a))
             if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample

@@ -14,7 +14,8 @@ exact mode, one query token a sequence) run eagerly.
 Every field of a step lives at a fixed offset of one byte buffer on the device (`_layout`),
 sized for the largest bucket; the host fills one of two pinned staging copies (the host runs
 one step ahead of the device) and sends it with one non-blocking copy, up to the block-table
-rows the step uses. Padding writes nowhere and computes nothing that is read:
+rows the step uses (the sampled rows' indices too, which the runner's head then selects).
+Padding writes nowhere and computes nothing that is read:
 - tokens N .. bucket: id 0 at position 0, kv slot -1 (no write), in no sequence;
 - sequences S .. max_seqs: no query tokens (cu_q stays at N), context 0;
 - the attention's tile list (ops/paged_attention.py `prefill_tiles`): entries past the step's
@@ -58,7 +59,7 @@ def token_buckets(budget: int) -> list[int]:
 class PrefillGraphs(GraphSet):
     """The prefill graphs of one runner (see the module docstring)."""
 
-    I64 = ("ids", "kv_slots", "ph", "ph_rows")
+    I64 = ("ids", "kv_slots", "rows", "ph", "ph_rows")
     I32 = ("pos", "cu", "lens", "tile_seq", "tile_idx", "tables")
 
     def __init__(self, *, budget: int, max_seqs: int, max_model_len: int, block_size: int, num_heads: int,
@@ -69,7 +70,7 @@ class PrefillGraphs(GraphSet):
         self.heads = (num_heads, num_kv_heads)
         self.buckets = token_buckets(budget)
         self.tile_cap = {b: prefill_tiles_cap(b, max_seqs, *self.heads) for b in self.buckets}
-        self.sizes = dict(ids=budget, kv_slots=budget, pos=budget, ph=max_seqs, ph_rows=max_seqs,
+        self.sizes = dict(ids=budget, kv_slots=budget, pos=budget, rows=max_seqs, ph=max_seqs, ph_rows=max_seqs,
                           cu=max_seqs + 1, lens=max_seqs,
                           tile_seq=self.tile_cap[budget], tile_idx=self.tile_cap[budget],
                           tables=max_seqs * self.width)
@@ -110,7 +111,7 @@ class PrefillGraphs(GraphSet):
         N, S = len(a["ids"]), len(a["lens"])
         if is_exact() or a["max_q"] <= 1 or N > self.budget or S > self.max_seqs:
             return None
-        if len(a["ph"]) > self.max_seqs or a["tables"].shape[1] > self.width:
+        if max(len(a["ph"]), len(a["rows"])) > self.max_seqs or a["tables"].shape[1] > self.width:
             return None
         return next(b for b in self.buckets if b >= N)
 
@@ -136,12 +137,14 @@ class PrefillGraphs(GraphSet):
 
     def _staging(self) -> tuple:
         """The next pinned staging copy (bytes, fields, event), once the device has read it
-        (two alternate)."""
+        (two alternate: the device read this one two sends ago)."""
         if self._host is None:
             cuda = self.device.type == "cuda"
             bufs = [torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
             self._host = [(b, self._views(b.numpy()), torch.cuda.Event() if cuda else None) for b in bufs]
         k, self._turn = self._turn, self._turn ^ 1
+        if self._host[k][2] is not None:
+            self._host[k][2].synchronize()
         return self._host[k]
 
     def _send(self, host: tuple, end: int) -> None:
@@ -174,10 +177,8 @@ class PrefillGraphs(GraphSet):
         last_samples (the previous launch's samples on the device)."""
         host = self._staging()
         h = host[1]
-        if host[2] is not None:
-            host[2].synchronize()  # the device has read this copy (two steps ago)
         N, S, T, P = len(a["ids"]), len(a["lens"]), len(a["tile_seq"]), len(a["ph"])
-        for n in ("ids", "kv_slots", "pos", "cu", "lens", "tile_seq", "tile_idx", "ph", "ph_rows"):
+        for n in ("ids", "kv_slots", "pos", "cu", "lens", "tile_seq", "tile_idx", "rows", "ph", "ph_rows"):
             h[n][:len(a[n])] = a[n]
         width = a["tables"].shape[1]
         h["tables"][:S, :width] = a["tables"]
@@ -194,8 +195,6 @@ class PrefillGraphs(GraphSet):
         fields all padding (nothing written, nothing attended), run once before the capture
         (the kernels' compiles)."""
         host = self._staging()
-        if host[2] is not None:
-            host[2].synchronize()
         self._pad(host[1], 0, 0, 0)
         self._send(host, self.nbytes)
         args = self._args(b)
@@ -223,3 +222,8 @@ class PrefillGraphs(GraphSet):
         replay, h = self.graphs[b]
         replay()
         return h[:len(a["ids"])]
+
+    def sampled_rows(self, R: int) -> torch.Tensor:
+        """The last loaded step's R sampled rows (indices into its tokens), on the device: sent
+        with its other fields."""
+        return self._static_fields()["rows"][:R]
