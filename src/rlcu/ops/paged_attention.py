@@ -232,8 +232,8 @@ def decode_splits(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132, BN: in
     an SM, each split at least min_part keys (a multiple of the tile); unsplit once S * Hk fills
     unsplit_per_sm programs an SM and the context reaches unsplit_keys. With a cap (max_part
     set; None by default) past long_keys (a context bucket of 4k and up) no split is longer
-    than max_part keys and a batch runs unsplit only from long_per_sm programs an SM. It depends on sizes
-    only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
+    than max_part keys and a batch runs unsplit only from long_per_sm programs an SM. It
+    depends on sizes only, so a CUDA graph captured at max_seqlen_k serves shorter contexts."""
     cfg = CONFIGS["splits"]
     max_seqlen_k = max(int(max_seqlen_k), 1)
     BN = BN or CONFIGS["decode"]["BN"]
