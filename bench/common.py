@@ -51,20 +51,26 @@ def measure_ceilings() -> dict:
     return {"copy_GBps": copy, "bf16_matmul_TFLOPs": mm}
 
 
-def replay_ms(fn, reps: int, warm: int = 0) -> float:
-    """The median device time of fn() (a CUDA graph's replay), in ms: CUDA events around each
-    of `reps` calls, after `warm` untimed ones."""
+def event_ms(fn, reps: int, warm: int = 0) -> list[float]:
+    """The device time of each of `reps` calls of fn, in ms (CUDA events around each call, the
+    device idle before it), after `warm` untimed calls."""
     for _ in range(warm):
         fn()
     ts = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
         a.record()
         fn()
         b.record()
-        b.synchronize()
+        torch.cuda.synchronize()
         ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    return ts
+
+
+def replay_ms(fn, reps: int, warm: int = 0) -> float:
+    """The median of `event_ms` (the upper middle one for an even reps)."""
+    return sorted(event_ms(fn, reps, warm))[reps // 2]
 
 
 def write_json(name: str, payload: dict) -> Path:

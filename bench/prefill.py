@@ -35,25 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import qwen3_06b_config, random_prompts, write_json  # noqa: E402
+from bench.common import event_ms, qwen3_06b_config, random_prompts, write_json  # noqa: E402
 from bench.generate import random_model  # noqa: E402
 from bench.profile_engine import _kernels  # noqa: E402
 
 BUDGET = 8192  # tokens a step (the engine) or a micro-batch (the trainer)
-
-
-def _events_ms(fn, reps: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
 
 
 def _packs(prompts: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
@@ -152,7 +138,7 @@ def main(argv=None) -> int:
 
     res["prefill_graphs"] = sorted(llm.runner.prefill_graphs.graphs)
     for name, fn in (("engine_prefill", engine), ("train_forward", trainer), ("engine_prefill_eager", engine_eager)):
-        ms = _events_ms(fn, a.reps)
+        ms = event_ms(fn, a.reps, warm=1)
         med = statistics.median(ms)
         res[name] = {"ms": med, "ms_all": ms, "tok_per_s": n_tok / med * 1e3}
         if name.startswith("engine_prefill"):  # the last pass's host times (LLM.stats)

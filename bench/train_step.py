@@ -47,11 +47,6 @@ def fwd_flops_per_token(cfg, T: int) -> float:
     return 2 * matmul_params + attn
 
 
-def timed(step, steps, warmup):
-    """Median ms of `steps` steps after `warmup` (CUDA events, common.replay_ms)."""
-    return replay_ms(step, steps, warm=warmup)
-
-
 KERNEL_CLASSES = (("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "cublas")), ("attention", ("_attn_",)),
                   ("lm head", ("logprob",)), ("optimizer", ("adamw", "grad_norm", "_norm_sq")))
 
@@ -108,7 +103,7 @@ def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="
         opt.step(1e-5)
         state["loss"] = lp
 
-    ms = timed(step, steps, warmup)
+    ms = replay_ms(step, steps, warm=warmup)
     loss = float(-state["loss"].sum() / (N - B))
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     out = {"ms": ms, "peak_GiB": peak, "loss": loss, "gradient_checkpointing": m.gradient_checkpointing}
@@ -154,7 +149,7 @@ def bench_hf(cfg, B, T, steps, warmup, checkpointing=False):
             break
         try:
             torch.cuda.reset_peak_memory_stats()
-            ms = timed(make_step(micro), steps, warmup)
+            ms = replay_ms(make_step(micro), steps, warm=warmup)
             res = {"ms": ms, "peak_GiB": (torch.cuda.max_memory_allocated() - base) / 2**30,
                    "micro_batches": micro}
             break
