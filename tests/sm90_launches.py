@@ -1,0 +1,175 @@
+"""Every hot Triton kernel compiled for the H200 (sm_90) as its launcher launches it, on a
+machine without a GPU: the ops are called on CPU tensors with RLCU_BACKEND=triton and without
+TRITON_INTERPRET (so each launcher picks its GPU tiles, not the interpreter's), and the JIT's
+launch is replaced by a compile for sm_90 through Triton's own specialisation of the arguments
+(16-byte alignment, ints divisible by 16) and its own ptxas. Nothing runs: the outputs are left
+unwritten, so only shapes may flow from one call to the next.
+
+Run by test_sm90_compile.py in a subprocess; prints one JSON line, kernel -> [variants], each
+{"shared": bytes, "warps", "stages", "error"}."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ["RLCU_BACKEND"] = "triton"
+
+import torch  # noqa: E402
+
+bf = torch.bfloat16
+COMPILED: dict[str, list] = {}
+
+
+def _install():
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, make_backend
+    from triton.compiler.compiler import compile as tcompile
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 128)
+    backend = make_backend(target)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        name = f"{self.module}.{self.__name__}"
+        entry = {}
+        try:
+            binder = create_function_from_signature(self.signature, self.params, backend)
+            bound, spec, options = binder(*args, **kwargs)
+            options, sig, constexprs, attrs = self._pack_args(backend, kwargs, bound, spec, options)
+            k = tcompile(ASTSource(self, sig, constexprs, attrs), target=target, options=options.__dict__)
+            entry = {"shared": k.metadata.shared, "warps": k.metadata.num_warps, "stages": k.metadata.num_stages}
+        except Exception as e:  # recorded: the test names the kernel and the error
+            entry = {"error": f"{type(e).__name__}: {str(e)[-600:]}"}
+        COMPILED.setdefault(name, []).append(entry)
+
+    JITFunction.run = run
+
+
+def calls():
+    """The ops at small model-like shapes (Qwen3 heads: D = 128, GQA 2:1), each path once."""
+    from rlcu.ops import paged_attention as pa
+    from rlcu.ops.adamw import adamw_step
+    from rlcu.ops.attention import attention_bwd, attention_fwd
+    from rlcu.ops.attention_exact import attention_exact_paged, attention_exact_varlen
+    from rlcu.ops.embedding import embedding_bwd, embedding_fwd
+    from rlcu.ops.kv_cache import kv_write
+    from rlcu.ops.logprob import logprob_bwd, logprob_fwd
+    from rlcu.ops.matmul_invariant import mm
+    from rlcu.ops.paged_attention import paged_attention, prefill_tiles
+    from rlcu.ops.qkv_prep import qkv_prep
+    from rlcu.ops.rl_loss import policy_loss, value_loss
+    from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
+    from rlcu.ops.rope import rope_bwd, rope_fwd
+    from rlcu.ops.sampling import greedy, sample
+    from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
+
+    T, H, Hq, Hk, D, V, I = 256, 1024, 16, 8, 128, 4096, 3072
+    x, w = torch.randn(T, H).to(bf), torch.ones(H, dtype=bf)
+    ids = torch.randint(0, V, (T,), dtype=torch.int32)
+    emb = torch.randn(V, H).to(bf)
+    yield "embedding", lambda: (embedding_fwd(ids, emb), embedding_bwd(x, ids, torch.zeros(V, H)))
+    yield "rmsnorm", lambda: rmsnorm_bwd(x, x, w, rmsnorm_fwd(x, w, 1e-6)[1])
+    gu = torch.randn(T, 2 * I).to(bf)
+    yield "swiglu", lambda: swiglu_bwd(swiglu_fwd(gu), gu)
+    pos = torch.arange(T, dtype=torch.int32)
+    q = torch.randn(T, Hq, D).to(bf)
+    yield "rope", lambda: rope_bwd(rope_fwd(q, pos, 1e6), pos, 1e6)
+    cu = torch.tensor([0, 100, T], dtype=torch.int32)
+    k, v = torch.randn(T, Hk, D).to(bf), torch.randn(T, Hk, D).to(bf)
+
+    def attn():
+        o, lse = attention_fwd(q, k, v, cu, 156, D**-0.5)
+        attention_bwd(o, q, k, v, o, lse, cu, 156, D**-0.5)
+
+    yield "attention", attn
+    BS, NB = 16, 64
+    kc, vc = torch.zeros(NB, BS, Hk, D, dtype=bf), torch.zeros(NB, BS, Hk, D, dtype=bf)
+    slots = torch.arange(T, dtype=torch.int64)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D).to(bf)
+    yield "kv_write", lambda: kv_write(k, v, kc, vc, slots)
+    yield "qkv_prep", lambda: qkv_prep(qkv, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), pos, slots, kc, vc,
+                                       Hq, Hk, D, 1e-6, 1e6)
+    S = 8
+    tables = torch.arange(S * 8, dtype=torch.int32).view(S, 8) % NB
+    lens = torch.full((S,), 100, dtype=torch.int32)
+    qd = torch.randn(S, Hq, D).to(bf)
+    yield "paged_decode", lambda: paged_attention(qd, kc, vc, tables, torch.arange(S + 1, dtype=torch.int32), lens,
+                                                  1, 128, D**-0.5)
+    long_lens = torch.full((S,), 1000, dtype=torch.int32)  # past unsplit_keys: the split kernel and its reduce
+    long_tables = torch.arange(S * 64, dtype=torch.int32).view(S, 64) % NB
+    yield "paged_decode_split", lambda: paged_attention(qd, kc, vc, long_tables, torch.arange(S + 1, dtype=torch.int32),
+                                                        long_lens, 1, 1024, D**-0.5)
+
+    def chunked():
+        saved = dict(pa.CONFIGS["decode_plan"])
+        pa.CONFIGS["decode_plan"]["kernel"] = "chunk"
+        try:
+            paged_attention(qd, kc, vc, long_tables, torch.arange(S + 1, dtype=torch.int32), long_lens, 1, 1024,
+                            D**-0.5)
+        finally:
+            pa.CONFIGS["decode_plan"] = saved
+
+    yield "paged_decode_chunk", chunked
+    cuq = torch.arange(0, S * 32 + 1, 32, dtype=torch.int32)
+    qp = torch.randn(S * 32, Hq, D).to(bf)
+    tiles = tuple(torch.from_numpy(t) for t in prefill_tiles([32] * S, Hq, Hk))
+    yield "paged_prefill", lambda: paged_attention(qp, kc, vc, tables, cuq, lens, 32, 128, D**-0.5, tiles)
+    logits = torch.randn(S, V).to(bf)
+    f = torch.ones(S)
+    yield "sample", lambda: (sample(logits, f * 0.7, torch.full((S,), 50, dtype=torch.int32), f * 0.9, f * 0.0,
+                                    torch.arange(S, dtype=torch.int64), torch.zeros(S, dtype=torch.int64)),
+                             greedy(logits))
+    tg = torch.randint(0, V, (T,), dtype=torch.int64)
+    head = torch.randn(V, H).to(bf)
+
+    def lp():
+        out = logprob_fwd(x, head, tg, 1.0, True)
+        logprob_bwd(torch.ones(T), torch.ones(T), x, head, tg, out[-1], torch.zeros(V, H), 1.0)
+
+    yield "logprob", lp
+    n = torch.randn(T)
+    yield "rl_loss", lambda: (policy_loss(n, n, n, n, n.abs(), n), value_loss(n, n, n, n.abs(), clip=0.2))
+    P = 1 << 16
+    p32, g32 = torch.randn(P), torch.randn(P)
+
+    def adam():
+        adamw_step(p32, g32, torch.zeros(P), torch.zeros(P), torch.empty(P, dtype=bf), lr=1e-3, beta1=0.9,
+                   beta2=0.95, eps=1e-8, weight_decay=0.1, step=1, grad_scale=1.0)
+        p16 = torch.randn(P).to(bf)
+        adamw_step(p16, g32.to(bf), torch.zeros(P, dtype=bf), torch.zeros(P, dtype=bf), None, lr=1e-3, beta1=0.9,
+                   beta2=0.95, eps=1e-8, weight_decay=0.1, step=1, grad_scale=1.0)
+
+    yield "adamw", adam
+
+    def exact():  # exact mode's kernels: the batch-invariant GEMM and attention
+        mm(x, torch.randn(512, H).to(bf))
+        mm(x[:7], torch.randn(512, H).to(bf))
+        attention_exact_varlen(q, k, v, cu, 156, D**-0.5)
+        attention_exact_paged(qd, kc, vc, tables, torch.arange(S + 1, dtype=torch.int32), lens, 1, D**-0.5)
+
+    yield "exact", exact
+
+
+def main() -> int:
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        print(f"triton cannot be imported here: {e}")
+        return 3
+    _install()
+    failed = {}
+    for name, fn in calls():
+        try:
+            fn()
+        except Exception:  # a launcher that fails on the host (its checks, a CPU-only path)
+            failed[name] = traceback.format_exc()[-1500:]
+    print(json.dumps({"kernels": COMPILED, "call_errors": failed}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
