@@ -6,7 +6,7 @@ launch is replaced by a compile for sm_90 through Triton's own specialisation of
 unwritten, so only shapes may flow from one call to the next.
 
 Run by test_sm90_compile.py in a subprocess; prints one JSON line, kernel -> [variants], each
-{"shared": bytes, "warps", "stages", "error"}."""
+{"shared": bytes, "warps", "stages", and MARKS: bool} or {"error"}."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ import torch  # noqa: E402
 
 bf = torch.bfloat16
 COMPILED: dict[str, list] = {}
+# PTX a variant's entry says whether it holds: pipelined async copies, warpgroup MMAs, grid
+# dependency control (programmatic dependent launch)
+MARKS = {"cp_async": "cp.async", "wgmma": "wgmma", "griddepcontrol": "griddepcontrol.wait"}
 
 
 def _install():
@@ -41,7 +44,9 @@ def _install():
             bound, spec, options = binder(*args, **kwargs)
             options, sig, constexprs, attrs = self._pack_args(backend, kwargs, bound, spec, options)
             k = tcompile(ASTSource(self, sig, constexprs, attrs), target=target, options=options.__dict__)
-            entry = {"shared": k.metadata.shared, "warps": k.metadata.num_warps, "stages": k.metadata.num_stages}
+            ptx = k.asm["ptx"]
+            entry = {"shared": k.metadata.shared, "warps": k.metadata.num_warps, "stages": k.metadata.num_stages,
+                     **{m: pat in ptx for m, pat in MARKS.items()}}
         except Exception as e:  # recorded: the test names the kernel and the error
             entry = {"error": f"{type(e).__name__}: {str(e)[-600:]}"}
         COMPILED.setdefault(name, []).append(entry)
