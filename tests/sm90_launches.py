@@ -5,7 +5,8 @@ launch is replaced by a compile for sm_90 through Triton's own specialisation of
 (16-byte alignment, ints divisible by 16) and its own ptxas. Nothing runs: the outputs are left
 unwritten, so only shapes may flow from one call to the next.
 
-Run by test_sm90_compile.py in a subprocess; prints one JSON line, kernel -> [variants], each
+Run by test_sm90_compile.py in a subprocess (`python tests/sm90_launches.py [CALL ...]`: only
+the named calls of `calls()`); prints one JSON line, kernel -> [variants], each
 {"shared": bytes, "warps", "stages", and MARKS: bool} or {"error"}."""
 
 from __future__ import annotations
@@ -166,8 +167,11 @@ def main() -> int:
         print(f"triton cannot be imported here: {e}")
         return 3
     _install()
+    only = set(sys.argv[1:])  # call names to run (default: all)
     failed = {}
     for name, fn in calls():
+        if only and name not in only:
+            continue
         try:
             fn()
         except Exception:  # a launcher that fails on the host (its checks, a CPU-only path)
