@@ -7,7 +7,8 @@ unwritten, so only shapes may flow from one call to the next.
 
 Run by test_sm90_compile.py in a subprocess (`python tests/sm90_launches.py [CALL ...]`: only
 the named calls of `calls()`); prints one JSON line, kernel -> [variants], each
-{"shared": bytes, "warps", "stages", and MARKS: bool} or {"error"}."""
+{"shared": bytes, "warps", "stages", "regs", "spills" (bytes a thread), and MARKS: bool}
+or {"error"}."""
 
 from __future__ import annotations
 
@@ -26,6 +27,30 @@ COMPILED: dict[str, list] = {}
 # PTX a variant's entry says whether it holds: pipelined async copies, warpgroup MMAs, grid
 # dependency control (programmatic dependent launch)
 MARKS = {"cp_async": "cp.async", "wgmma": "wgmma", "griddepcontrol": "griddepcontrol.wait"}
+
+
+def resources(ptx: str) -> dict:
+    """{"regs": registers a thread, "spills": bytes of spill stores a thread} of a compiled
+    kernel, from `ptxas -v` (the ptxas Triton ships) on its PTX; empty where it is missing."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
+    if not tool.exists() or target is None:
+        return {}
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d, "k.ptx")
+        src.write_text(ptx)
+        p = subprocess.run([str(tool), f"-arch={target.group(1)}", "-v", str(src), "-o", str(Path(d, "k.cubin"))],
+                           capture_output=True, text=True)
+    log = p.stdout + p.stderr
+    regs, spills = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
+    return {"regs": int(regs.group(1)), "spills": int(spills.group(1))} if regs and spills else {}
 
 
 def _install():
@@ -47,7 +72,7 @@ def _install():
             k = tcompile(ASTSource(self, sig, constexprs, attrs), target=target, options=options.__dict__)
             ptx = k.asm["ptx"]
             entry = {"shared": k.metadata.shared, "warps": k.metadata.num_warps, "stages": k.metadata.num_stages,
-                     **{m: pat in ptx for m, pat in MARKS.items()}}
+                     **{m: pat in ptx for m, pat in MARKS.items()}, **resources(ptx)}
         except Exception as e:  # recorded: the test names the kernel and the error
             entry = {"error": f"{type(e).__name__}: {str(e)[-600:]}"}
         COMPILED.setdefault(name, []).append(entry)

@@ -2,7 +2,8 @@
 on the CI machine, which has no GPU (tests/sm90_launches.py: the launchers' own GPU tiles, the
 JIT's own argument specialisation, Triton's ptxas). The interpreter runs the kernels' math but
 never lowers them: a tile that needs more shared memory than an SM has, a construct without a
-GPU lowering, a launch option the backend refuses would otherwise first fail on the device."""
+GPU lowering, a launch option the backend refuses, registers spilled to local memory would
+otherwise first show on the device."""
 
 import json
 import os
@@ -43,3 +44,6 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert not missing, f"kernels no launch in tests/sm90_launches.py reaches: {sorted(missing)}"
     big = {k: e["shared"] for k, v in got["kernels"].items() for e in v if e["shared"] > SMEM_MAX}
     assert not big, big
+    # no variant spills registers to local memory (every kernel is spill-free at the launchers' tiles)
+    spills = {k: [e["spills"] for e in v] for k, v in got["kernels"].items() if any(e.get("spills") for e in v)}
+    assert not spills, spills
