@@ -26,7 +26,8 @@ bf = torch.bfloat16
 COMPILED: dict[str, list] = {}
 # PTX a variant's entry says whether it holds: pipelined async copies, warpgroup MMAs, grid
 # dependency control (programmatic dependent launch)
-MARKS = {"cp_async": "cp.async", "wgmma": "wgmma", "griddepcontrol": "griddepcontrol.wait"}
+MARKS = {"cp_async": "cp.async", "wgmma": "wgmma", "griddepcontrol": "griddepcontrol.wait",
+         "launch_dependents": "griddepcontrol.launch_dependents"}
 
 
 def resources(ptx: str) -> dict:
