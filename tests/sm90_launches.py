@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ["RLCU_BACKEND"] = "triton"
@@ -33,11 +37,6 @@ MARKS = {"cp_async": "cp.async", "wgmma": "wgmma", "griddepcontrol": "griddepcon
 def resources(ptx: str) -> dict:
     """{"regs": registers a thread, "spills": bytes of spill stores a thread} of a compiled
     kernel, from `ptxas -v` (the ptxas Triton ships) on its PTX; empty where it is missing."""
-    import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
     import triton
 
     tool = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
@@ -62,13 +61,18 @@ def _install():
 
     target = GPUTarget("cuda", 90, 128)
     backend = make_backend(target)
+    binders, seen = {}, set()  # as the JIT: one binder a kernel, one compile a specialisation
 
     def run(self, *args, grid, warmup, **kwargs):
         name = f"{self.module}.{self.__name__}"
-        entry = {}
         try:
-            binder = create_function_from_signature(self.signature, self.params, backend)
-            bound, spec, options = binder(*args, **kwargs)
+            if self not in binders:
+                binders[self] = create_function_from_signature(self.signature, self.params, backend)
+            bound, spec, options = binders[self](*args, **kwargs)
+            key = (name, repr(spec), repr(options))
+            if key in seen:
+                return
+            seen.add(key)
             options, sig, constexprs, attrs = self._pack_args(backend, kwargs, bound, spec, options)
             k = tcompile(ASTSource(self, sig, constexprs, attrs), target=target, options=options.__dict__)
             ptx = k.asm["ptx"]
