@@ -73,6 +73,22 @@ def replay_ms(fn, reps: int, warm: int = 0) -> float:
     return sorted(event_ms(fn, reps, warm))[reps // 2]
 
 
+def capture(fn):
+    """fn captured in a CUDA graph, after one eager run on a side stream (its kernels' compiles,
+    cuBLAS's workspace) -> (graph, fn's output in the graph's memory)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    torch.cuda.synchronize()
+    return g, out
+
+
 def write_json(name: str, payload: dict) -> Path:
     """Write to $OUT (on the device machine) and bench/results/."""
     payload = {"meta": meta(), **payload}

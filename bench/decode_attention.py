@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import meta  # noqa: E402
+from bench.common import capture, meta  # noqa: E402
 
 Hq, Hk, D, BS = 16, 8, 128, 16
 DEV, DT = "cuda", torch.bfloat16
@@ -108,17 +108,7 @@ def time_graph(fn, reps: int = 5) -> float:
     """ms a call: a CUDA graph of `reps` calls, replayed (median, triton's do_bench)."""
     from triton.testing import do_bench
 
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
+    g, _ = capture(lambda: [fn() for _ in range(reps)])
     return do_bench(g.replay, warmup=20, rep=80, return_mode="median") / reps
 
 

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, measure_ceilings, qwen3_06b_config, replay_ms, write_json  # noqa: E402
+from bench.common import SHAPES, capture, measure_ceilings, qwen3_06b_config, replay_ms, write_json  # noqa: E402
 from bench.generate import random_model  # noqa: E402
 
 BS = 16
@@ -54,21 +54,6 @@ def cache(cfg, B: int, seed: int = 0):
     used = col[None, :] < need[:, None]
     tables[used] = perm[(start[:, None] + col[None, :])[used]]
     return kv, tables, lens.int(), 4096  # graphs.context_bucket(2048) at max_model_len >= 4096
-
-
-def graph(fn):
-    """fn captured in a CUDA graph (after one eager run that compiles its kernels)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    torch.cuda.synchronize()
-    return g, out
 
 
 def halves(model, kv, ids, pos, kv_slots, tables, cu, lens, max_k: int, side) -> torch.Tensor:
@@ -153,7 +138,7 @@ def run_case(model, B: int, copy_Bps: float) -> dict:
     r = {"B": B, "context_tokens": ctx, "bound_ms": bound, "attention_bytes_bound_ms": ctx * kv_tok / copy_Bps * 1e3}
     ref = None
     for name, fn in (("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)):
-        gr, out = graph(fn)
+        gr, out = capture(fn)
         e = {"ms": replay_ms(gr.replay, 30, warm=5)}
         e["bound_fraction"] = bound / e["ms"]
         if name == "serial":

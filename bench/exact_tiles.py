@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import meta, qwen3_06b_config, replay_ms
+from bench.common import capture, meta, qwen3_06b_config, replay_ms
 
 REF = (128, 128, 64, 8, 8, 3, False)
 GEMM_CANDIDATES = [REF] + [(bm, bn, bk, 8, w, st, tma) for tma in (False, True) for bm, bn, bk, w, st in (
@@ -47,17 +47,7 @@ def _timed(fn_of, n_sets: int, inner: int = 12, reps: int = 7) -> float:
     """Median ms of one call, from CUDA-graph replays of `inner` back-to-back calls cycling
     through n_sets operand copies (no launch gaps; no L2 reuse across calls)."""
     fns = [fn_of(i % n_sets) for i in range(inner)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
+    graph, _ = capture(lambda: [f() for f in fns])
     graph.replay()
     torch.cuda.synchronize()
     return replay_ms(graph.replay, reps) / inner
