@@ -8,6 +8,9 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
   attn     the step's attention kernels alone (L launches over the whole batch);
   rest     the step without its attention (each layer's q passed on as its output): the GEMMs,
            the norms, qkv_prep, swiglu;
+  fused    serial with the projections through ops/decode_linear.py (--fused-linear: the norms
+           and SwiGLU inside the GEMMs, tiles from a bench/decode_linear.py JSON), and
+           fused_pdl the same with programmatic dependent launch; logits compared with serial's;
   halves   the batch as two halves on two streams, their attentions in turn (A0, B0, A1, ...),
            so that one half's attention could run beside the other half's GEMMs (`halves`
            below; measured slower at every size on the H200: each half reads every weight, and
@@ -19,7 +22,7 @@ kernel times (torch.profiler), so serial - kernels is the time between kernels.
 The bound: (weight bytes + context tokens x KV bytes a token) / the copy bandwidth measured in
 the same run (bytes read + written), as bench/generate.py counts a decode step.
 
-    python bench/decode_step.py [--shapes 0.6b,8b] [--batches 64,128,256]
+    python bench/decode_step.py [--shapes 0.6b,8b] [--batches 64,128,256] [--fused-linear [TABLE]]
 """
 
 from __future__ import annotations
@@ -98,9 +101,10 @@ def kernel_ms(g, reps: int = 5) -> float:
     return t / 1e3 / reps
 
 
-def run_case(model, B: int, copy_Bps: float) -> dict:
+def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None) -> dict:
     from rlcu.engine import paged_forward
     from rlcu.engine.paged_forward import attention_inputs, attention_out, final
+    from rlcu.ops import decode_linear as dl
     from rlcu.ops.embedding import embedding_fwd
     from rlcu.ops.paged_attention import paged_attention
 
@@ -131,20 +135,34 @@ def run_case(model, B: int, copy_Bps: float) -> dict:
     def two():
         return paged_forward.logits(model, halves(model, kv, ids, pos, slots, tables, cu, lens, kb, side))
 
+    def with_linear(pdl: bool):
+        def step():
+            saved = dict(dl.CONFIGS)
+            dl.CONFIGS.update(enabled=True, pdl=pdl, table=fused_table or {})
+            try:  # the graph keeps the kernels launched here, whatever CONFIGS says later
+                return serial()
+            finally:
+                dl.CONFIGS.clear()
+                dl.CONFIGS.update(saved)
+        return step
+
     kv_tok = 2 * cfg.num_hidden_layers * cfg.kv_size * 2
     weight_bytes = model.flat.numel() * model.flat.element_size()
     ctx = int(lens.sum())
     bound = (weight_bytes + ctx * kv_tok) / copy_Bps * 1e3
     r = {"B": B, "context_tokens": ctx, "bound_ms": bound, "attention_bytes_bound_ms": ctx * kv_tok / copy_Bps * 1e3}
     ref = None
-    for name, fn in (("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)):
+    variants = [("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)]
+    if fused_table is not None:
+        variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True))]
+    for name, fn in variants:
         gr, out = capture(fn)
         e = {"ms": replay_ms(gr.replay, 30, warm=5)}
         e["bound_fraction"] = bound / e["ms"]
         if name == "serial":
             ref = out.float().clone()
             e["kernels_ms"] = kernel_ms(gr)
-        elif name == "halves":
+        elif name in ("halves", "fused", "fused_pdl"):
             e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
         r[name] = e
         del gr
@@ -157,23 +175,31 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="0.6b,8b")
     ap.add_argument("--batches", default="64,128,256")
+    ap.add_argument("--fused-linear", nargs="?", const="", default=None, metavar="TABLE",
+                    help="add the fused and fused_pdl variants (tiles from a bench/decode_linear.py JSON)")
     a = ap.parse_args()
+    table = None
+    if a.fused_linear is not None:
+        from bench.decode_linear import load_table
+
+        table = load_table(a.fused_linear) if a.fused_linear else {}
     ceil = measure_ceilings()
     copy_Bps = ceil["copy_GBps"] * 1e9
     rows = []
     for shape in a.shapes.split(","):
         model = random_model(qwen3_06b_config(**SHAPES[shape]), "cuda")
         for B in map(int, a.batches.split(",")):
-            r = {"shape": shape, **run_case(model, B, copy_Bps)}
+            r = {"shape": shape, **run_case(model, B, copy_Bps, table)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
-                             for k in ("serial", "attn", "rest", "halves"))
+                             for k in ("serial", "attn", "rest", "halves", "fused", "fused_pdl") if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "
                   f"{r['serial']['kernels_ms']:6.2f}  attention at {100 * r['attn']['attention_fraction']:.0f}% "
                   f"of its bytes", flush=True)
         del model
         torch.cuda.empty_cache()
-    write_json("decode_step.json", {"ceilings": ceil, "rows": rows})
+    name = "decode_step" + ("_fused_linear" if table is not None else "")
+    write_json(name + ".json", {"ceilings": ceil, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,13 +14,16 @@ and the achieved fraction is sum(bound) / wall. The per-phase host timings (sche
 wait for the device, postprocess) and the prefill/decode split say where the rest goes.
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
-                             [--no-prefill-graphs] [--split-cap]
+                             [--no-prefill-graphs] [--split-cap] [--fused-linear [TABLE]] [--pdl]
 
 --shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
 runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
 --split-cap caps the decode attention's splits (ops/paged_attention.py decode_splits, max_part
 512: past the 1k context bucket no split longer than 512 keys below 12 programs an SM; JSON
-*_split_cap.json).
+*_split_cap.json); --fused-linear runs the projections of steps of <= 256 tokens through
+ops/decode_linear.py (norm and SwiGLU inside the GEMMs) at the tiles of TABLE (a
+bench/decode_linear.py JSON; default: the op's heuristic), --pdl with programmatic dependent
+launch (JSON *_fused_linear[_pdl].json).
 """
 
 from __future__ import annotations
@@ -160,11 +163,19 @@ def main(argv=None) -> int:
     p.add_argument("--no-prefill-graphs", action="store_true", help="prefill and mixed steps eagerly")
     p.add_argument("--split-cap", action="store_true",
                    help="the decode attention's splits capped at 512 keys past the 1k context bucket")
+    p.add_argument("--fused-linear", nargs="?", const="", default=None, metavar="TABLE",
+                   help="decode projections through ops/decode_linear.py (tiles from a decode_linear.json)")
+    p.add_argument("--pdl", action="store_true", help="with --fused-linear: programmatic dependent launch")
     args = p.parse_args(argv)
+    from rlcu.ops import decode_linear as dl
     from rlcu.ops import paged_attention as pa
 
     if args.split_cap:
         pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], max_part=512)
+    if args.fused_linear is not None:
+        from bench.decode_linear import load_table
+
+        dl.CONFIGS.update(enabled=True, pdl=args.pdl, table=load_table(args.fused_linear) if args.fused_linear else {})
 
     from rlcu.engine import LLM, SamplingParams
 
@@ -213,6 +224,8 @@ def main(argv=None) -> int:
                           "cuda_graphs": llm.runner.use_graphs, "async_scheduling": llm.async_scheduling,
                           "prefill_graphs": sorted(llm.runner.prefill_graphs.graphs), "shape": args.shape,
                           "decode_splits": dict(pa.CONFIGS["splits"]),
+                          "decode_linear": {"enabled": dl.CONFIGS["enabled"], "pdl": dl.CONFIGS["pdl"],
+                                            "table": args.fused_linear or None},
                           "quick": args.quick}, "ceilings": ceil, "rlcu": [], "hf": []}
     rng = np.random.default_rng(1234)
     plens = rng.integers(lo, hi + 1, n_req)
@@ -240,6 +253,7 @@ def main(argv=None) -> int:
             print(f"{r['case']}: rlcu / hf = {r['speedup_vs_hf']:.2f}x", flush=True)
     name = "generate_quick" if args.quick else "generate" + ("" if args.shape == "0.6b" else "_" + args.shape)
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
+    name += ("_fused_linear" + ("_pdl" if args.pdl else "")) if args.fused_linear is not None else ""
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0

@@ -11,13 +11,17 @@ from hf_util import make_hf_model
 
 from rlcu import Qwen3
 from rlcu.engine import LLM, SamplingParams
+from rlcu.ops.decode_linear import CONFIGS as DL_CONFIGS
 
 # conftest.py sets TRITON_INTERPRET=1 without a GPU (before triton is imported) and patches
 # the interpreter for numpy >= 2.4
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def test_engine_on_kernels_equals_twins(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "decode_linear"])
+def test_engine_on_kernels_equals_twins(tmp_path, monkeypatch, fused):
+    # fused: the decode steps' projections through ops/decode_linear.py (norm and SwiGLU inside)
+    monkeypatch.setitem(DL_CONFIGS, "enabled", fused)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

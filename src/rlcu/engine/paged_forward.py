@@ -11,7 +11,10 @@ Per layer, over the N new tokens of the step (packed, any mix of prefill chunks 
     (qkv_prep, one kernel: q, k normed and rotated, k and v written to their kv slots)
     o = paged_attention(q, cache); x += o Wo^T
     x += swiglu(rmsnorm(x) Wgu^T) Wd^T
-(a layer's parts before and after its attention are `attention_inputs` and `attention_out`)
+(a layer's parts before and after its attention are `attention_inputs` and `attention_out`;
+with ops/decode_linear.py's CONFIGS["enabled"], a step of <= 256 tokens runs its four
+projections through that op instead: the two norms and SwiGLU inside the GEMMs, the residual
+adds in their epilogues, six launches a layer instead of nine)
 then the final norm (`final`) and the LM head only on the rows that sample a token. In exact mode
 (ops/exact.py) `hidden_exact` runs the trainer's ops in the trainer's order instead (qkv_prep
 with its stats, as the trainer's forward runs it, the batch-invariant GEMM, the exact attention
@@ -27,6 +30,7 @@ import torch
 
 from rlcu.model.qwen3 import Qwen3
 from rlcu.ops.attention_exact import attention_exact_paged
+from rlcu.ops.decode_linear import decode_linear, fused_for
 from rlcu.ops.embedding import embedding_fwd
 from rlcu.ops.exact import is_exact
 from rlcu.ops.logprob import token_logprob
@@ -67,8 +71,11 @@ def attention_inputs(model: Qwen3, kv: torch.Tensor, i: int, x, pos, kv_slots) -
     """Layer i up to its attention: the input norm, the fused QKV projection, and qkv_prep
     (q, k normed and rotated, k and v written to their kv slots) -> q [N, Hq, D]."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
-    h, _ = rmsnorm_fwd(x, w[p + "input_norm"], c.rms_norm_eps)
-    qkv = h @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
+    if fused_for(x.shape[0]):  # the norm inside the GEMM (ops/decode_linear.py)
+        qkv = decode_linear(x, w[p + "qkv"], w[p + "input_norm"], c.rms_norm_eps)
+    else:
+        h, _ = rmsnorm_fwd(x, w[p + "input_norm"], c.rms_norm_eps)
+        qkv = h @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
     return qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, kv_slots, kv[0, i], kv[1, i],
                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta)
 
@@ -77,6 +84,11 @@ def attention_out(model: Qwen3, i: int, x, o) -> None:
     """Layer i from its attention's output o [N, Hq, D] on, in place on the residual x:
     x += o Wo^T; x += swiglu(rmsnorm(x) Wgu^T) Wd^T."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
+    if fused_for(x.shape[0]):  # few rows: the norm and SwiGLU inside the GEMMs (ops/decode_linear.py)
+        decode_linear(o.view(x.shape[0], c.q_size), w[p + "o"], None, c.rms_norm_eps, x)
+        a = decode_linear(x, w[p + "gate_up"], w[p + "post_norm"], c.rms_norm_eps, None, True)
+        decode_linear(a, w[p + "down"], None, c.rms_norm_eps, x)
+        return
     x.addmm_(o.view(x.shape[0], c.q_size), w[p + "o"].t())  # in place: no copy of x for cuBLAS's C
     h, _ = rmsnorm_fwd(x, w[p + "post_norm"], c.rms_norm_eps)
     x.addmm_(swiglu_fwd(h @ w[p + "gate_up"].t()), w[p + "down"].t())

@@ -1,0 +1,255 @@
+"""A decode layer's projections at 1-256 rows: the unfused ops the engine runs (cuBLAS, with the
+norms and SwiGLU as kernels of their own) against ops/decode_linear.py (norm, SwiGLU and the
+residual inside the GEMM), per op and as a layer's chain, on the Qwen3-0.6B and 8B shapes,
+against the weight bytes' bound at the copy bandwidth measured in the same run.
+
+Per (shape, op, M), op one of
+  qkv      rmsnorm + x Wqkv^T            (fused: decode_linear(x, Wqkv, g))
+  o        x += o Wo^T, cuBLAS addmm      (fused: decode_linear(o, Wo, None, eps, x))
+  gate_up  rmsnorm + x Wgu^T + swiglu     (fused: decode_linear(x, Wgu, g, eps, None, True))
+  down     x += a Wd^T                    (fused: decode_linear(a, Wd, None, eps, x)),
+the unfused sequence, decode_linear at config_for's tiles (`heuristic`), every candidate tile
+(BN 16-128, K split 1 or until ~one program an SM; `sweep`), and the fastest of them with
+programmatic dependent launch (`pdl`, then `pdl_prefetch`: the weight slice prefetched to
+L2 before the wait). Timing (as bench/exact_tiles.py): one CUDA graph of 12 back-to-back
+calls cycling through weight copies that together exceed L2 (each call reads HBM, as a
+model's layers do), median of 7 replays / 12. Every fused result is checked against the
+unfused one (relative error, recorded; a candidate above 2e-2 is dropped and listed).
+
+Chain: a whole layer's four ops over the model's layers (distinct weights, the decode step's
+order) in one graph, unfused against fused at the best tiles (with and without PDL): the
+per-step time these kernels cost, which bench/decode_step.py's `rest` contains.
+
+The JSON's `table` is CONFIGS["table"] for ops/decode_linear.py (load_table reads it back):
+    python bench/decode_linear.py [--shapes 0.6b,8b] [--rows 1,8,32,64,128,256] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import SHAPES, measure_ceilings, qwen3_06b_config, replay_ms, write_json  # noqa: E402
+
+L2_BYTES = 120 << 20
+OPS = ("qkv", "o", "gate_up", "down")
+MAX_ERR = 2e-2
+
+
+def op_shapes(cfg) -> dict:
+    """op -> (N rows of W, K)."""
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": (cfg.q_size + 2 * cfg.kv_size, H), "o": (H, cfg.q_size), "gate_up": (2 * inter, H),
+            "down": (H, inter)}
+
+
+def _timed(fns, inner: int = 12, reps: int = 7) -> float:
+    """Median ms of one call: a CUDA graph of `inner` calls cycling through fns."""
+    seq = [fns[i % len(fns)] for i in range(inner)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in seq[:2]:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in seq:
+            f()
+    torch.cuda.synchronize()
+    ms = replay_ms(g.replay, reps, warm=2) / inner
+    del g
+    return ms
+
+
+def unfused(op: str, eps: float):
+    """The engine's ops without decode_linear (engine/paged_forward.py), as fn(x, w, g, res)."""
+    from rlcu.ops.rmsnorm import rmsnorm_fwd
+    from rlcu.ops.swiglu import swiglu_fwd
+
+    if op == "qkv":
+        return lambda x, w, g, r: rmsnorm_fwd(x, g, eps)[0] @ w.t()
+    if op == "gate_up":
+        return lambda x, w, g, r: swiglu_fwd(rmsnorm_fwd(x, g, eps)[0] @ w.t())
+    return lambda x, w, g, r: r.addmm_(x, w.t())
+
+
+def fused(op: str, eps: float, cfg=None):
+    from rlcu.ops.decode_linear import decode_linear
+
+    if op == "qkv":
+        return lambda x, w, g, r: decode_linear(x, w, g, eps, None, False, cfg)
+    if op == "gate_up":
+        return lambda x, w, g, r: decode_linear(x, w, g, eps, None, True, cfg)
+    return lambda x, w, g, r: decode_linear(x, w, None, eps, r, False, cfg)
+
+
+def candidates(M: int, N: int, K: int) -> list[tuple]:
+    """(BM, BN, BK, SPLIT, warps, stages): BN 16-128 at the row tile M needs, each unsplit and
+    split until about one program an SM (ops/decode_linear.heuristic_config's rule)."""
+    import triton
+
+    BM = max(16, min(64, triton.next_power_of_2(M)))
+    out = []
+    for BN in (16, 32, 64, 128):
+        programs = triton.cdiv(N, BN) * triton.cdiv(M, BM)
+        split = 1
+        while programs * split * 2 <= 132 and K // (split * 2) >= 256:
+            split *= 2
+        for s in sorted({1, split}):
+            out.append((BM, BN, 128, s, 8 if BM * BN >= 64 * 128 else 4, 4))
+    return out
+
+
+def operands(op: str, N: int, K: int, M: int, H: int, n_sets: int):
+    """n_sets (x, w, g, residual) sets: weights cycled so that each call reads HBM."""
+    d, bf = "cuda", torch.bfloat16
+    out_n = N // 2 if op == "gate_up" else N
+    sets = []
+    for _ in range(n_sets):
+        w = torch.randn(N, K, device=d, dtype=bf) / K**0.5
+        x = torch.randn(M, K, device=d, dtype=bf)
+        g = 1 + 0.1 * torch.randn(K, device=d, dtype=bf)
+        r = torch.randn(M, out_n, device=d, dtype=bf) if op in ("o", "down") else None
+        sets.append((x, w, g, r))
+    return sets
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def run_op(op: str, N: int, K: int, M: int, H: int, eps: float) -> dict:
+    from rlcu.ops import decode_linear as dl
+
+    n_sets = max(2, -(-L2_BYTES // (N * K * 2)))
+    sets = operands(op, N, K, M, H, n_sets)
+    x, w, g, r = sets[0]
+    r = None if r is None else r.clone()  # the timed calls add into the sets' residuals
+
+    def result(fn):
+        return fn(x, w, g, None if r is None else r.clone())
+
+    def bind(fn):
+        return [lambda s=s: fn(*s) for s in sets]
+
+    ref = result(unfused(op, eps))
+    bytes_ = N * K * 2
+    row = {"op": op, "M": M, "N": N, "K": K, "weight_bytes": bytes_, "unfused_ms": _timed(bind(unfused(op, eps)))}
+    heur = dl.config_for(M, N // 2 if op == "gate_up" else N, K, op == "gate_up")
+    row["heuristic"] = {"config": heur, "ms": _timed(bind(fused(op, eps, heur))),
+                        "rel_err": _rel(result(fused(op, eps, heur)), ref)}
+    sweep, dropped = [], []
+    for c in candidates(M, N // 2 if op == "gate_up" else N, K):
+        err = _rel(result(fused(op, eps, c)), ref)
+        if err > MAX_ERR:
+            dropped.append({"config": c, "rel_err": err})
+            continue
+        sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c))), "rel_err": err})
+    best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
+    row.update(sweep=sweep, dropped=dropped, best=best)
+    for name, prefetch in (("pdl", False), ("pdl_prefetch", True)):
+        dl.CONFIGS.update(pdl=True, prefetch=prefetch)
+        try:
+            row[name] = {"ms": _timed(bind(fused(op, eps, best["config"]))),
+                         "rel_err": _rel(result(fused(op, eps, best["config"])), ref)}
+        finally:
+            dl.CONFIGS.update(pdl=False, prefetch=True)
+    return row
+
+
+def chain(cfg, M: int, table: dict, pdl: bool | None) -> float:
+    """ms of one step's projections (every layer's four ops, distinct weights), unfused
+    (pdl None) or fused at `table`'s tiles."""
+    from rlcu.ops import decode_linear as dl
+
+    shapes, eps, L = op_shapes(cfg), cfg.rms_norm_eps, cfg.num_hidden_layers
+    d, bf = "cuda", torch.bfloat16
+    layers = [{op: torch.randn(*shapes[op], device=d, dtype=bf) / shapes[op][1] ** 0.5 for op in OPS} for _ in range(L)]
+    gn = 1 + 0.1 * torch.randn(cfg.hidden_size, device=d, dtype=bf)
+    x = torch.randn(M, cfg.hidden_size, device=d, dtype=bf)
+    o = torch.randn(M, cfg.q_size, device=d, dtype=bf)
+    mk = unfused if pdl is None else fused
+    f = {op: mk(op, eps) for op in OPS}
+
+    def step():
+        for lw in layers:
+            f["qkv"](x, lw["qkv"], gn, None)
+            f["o"](o, lw["o"], None, x)
+            a = f["gate_up"](x, lw["gate_up"], gn, None)
+            f["down"](a, lw["down"], None, x)
+
+    saved = dict(dl.CONFIGS)
+    dl.CONFIGS.update(table=table, pdl=bool(pdl))
+    try:
+        return _timed([step], inner=1, reps=15)
+    finally:
+        dl.CONFIGS.clear()
+        dl.CONFIGS.update(saved)
+
+
+def table_of(rows: list[dict]) -> dict:
+    """CONFIGS["table"] from the rows: per (N, K, swiglu), (max M, best config) by M."""
+    table: dict = {}
+    for r in sorted(rows, key=lambda r: r["M"]):
+        sw = r["op"] == "gate_up"
+        key = (r["N"] // 2 if sw else r["N"], r["K"], sw)
+        table.setdefault(key, []).append((r["M"], tuple(r["best"]["config"])))
+    for entries in table.values():  # the largest M measured serves every M above it too
+        entries[-1] = (1 << 30, entries[-1][1])
+    return table
+
+
+def load_table(path: str | Path) -> dict:
+    """The `table` of a decode_linear.json as CONFIGS["table"] (keys back to tuples)."""
+    data = json.loads(Path(path).read_text())
+    return {tuple(json.loads(k)): [(m, tuple(c)) for m, c in v] for k, v in data["table"].items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="0.6b,8b")
+    ap.add_argument("--rows", default="1,8,32,64,128,256")
+    ap.add_argument("--quick", action="store_true", help="0.6B, M = 64 only")
+    a = ap.parse_args()
+    shapes, Ms = a.shapes.split(","), [int(m) for m in a.rows.split(",")]
+    if a.quick:
+        shapes, Ms = ["0.6b"], [64]
+    ceil = measure_ceilings()
+    copy_Bps = ceil["copy_GBps"] * 1e9
+    out = {"ceilings": ceil, "rows": [], "chain": []}
+    for shape in shapes:
+        cfg = qwen3_06b_config(**SHAPES[shape])
+        rows = []
+        for op, (N, K) in op_shapes(cfg).items():
+            for M in Ms:
+                r = {"shape": shape, **run_op(op, N, K, M, cfg.hidden_size, cfg.rms_norm_eps)}
+                r["bound_ms"] = r["weight_bytes"] / copy_Bps * 1e3
+                rows.append(r)
+                print(f"{shape:>5} {op:>7} M={M:<4} bound {1e3 * r['bound_ms']:6.2f} us  unfused "
+                      f"{1e3 * r['unfused_ms']:6.2f}  heuristic {1e3 * r['heuristic']['ms']:6.2f}  best "
+                      f"{1e3 * r['best']['ms']:6.2f} {r['best']['config']}  pdl {1e3 * r['pdl']['ms']:6.2f}  "
+                      f"+prefetch {1e3 * r['pdl_prefetch']['ms']:6.2f}", flush=True)
+                torch.cuda.empty_cache()
+        out["rows"] += rows
+        table = table_of(rows)
+        for M in Ms:
+            c = {"shape": shape, "M": M, "layers": cfg.num_hidden_layers, "unfused_ms": chain(cfg, M, table, None),
+                 "fused_ms": chain(cfg, M, table, False), "fused_pdl_ms": chain(cfg, M, table, True)}
+            out["chain"].append(c)
+            print(f"{shape:>5} chain M={M:<4} unfused {c['unfused_ms']:.3f} ms  fused {c['fused_ms']:.3f}  "
+                  f"fused+pdl {c['fused_pdl_ms']:.3f}", flush=True)
+            torch.cuda.empty_cache()
+    out["table"] = {json.dumps(list(k)): v for k, v in table_of(out["rows"]).items()}
+    write_json("decode_linear.json", out)
+
+
+if __name__ == "__main__":
+    main()

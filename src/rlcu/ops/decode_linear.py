@@ -1,0 +1,272 @@
+"""The decode layer's projections with their neighbours fused in, for a few rows (M <= 256):
+
+    y = rmsnorm(x; g) W^T              (the input norm and qkv; the post norm and ...)
+    y = swiglu(rmsnorm(x; g) Wgu^T)    (... gate_up with SwiGLU: a = silu(h Wg^T) * (h Wu^T))
+    r += x W^T                         (o and down, on the residual in place)
+
+A decode step's GEMMs read each weight once for 1-256 rows: they are weight-bound, and at
+these sizes cuBLAS (or any one-kernel-per-op sequence) spends most of a layer between
+launches and in ramp-up (~5-8 us a GEMM of 4-12 MB on the H200, against 1-3 us of weight
+bytes: bench/results/exact_tiles.json). This kernel takes the norm and SwiGLU, two launches
+of a layer each, into the GEMMs, and splits N finely (and K where N is small) so that every
+SM streams weights.
+
+The norm, in one pass over K: with rstd = rsqrt(mean(x^2) + eps) a row's factor,
+rmsnorm(x; g) W^T = rstd * ((x * g) W^T), so the A tile is x * g (rounded to the weights'
+dtype) and the sum of squares is taken from the same loads; the accumulator is scaled by
+rstd at the end. (The unfused path rounds x * rstd to bf16 first: the two differ by one
+rounding of the product, so this is not exact mode's op; exact mode never runs it.)
+
+Split-K (SPLIT > 1): each program writes fp32 partial sums (and its rows' partial sums of
+squares) to a workspace, and a second kernel adds the SPLIT partials in a fixed order and
+applies the epilogue (scale, SwiGLU, residual): deterministic, no atomics.
+
+PDL (CONFIGS["pdl"], Hopper and later): the kernel is launched with programmatic stream
+serialisation, so that it may start while the kernel before it drains; it prefetches its
+weight slice into L2 and then waits (griddepcontrol.wait) before reading x.
+
+The twin runs the unfused ops the engine ran before this one, in the same order, so that the
+CPU path's numbers do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcu.ops._backend import HAS_TRITON, dispatch, interpreting, tl, triton
+from rlcu.ops.rmsnorm import rmsnorm_fwd
+from rlcu.ops.swiglu import swiglu_fwd
+
+gdc_wait = None
+if HAS_TRITON:
+    try:  # triton >= 3.4: grid dependency control (programmatic dependent launch)
+        from triton.language.extra.cuda import gdc_wait
+    except ImportError:  # pragma: no cover - depends on the triton build
+        pass
+
+MAX_M = 256  # the rows this op is tuned for (the decode graphs' batch sizes)
+_LINE = 64  # bf16 elements in a 128-byte line (the L2 prefetch's unit)
+
+# (BM, BN, BK, SPLIT, num_warps, num_stages) by (N, K, swiglu): the first entry whose max_M
+# holds M; shapes not listed take `heuristic_config`. Filled from bench/decode_linear.py.
+CONFIGS: dict = {
+    "enabled": False,  # the engine's layers use this op for steps of <= MAX_M tokens (fused_for)
+    "table": {},
+    "pdl": False,  # launch with programmatic dependent launch (see the module docstring)
+    "prefetch": True,  # with pdl: prefetch the weight slice into L2 before the wait
+}
+_INTERPRET_CONFIG = (16, 16, 32, 1, 4, 1)
+_TARGET_PROGRAMS = 128  # about one program an SM: the split-K factor grows until the grid has this many
+
+
+@triton.jit
+def _prefetch_l2(W, stride_w, rows, k_lo, k_len, K, KL: tl.constexpr, LINE: tl.constexpr):
+    # one L2 prefetch per 128-byte line of W[rows, k_lo : k_lo + k_len]; lines past the slice or
+    # past K prefetch the row's start instead (a valid address)
+    lines = tl.arange(0, KL) * LINE
+    cols = tl.where((lines < k_len) & (k_lo + lines < K), k_lo + lines, 0)
+    ptrs = W + rows[:, None].to(tl.int64) * stride_w + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    # IEEE: fp32 inputs (the CPU tests), and every input under the interpreter, whose
+    # bf16 tl.dot gives garbage (triton 3.6): there the tiles are widened to fp32 first
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps,
+              NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr):
+    # acc (and acc_up): the fp32 [BM, BN] sums; ss: the rows' sums of squares of x
+    if NORM:
+        rstd = tl.rsqrt(ss / K + eps)
+        acc = acc * rstd[:, None]
+        if SWIGLU:
+            acc_up = acc_up * rstd[:, None]
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if RES:
+        acc += tl.load(R + offs_m[:, None] * stride_r + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs_m[:, None] * stride_y + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(X, W, G, R, Y, P, PSS, M, N, K, K_SPLIT, stride_x, stride_w, stride_r, stride_y, eps,
+                   NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr, PARTIAL: tl.constexpr,
+                   IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, KL: tl.constexpr,
+                   LINE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    offs_n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    k_lo = pid_k * K_SPLIT
+    rows_w = tl.where(nmask, offs_n, 0)  # clamped: the prefetch and loads never leave W
+    if PDL:
+        if PREFETCH:  # the weights do not depend on the kernel before: fetch them while it drains
+            _prefetch_l2(W, stride_w, rows_w, k_lo, K_SPLIT, K, KL, LINE)
+            if SWIGLU:
+                _prefetch_l2(W, stride_w, rows_w + N, k_lo, K_SPLIT, K, KL, LINE)
+        gdc_wait()
+    xp = X + offs_m[:, None] * stride_x + (k_lo + offs_k)[None, :]  # [BM, BK]
+    wp = W + rows_w[None, :] * stride_w + (k_lo + offs_k)[:, None]  # [BK, BN]: the W^T tile
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc_up = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
+    for k0 in range(0, K_SPLIT, BK):
+        kmask = (k_lo + k0 + offs_k) < K
+        a = tl.load(xp, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            af = a.to(tl.float32)
+            ss += tl.sum(af * af, 1)
+            g = tl.load(G + k_lo + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            a = (af * g[None, :]).to(W.dtype.element_ty)
+        b = tl.load(wp, mask=kmask[:, None], other=0.0)
+        acc = _dot(a, b, acc, IEEE)
+        if SWIGLU:  # the up half: rows N + n of [Wg; Wu]
+            acc_up = _dot(a, tl.load(wp + N * stride_w, mask=kmask[:, None], other=0.0), acc_up, IEEE)
+        xp += BK
+        wp += BK
+    if not PARTIAL:
+        _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
+    else:  # fp32 partials [SPLIT, M, (2) N] and [SPLIT, M]; _reduce_kernel finishes
+        mask = mmask[:, None] & nmask[None, :]
+        width = 2 * N if SWIGLU else N
+        pp = P + (pid_k * M + offs_m[:, None]) * width + offs_n[None, :]
+        tl.store(pp, acc, mask=mask)
+        if SWIGLU:
+            tl.store(pp + N, acc_up, mask=mask)
+        if NORM:
+            if pid_n == 0:
+                tl.store(PSS + pid_k * M + offs_m, ss, mask=mmask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _reduce_kernel(P, PSS, R, Y, M, N, K, SPLIT, stride_r, stride_y, eps,
+                   NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    offs_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    offs_m = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
+    mmask = offs_m < M
+    mask = mmask[:, None] & (offs_n < N)[None, :]
+    width = 2 * N if SWIGLU else N
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc_up = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
+    for s in range(SPLIT):  # a fixed order: the same bits every replay
+        pp = P + (s * M + offs_m[:, None]) * width + offs_n[None, :]
+        acc += tl.load(pp, mask=mask, other=0.0)
+        if SWIGLU:
+            acc_up += tl.load(pp + N, mask=mask, other=0.0)
+        if NORM:
+            ss += tl.load(PSS + s * M + offs_m, mask=mmask, other=0.0)
+    _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
+
+
+def fused_for(M: int) -> bool:
+    """Whether the engine's forward of an M-token step runs its projections through this op:
+    CONFIGS["enabled"] and M <= MAX_M (decode steps and small mixed ones; prefill keeps cuBLAS)."""
+    return bool(CONFIGS["enabled"]) and M <= MAX_M
+
+
+def heuristic_config(M: int, N: int, K: int) -> tuple:
+    """(BM, BN, BK, SPLIT, num_warps, num_stages) where CONFIGS["table"] has no entry: rows in
+    one tile up to 64, 32 columns a program up to 64 rows (64 beyond, where the A tile's
+    re-reads from L2 grow with M / BN), and K split until about one program an SM."""
+    BM = max(16, min(64, triton.next_power_of_2(M)))
+    BN = 32 if M <= 64 else 64
+    BK = 128
+    programs = triton.cdiv(N, BN) * triton.cdiv(M, BM)
+    split = 1
+    while programs * split * 2 <= _TARGET_PROGRAMS and K // (split * 2) >= 2 * BK:
+        split *= 2
+    return BM, BN, BK, split, 4, 4
+
+
+def config_for(M: int, N: int, K: int, swiglu: bool) -> tuple:
+    if interpreting():
+        return _INTERPRET_CONFIG
+    for max_m, cfg in CONFIGS["table"].get((N, K, swiglu), ()):
+        if M <= max_m:
+            return cfg
+    return heuristic_config(M, N, K)
+
+
+def _check(x, w, norm_w, residual, swiglu):
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"decode_linear: x must be [M, K] and w [N, K], got {list(x.shape)} and {list(w.shape)}")
+    if x.dtype != w.dtype:
+        raise TypeError(f"decode_linear: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    if norm_w is not None and norm_w.shape != (x.shape[1],):
+        raise ValueError(f"decode_linear: norm_w must be [{x.shape[1]}], got {list(norm_w.shape)}")
+    if swiglu and (w.shape[0] % 2 or residual is not None):
+        raise ValueError("decode_linear: swiglu takes w = [gate; up] ([2I, K]) and no residual")
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
+    if residual is not None and (residual.shape != (x.shape[0], n) or residual.dtype != x.dtype):
+        raise ValueError(f"decode_linear: residual must be {x.dtype} [{x.shape[0]}, {n}], "
+                         f"got {residual.dtype} {list(residual.shape)}")
+
+
+def decode_linear_triton(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=False, cfg=None):
+    M, K = x.shape
+    N = w.shape[0] // 2 if swiglu else w.shape[0]
+    y = residual if residual is not None else torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M == 0:
+        return y
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    if y.stride(1) != 1:
+        raise ValueError("decode_linear: residual must have a unit column stride")
+    BM, BN, BK, split, warps, stages = cfg or config_for(M, N, K, swiglu)
+    k_split = triton.cdiv(triton.cdiv(K, BK), split) * BK  # K a program sums, a multiple of BK
+    split = triton.cdiv(K, k_split)
+    pdl = bool(CONFIGS["pdl"]) and gdc_wait is not None and not interpreting()
+    if split > 1:
+        part = torch.empty(split, M, 2 * N if swiglu else N, device=x.device, dtype=torch.float32)
+        pss = torch.empty(split, M, device=x.device, dtype=torch.float32)
+    else:
+        part = pss = y
+    g = norm_w if norm_w is not None else x
+    r = residual if residual is not None else y
+    meta = dict(NORM=norm_w is not None, SWIGLU=swiglu, RES=residual is not None)
+    launch = dict(num_warps=warps, num_stages=stages)
+    prefetch = pdl and bool(CONFIGS["prefetch"])
+    if pdl:
+        launch["launch_pdl"] = True
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
+    _linear_kernel[grid](x, w, g, r, y, part, pss, M, N, K, k_split, x.stride(0), w.stride(0), r.stride(0),
+                         y.stride(0), eps, PARTIAL=split > 1, IEEE=x.dtype == torch.float32 or interpreting(),
+                         PDL=pdl, PREFETCH=prefetch, KL=triton.next_power_of_2(triton.cdiv(k_split, _LINE)) if prefetch
+                         else 1, LINE=_LINE, BM=BM, BN=BN, BK=BK, **meta, **launch)
+    if split > 1:
+        RBN = min(128, triton.next_power_of_2(N))
+        RBM = max(1, min(triton.next_power_of_2(M), 4096 // RBN))
+        _reduce_kernel[(triton.cdiv(N, RBN), triton.cdiv(M, RBM))](part, pss, r, y, M, N, K, split, r.stride(0),
+                                                                  y.stride(0), eps, BM=RBM, BN=RBN, num_warps=4,
+                                                                  **meta)
+    return y
+
+
+def decode_linear_ref(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=False, cfg=None):
+    h = rmsnorm_fwd(x, norm_w, eps)[0] if norm_w is not None else x
+    if residual is not None:
+        return residual.addmm_(h, w.t())
+    y = h @ w.t()
+    return swiglu_fwd(y) if swiglu else y
+
+
+@dispatch(decode_linear_triton, decode_linear_ref, on="x")
+def decode_linear(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=False, cfg=None):
+    """x [M, K], w [N, K] (swiglu: [2I, K], gate rows then up rows), norm_w [K] or None ->
+    rmsnorm(x; norm_w) w^T [M, N] (swiglu: silu(h Wg^T) * (h Wu^T), [M, I]); with residual
+    [M, N]: residual += x w^T in place, returned. cfg: a (BM, BN, BK, SPLIT, warps, stages)
+    to use instead of config_for's (the benchmark's sweep)."""
+    _check(x, w, norm_w, residual, swiglu)
