@@ -189,6 +189,23 @@ def calls():
 
     yield "exact", exact
 
+    def fused_linear():  # the decode projections at their heuristic tiles, split and not, and under PDL
+        from rlcu.ops import decode_linear as dl
+
+        for M in (1, 64, 256):
+            xm = torch.randn(M, H).to(bf)
+            dl.decode_linear(xm, torch.randn(4096, H).to(bf), w, 1e-6)  # qkv, the norm inside
+            dl.decode_linear(xm, torch.randn(2 * I, H).to(bf), w, 1e-6, None, True)  # gate_up + SwiGLU
+            dl.decode_linear(torch.randn(M, I).to(bf), torch.randn(H, I).to(bf), None, 1e-6, xm)  # down + residual
+        saved = dict(dl.CONFIGS)
+        dl.CONFIGS.update(pdl=True)
+        try:
+            dl.decode_linear(x[:64], torch.randn(4096, H).to(bf), w, 1e-6)
+        finally:
+            dl.CONFIGS.update(saved)
+
+    yield "decode_linear", fused_linear
+
 
 def main() -> int:
     try:
