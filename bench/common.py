@@ -89,6 +89,17 @@ def capture(fn):
     return g, out
 
 
+def graph_ms(fns, inner: int = 12, reps: int = 7, warm: int = 0) -> float:
+    """Median ms of one call, from replays of a CUDA graph (`capture`) of `inner` back-to-back
+    calls cycling through fns (no launch gaps between them; fns over different operands: no L2
+    reuse)."""
+    seq = [fns[i % len(fns)] for i in range(inner)]
+    graph, _ = capture(lambda: [f() for f in seq])
+    graph.replay()
+    torch.cuda.synchronize()
+    return replay_ms(graph.replay, reps, warm) / inner
+
+
 def write_json(name: str, payload: dict) -> Path:
     """Write to $OUT (on the device machine) and bench/results/."""
     payload = {"meta": meta(), **payload}

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, measure_ceilings, qwen3_06b_config, replay_ms, write_json  # noqa: E402
+from bench.common import SHAPES, graph_ms, measure_ceilings, qwen3_06b_config, write_json  # noqa: E402
 
 L2_BYTES = 120 << 20
 OPS = ("qkv", "o", "gate_up", "down")
@@ -50,23 +50,7 @@ def op_shapes(cfg) -> dict:
 
 
 def _timed(fns, inner: int = 12, reps: int = 7) -> float:
-    """Median ms of one call: a CUDA graph of `inner` calls cycling through fns."""
-    seq = [fns[i % len(fns)] for i in range(inner)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in seq[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in seq:
-            f()
-    torch.cuda.synchronize()
-    ms = replay_ms(g.replay, reps, warm=2) / inner
-    del g
-    return ms
+    return graph_ms(fns, inner, reps, warm=2)
 
 
 def unfused(op: str, eps: float):

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import capture, meta, qwen3_06b_config, replay_ms
+from bench.common import graph_ms, meta, qwen3_06b_config
 
 REF = (128, 128, 64, 8, 8, 3, False)
 GEMM_CANDIDATES = [REF] + [(bm, bn, bk, 8, w, st, tma) for tma in (False, True) for bm, bn, bk, w, st in (
@@ -44,13 +44,8 @@ L2_BYTES = 120 << 20  # operands cycled through more than this: each call reads 
 
 
 def _timed(fn_of, n_sets: int, inner: int = 12, reps: int = 7) -> float:
-    """Median ms of one call, from CUDA-graph replays of `inner` back-to-back calls cycling
-    through n_sets operand copies (no launch gaps; no L2 reuse across calls)."""
-    fns = [fn_of(i % n_sets) for i in range(inner)]
-    graph, _ = capture(lambda: [f() for f in fns])
-    graph.replay()
-    torch.cuda.synchronize()
-    return replay_ms(graph.replay, reps) / inner
+    """Median ms of one call over n_sets operand copies (common.graph_ms)."""
+    return graph_ms([fn_of(i % n_sets) for i in range(inner)], inner, reps)
 
 
 def _shapes(cfg):
