@@ -10,7 +10,10 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            the norms, qkv_prep, swiglu;
   fused    serial with the projections through ops/decode_linear.py (--fused-linear: the norms
            and SwiGLU inside the GEMMs, tiles from a bench/decode_linear.py JSON), and
-           fused_pdl the same with programmatic dependent launch; logits compared with serial's;
+           fused_pdl the same with programmatic dependent launch, and halves_fused `halves` with
+           the op (its GEMMs hold less shared memory than cuBLAS's, so that one half's GEMM
+           programs may sit on an SM beside the other half's attention); logits compared with
+           serial's;
   halves   the batch as two halves on two streams, their attentions in turn (A0, B0, A1, ...),
            so that one half's attention could run beside the other half's GEMMs (`halves`
            below; measured slower at every size on the H200: each half reads every weight, and
@@ -135,12 +138,12 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None) ->
     def two():
         return paged_forward.logits(model, halves(model, kv, ids, pos, slots, tables, cu, lens, kb, side))
 
-    def with_linear(pdl: bool):
+    def with_linear(pdl: bool, body=serial):
         def step():
             saved = dict(dl.CONFIGS)
             dl.CONFIGS.update(enabled=True, pdl=pdl, table=fused_table or {})
             try:  # the graph keeps the kernels launched here, whatever CONFIGS says later
-                return serial()
+                return body()
             finally:
                 dl.CONFIGS.clear()
                 dl.CONFIGS.update(saved)
@@ -154,7 +157,8 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None) ->
     ref = None
     variants = [("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)]
     if fused_table is not None:
-        variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True))]
+        variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True)),
+                     ("halves_fused", with_linear(False, two))]
     for name, fn in variants:
         gr, out = capture(fn)
         e = {"ms": replay_ms(gr.replay, 30, warm=5)}
@@ -162,7 +166,7 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None) ->
         if name == "serial":
             ref = out.float().clone()
             e["kernels_ms"] = kernel_ms(gr)
-        elif name in ("halves", "fused", "fused_pdl"):
+        elif name in ("halves", "fused", "fused_pdl", "halves_fused"):
             e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
         r[name] = e
         del gr
@@ -192,7 +196,8 @@ def main():
             r = {"shape": shape, **run_case(model, B, copy_Bps, table)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
-                             for k in ("serial", "attn", "rest", "halves", "fused", "fused_pdl") if k in r)
+                             for k in ("serial", "attn", "rest", "halves", "fused", "fused_pdl", "halves_fused")
+                             if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "
                   f"{r['serial']['kernels_ms']:6.2f}  attention at {100 * r['attn']['attention_fraction']:.0f}% "
                   f"of its bytes", flush=True)
