@@ -9,7 +9,8 @@ Per (shape, op, M), op one of
   gate_up  rmsnorm + x Wgu^T + swiglu     (fused: decode_linear(x, Wgu, g, eps, None, True))
   down     x += a Wd^T                    (fused: decode_linear(a, Wd, None, eps, x)),
 the unfused sequence, decode_linear at config_for's tiles (`heuristic`), every candidate tile
-(BN 16-128, K split 1 or until ~one program an SM; `sweep`), and the fastest of them with
+(BN 16-128, K split 1 or until ~one program an SM; `sweep`; then at the fastest tile the
+K step and pipeline depth of REFINE), and the fastest of them with
 programmatic dependent launch (`pdl`, then `pdl_prefetch`: the weight slice prefetched to
 L2 before the wait). Timing (as bench/exact_tiles.py): one CUDA graph of 12 back-to-back
 calls cycling through weight copies that together exceed L2 (each call reads HBM, as a
@@ -40,6 +41,7 @@ from bench.common import SHAPES, graph_ms, measure_ceilings, qwen3_06b_config, w
 L2_BYTES = 120 << 20
 OPS = ("qkv", "o", "gate_up", "down")
 MAX_ERR = 2e-2
+REFINE = ((64, 6), (128, 3), (128, 6), (256, 3), (256, 4))  # (BK, stages) tried at each op's best tile
 
 
 def op_shapes(cfg) -> dict:
@@ -138,6 +140,17 @@ def run_op(op: str, N: int, K: int, M: int, H: int, eps: float) -> dict:
             continue
         sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c))), "rel_err": err})
     best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
+    BM, BN, _, split, warps, _ = best["config"]
+    for BK, stages in REFINE:  # the pipeline's depth at the best tile: the K step and the stages
+        c = (BM, BN, BK, split, warps, stages)
+        if c in [e["config"] for e in sweep] or (split > 1 and K // split < BK):
+            continue
+        err = _rel(result(fused(op, eps, c)), ref)
+        if err > MAX_ERR:
+            dropped.append({"config": c, "rel_err": err})
+            continue
+        sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c))), "rel_err": err, "refine": True})
+    best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
     row.update(sweep=sweep, dropped=dropped, best=best)
     for name, prefetch in (("pdl", False), ("pdl_prefetch", True)):
         dl.CONFIGS.update(pdl=True, prefetch=prefetch)
@@ -231,8 +244,9 @@ def main():
             print(f"{shape:>5} chain M={M:<4} unfused {c['unfused_ms']:.3f} ms  fused {c['fused_ms']:.3f}  "
                   f"fused+pdl {c['fused_pdl_ms']:.3f}", flush=True)
             torch.cuda.empty_cache()
-    out["table"] = {json.dumps(list(k)): v for k, v in table_of(out["rows"]).items()}
-    write_json("decode_linear.json", out)
+        # after each shape, so that a run cut short keeps what it measured
+        out["table"] = {json.dumps(list(k)): v for k, v in table_of(out["rows"]).items()}
+        write_json("decode_linear.json", out)
 
 
 if __name__ == "__main__":
