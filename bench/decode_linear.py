@@ -193,12 +193,14 @@ def chain(cfg, M: int, table: dict, pdl: bool | None) -> float:
 
 
 def table_of(rows: list[dict]) -> dict:
-    """CONFIGS["table"] from the rows: per (N, K, swiglu), (max M, best config) by M."""
+    """CONFIGS["table"] from the rows: per (N, K, swiglu), (max M, best config) by M; None where
+    the unfused ops were faster than every tile."""
     table: dict = {}
     for r in sorted(rows, key=lambda r: r["M"]):
         sw = r["op"] == "gate_up"
         key = (r["N"] // 2 if sw else r["N"], r["K"], sw)
-        table.setdefault(key, []).append((r["M"], tuple(r["best"]["config"])))
+        fused_wins = r["best"]["ms"] < r["unfused_ms"]  # else None: the op falls back to the unfused ops there
+        table.setdefault(key, []).append((r["M"], tuple(r["best"]["config"]) if fused_wins else None))
     for entries in table.values():  # the largest M measured serves every M above it too
         entries[-1] = (1 << 30, entries[-1][1])
     return table
@@ -207,7 +209,8 @@ def table_of(rows: list[dict]) -> dict:
 def load_table(path: str | Path) -> dict:
     """The `table` of a decode_linear.json as CONFIGS["table"] (keys back to tuples)."""
     data = json.loads(Path(path).read_text())
-    return {tuple(json.loads(k)): [(m, tuple(c)) for m, c in v] for k, v in data["table"].items()}
+    return {tuple(json.loads(k)): [(m, None if c is None else tuple(c)) for m, c in v]
+            for k, v in data["table"].items()}
 
 
 def main():

@@ -98,3 +98,14 @@ def test_gpu_code_pipelines_and_waits_under_pdl():
     assert all(e["cp_async"] for e in got)
     assert any(e["wgmma"] for e in got)
     assert [e["griddepcontrol"] for e in got].count(True) == 1  # the one PDL launch
+
+
+def test_table_entry_none_runs_the_unfused_ops(monkeypatch):
+    # bench/decode_linear.py writes None where cuBLAS and the unfused kernels beat every tile
+    from rlcu.ops import decode_linear as dl
+
+    x, w, nw, _ = _case(5, 24, 64, torch.float32, True, False, False, seed=3)
+    monkeypatch.setattr(dl, "interpreting", lambda: False)  # config_for reads the table
+    monkeypatch.setitem(dl.CONFIGS, "table", {(24, 64, False): [(8, None)]})
+    assert dl.config_for(5, 24, 64, False) is None
+    assert torch.equal(decode_linear_triton(x, w, nw, 1e-6), decode_linear_ref(x, w, nw, 1e-6))

@@ -48,7 +48,8 @@ MAX_M = 256  # the rows this op is tuned for (the decode graphs' batch sizes)
 _LINE = 64  # bf16 elements in a 128-byte line (the L2 prefetch's unit)
 
 # (BM, BN, BK, SPLIT, num_warps, num_stages) by (N, K, swiglu): the first entry whose max_M
-# holds M; shapes not listed take `heuristic_config`. Filled from bench/decode_linear.py.
+# holds M (None: the unfused ops, where they measured faster); shapes not listed take
+# `heuristic_config`. Filled from bench/decode_linear.py.
 CONFIGS: dict = {
     "enabled": False,  # the engine's layers use this op for steps of <= MAX_M tokens (fused_for)
     "table": {},
@@ -225,7 +226,10 @@ def decode_linear_triton(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=Fals
     w = w if w.stride(1) == 1 else w.contiguous()
     if y.stride(1) != 1:
         raise ValueError("decode_linear: residual must have a unit column stride")
-    BM, BN, BK, split, warps, stages = cfg or config_for(M, N, K, swiglu)
+    cfg = cfg or config_for(M, N, K, swiglu)
+    if cfg is None:  # the table's word: the unfused ops (cuBLAS) are faster at this shape and M
+        return decode_linear_ref(x, w, norm_w, eps, residual, swiglu)
+    BM, BN, BK, split, warps, stages = cfg
     k_split = triton.cdiv(triton.cdiv(K, BK), split) * BK  # K a program sums, a multiple of BK
     split = triton.cdiv(K, k_split)
     pdl = bool(CONFIGS["pdl"]) and gdc_wait is not None and not interpreting()
