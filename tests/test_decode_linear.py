@@ -97,7 +97,8 @@ def test_gpu_code_pipelines_and_waits_under_pdl():
     got = json.loads(p.stdout.strip().splitlines()[-1])["kernels"]["rlcu.ops.decode_linear._linear_kernel"]
     assert all(e["cp_async"] for e in got)
     assert any(e["wgmma"] for e in got)
-    assert [e["griddepcontrol"] for e in got].count(True) == 1  # the one PDL launch
+    assert [e["griddepcontrol"] for e in got].count(True) == 1  # the one PDL launch waits
+    assert [e["launch_dependents"] for e in got] == [e["griddepcontrol"] for e in got]  # and lets the next start
 
 
 def test_table_entry_none_runs_the_unfused_ops(monkeypatch):

@@ -51,26 +51,35 @@ def test_ops_match_unfused(op, M):
 
 
 def test_pdl_in_a_graph_after_other_kernels(monkeypatch):
-    # the op reads what the kernel before it wrote: under PDL it must wait for it (gdc_wait)
+    # each op reads what the kernel before it wrote: a torch kernel (launched without PDL), then
+    # the o projection writing x in place (PDL, letting its dependent start early), then
+    # gate_up reading that x (PDL): each must wait for the one before (gdc_wait)
     monkeypatch.setitem(dl.CONFIGS, "pdl", True)
-    x, w, nw, _ = _operands("qkv", 64)
-    src = torch.randn_like(x)
-    out = torch.empty(64, 4096, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.empty(64, 1024, device="cuda", dtype=torch.bfloat16)
+    src = torch.randn(64, 1024, device="cuda", generator=g).bfloat16()
+    o = torch.randn(64, 2048, device="cuda", generator=g).bfloat16()
+    wo = (torch.randn(1024, 2048, device="cuda", generator=g) / 2048**0.5).bfloat16()
+    wgu = (torch.randn(6144, 1024, device="cuda", generator=g) / 1024**0.5).bfloat16()
+    nw = (1 + 0.1 * torch.randn(1024, device="cuda", generator=g)).bfloat16()
+    out = torch.empty(64, 3072, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        x.copy_(src * 3.0)  # the producer, right before the op
-        out.copy_(dl.decode_linear(x, w, nw, 1e-6))
+        x.copy_(src * 3.0)  # the producer, right before the ops
+        dl.decode_linear(o, wo, None, 1e-6, x)
+        out.copy_(dl.decode_linear(x, wgu, nw, 1e-6, None, True))
 
     step()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         step()
     for i in range(5):
         src.normal_(generator=torch.Generator(device="cuda").manual_seed(i))
-        g.replay()
+        graph.replay()
         torch.cuda.synchronize()
-        ref = rmsnorm_fwd(src * 3.0, nw, 1e-6)[0].bfloat16() @ w.t()
-        assert _rel(out, ref) < 1e-2, i
+        xr = (src * 3.0).addmm(o, wo.t())
+        ref = swiglu_fwd(rmsnorm_fwd(xr, nw, 1e-6)[0] @ wgu.t())
+        assert _rel(x, xr) < 1e-2 and _rel(out, ref) < 2e-2, i
 
 
 @pytest.mark.parametrize("pdl", [False, True])

@@ -23,7 +23,10 @@ applies the epilogue (scale, SwiGLU, residual): deterministic, no atomics.
 
 PDL (CONFIGS["pdl"], Hopper and later): the kernel is launched with programmatic stream
 serialisation, so that it may start while the kernel before it drains; it prefetches its
-weight slice into L2 and then waits (griddepcontrol.wait) before reading x.
+weight slice into L2 and then waits (griddepcontrol.wait: the kernel before has finished and
+its writes are visible) before reading x or writing anything. Its programs signal
+launch_dependents as they begin, so the projection after it (PDL-launched too) may start in
+its last wave; a kernel launched without PDL after it waits for it as usual.
 
 The twin runs the unfused ops the engine ran before this one, in the same order, so that the
 CPU path's numbers do not change.
@@ -37,10 +40,10 @@ from rlcu.ops._backend import HAS_TRITON, dispatch, interpreting, tl, triton
 from rlcu.ops.rmsnorm import rmsnorm_fwd
 from rlcu.ops.swiglu import swiglu_fwd
 
-gdc_wait = None
+gdc_wait = gdc_launch_dependents = None
 if HAS_TRITON:
     try:  # triton >= 3.4: grid dependency control (programmatic dependent launch)
-        from triton.language.extra.cuda import gdc_wait
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     except ImportError:  # pragma: no cover - depends on the triton build
         pass
 
@@ -113,6 +116,9 @@ def _linear_kernel(X, W, G, R, Y, P, PSS, M, N, K, K_SPLIT, stride_x, stride_w, 
     k_lo = pid_k * K_SPLIT
     rows_w = tl.where(nmask, offs_n, 0)  # clamped: the prefetch and loads never leave W
     if PDL:
+        # the next kernel, if PDL-launched too (the layer's next projection), may start once
+        # every program here has begun: its weight prefetch then runs in this kernel's tail
+        gdc_launch_dependents()
         if PREFETCH:  # the weights do not depend on the kernel before: fetch them while it drains
             _prefetch_l2(W, stride_w, rows_w, k_lo, K_SPLIT, K, KL, LINE)
             if SWIGLU:
@@ -232,7 +238,7 @@ def decode_linear_triton(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=Fals
     BM, BN, BK, split, warps, stages = cfg
     k_split = triton.cdiv(triton.cdiv(K, BK), split) * BK  # K a program sums, a multiple of BK
     split = triton.cdiv(K, k_split)
-    pdl = bool(CONFIGS["pdl"]) and gdc_wait is not None and not interpreting()
+    pdl = bool(CONFIGS["pdl"]) and gdc_launch_dependents is not None and not interpreting()
     if split > 1:
         part = torch.empty(split, M, 2 * N if swiglu else N, device=x.device, dtype=torch.float32)
         pss = torch.empty(split, M, device=x.device, dtype=torch.float32)
