@@ -10,7 +10,8 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            the norms, qkv_prep, swiglu;
   fused    serial with the projections through ops/decode_linear.py (--fused-linear: the norms
            and SwiGLU inside the GEMMs, tiles from a bench/decode_linear.py JSON), and
-           fused_pdl the same with programmatic dependent launch, and halves_fused `halves` with
+           fused_pdl the same with programmatic dependent launch, rest_fused `rest` with the op,
+           and halves_fused `halves` with
            the op (its GEMMs hold less shared memory than cuBLAS's, so that one half's GEMM
            programs may sit on an SM beside the other half's attention); logits compared with
            serial's;
@@ -158,7 +159,7 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None) ->
     variants = [("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)]
     if fused_table is not None:
         variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True)),
-                     ("halves_fused", with_linear(False, two))]
+                     ("rest_fused", with_linear(False, rest)), ("halves_fused", with_linear(False, two))]
     for name, fn in variants:
         gr, out = capture(fn)
         e = {"ms": replay_ms(gr.replay, 30, warm=5)}
@@ -196,8 +197,8 @@ def main():
             r = {"shape": shape, **run_case(model, B, copy_Bps, table)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
-                             for k in ("serial", "attn", "rest", "halves", "fused", "fused_pdl", "halves_fused")
-                             if k in r)
+                             for k in ("serial", "attn", "rest", "halves", "fused", "fused_pdl", "rest_fused",
+                                       "halves_fused") if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "
                   f"{r['serial']['kernels_ms']:6.2f}  attention at {100 * r['attn']['attention_fraction']:.0f}% "
                   f"of its bytes", flush=True)
