@@ -239,11 +239,11 @@ def decode_linear_triton(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=Fals
     k_split = triton.cdiv(triton.cdiv(K, BK), split) * BK  # K a program sums, a multiple of BK
     split = triton.cdiv(K, k_split)
     pdl = bool(CONFIGS["pdl"]) and gdc_launch_dependents is not None and not interpreting()
+    part = pss = y  # not read unless split > 1 (and the norm's partial sums only with the norm)
     if split > 1:
         part = torch.empty(split, M, 2 * N if swiglu else N, device=x.device, dtype=torch.float32)
-        pss = torch.empty(split, M, device=x.device, dtype=torch.float32)
-    else:
-        part = pss = y
+        if norm_w is not None:
+            pss = torch.empty(split, M, device=x.device, dtype=torch.float32)
     g = norm_w if norm_w is not None else x
     r = residual if residual is not None else y
     meta = dict(NORM=norm_w is not None, SWIGLU=swiglu, RES=residual is not None)
