@@ -12,8 +12,9 @@ the unfused sequence, decode_linear at config_for's tiles (`heuristic`), every c
 (BN 16-128, K split 1 or until ~one program an SM; `sweep`; then at the fastest tile the
 K step and pipeline depth of REFINE), and the fastest of them with
 programmatic dependent launch (`pdl`, then `pdl_prefetch`: the weight slice prefetched to
-L2 before the wait). Timing (as bench/exact_tiles.py): one CUDA graph of 12 back-to-back
-calls cycling through weight copies that together exceed L2 (each call reads HBM, as a
+L2 before the wait); where the fastest splits K, also with its partials added by the reduce
+kernel instead of the tile's last program (`reduce_kernel`). Timing (as bench/exact_tiles.py):
+one CUDA graph of 12 back-to-back calls cycling through weight copies that together exceed L2 (each call reads HBM, as a
 model's layers do), median of 7 replays / 12. Every fused result is checked against the
 unfused one (relative error, recorded; a candidate above 2e-2 is dropped and listed).
 
@@ -152,6 +153,13 @@ def run_op(op: str, N: int, K: int, M: int, H: int, eps: float) -> dict:
         sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c))), "rel_err": err, "refine": True})
     best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
     row.update(sweep=sweep, dropped=dropped, best=best)
+    if best["config"][3] > 1:  # split-K: its partials added by the reduce kernel instead of inline
+        dl.CONFIGS.update(inline_reduce=False)
+        try:
+            row["reduce_kernel"] = {"ms": _timed(bind(fused(op, eps, best["config"]))),
+                                    "rel_err": _rel(result(fused(op, eps, best["config"])), ref)}
+        finally:
+            dl.CONFIGS.update(inline_reduce=True)
     for name, prefetch in (("pdl", False), ("pdl_prefetch", True)):
         dl.CONFIGS.update(pdl=True, prefetch=prefetch)
         try:
@@ -236,7 +244,9 @@ def main():
                 print(f"{shape:>5} {op:>7} M={M:<4} bound {1e3 * r['bound_ms']:6.2f} us  unfused "
                       f"{1e3 * r['unfused_ms']:6.2f}  heuristic {1e3 * r['heuristic']['ms']:6.2f}  best "
                       f"{1e3 * r['best']['ms']:6.2f} {r['best']['config']}  pdl {1e3 * r['pdl']['ms']:6.2f}  "
-                      f"+prefetch {1e3 * r['pdl_prefetch']['ms']:6.2f}", flush=True)
+                      f"+prefetch {1e3 * r['pdl_prefetch']['ms']:6.2f}" + (
+                          f"  reduce kernel {1e3 * r['reduce_kernel']['ms']:6.2f}" if "reduce_kernel" in r else ""),
+                      flush=True)
                 torch.cuda.empty_cache()
         out["rows"] += rows
         table = table_of(rows)

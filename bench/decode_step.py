@@ -139,10 +139,12 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None) ->
     def two():
         return paged_forward.logits(model, halves(model, kv, ids, pos, slots, tables, cu, lens, kb, side))
 
-    def with_linear(pdl: bool, body=serial):
+    def with_linear(pdl: bool, body=serial, inline=True):
+        # inline: split-K's partials added by each tile's last program; off for the two streams,
+        # whose concurrent launches would share the op's tile counters
         def step():
             saved = dict(dl.CONFIGS)
-            dl.CONFIGS.update(enabled=True, pdl=pdl, table=fused_table or {})
+            dl.CONFIGS.update(enabled=True, pdl=pdl, table=fused_table or {}, inline_reduce=inline)
             try:  # the graph keeps the kernels launched here, whatever CONFIGS says later
                 return body()
             finally:
@@ -159,7 +161,7 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None) ->
     variants = [("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)]
     if fused_table is not None:
         variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True)),
-                     ("rest_fused", with_linear(False, rest)), ("halves_fused", with_linear(False, two))]
+                     ("rest_fused", with_linear(False, rest)), ("halves_fused", with_linear(False, two, inline=False))]
     for name, fn in variants:
         gr, out = capture(fn)
         e = {"ms": replay_ms(gr.replay, 30, warm=5)}

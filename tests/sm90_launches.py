@@ -201,6 +201,8 @@ def calls():
         dl.CONFIGS.update(pdl=True)
         try:
             dl.decode_linear(x[:64], torch.randn(4096, H).to(bf), w, 1e-6)
+            dl.CONFIGS.update(pdl=False, inline_reduce=False)  # split-K (down at 64 rows) by the reduce kernel
+            dl.decode_linear(torch.randn(64, I).to(bf), torch.randn(H, I).to(bf), None, 1e-6, x[:64].clone())
         finally:
             dl.CONFIGS.update(saved)
 

@@ -5,6 +5,7 @@ on the CPU through TRITON_INTERPRET=1."""
 import pytest
 import torch
 
+from rlcu.ops import decode_linear as dl
 from rlcu.ops.decode_linear import decode_linear, decode_linear_ref, decode_linear_triton, heuristic_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,8 +28,12 @@ def _case(M, N, K, dtype, norm, swiglu, residual, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["norm", "norm_swiglu", "residual", "plain"])
-@pytest.mark.parametrize("split", [1, 3])
-def test_matches_twin(dtype, kind, split):
+@pytest.mark.parametrize("split", [1, "3_inline", "3_kernel"])
+def test_matches_twin(dtype, kind, split, monkeypatch):
+    """split 3: the partials added by each tile's last program (inline) or by the reduce kernel."""
+    if split != 1:
+        monkeypatch.setitem(dl.CONFIGS, "inline_reduce", split.endswith("inline"))
+        split = 3
     M, N, K = 17, 40, 160  # a row tile and a column tile past the end, a K tail (160 = 5 x 32)
     x, w, nw, r = _case(M, N, K, dtype, "norm" in kind, "swiglu" in kind, kind == "residual")
     ref = decode_linear_ref(x, w, nw, 1e-6, None if r is None else r.clone(), "swiglu" in kind)
@@ -36,6 +41,7 @@ def test_matches_twin(dtype, kind, split):
                                (16, 16, 32, split, 4, 1))
     assert out.shape == ref.shape == (M, N)
     assert _rel(out, ref) < TOL[dtype], kind
+    assert not dl._COUNTERS or all(c.eq(0).all() for c in dl._COUNTERS.values())  # zero for the next launch
 
 
 def test_residual_in_place_and_one_row():
@@ -46,13 +52,32 @@ def test_residual_in_place_and_one_row():
     assert _rel(r, want) < 1e-5
 
 
-def test_split_is_deterministic_and_equals_unsplit_closely():
+def test_split_is_deterministic_and_equals_unsplit_closely(monkeypatch):
+    """Both reduces add the partials in split order: the same bits, run after run and one
+    against the other."""
     x, w, nw, _ = _case(5, 32, 256, torch.float32, True, False, False, seed=2)
     a = decode_linear_triton(x, w, nw, 1e-6, None, False, (16, 16, 32, 4, 4, 1))
     b = decode_linear_triton(x, w, nw, 1e-6, None, False, (16, 16, 32, 4, 4, 1))
     c = decode_linear_triton(x, w, nw, 1e-6, None, False, (16, 16, 32, 1, 4, 1))
-    assert torch.equal(a, b)
+    monkeypatch.setitem(dl.CONFIGS, "inline_reduce", False)
+    d = decode_linear_triton(x, w, nw, 1e-6, None, False, (16, 16, 32, 4, 4, 1))
+    assert torch.equal(a, b) and torch.equal(a, d)
     assert _rel(a, c) < 1e-6
+
+
+def test_inline_reduce_falls_back_to_the_kernel(monkeypatch):
+    """More tiles than the counters hold: the reduce kernel serves the call."""
+    launched = []
+    monkeypatch.setattr(dl, "_MAX_TILES", 2)
+    reduce = dl._reduce_kernel
+    monkeypatch.setattr(dl, "_reduce_kernel", type("K", (), {"__getitem__": lambda s, g: (
+        lambda *a, **k: launched.append(g) or reduce[g](*a, **k))})())
+    x, w, nw, _ = _case(5, 48, 256, torch.float32, True, False, False, seed=3)
+    out = decode_linear_triton(x, w, nw, 1e-6, None, False, (16, 16, 32, 4, 4, 1))  # 3 column tiles
+    assert launched and _rel(out, decode_linear_ref(x, w, nw, 1e-6)) < 1e-5
+    launched.clear()
+    decode_linear_triton(x, w[:32], nw, 1e-6, None, False, (16, 16, 32, 4, 4, 1))  # 2 tiles: inline
+    assert not launched
 
 
 def test_dispatch_takes_the_twin_on_cpu_and_checks_shapes():

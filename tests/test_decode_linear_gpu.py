@@ -50,6 +50,19 @@ def test_ops_match_unfused(op, M):
         assert _rel(out, ref) < 1e-2, (op, M, cfg)
 
 
+@pytest.mark.parametrize("op", ["qkv", "o", "gate_up", "down"])
+def test_inline_reduce_same_bits_every_launch(monkeypatch, op):
+    """Split-K under real concurrency: the partials added by each tile's last program give the
+    same bits launch after launch (whichever program finishes last) and the reduce kernel's."""
+    x, w, nw, r = _operands(op, 64, seed=2)
+    cfg = (64, 32, 128, 4, 4, 4)
+    outs = [_both(op, x, w, nw, r, cfg)[1] for _ in range(20)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert all(c.eq(0).all() for c in dl._COUNTERS.values())
+    monkeypatch.setitem(dl.CONFIGS, "inline_reduce", False)
+    assert torch.equal(_both(op, x, w, nw, r, cfg)[1], outs[0])
+
+
 def test_pdl_in_a_graph_after_other_kernels(monkeypatch):
     # each op reads what the kernel before it wrote: a torch kernel (launched without PDL), then
     # the o projection writing x in place (PDL, letting its dependent start early), then

@@ -18,8 +18,17 @@ rstd at the end. (The unfused path rounds x * rstd to bf16 first: the two differ
 rounding of the product, so this is not exact mode's op; exact mode never runs it.)
 
 Split-K (SPLIT > 1): each program writes fp32 partial sums (and its rows' partial sums of
-squares) to a workspace, and a second kernel adds the SPLIT partials in a fixed order and
-applies the epilogue (scale, SwiGLU, residual): deterministic, no atomics.
+squares) to a workspace, and the SPLIT partials of a tile are added in a fixed order before the
+epilogue (scale, SwiGLU, residual): deterministic. Where (CONFIGS["inline_reduce"], the
+default) the program that finishes a tile last adds them, in the same kernel: after its
+partials, each program passes a CTA barrier and adds one to its tile's counter (an acq_rel
+atomic, the release of every thread's stores); the one that brings it to SPLIT reads the
+partials through L2 (`.cg`) in split order, runs the epilogue and puts the counter back to 0.
+The counters are one zeroed buffer a device (`_counters`), kept at zero by the kernels
+themselves, so two such launches must not run at once on two streams (the engine runs its
+layers on one; the bench's two-stream variant turns the inline reduce off). Otherwise (or
+while a CUDA graph is captured before the buffer exists, or with more tiles than it holds) a
+second kernel, `_reduce_kernel`, adds the partials.
 
 PDL (CONFIGS["pdl"], Hopper and later): the kernel is launched with programmatic stream
 serialisation, so that it may start while the kernel before it drains; it prefetches its
@@ -58,7 +67,10 @@ CONFIGS: dict = {
     "table": {},
     "pdl": False,  # launch with programmatic dependent launch (see the module docstring)
     "prefetch": True,  # with pdl: prefetch the weight slice into L2 before the wait
+    "inline_reduce": True,  # split-K's partials added by the tile's last program, not a second kernel
 }
+_COUNTERS: dict = {}  # device -> int32 tile counters, zero between launches (inline reduce)
+_MAX_TILES = 1 << 16
 _INTERPRET_CONFIG = (16, 16, 32, 1, 4, 1)
 _TARGET_PROGRAMS = 128  # about one program an SM: the split-K factor grows until the grid has this many
 
@@ -100,11 +112,39 @@ def _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y
     tl.store(Y + offs_m[:, None] * stride_y + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _sum_partials(P, PSS, offs_m, offs_n, M, N, SPLIT, stride_pss, NORM: tl.constexpr, SWIGLU: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, CG: tl.constexpr):
+    # the SPLIT partials of rows offs_m, columns offs_n, in split order (the same bits every
+    # replay); the partial sums of squares from PSS[s * stride_pss + m]; CG: read through L2
+    mmask = offs_m < M
+    mask = mmask[:, None] & (offs_n < N)[None, :]
+    width = 2 * N if SWIGLU else N
+    acc = tl.zeros([BM, BN], tl.float32)
+    acc_up = tl.zeros([BM, BN], tl.float32)
+    ss = tl.zeros([BM], tl.float32)
+    for s in range(SPLIT):
+        pp = P + (s * M + offs_m[:, None]) * width + offs_n[None, :]
+        if CG:
+            acc += tl.load(pp, mask=mask, other=0.0, cache_modifier=".cg")
+            if SWIGLU:
+                acc_up += tl.load(pp + N, mask=mask, other=0.0, cache_modifier=".cg")
+            if NORM:
+                ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0, cache_modifier=".cg")
+        else:
+            acc += tl.load(pp, mask=mask, other=0.0)
+            if SWIGLU:
+                acc_up += tl.load(pp + N, mask=mask, other=0.0)
+            if NORM:
+                ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0)
+    return acc, acc_up, ss
+
+
 @triton.jit(do_not_specialize=["M"])
-def _linear_kernel(X, W, G, R, Y, P, PSS, M, N, K, K_SPLIT, stride_x, stride_w, stride_r, stride_y, eps,
+def _linear_kernel(X, W, G, R, Y, P, PSS, CNT, M, N, K, K_SPLIT, stride_x, stride_w, stride_r, stride_y, eps,
                    NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr, PARTIAL: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, KL: tl.constexpr,
-                   LINE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   INLINE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                   KL: tl.constexpr, LINE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -145,36 +185,36 @@ def _linear_kernel(X, W, G, R, Y, P, PSS, M, N, K, K_SPLIT, stride_x, stride_w, 
         wp += BK
     if not PARTIAL:
         _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
-    else:  # fp32 partials [SPLIT, M, (2) N] and [SPLIT, M]; _reduce_kernel finishes
+    else:  # fp32 partials [SPLIT, M, (2) N] and [SPLIT, column tiles, M]
         mask = mmask[:, None] & nmask[None, :]
         width = 2 * N if SWIGLU else N
         pp = P + (pid_k * M + offs_m[:, None]) * width + offs_n[None, :]
         tl.store(pp, acc, mask=mask)
         if SWIGLU:
             tl.store(pp + N, acc_up, mask=mask)
-        if NORM:
-            if pid_n == 0:
-                tl.store(PSS + pid_k * M + offs_m, ss, mask=mmask)
+        n_tiles = tl.num_programs(0)
+        if NORM:  # each tile's own (its last program reads them); _reduce_kernel reads tile 0's
+            if INLINE or pid_n == 0:
+                tl.store(PSS + (pid_k * n_tiles + pid_n) * M + offs_m, ss, mask=mmask)
+        if INLINE:  # the tile's last program to finish adds the partials (module docstring)
+            split = tl.num_programs(2)
+            tl.debug_barrier()  # every thread's partials stored before the release
+            arrived = tl.atomic_add(CNT + pid_m * n_tiles + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == split - 1:
+                tl.debug_barrier()
+                acc, acc_up, ss = _sum_partials(P, PSS + pid_n * M, offs_m, offs_n, M, N, split, n_tiles * M,
+                                                NORM, SWIGLU, BM, BN, True)
+                _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU,
+                          RES)
+                tl.store(CNT + pid_m * n_tiles + pid_n, 0)  # zero again for the next launch
 
 
 @triton.jit(do_not_specialize=["M"])
-def _reduce_kernel(P, PSS, R, Y, M, N, K, SPLIT, stride_r, stride_y, eps,
+def _reduce_kernel(P, PSS, R, Y, M, N, K, SPLIT, stride_pss, stride_r, stride_y, eps,
                    NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     offs_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     offs_m = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
-    mmask = offs_m < M
-    mask = mmask[:, None] & (offs_n < N)[None, :]
-    width = 2 * N if SWIGLU else N
-    acc = tl.zeros([BM, BN], tl.float32)
-    acc_up = tl.zeros([BM, BN], tl.float32)
-    ss = tl.zeros([BM], tl.float32)
-    for s in range(SPLIT):  # a fixed order: the same bits every replay
-        pp = P + (s * M + offs_m[:, None]) * width + offs_n[None, :]
-        acc += tl.load(pp, mask=mask, other=0.0)
-        if SWIGLU:
-            acc_up += tl.load(pp + N, mask=mask, other=0.0)
-        if NORM:
-            ss += tl.load(PSS + s * M + offs_m, mask=mmask, other=0.0)
+    acc, acc_up, ss = _sum_partials(P, PSS, offs_m, offs_n, M, N, SPLIT, stride_pss, NORM, SWIGLU, BM, BN, False)
     _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
 
 
@@ -239,11 +279,13 @@ def decode_linear_triton(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=Fals
     k_split = triton.cdiv(triton.cdiv(K, BK), split) * BK  # K a program sums, a multiple of BK
     split = triton.cdiv(K, k_split)
     pdl = bool(CONFIGS["pdl"]) and gdc_launch_dependents is not None and not interpreting()
+    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
     part = pss = y  # not read unless split > 1 (and the norm's partial sums only with the norm)
+    cnt = _counters(x.device, grid[0] * grid[1]) if split > 1 and CONFIGS["inline_reduce"] else None
     if split > 1:
         part = torch.empty(split, M, 2 * N if swiglu else N, device=x.device, dtype=torch.float32)
         if norm_w is not None:
-            pss = torch.empty(split, M, device=x.device, dtype=torch.float32)
+            pss = torch.empty(split, grid[0], M, device=x.device, dtype=torch.float32)
     g = norm_w if norm_w is not None else x
     r = residual if residual is not None else y
     meta = dict(NORM=norm_w is not None, SWIGLU=swiglu, RES=residual is not None)
@@ -251,18 +293,33 @@ def decode_linear_triton(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=Fals
     prefetch = pdl and bool(CONFIGS["prefetch"])
     if pdl:
         launch["launch_pdl"] = True
-    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
-    _linear_kernel[grid](x, w, g, r, y, part, pss, M, N, K, k_split, x.stride(0), w.stride(0), r.stride(0),
-                         y.stride(0), eps, PARTIAL=split > 1, IEEE=x.dtype == torch.float32 or interpreting(),
+    _linear_kernel[grid](x, w, g, r, y, part, pss, cnt if cnt is not None else y, M, N, K, k_split, x.stride(0),
+                         w.stride(0), r.stride(0), y.stride(0), eps, PARTIAL=split > 1, INLINE=cnt is not None,
+                         IEEE=x.dtype == torch.float32 or interpreting(),
                          PDL=pdl, PREFETCH=prefetch, KL=triton.next_power_of_2(triton.cdiv(k_split, _LINE)) if prefetch
                          else 1, LINE=_LINE, BM=BM, BN=BN, BK=BK, **meta, **launch)
-    if split > 1:
+    if split > 1 and cnt is None:
         RBN = min(128, triton.next_power_of_2(N))
         RBM = max(1, min(triton.next_power_of_2(M), 4096 // RBN))
-        _reduce_kernel[(triton.cdiv(N, RBN), triton.cdiv(M, RBM))](part, pss, r, y, M, N, K, split, r.stride(0),
-                                                                  y.stride(0), eps, BM=RBM, BN=RBN, num_warps=4,
-                                                                  **meta)
+        _reduce_kernel[(triton.cdiv(N, RBN), triton.cdiv(M, RBM))](part, pss, r, y, M, N, K, split, grid[0] * M,
+                                                                  r.stride(0), y.stride(0), eps, BM=RBM, BN=RBN,
+                                                                  num_warps=4, **meta)
     return y
+
+
+def _counters(device: torch.device, tiles: int):
+    """The device's inline-reduce tile counters (int32, zero between launches: each tile's last
+    program puts its counter back), or None: more tiles than they hold, or a CUDA graph being
+    captured before they exist (a capture does not run the zeroing; the reduce kernel then
+    serves that call, and an eager call, such as a graph's warm-up run, creates them)."""
+    if tiles > _MAX_TILES:
+        return None
+    key = (device.type, device.index)
+    if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[key] = torch.zeros(_MAX_TILES, device=device, dtype=torch.int32)
+    return _COUNTERS[key]
 
 
 def decode_linear_ref(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=False, cfg=None):
