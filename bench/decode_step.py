@@ -12,6 +12,9 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            so that one half's attention could run beside the other half's GEMMs (`halves`
            below; measured slower at every size on the H200: each half reads every weight, and
            the attention's programs fill the SMs, so the GEMMs wait for them anyway).
+With --decode-list, two more: serial_list and attn_list, the step and its attention alone through
+the decode attention's list kernel (ops/paged_decode_list.py: one work list a step for every
+layer, longest units first, the split sequences combined in the kernel), in the same run.
 Each variant is one CUDA graph (as the engine replays it), timed by CUDA events: median of 30
 replays after 5 (common.replay_ms); halves' logits are compared with serial's (relative error,
 recorded: the GEMMs round M and M / 2 rows differently); `kernels` is the sum of serial's
@@ -19,7 +22,7 @@ kernel times (torch.profiler), so serial - kernels is the time between kernels.
 The bound: (weight bytes + context tokens x KV bytes a token) / the copy bandwidth measured in
 the same run (bytes read + written), as bench/generate.py counts a decode step.
 
-    python bench/decode_step.py [--shapes 0.6b,8b] [--batches 64,128,256]
+    python bench/decode_step.py [--shapes 0.6b,8b] [--batches 64,128,256] [--decode-list]
 """
 
 from __future__ import annotations
@@ -98,9 +101,10 @@ def kernel_ms(g, reps: int = 5) -> float:
     return t / 1e3 / reps
 
 
-def run_case(model, B: int, copy_Bps: float) -> dict:
+def run_case(model, B: int, copy_Bps: float, decode_list: bool = False) -> dict:
     from rlcu.engine import paged_forward
     from rlcu.engine.paged_forward import attention_inputs, attention_out, final
+    from rlcu.ops import paged_attention as pa
     from rlcu.ops.embedding import embedding_fwd
     from rlcu.ops.paged_attention import paged_attention
 
@@ -131,24 +135,44 @@ def run_case(model, B: int, copy_Bps: float) -> dict:
     def two():
         return paged_forward.logits(model, halves(model, kv, ids, pos, slots, tables, cu, lens, kb, side))
 
+    def listed(fn):  # fn captured with the list kernel as the decode plan
+        def run():
+            saved = pa.CONFIGS["decode_plan"]
+            pa.CONFIGS["decode_plan"] = dict(saved, kernel="list")
+            try:
+                return fn()
+            finally:
+                pa.CONFIGS["decode_plan"] = saved
+        return run
+
+    def attn_list():  # one work list for the L launches, as paged_forward.hidden builds it
+        work = pa.decode_work(cu, lens, cfg.num_key_value_heads)
+        for i in range(cfg.num_hidden_layers):
+            paged_attention(q, kv[0, i], kv[1, i], tables, cu, lens, 1, kb, scale, None, work)
+
     kv_tok = 2 * cfg.num_hidden_layers * cfg.kv_size * 2
     weight_bytes = model.flat.numel() * model.flat.element_size()
     ctx = int(lens.sum())
     bound = (weight_bytes + ctx * kv_tok) / copy_Bps * 1e3
     r = {"B": B, "context_tokens": ctx, "bound_ms": bound, "attention_bytes_bound_ms": ctx * kv_tok / copy_Bps * 1e3}
     ref = None
-    for name, fn in (("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)):
+    variants = [("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)]
+    if decode_list:
+        variants += [("serial_list", listed(serial)), ("attn_list", listed(attn_list))]
+    for name, fn in variants:
         gr, out = capture(fn)
         e = {"ms": replay_ms(gr.replay, 30, warm=5)}
         e["bound_fraction"] = bound / e["ms"]
         if name == "serial":
             ref = out.float().clone()
             e["kernels_ms"] = kernel_ms(gr)
-        elif name == "halves":
+        elif name in ("halves", "serial_list"):
             e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
         r[name] = e
         del gr
-    r["attn"]["attention_fraction"] = r["attention_bytes_bound_ms"] / r["attn"]["ms"]
+    for name in ("attn", "attn_list"):
+        if name in r:
+            r[name]["attention_fraction"] = r["attention_bytes_bound_ms"] / r[name]["ms"]
     torch.cuda.empty_cache()
     return r
 
@@ -157,6 +181,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="0.6b,8b")
     ap.add_argument("--batches", default="64,128,256")
+    ap.add_argument("--decode-list", action="store_true", help="also the step through the list kernel")
     a = ap.parse_args()
     ceil = measure_ceilings()
     copy_Bps = ceil["copy_GBps"] * 1e9
@@ -164,16 +189,17 @@ def main():
     for shape in a.shapes.split(","):
         model = random_model(qwen3_06b_config(**SHAPES[shape]), "cuda")
         for B in map(int, a.batches.split(",")):
-            r = {"shape": shape, **run_case(model, B, copy_Bps)}
+            r = {"shape": shape, **run_case(model, B, copy_Bps, a.decode_list)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
-                             for k in ("serial", "attn", "rest", "halves"))
+                             for k in ("serial", "attn", "rest", "halves", "serial_list", "attn_list") if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "
                   f"{r['serial']['kernels_ms']:6.2f}  attention at {100 * r['attn']['attention_fraction']:.0f}% "
-                  f"of its bytes", flush=True)
+                  f"of its bytes" + (f" (list kernel {100 * r['attn_list']['attention_fraction']:.0f}%)"
+                                     if "attn_list" in r else ""), flush=True)
         del model
         torch.cuda.empty_cache()
-    write_json("decode_step.json", {"ceilings": ceil, "rows": rows})
+    write_json("decode_step_list.json" if a.decode_list else "decode_step.json", {"ceilings": ceil, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ and the achieved fraction is sum(bound) / wall. The per-phase host timings (sche
 wait for the device, postprocess) and the prefill/decode split say where the rest goes.
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
-                             [--no-prefill-graphs] [--split-cap]
+                             [--no-prefill-graphs] [--split-cap] [--decode-list]
 
 --shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
 runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
 --split-cap caps the decode attention's splits (ops/paged_attention.py decode_splits, max_part
 512: past the 1k context bucket no split longer than 512 keys below 12 programs an SM; JSON
-*_split_cap.json).
+*_split_cap.json); --decode-list runs the decode attention's list kernel (ops/paged_decode_list.py:
+a work list a step, longest units first, the combine in the kernel; JSON *_decode_list.json).
 """
 
 from __future__ import annotations
@@ -160,11 +161,14 @@ def main(argv=None) -> int:
     p.add_argument("--no-prefill-graphs", action="store_true", help="prefill and mixed steps eagerly")
     p.add_argument("--split-cap", action="store_true",
                    help="the decode attention's splits capped at 512 keys past the 1k context bucket")
+    p.add_argument("--decode-list", action="store_true", help="the decode attention's list kernel")
     args = p.parse_args(argv)
     from rlcu.ops import paged_attention as pa
 
     if args.split_cap:
         pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], max_part=512)
+    if args.decode_list:
+        pa.CONFIGS["decode_plan"] = dict(pa.CONFIGS["decode_plan"], kernel="list")
 
     from rlcu.engine import LLM, SamplingParams
 
@@ -240,6 +244,7 @@ def main(argv=None) -> int:
             print(f"{r['case']}: rlcu / hf = {r['speedup_vs_hf']:.2f}x", flush=True)
     name = "generate_quick" if args.quick else "generate" + ("" if args.shape == "0.6b" else "_" + args.shape)
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
+    name += "_decode_list" if args.decode_list else ""
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0
