@@ -19,10 +19,14 @@ best tile config of each case. Prints a table last; JSON to --out.
 
     python bench/decode_attention.py [--out decode_attention.json] [--quick]
     python bench/decode_attention.py --splits [--out decode_splits.json]
+    python bench/decode_attention.py --list [--out decode_list.json]
 
 --splits times the split kernel under each split policy (decode_splits: the previous rule of
 the default of one split for batches of 3 programs an SM, `generate.py --split-cap`'s policy, and
 caps of max_part keys a split for any batch) on batches of mixed and of equal lengths.
+--list times the list kernel (ops/paged_decode_list.py: a work list a step, longest units
+first, the split sequences combined in the kernel) at a few plans on the same batches, against
+the default and the split cap, measured in the same run.
 """
 
 from __future__ import annotations
@@ -130,25 +134,30 @@ class Case:
         self.bytes = (keys * Hk * D * 2 * 2 + B * Hq * D * 2 * 2
                       + sum(math.ceil(n / BS) for n in self.lens) * 4)
 
-    def launch(self, plan):
+    def launch(self, plan, work=None):
         q, _, _, tables, cu, L = self.args
         return self.pa._decode(q, self.kcv, self.vcv, tables, cu, L, self.o, self.strides,
-                               self.scale * self.pa._LOG2E, BS, plan)
+                               self.scale * self.pa._LOG2E, BS, plan, work)
 
-    def run(self, cfg: dict, copy_gbps: float) -> dict:
+    def run(self, cfg: dict, copy_gbps: float, shared_work: bool = False) -> dict:
+        """One plan: checked, then timed. shared_work (the list kernel): its work list built once
+        outside the timed calls, as the engine builds it once a step for every layer."""
         plan = self.pa.decode_plan(self.B, Hk, self.max_k, self.sms, cfg)
         row = dict(case=self.name, cfg={k: v for k, v in cfg.items()},
                    plan={k: v for k, v in plan.items() if k != "kernel"}, kernel=plan["kernel"])
         try:
+            work = self.pa.DecodeWork(self.args[4], self.args[5], Hk, plan) if shared_work else None
             self.o.fill_(float("nan"))
-            k = self.launch(plan)
+            k = self.launch(plan, work)
             if DEV == "cuda":
                 torch.cuda.synchronize()
             err = rel_err(self.o, self.ref)
             row.update(err=err, ok=bool(err < 1e-2 and not torch.isnan(self.o).any()))
             row.update(occupancy(k, plan["num_warps"]))
-            ms = time_graph(lambda: self.launch(plan)) if DEV == "cuda" else wall(
-                lambda: self.launch(plan))
+            if work is not None:
+                row.update(chunk_keys=int(work.meta[0]), units=int(work.meta[1]))
+            ms = time_graph(lambda: self.launch(plan, work)) if DEV == "cuda" else wall(
+                lambda: self.launch(plan, work))
         except Exception as e:  # noqa: BLE001 - out of resources etc.: not a candidate
             row.update(error=f"{type(e).__name__}: {str(e)[:200]}", ok=False)
             return row
@@ -221,6 +230,50 @@ def split_sweep(copy: float, sms: int) -> list[dict]:
     return out
 
 
+LIST_PLANS = {  # name: decode_plan of the list kernel (paged_decode_list.py), its work list shared
+    f"list w{w} min{mp}{' s5' if st == 5 else ''}": dict(kernel="list", waves=w, min_part=mp, num_stages=st)
+    for w, mp, st in ((1, 256, 3), (2, 256, 3), (4, 256, 3), (2, 128, 3), (2, 512, 3), (2, 256, 5))
+}
+
+
+def list_sweep(copy: float, sms: int) -> list[dict]:
+    """The list kernel (a work list a step, longest units first, the combine in the kernel) at
+    LIST_PLANS against the default split kernel and the split cap of 512 keys, on the cases of
+    --splits; its work list is built outside the timed calls (the engine builds one a step for
+    all layers), and that build is timed on its own (`work_ms`)."""
+    import rlcu.ops.paged_attention as pa
+
+    saved = dict(pa.CONFIGS["splits"])
+    base = {**pa.CONFIGS["decode"], **pa.CONFIGS["decode_plan"]}
+    out = []
+    try:
+        for name, (B, lens, max_k) in SPLIT_CASES.items():
+            c = Case(name, B, lens, sms, max_k)
+            bound_ms = c.bytes / (copy * 1e9) * 1e3
+            runs = [("split", dict(base, kernel="split"), {}), ("split cap 512", dict(base, kernel="split"),
+                                                                 dict(max_part=512))]
+            runs += [(n, dict(base, **cfg), {}) for n, cfg in LIST_PLANS.items()]
+            for pname, cfg, splits in runs:
+                pa.CONFIGS["splits"] = dict(saved, **splits)
+                r = c.run(cfg, copy, shared_work=cfg["kernel"] == "list")
+                r.update(policy=pname, bound_ms=bound_ms, max_k=c.max_k)
+                if cfg["kernel"] == "list" and r.get("ok"):
+                    plan = pa.decode_plan(B, Hk, c.max_k, sms, cfg)
+                    cu, lens = c.args[4], c.args[5]
+                    r["work_ms"] = time_graph(lambda cu=cu, lens=lens, plan=plan: pa.DecodeWork(cu, lens, Hk, plan))
+                out.append(r)
+                ms = f"{r['ms']:.4f} ms {r['frac_copy']:.0%}" if "ms" in r else r.get("error", "")
+                extra = f" units {r.get('units')} C {r.get('chunk_keys')} work {r['work_ms']:.4f} ms" \
+                    if "work_ms" in r else ""
+                print(f"  {name:<32} {pname:<18} err {r.get('err', float('nan')):.1e} "
+                      f"{'' if r['ok'] else 'FAIL '}{ms}{extra}", flush=True)
+            del c
+            torch.cuda.empty_cache()
+    finally:
+        pa.CONFIGS["splits"] = saved
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -230,10 +283,13 @@ def main():
                     help="no GPU: tiny cases on the CPU under TRITON_INTERPRET=1, wall-clock")
     ap.add_argument("--splits", action="store_true",
                     help="only the split kernel's max_part policies on mixed-length batches")
+    ap.add_argument("--list", action="store_true",
+                    help="only the list kernel's plans against the split kernel, on the --splits cases")
     args = ap.parse_args()
-    if args.splits:
+    if args.splits or args.list:
         copy = copy_bandwidth()
-        rows = split_sweep(copy, torch.cuda.get_device_properties(0).multi_processor_count)
+        sweep = list_sweep if args.list else split_sweep
+        rows = sweep(copy, torch.cuda.get_device_properties(0).multi_processor_count)
         if args.out:
             Path(args.out).write_text(json.dumps(dict(meta=meta(), copy_GBps=copy, rows=rows), indent=2,
                                                  default=float))

@@ -15,6 +15,7 @@ wait for the device, postprocess) and the prefill/decode split say where the res
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
                              [--no-prefill-graphs] [--split-cap] [--fused-linear [TABLE]] [--pdl]
+                             [--decode-list]
 
 --shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
 runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
@@ -23,7 +24,9 @@ runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_pre
 *_split_cap.json); --fused-linear runs the projections of steps of <= 256 tokens through
 ops/decode_linear.py (norm and SwiGLU inside the GEMMs) at the tiles of TABLE (a
 bench/decode_linear.py JSON; default: the op's heuristic), --pdl with programmatic dependent
-launch (JSON *_fused_linear[_pdl].json).
+launch (JSON *_fused_linear[_pdl].json); --decode-list runs the decode attention's list kernel
+(ops/paged_decode_list.py: a work list a step, longest units first, the combine in the kernel;
+JSON *_decode_list.json).
 """
 
 from __future__ import annotations
@@ -166,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--fused-linear", nargs="?", const="", default=None, metavar="TABLE",
                    help="decode projections through ops/decode_linear.py (tiles from a decode_linear.json)")
     p.add_argument("--pdl", action="store_true", help="with --fused-linear: programmatic dependent launch")
+    p.add_argument("--decode-list", action="store_true", help="the decode attention's list kernel")
     args = p.parse_args(argv)
     from rlcu.ops import decode_linear as dl
     from rlcu.ops import paged_attention as pa
@@ -176,6 +180,8 @@ def main(argv=None) -> int:
         from bench.decode_linear import load_table
 
         dl.CONFIGS.update(enabled=True, pdl=args.pdl, table=load_table(args.fused_linear) if args.fused_linear else {})
+    if args.decode_list:
+        pa.CONFIGS["decode_plan"] = dict(pa.CONFIGS["decode_plan"], kernel="list")
 
     from rlcu.engine import LLM, SamplingParams
 
@@ -254,6 +260,7 @@ def main(argv=None) -> int:
     name = "generate_quick" if args.quick else "generate" + ("" if args.shape == "0.6b" else "_" + args.shape)
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
     name += ("_fused_linear" + ("_pdl" if args.pdl else "")) if args.fused_linear is not None else ""
+    name += "_decode_list" if args.decode_list else ""
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0

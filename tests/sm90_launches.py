@@ -150,6 +150,19 @@ def calls():
             pa.CONFIGS["decode_plan"] = saved
 
     yield "paged_decode_chunk", chunked
+
+    def listed():  # the list kernel, its work list built once (as the engine does) and by the call
+        saved = dict(pa.CONFIGS["decode_plan"])
+        pa.CONFIGS["decode_plan"]["kernel"] = "list"
+        try:
+            cuq = torch.arange(S + 1, dtype=torch.int32)
+            work = pa.decode_work(cuq, long_lens, Hk)
+            paged_attention(qd, kc, vc, long_tables, cuq, long_lens, 1, 1024, D**-0.5, None, work)
+            paged_attention(qd, kc, vc, long_tables, cuq, long_lens, 1, 1024, D**-0.5)
+        finally:
+            pa.CONFIGS["decode_plan"] = saved
+
+    yield "paged_decode_list", listed
     cuq = torch.arange(0, S * 32 + 1, 32, dtype=torch.int32)
     qp = torch.randn(S * 32, Hq, D).to(bf)
     tiles = tuple(torch.from_numpy(t) for t in prefill_tiles([32] * S, Hq, Hk))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hf_util import make_hf_model
 
+import rlcu.ops.paged_attention as pa
 from rlcu import Qwen3
 from rlcu.engine import LLM, SamplingParams
 from rlcu.ops.decode_linear import CONFIGS as DL_CONFIGS
@@ -18,12 +19,27 @@ from rlcu.ops.decode_linear import CONFIGS as DL_CONFIGS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "decode_linear"])
-def test_engine_on_kernels_equals_twins(tmp_path, monkeypatch, fused):
-    # fused: the decode steps' projections through ops/decode_linear.py (norm and SwiGLU inside)
+VARIANTS = {  # name: (decode_linear on, decode_plan overrides; "list": chunks of 16 keys, so that contexts split)
+    "unfused": (False, {}),
+    "decode_linear": (True, {}),
+    "decode_linear+list": (True, dict(kernel="list", BN=16, min_part=16, per_sm=1, waves=1)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_engine_on_kernels_equals_twins(tmp_path, monkeypatch, variant):
+    # decode_linear: the decode steps' projections through ops/decode_linear.py (norm and SwiGLU
+    # inside); list: the decode attention's list kernel (ops/paged_decode_list.py)
+    fused, plan = VARIANTS[variant]
+    decode = "list" if plan else "split"
     monkeypatch.setitem(DL_CONFIGS, "enabled", fused)
     n = torch.get_num_threads()
     torch.set_num_threads(1)
+    monkeypatch.setitem(pa.CONFIGS, "decode_plan", {**pa.CONFIGS["decode_plan"], **plan})
+    built, calls = [], []  # the work lists the engine built, and the work each list-kernel call got
+    work_cls, launch = pa.DecodeWork, pa.decode_list
+    monkeypatch.setattr(pa, "DecodeWork", lambda *a: built.append(work_cls(*a)) or built[-1])
+    monkeypatch.setattr(pa, "decode_list", lambda *a: calls.append(a[-1]) or launch(*a))
     try:
         _, folder = make_hf_model(tmp_path)
         m = Qwen3.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -38,6 +54,10 @@ def test_engine_on_kernels_equals_twins(tmp_path, monkeypatch, fused):
             for x, y in zip(a.outputs, b.outputs):
                 assert x.token_ids == y.token_ids
                 assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < (1e-5 if INTERPRET else 1e-3)
+        if decode == "list":  # the decode steps ran the list kernel, each layer on its step's one work list
+            assert built and calls and all(w is not None for w in calls)
+            assert len(calls) == m.cfg.num_hidden_layers * len(built)
+            assert any(int(w.meta[1]) > w.S for w in built)  # some steps split a sequence: the combine ran
     finally:
         torch.set_num_threads(n)
 

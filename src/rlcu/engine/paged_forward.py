@@ -35,7 +35,7 @@ from rlcu.ops.embedding import embedding_fwd
 from rlcu.ops.exact import is_exact
 from rlcu.ops.logprob import token_logprob
 from rlcu.ops.matmul_invariant import mm as mm_invariant
-from rlcu.ops.paged_attention import paged_attention
+from rlcu.ops.paged_attention import decode_work, paged_attention
 from rlcu.ops.qkv_prep import qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
 from rlcu.ops.sampling import sample
@@ -53,9 +53,12 @@ def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_
     x = embedding_fwd(ids, w["embed"])
     if is_exact():
         return hidden_exact(model, kv, x, pos, kv_slots, block_tables, cu_q, seq_lens, max_q, rows)
+    # a decode step's attention work list, built once for every layer (None unless the decode
+    # plan is the list kernel, ops/paged_decode_list.py)
+    work = decode_work(cu_q, seq_lens, c.num_key_value_heads) if max_q == 1 else None
     for i in range(c.num_hidden_layers):
         q = attention_inputs(model, kv, i, x, pos, kv_slots)
-        o = paged_attention(q, kv[0, i], kv[1, i], block_tables, cu_q, seq_lens, max_q, max_k, scale, tiles)
+        o = paged_attention(q, kv[0, i], kv[1, i], block_tables, cu_q, seq_lens, max_q, max_k, scale, tiles, work)
         attention_out(model, i, x, o)
     return final(model, x, rows)
 

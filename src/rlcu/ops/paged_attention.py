@@ -46,8 +46,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlcu.ops._backend import dispatch, tl, triton
+from rlcu.ops._backend import dispatch, tl, triton, use_triton
 from rlcu.ops.paged_decode_chunk import _decode_chunk_kernel, _decode_chunk_reduce_kernel
+from rlcu.ops.paged_decode_list import DecodeWork, decode_list
 from rlcu.ops.paged_keys import attend_keys, softmax_tile
 
 DEFAULT_BLOCK_SIZE = 16
@@ -87,6 +88,10 @@ CONFIGS = {
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
     "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024, unsplit_per_sm=3, long_keys=2048, long_per_sm=12,
                    max_part=None),
+    # the list kernel (paged_decode_list.py; decode_plan kernel "list", not the default until
+    # measured): per_sm resident programs an SM (the split kernel's registers fit 4), waves
+    # target units a slot, min_part the fewest keys a chunk
+    "decode_list": dict(per_sm=4, waves=2, min_part=256),
 }
 
 
@@ -256,10 +261,16 @@ def decode_plan(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132, cfg: dic
     most _DEC_MAX_SPLITS chunks), max_chunks per sequence, rows of the partials' buffer (a bound
     on the batch's chunks) and programs = per_sm programs an SM (or fewer, if the batch cannot
     have that many units). kernel "split": the split-by-size kernel, with decode_splits'
-    (splits, part)."""
+    (splits, part). kernel "list" (paged_decode_list.py): CONFIGS["decode_list"] too, T target
+    units (waves x per_sm x num_sms programs over the Hk heads) and cap = S + T, the most units
+    a step can have (so the grid); max_seqlen_k does not enter."""
     cfg = {**CONFIGS["decode"], **CONFIGS["decode_plan"], **(cfg or {})}
     max_seqlen_k = max(int(max_seqlen_k), 1)
     BN = cfg["BN"]
+    if cfg["kernel"] == "list":
+        cfg = {**CONFIGS["decode"], **CONFIGS["decode_plan"], **CONFIGS["decode_list"], **(cfg or {})}
+        T = max(1, triton.cdiv(cfg["waves"] * cfg["per_sm"] * num_sms, Hk))
+        return dict(cfg, T=T, cap=max(S, 1) + T)
     if cfg["kernel"] == "split":
         splits, part = decode_splits(S, Hk, max_seqlen_k, num_sms, BN)
         return dict(cfg, splits=splits, part=part)
@@ -289,9 +300,12 @@ def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens):
         raise ValueError(f"paged_attention: block_size must be a power of two, got {BS}")
 
 
-def _decode(q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, strides, scale_log2, BS, plan):
-    """Launch the decode kernels of `plan` (decode_plan's dict) writing o; kc, vc: [slots, Hk, D].
-    Returns the attention kernel's compiled handle (the bench reads its registers)."""
+def _decode(q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, strides, scale_log2, BS, plan, work=None):
+    """Launch the decode kernels of `plan` (decode_plan's dict) writing o; kc, vc: [slots, Hk, D];
+    work: the list kernel's DecodeWork of the step, or None. Returns the attention kernel's
+    compiled handle (the bench reads its registers)."""
+    if plan["kernel"] == "list":
+        return decode_list(q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, strides, scale_log2, BS, plan, work)
     N, Hq, D = q.shape
     Hk, S = kc.shape[1], seq_lens.shape[0]
     G, BD = Hq // Hk, triton.next_power_of_2(D)
@@ -376,7 +390,7 @@ def prefill_tiles_cap(num_tokens: int, num_seqs: int, Hq: int, Hk: int) -> int:
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                           max_seqlen_q, max_seqlen_k, scale, tiles=None):
+                           max_seqlen_q, max_seqlen_k, scale, tiles=None, work=None):
     N, Hq, D = q.shape
     BS, Hk = k_cache.shape[1], k_cache.shape[2]
     S = seq_lens.shape[0]
@@ -397,7 +411,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_
                o.stride(0), o.stride(1))
     if max_seqlen_q <= 1:
         _decode(q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, strides, scale_log2, BS,
-                decode_plan(S, Hk, max_seqlen_k, _num_sms(q.device)))
+                decode_plan(S, Hk, max_seqlen_k, _num_sms(q.device)), work)
         return o
     cfg = CONFIGS["prefill"]
     BM, BMT = _prefill_rows(Hq, Hk)
@@ -414,7 +428,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
-                        max_seqlen_k, scale, tiles=None):
+                        max_seqlen_k, scale, tiles=None, work=None):
     N, Hq, D = q.shape
     BS, Hk = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hk
@@ -440,7 +454,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_len
 
 @dispatch(paged_attention_triton, paged_attention_ref, on="q")
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q: int,
-                    max_seqlen_k: int, scale: float, tiles=None):
+                    max_seqlen_k: int, scale: float, tiles=None, work=None):
     """q: [N, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hk, D]; block_tables:
     [S, max_blocks] int32; cu_seqlens_q: [S+1] int32; seq_lens: [S] int32 (context length
     including the new tokens, whose K/V are already cached); max_seqlen_q, max_seqlen_k: host
@@ -449,9 +463,22 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, m
     padding entry of a CUDA-graph batch) gets zeros; rows of q past cu_seqlens_q[-1] are
     left unwritten. tiles: None, or the prefill kernel's tile list on the device
     (`prefill_tiles`: (tile_seq, tile_idx) int32 [T], T fixed for a CUDA graph whatever the
-    step's lengths); the decode kernels and the twin do not read it."""
+    step's lengths); the decode kernels and the twin do not read it. work: None, or the decode
+    list kernel's work list of the step (`decode_work`: built once a step for every layer; the
+    kernel builds its own when None); the other kernels and the twin do not read it."""
     _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     if tiles is not None and (len(tiles) != 2 or tiles[0].shape != tiles[1].shape or tiles[0].dim() != 1
                               or tiles[0].dtype != torch.int32 or tiles[1].dtype != torch.int32):
         raise ValueError("paged_attention: tiles must be (tile_seq, tile_idx), two int32 [T] tensors "
                          "(prefill_tiles)")
+
+
+def decode_work(cu_seqlens_q, seq_lens, Hk: int):
+    """The step's work list for the decode list kernel (paged_decode_list.DecodeWork), to pass
+    as `work` to every layer's paged_attention of a decode step (max_seqlen_q == 1): one launch
+    a step instead of one a layer. None where that kernel does not run (another decode plan, or
+    the twin)."""
+    if CONFIGS["decode_plan"]["kernel"] != "list" or not use_triton(seq_lens):
+        return None
+    plan = decode_plan(seq_lens.shape[0], Hk, 1, _num_sms(seq_lens.device))
+    return DecodeWork(cu_seqlens_q.contiguous(), seq_lens.contiguous(), Hk, plan)
