@@ -113,13 +113,13 @@ def _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y
 
 
 @triton.jit
-def _sum_partials(P, PSS, offs_m, offs_n, M, N, SPLIT, stride_pss, NORM: tl.constexpr, SWIGLU: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, CG: tl.constexpr):
-    # the SPLIT partials of rows offs_m, columns offs_n, in split order (the same bits every
-    # replay); the partial sums of squares from PSS[s * stride_pss + m]; CG: read through L2
+def _sum_partials(P, PSS, offs_m, offs_n, M, n_valid, width, pair_off, SPLIT, stride_pss, NORM: tl.constexpr,
+                  PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CG: tl.constexpr):
+    # the SPLIT partials (rows of `width`, the pair's second tile pair_off columns on) of rows
+    # offs_m, columns offs_n (< n_valid), in split order (the same bits every replay); the
+    # partial sums of squares from PSS[s * stride_pss + m]; CG: read through L2
     mmask = offs_m < M
-    mask = mmask[:, None] & (offs_n < N)[None, :]
-    width = 2 * N if SWIGLU else N
+    mask = mmask[:, None] & (offs_n < n_valid)[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
     ss = tl.zeros([BM], tl.float32)
@@ -127,43 +127,39 @@ def _sum_partials(P, PSS, offs_m, offs_n, M, N, SPLIT, stride_pss, NORM: tl.cons
         pp = P + (s * M + offs_m[:, None]) * width + offs_n[None, :]
         if CG:
             acc += tl.load(pp, mask=mask, other=0.0, cache_modifier=".cg")
-            if SWIGLU:
-                acc_up += tl.load(pp + N, mask=mask, other=0.0, cache_modifier=".cg")
+            if PAIR:
+                acc_up += tl.load(pp + pair_off, mask=mask, other=0.0, cache_modifier=".cg")
             if NORM:
                 ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0, cache_modifier=".cg")
         else:
             acc += tl.load(pp, mask=mask, other=0.0)
-            if SWIGLU:
-                acc_up += tl.load(pp + N, mask=mask, other=0.0)
+            if PAIR:
+                acc_up += tl.load(pp + pair_off, mask=mask, other=0.0)
             if NORM:
                 ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0)
     return acc, acc_up, ss
 
 
-@triton.jit(do_not_specialize=["M"])
-def _linear_kernel(X, W, G, R, Y, P, PSS, CNT, M, N, K, K_SPLIT, stride_x, stride_w, stride_r, stride_y, eps,
-                   NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr, PARTIAL: tl.constexpr,
-                   INLINE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   KL: tl.constexpr, LINE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
-    offs_n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+@triton.jit
+def _pdl_begin(W, stride_w, rows_w, pair_off, k_lo, K_SPLIT, K, PAIR: tl.constexpr, PREFETCH: tl.constexpr,
+               KL: tl.constexpr, LINE: tl.constexpr):
+    # the next kernel, if PDL-launched too (the layer's next projection), may start once every
+    # program here has begun: its weight prefetch then runs in this kernel's tail
+    gdc_launch_dependents()
+    if PREFETCH:  # the weights do not depend on the kernel before: fetch them while it drains
+        _prefetch_l2(W, stride_w, rows_w, k_lo, K_SPLIT, K, KL, LINE)
+        if PAIR:
+            _prefetch_l2(W, stride_w, rows_w + pair_off, k_lo, K_SPLIT, K, KL, LINE)
+    gdc_wait()
+
+
+@triton.jit
+def _mainloop(X, W, G, offs_m, mmask, rows_w, pair_off, k_lo, K, K_SPLIT, stride_x, stride_w, NORM: tl.constexpr,
+              PAIR: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # rows offs_m of X (normed by G inside: the A tile is x * g, the rows' sums of squares from
+    # the same loads) times W rows rows_w (and rows_w + pair_off: PAIR), K from k_lo, K_SPLIT
+    # of it -> (acc, acc_up, ss), fp32
     offs_k = tl.arange(0, BK)
-    mmask = offs_m < M
-    nmask = offs_n < N
-    k_lo = pid_k * K_SPLIT
-    rows_w = tl.where(nmask, offs_n, 0)  # clamped: the prefetch and loads never leave W
-    if PDL:
-        # the next kernel, if PDL-launched too (the layer's next projection), may start once
-        # every program here has begun: its weight prefetch then runs in this kernel's tail
-        gdc_launch_dependents()
-        if PREFETCH:  # the weights do not depend on the kernel before: fetch them while it drains
-            _prefetch_l2(W, stride_w, rows_w, k_lo, K_SPLIT, K, KL, LINE)
-            if SWIGLU:
-                _prefetch_l2(W, stride_w, rows_w + N, k_lo, K_SPLIT, K, KL, LINE)
-        gdc_wait()
     xp = X + offs_m[:, None] * stride_x + (k_lo + offs_k)[None, :]  # [BM, BK]
     wp = W + rows_w[None, :] * stride_w + (k_lo + offs_k)[:, None]  # [BK, BN]: the W^T tile
     acc = tl.zeros([BM, BN], tl.float32)
@@ -179,34 +175,68 @@ def _linear_kernel(X, W, G, R, Y, P, PSS, CNT, M, N, K, K_SPLIT, stride_x, strid
             a = (af * g[None, :]).to(W.dtype.element_ty)
         b = tl.load(wp, mask=kmask[:, None], other=0.0)
         acc = _dot(a, b, acc, IEEE)
-        if SWIGLU:  # the up half: rows N + n of [Wg; Wu]
-            acc_up = _dot(a, tl.load(wp + N * stride_w, mask=kmask[:, None], other=0.0), acc_up, IEEE)
+        if PAIR:  # the second tile of the pair: W rows pair_off further
+            acc_up = _dot(a, tl.load(wp + pair_off * stride_w, mask=kmask[:, None], other=0.0), acc_up, IEEE)
         xp += BK
         wp += BK
+    return acc, acc_up, ss
+
+
+@triton.jit
+def _split_arrive(P, PSS, CNT, acc, acc_up, ss, offs_m, offs_n, M, n_valid, width, pair_off, tile, pid_n, pid_k,
+                  n_tiles, split, NORM: tl.constexpr, PAIR: tl.constexpr, INLINE: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr):
+    # split-K: this program's fp32 partials to P ([split, M, width]) and PSS ([split, column
+    # tiles, M]); INLINE: the tile's arrival counter CNT[tile] -> (last, acc, acc_up, ss), the
+    # tile's sums where this program is the last to finish it (module docstring)
+    mmask = offs_m < M
+    pp = P + (pid_k * M + offs_m[:, None]) * width + offs_n[None, :]
+    mask = mmask[:, None] & (offs_n < n_valid)[None, :]
+    tl.store(pp, acc, mask=mask)
+    if PAIR:
+        tl.store(pp + pair_off, acc_up, mask=mask)
+    if NORM:  # each tile's own (its last program reads them); _reduce_kernel reads tile 0's
+        if INLINE or pid_n == 0:
+            tl.store(PSS + (pid_k * n_tiles + pid_n) * M + offs_m, ss, mask=mmask)
+    last = False
+    if INLINE:
+        tl.debug_barrier()  # every thread's partials stored before the release
+        arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
+        last = arrived == split - 1
+        if last:
+            tl.debug_barrier()
+            acc, acc_up, ss = _sum_partials(P, PSS + pid_n * M, offs_m, offs_n, M, n_valid, width, pair_off, split,
+                                            n_tiles * M, NORM, PAIR, BM, BN, True)
+            tl.store(CNT + tile, 0)  # zero again for the next launch
+    return last, acc, acc_up, ss
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(X, W, G, R, Y, P, PSS, CNT, M, N, K, K_SPLIT, stride_x, stride_w, stride_r, stride_y, eps,
+                   NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr, PARTIAL: tl.constexpr,
+                   INLINE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                   KL: tl.constexpr, LINE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    offs_n = pid_n.to(tl.int64) * BN + tl.arange(0, BN)
+    mmask = offs_m < M
+    k_lo = pid_k * K_SPLIT
+    rows_w = tl.where(offs_n < N, offs_n, 0)  # clamped: the prefetch and loads never leave W
+    if PDL:  # the up half of [Wg; Wu] is N rows on
+        _pdl_begin(W, stride_w, rows_w, N, k_lo, K_SPLIT, K, SWIGLU, PREFETCH, KL, LINE)
+    acc, acc_up, ss = _mainloop(X, W, G, offs_m, mmask, rows_w, N, k_lo, K, K_SPLIT, stride_x, stride_w, NORM,
+                                SWIGLU, IEEE, BM, BN, BK)
     if not PARTIAL:
         _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
-    else:  # fp32 partials [SPLIT, M, (2) N] and [SPLIT, column tiles, M]
-        mask = mmask[:, None] & nmask[None, :]
-        width = 2 * N if SWIGLU else N
-        pp = P + (pid_k * M + offs_m[:, None]) * width + offs_n[None, :]
-        tl.store(pp, acc, mask=mask)
-        if SWIGLU:
-            tl.store(pp + N, acc_up, mask=mask)
+    else:
         n_tiles = tl.num_programs(0)
-        if NORM:  # each tile's own (its last program reads them); _reduce_kernel reads tile 0's
-            if INLINE or pid_n == 0:
-                tl.store(PSS + (pid_k * n_tiles + pid_n) * M + offs_m, ss, mask=mmask)
-        if INLINE:  # the tile's last program to finish adds the partials (module docstring)
-            split = tl.num_programs(2)
-            tl.debug_barrier()  # every thread's partials stored before the release
-            arrived = tl.atomic_add(CNT + pid_m * n_tiles + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == split - 1:
-                tl.debug_barrier()
-                acc, acc_up, ss = _sum_partials(P, PSS + pid_n * M, offs_m, offs_n, M, N, split, n_tiles * M,
-                                                NORM, SWIGLU, BM, BN, True)
-                _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU,
-                          RES)
-                tl.store(CNT + pid_m * n_tiles + pid_n, 0)  # zero again for the next launch
+        last, acc, acc_up, ss = _split_arrive(P, PSS, CNT, acc, acc_up, ss, offs_m, offs_n, M, N,
+                                              2 * N if SWIGLU else N, N, pid_m * n_tiles + pid_n, pid_n, pid_k,
+                                              n_tiles, tl.num_programs(2), NORM, SWIGLU, INLINE, BM, BN)
+        if last:
+            _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -214,7 +244,8 @@ def _reduce_kernel(P, PSS, R, Y, M, N, K, SPLIT, stride_pss, stride_r, stride_y,
                    NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     offs_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     offs_m = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
-    acc, acc_up, ss = _sum_partials(P, PSS, offs_m, offs_n, M, N, SPLIT, stride_pss, NORM, SWIGLU, BM, BN, False)
+    acc, acc_up, ss = _sum_partials(P, PSS, offs_m, offs_n, M, N, 2 * N if SWIGLU else N, N, SPLIT, stride_pss, NORM,
+                                    SWIGLU, BM, BN, False)
     _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
 
 
