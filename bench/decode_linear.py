@@ -1,10 +1,12 @@
 """A decode layer's projections at 1-256 rows: the unfused ops the engine runs (cuBLAS, with the
-norms and SwiGLU as kernels of their own) against ops/decode_linear.py (norm, SwiGLU and the
-residual inside the GEMM), per op and as a layer's chain, on the Qwen3-0.6B and 8B shapes,
-against the weight bytes' bound at the copy bandwidth measured in the same run.
+norms, SwiGLU and qkv_prep as kernels of their own) against ops/decode_linear.py and
+ops/decode_qkv.py (norm, SwiGLU, the residual and qkv_prep inside the GEMM), per op and as a
+layer's chain, on the Qwen3-0.6B and 8B shapes, against the weight bytes' bound at the copy
+bandwidth measured in the same run.
 
 Per (shape, op, M), op one of
-  qkv      rmsnorm + x Wqkv^T            (fused: decode_linear(x, Wqkv, g))
+  qkv      rmsnorm + x Wqkv^T + qkv_prep (fused: ops/decode_qkv.py, the heads' norm, RoPE and
+           the cache writes in the GEMM's epilogue; its BN is D / 2, listed as 0)
   o        x += o Wo^T, cuBLAS addmm      (fused: decode_linear(o, Wo, None, eps, x))
   gate_up  rmsnorm + x Wgu^T + swiglu     (fused: decode_linear(x, Wgu, g, eps, None, True))
   down     x += a Wd^T                    (fused: decode_linear(a, Wd, None, eps, x)),
@@ -56,35 +58,60 @@ def _timed(fns, inner: int = 12, reps: int = 7) -> float:
     return graph_ms(fns, inner, reps, warm=2)
 
 
-def unfused(op: str, eps: float):
-    """The engine's ops without decode_linear (engine/paged_forward.py), as fn(x, w, g, res)."""
+def qkv_context(mcfg, M: int) -> tuple:
+    """The qkv op's other operands at model config mcfg: (q_w, k_w, pos, slots, k_cache, v_cache,
+    Hq, Hk, D, theta), the M rows at distinct slots of a small cache."""
+    d, bf, D, Hk = "cuda", torch.bfloat16, mcfg.head_dim, mcfg.num_key_value_heads
+    kc = torch.zeros(-(-M // 16), 16, Hk, D, device=d, dtype=bf)
+    return (1 + 0.1 * torch.randn(D, device=d, dtype=bf), 1 + 0.1 * torch.randn(D, device=d, dtype=bf),
+            torch.randint(0, 4096, (M,), device=d, dtype=torch.int32), torch.arange(M, device=d), kc,
+            torch.zeros_like(kc), mcfg.num_attention_heads, Hk, D, mcfg.rope_theta)
+
+
+def unfused(op: str, eps: float, ctx=None):
+    """The engine's ops without decode_linear and decode_qkv (engine/paged_forward.py), as
+    fn(x, w, g, res); ctx: qkv_context's for qkv (the norm, the GEMM and qkv_prep)."""
+    from rlcu.ops.qkv_prep import qkv_prep
     from rlcu.ops.rmsnorm import rmsnorm_fwd
     from rlcu.ops.swiglu import swiglu_fwd
 
     if op == "qkv":
-        return lambda x, w, g, r: rmsnorm_fwd(x, g, eps)[0] @ w.t()
+        q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, theta = ctx
+        return lambda x, w, g, r: qkv_prep(rmsnorm_fwd(x, g, eps)[0] @ w.t(), q_w, k_w, pos, slots, kc, vc, Hq, Hk, D,
+                                           eps, theta)
     if op == "gate_up":
         return lambda x, w, g, r: swiglu_fwd(rmsnorm_fwd(x, g, eps)[0] @ w.t())
     return lambda x, w, g, r: r.addmm_(x, w.t())
 
 
-def fused(op: str, eps: float, cfg=None):
+def fused(op: str, eps: float, cfg=None, ctx=None):
     from rlcu.ops.decode_linear import decode_linear
+    from rlcu.ops.decode_qkv import decode_qkv
 
     if op == "qkv":
-        return lambda x, w, g, r: decode_linear(x, w, g, eps, None, False, cfg)
+        return lambda x, w, g, r: decode_qkv(x, w, g, eps, *ctx, cfg)
     if op == "gate_up":
         return lambda x, w, g, r: decode_linear(x, w, g, eps, None, True, cfg)
     return lambda x, w, g, r: decode_linear(x, w, None, eps, r, False, cfg)
 
 
-def candidates(M: int, N: int, K: int) -> list[tuple]:
+def candidates(M: int, N: int, K: int, head_dim: int | None = None) -> list[tuple]:
     """(BM, BN, BK, SPLIT, warps, stages): BN 16-128 at the row tile M needs, each unsplit and
-    split until about one program an SM (ops/decode_linear.heuristic_config's rule)."""
+    split until about one program an SM (ops/decode_linear.heuristic_config's rule). With
+    head_dim (decode_qkv: a program a head, BN set by the op): the row tiles up to M's and the
+    splits up to that rule's, at 4 and 8 warps."""
     import triton
 
     BM = max(16, min(64, triton.next_power_of_2(M)))
     out = []
+    if head_dim:
+        for bm in sorted({16, 32, BM} - {b for b in (32, 64) if b > BM}):
+            programs, split = N // head_dim * triton.cdiv(M, bm), 1
+            while programs * split * 2 <= 132 and K // (split * 2) >= 256:
+                split *= 2
+            for s in sorted({1, max(1, split // 2), split}):
+                out += [(bm, 0, 128, s, 4, 4), (bm, 0, 128, s, 8, 4)]
+        return out
     for BN in (16, 32, 64, 128):
         programs = triton.cdiv(N, BN) * triton.cdiv(M, BM)
         split = 1
@@ -113,9 +140,12 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def run_op(op: str, N: int, K: int, M: int, H: int, eps: float) -> dict:
+def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
     from rlcu.ops import decode_linear as dl
+    from rlcu.ops import decode_qkv as dq
 
+    eps, H = mcfg.rms_norm_eps, mcfg.hidden_size
+    ctx = qkv_context(mcfg, M) if op == "qkv" else None
     n_sets = max(2, -(-L2_BYTES // (N * K * 2)))
     sets = operands(op, N, K, M, H, n_sets)
     x, w, g, r = sets[0]
@@ -127,44 +157,47 @@ def run_op(op: str, N: int, K: int, M: int, H: int, eps: float) -> dict:
     def bind(fn):
         return [lambda s=s: fn(*s) for s in sets]
 
-    ref = result(unfused(op, eps))
+    ref = result(unfused(op, eps, ctx))
     bytes_ = N * K * 2
-    row = {"op": op, "M": M, "N": N, "K": K, "weight_bytes": bytes_, "unfused_ms": _timed(bind(unfused(op, eps)))}
-    heur = dl.config_for(M, N // 2 if op == "gate_up" else N, K, op == "gate_up")
-    row["heuristic"] = {"config": heur, "ms": _timed(bind(fused(op, eps, heur))),
-                        "rel_err": _rel(result(fused(op, eps, heur)), ref)}
+    row = {"op": op, "M": M, "N": N, "K": K, "weight_bytes": bytes_,
+           "unfused_ms": _timed(bind(unfused(op, eps, ctx)))}
+    hd = mcfg.head_dim if op == "qkv" else None
+    heur = (dq.config_for(M, N, K, N // hd) if hd else
+            dl.config_for(M, N // 2 if op == "gate_up" else N, K, op == "gate_up"))
+    row["heuristic"] = {"config": heur, "ms": _timed(bind(fused(op, eps, heur, ctx))),
+                        "rel_err": _rel(result(fused(op, eps, heur, ctx)), ref)}
     sweep, dropped = [], []
-    for c in candidates(M, N // 2 if op == "gate_up" else N, K):
-        err = _rel(result(fused(op, eps, c)), ref)
+    for c in candidates(M, N // 2 if op == "gate_up" else N, K, hd):
+        err = _rel(result(fused(op, eps, c, ctx)), ref)
         if err > MAX_ERR:
             dropped.append({"config": c, "rel_err": err})
             continue
-        sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c))), "rel_err": err})
+        sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c, ctx))), "rel_err": err})
     best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
     BM, BN, _, split, warps, _ = best["config"]
     for BK, stages in REFINE:  # the pipeline's depth at the best tile: the K step and the stages
         c = (BM, BN, BK, split, warps, stages)
         if c in [e["config"] for e in sweep] or (split > 1 and K // split < BK):
             continue
-        err = _rel(result(fused(op, eps, c)), ref)
+        err = _rel(result(fused(op, eps, c, ctx)), ref)
         if err > MAX_ERR:
             dropped.append({"config": c, "rel_err": err})
             continue
-        sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c))), "rel_err": err, "refine": True})
+        sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c, ctx))), "rel_err": err, "refine": True})
     best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
     row.update(sweep=sweep, dropped=dropped, best=best)
-    if best["config"][3] > 1:  # split-K: its partials added by the reduce kernel instead of inline
+    if best["config"][3] > 1 and op != "qkv":  # split-K's partials by the reduce kernel (decode_qkv: inline only)
         dl.CONFIGS.update(inline_reduce=False)
         try:
-            row["reduce_kernel"] = {"ms": _timed(bind(fused(op, eps, best["config"]))),
-                                    "rel_err": _rel(result(fused(op, eps, best["config"])), ref)}
+            row["reduce_kernel"] = {"ms": _timed(bind(fused(op, eps, best["config"], ctx))),
+                                    "rel_err": _rel(result(fused(op, eps, best["config"], ctx)), ref)}
         finally:
             dl.CONFIGS.update(inline_reduce=True)
     for name, prefetch in (("pdl", False), ("pdl_prefetch", True)):
         dl.CONFIGS.update(pdl=True, prefetch=prefetch)
         try:
-            row[name] = {"ms": _timed(bind(fused(op, eps, best["config"]))),
-                         "rel_err": _rel(result(fused(op, eps, best["config"])), ref)}
+            row[name] = {"ms": _timed(bind(fused(op, eps, best["config"], ctx))),
+                         "rel_err": _rel(result(fused(op, eps, best["config"], ctx)), ref)}
         finally:
             dl.CONFIGS.update(pdl=False, prefetch=True)
     return row
@@ -181,8 +214,8 @@ def chain(cfg, M: int, table: dict, pdl: bool | None) -> float:
     gn = 1 + 0.1 * torch.randn(cfg.hidden_size, device=d, dtype=bf)
     x = torch.randn(M, cfg.hidden_size, device=d, dtype=bf)
     o = torch.randn(M, cfg.q_size, device=d, dtype=bf)
-    mk = unfused if pdl is None else fused
-    f = {op: mk(op, eps) for op in OPS}
+    ctx = qkv_context(cfg, M)
+    f = {op: unfused(op, eps, ctx) if pdl is None else fused(op, eps, None, ctx) for op in OPS}
 
     def step():
         for lw in layers:
@@ -201,12 +234,12 @@ def chain(cfg, M: int, table: dict, pdl: bool | None) -> float:
 
 
 def table_of(rows: list[dict]) -> dict:
-    """CONFIGS["table"] from the rows: per (N, K, swiglu), (max M, best config) by M; None where
-    the unfused ops were faster than every tile."""
+    """CONFIGS["table"] from the rows: per (N, K, swiglu or "qkv": decode_qkv's), (max M, best
+    config) by M; None where the unfused ops were faster than every tile."""
     table: dict = {}
     for r in sorted(rows, key=lambda r: r["M"]):
         sw = r["op"] == "gate_up"
-        key = (r["N"] // 2 if sw else r["N"], r["K"], sw)
+        key = (r["N"] // 2 if sw else r["N"], r["K"], "qkv" if r["op"] == "qkv" else sw)  # decode_qkv: its KIND
         fused_wins = r["best"]["ms"] < r["unfused_ms"]  # else None: the op falls back to the unfused ops there
         table.setdefault(key, []).append((r["M"], tuple(r["best"]["config"]) if fused_wins else None))
     for entries in table.values():  # the largest M measured serves every M above it too
@@ -238,7 +271,7 @@ def main():
         rows = []
         for op, (N, K) in op_shapes(cfg).items():
             for M in Ms:
-                r = {"shape": shape, **run_op(op, N, K, M, cfg.hidden_size, cfg.rms_norm_eps)}
+                r = {"shape": shape, **run_op(op, N, K, M, cfg)}
                 r["bound_ms"] = r["weight_bytes"] / copy_Bps * 1e3
                 rows.append(r)
                 print(f"{shape:>5} {op:>7} M={M:<4} bound {1e3 * r['bound_ms']:6.2f} us  unfused "

@@ -221,6 +221,22 @@ def calls():
 
     yield "decode_linear", fused_linear
 
+    def fused_qkv():  # the norm, the QKV GEMM and qkv_prep in one kernel (ops/decode_qkv.py)
+        from rlcu.ops import decode_linear as dl
+        from rlcu.ops.decode_qkv import decode_qkv
+
+        wq, hd = torch.randn((Hq + 2 * Hk) * D, H).to(bf), torch.ones(D, dtype=bf)
+        for M in (1, 64, 256):
+            decode_qkv(torch.randn(M, H).to(bf), wq, w, 1e-6, hd, hd, pos[:M], slots[:M], kc, vc, Hq, Hk, D, 1e6)
+        saved = dict(dl.CONFIGS)
+        dl.CONFIGS.update(pdl=True)
+        try:
+            decode_qkv(x[:64], wq, w, 1e-6, hd, hd, pos[:64], slots[:64], kc, vc, Hq, Hk, D, 1e6)
+        finally:
+            dl.CONFIGS.update(saved)
+
+    yield "decode_qkv", fused_qkv
+
 
 def main() -> int:
     try:

@@ -1,5 +1,5 @@
-"""ops/decode_linear.py on the GPU at the Qwen3-0.6B layer shapes: every op against the unfused
-ops at 1-256 rows (heuristic tiles, split and unsplit), with programmatic dependent launch
+"""ops/decode_linear.py and ops/decode_qkv.py on the GPU at the Qwen3-0.6B layer shapes: every
+op against the unfused ops at 1-256 rows (heuristic tiles, split and unsplit), with programmatic dependent launch
 inside a CUDA graph chained after other kernels, and the engine's greedy tokens with the op
 switched on against the engine without it."""
 
@@ -48,6 +48,31 @@ def test_ops_match_unfused(op, M):
     for cfg in (heur, heur[:3] + (1,) + heur[4:], heur[:3] + (4,) + heur[4:]):
         ref, out = _both(op, x, w, nw, r, cfg)
         assert _rel(out, ref) < 1e-2, (op, M, cfg)
+
+
+@pytest.mark.parametrize("M", [1, 7, 64, 200, 256])
+def test_qkv_prep_fused_matches_unfused(M):
+    """ops/decode_qkv.py at the 0.6B attention shape: q and the cache rows against rmsnorm,
+    cuBLAS and qkv_prep, at the heuristic tiles and a few splits (the same bits launch after
+    launch)."""
+    from rlcu.ops import decode_qkv as dq
+    from rlcu.ops.qkv_prep import qkv_prep
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    Hq, Hk, D, K = 16, 8, 128, 1024
+    x, w, nw, _ = _operands("qkv", M, seed=3)
+    hw = [(1 + 0.1 * torch.randn(D, device="cuda", generator=g)).bfloat16() for _ in range(2)]
+    pos = torch.randint(0, 8000, (M,), device="cuda", generator=g, dtype=torch.int32)
+    slots = torch.randperm(4 * M, device="cuda", generator=g)[:M]
+    kc = torch.zeros(M, 4, Hk, D, device="cuda", dtype=torch.bfloat16)
+    kr, vr = kc.clone(), kc.clone()
+    ref = qkv_prep(rmsnorm_fwd(x, nw, 1e-6)[0] @ w.t(), *hw, pos, slots, kr, vr, Hq, Hk, D, 1e-6, 1e6)
+    heur = dq.config_for(M, w.shape[0], K, Hq + 2 * Hk)
+    for cfg in (heur, heur[:3] + (1,) + heur[4:], heur[:3] + (4,) + heur[4:]):
+        kc2, vc2 = kc.clone(), kc.clone()
+        outs = [dq.decode_qkv(x, w, nw, 1e-6, *hw, pos, slots, kc2, vc2, Hq, Hk, D, 1e6, cfg) for _ in range(3)]
+        assert all(torch.equal(o, outs[0]) for o in outs[1:])
+        assert _rel(outs[0], ref) < 1e-2 and _rel(kc2, kr) < 1e-2 and _rel(vc2, vr) < 1e-2, (M, cfg)
 
 
 @pytest.mark.parametrize("op", ["qkv", "o", "gate_up", "down"])

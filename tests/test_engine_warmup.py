@@ -82,6 +82,18 @@ def test_graph_plan_keeps_every_bucket_for_the_chunk_kernel(monkeypatch):
     assert len(plan) == 4 * len(graph_buckets(256))
 
 
+def test_graph_plan_one_graph_a_batch_for_the_list_kernel(monkeypatch):
+    """The list kernel's launch follows the batch only: one graph a batch bucket, at
+    max_model_len, serves every context."""
+    from rlcu.ops import paged_attention as pa
+
+    monkeypatch.setitem(pa.CONFIGS, "decode_plan", dict(pa.CONFIGS["decode_plan"], kernel="list"))
+    r = LLM(_model(), num_kv_blocks=40960 // 16, warmup=False).runner
+    plan = r.graph_plan()
+    keys = {r.decode_graphs.key(S, k) for S, k in itertools.product(range(1, 257), [1, 1024, 1025, 5000, 20000, 40960])}
+    assert keys == set(plan) == {(b, 40960) for b in graph_buckets(256)}
+
+
 def test_graph_plan_small_model_len():
     llm = LLM(_model(), num_kv_blocks=32, warmup=False, max_num_seqs=20)  # 512 tokens
     assert llm.max_model_len == 512

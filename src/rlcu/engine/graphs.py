@@ -4,10 +4,11 @@ Pure decode steps (one token per sequence) of up to `max_num_seqs` sequences rep
 of the whole step (embedding to the sampled tokens and their logprobs, the LM head and the
 sampler included) captured for the next batch-size bucket (1, 2, 4, 8, then multiples of 16)
 and context bucket (1k, 4k, 16k, ..., max_model_len: the decode kernel's split-KV grid is
-sized by the longest context; a batch wide enough to run unsplit has one graph for every
-context), all at the engine's start (engine/warmup.py), else or after a wake that dropped them
-on first use. Padding rows write nowhere (kv slot -1), attend to one key and sample at
-temperature 1 (their tokens are never read).
+sized by the longest context; a batch wide enough to run unsplit, or any batch under the list
+kernel, ops/paged_decode_list.py, has one graph for every context), all at the engine's start
+(engine/warmup.py), else or after a wake that dropped them on first use. Padding rows write
+nowhere (kv slot -1), attend to one key and sample at temperature 1 (their tokens are never
+read).
 
 A graph holds the addresses it was captured on: the step's fields (the decode state's device
 buffers, engine/decode_state.py, and a block-table buffer of its own), the weights (a
@@ -156,15 +157,17 @@ class DecodeGraphs(GraphSet):
         any context), so one graph serves every context."""
         b = self.batch_bucket(S)
         kb = context_bucket(max_k, self.max_model_len)
-        if kb < self.max_model_len and not is_exact() and self._unsplit(b, kb) and self._unsplit(b, self.max_model_len):
+        if (kb < self.max_model_len and not is_exact() and self._any_context(b, kb)
+                and self._any_context(b, self.max_model_len)):
             kb = self.max_model_len
         return b, kb
 
-    def _unsplit(self, b: int, kb: int) -> bool:
-        # the split kernel with one split is the same launch at any bucket; the chunk kernel's
-        # partials are sized by the bucket, so it keeps a graph per bucket
+    def _any_context(self, b: int, kb: int) -> bool:
+        # the split kernel with one split is the same launch at any bucket, and so is the list
+        # kernel (its grid and partials follow the batch, never the context); the chunk
+        # kernel's partials are sized by the bucket, so it keeps a graph per bucket
         plan = decode_plan(b, self.num_kv_heads, kb, _num_sms(self.device))
-        return plan["kernel"] == "split" and plan["splits"] == 1
+        return plan["kernel"] == "list" or (plan["kernel"] == "split" and plan["splits"] == 1)
 
     def plan(self, max_context: int | None = None) -> list[tuple[int, int]]:
         """The graph keys of every batch bucket at every context bucket up to max_context

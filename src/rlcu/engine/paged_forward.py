@@ -12,9 +12,10 @@ Per layer, over the N new tokens of the step (packed, any mix of prefill chunks 
     o = paged_attention(q, cache); x += o Wo^T
     x += swiglu(rmsnorm(x) Wgu^T) Wd^T
 (a layer's parts before and after its attention are `attention_inputs` and `attention_out`;
-with ops/decode_linear.py's CONFIGS["enabled"], a step of <= 256 tokens runs its four
-projections through that op instead: the two norms and SwiGLU inside the GEMMs, the residual
-adds in their epilogues, six launches a layer instead of nine)
+with ops/decode_linear.py's CONFIGS["enabled"], a step of <= 256 tokens runs its projections
+through that op and ops/decode_qkv.py instead: the input norm, the QKV GEMM and qkv_prep in one
+kernel, the post norm and SwiGLU inside gate_up, the residual adds in o's and down's epilogues:
+five launches a layer instead of nine)
 then the final norm (`final`) and the LM head only on the rows that sample a token. In exact mode
 (ops/exact.py) `hidden_exact` runs the trainer's ops in the trainer's order instead (qkv_prep
 with its stats, as the trainer's forward runs it, the batch-invariant GEMM, the exact attention
@@ -31,6 +32,7 @@ import torch
 from rlcu.model.qwen3 import Qwen3
 from rlcu.ops.attention_exact import attention_exact_paged
 from rlcu.ops.decode_linear import decode_linear, fused_for
+from rlcu.ops.decode_qkv import decode_qkv
 from rlcu.ops.embedding import embedding_fwd
 from rlcu.ops.exact import is_exact
 from rlcu.ops.logprob import token_logprob
@@ -74,11 +76,12 @@ def attention_inputs(model: Qwen3, kv: torch.Tensor, i: int, x, pos, kv_slots) -
     """Layer i up to its attention: the input norm, the fused QKV projection, and qkv_prep
     (q, k normed and rotated, k and v written to their kv slots) -> q [N, Hq, D]."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
-    if fused_for(x.shape[0]):  # the norm inside the GEMM (ops/decode_linear.py)
-        qkv = decode_linear(x, w[p + "qkv"], w[p + "input_norm"], c.rms_norm_eps)
-    else:
-        h, _ = rmsnorm_fwd(x, w[p + "input_norm"], c.rms_norm_eps)
-        qkv = h @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
+    if fused_for(x.shape[0]):  # the norm, the GEMM and qkv_prep in one kernel (ops/decode_qkv.py)
+        return decode_qkv(x, w[p + "qkv"], w[p + "input_norm"], c.rms_norm_eps, w[p + "q_norm"], w[p + "k_norm"],
+                          pos, kv_slots, kv[0, i], kv[1, i], c.num_attention_heads, c.num_key_value_heads,
+                          c.head_dim, c.rope_theta)
+    h, _ = rmsnorm_fwd(x, w[p + "input_norm"], c.rms_norm_eps)
+    qkv = h @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
     return qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, kv_slots, kv[0, i], kv[1, i],
                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta)
 

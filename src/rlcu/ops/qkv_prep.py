@@ -42,23 +42,30 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _norm_rope(X, W, t, h, i, mask, stride_x, D, D2, eps, cos, sin):
-    """Heads [BT, BH, D] at X + t * stride_x + h * D -> their rotated halves (y1, y2), each
-    [BT, BH, BD2] in X's dtype, and their rstd [BT, BH]: rmsnorm (rounding as rmsnorm.py), then
-    rope (as rope.py)."""
-    off = t[:, None, None] * stride_x + h[None, :, None] * D + i[None, None, :]
-    x1 = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)  # [BT, BH, BD2]
-    x2 = tl.load(X + off + D2, mask=mask, other=0.0).to(tl.float32)
-    r = tl.rsqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / D + eps)  # [BT, BH]
+def norm_rope_halves(x1, x2, W, i, D, D2, eps, cos, sin, dt: tl.constexpr):
+    """Heads as their halves x1, x2 [rows, heads, BD2] (fp32, values of dtype dt), the norm's
+    weight W [D], cos and sin [rows, 1, BD2] -> the rotated halves (y1, y2) in dt and the
+    rstd [rows, heads]: rmsnorm (rounding as rmsnorm.py), then rope (as rope.py). The decode
+    qkv projection (decode_qkv.py) runs it on its accumulators."""
+    r = tl.rsqrt((tl.sum(x1 * x1, 2) + tl.sum(x2 * x2, 2)) / D + eps)  # [rows, heads]
     rstd = r[:, :, None]
     imask = i < D2
     w1 = tl.load(W + i, mask=imask, other=0.0).to(tl.float32)[None, None, :]
     w2 = tl.load(W + D2 + i, mask=imask, other=0.0).to(tl.float32)[None, None, :]
-    dt = X.dtype.element_ty
     # rmsnorm rounds x * rstd to the model dtype before the scale by w, and its output
     y1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
     y2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     return (y1 * cos - y2 * sin).to(dt), (y2 * cos + y1 * sin).to(dt), r
+
+
+@triton.jit
+def _norm_rope(X, W, t, h, i, mask, stride_x, D, D2, eps, cos, sin):
+    """Heads [BT, BH, D] at X + t * stride_x + h * D -> their rotated halves (y1, y2), each
+    [BT, BH, BD2] in X's dtype, and their rstd [BT, BH] (norm_rope_halves)."""
+    off = t[:, None, None] * stride_x + h[None, :, None] * D + i[None, None, :]
+    x1 = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)  # [BT, BH, BD2]
+    x2 = tl.load(X + off + D2, mask=mask, other=0.0).to(tl.float32)
+    return norm_rope_halves(x1, x2, W, i, D, D2, eps, cos, sin, X.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize=["N"])
