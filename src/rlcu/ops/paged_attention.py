@@ -49,7 +49,7 @@ import torch
 from rlcu.ops._backend import dispatch, tl, triton, use_triton
 from rlcu.ops.paged_decode_chunk import _decode_chunk_kernel, _decode_chunk_reduce_kernel
 from rlcu.ops.paged_decode_list import DecodeWork, decode_list
-from rlcu.ops.paged_keys import attend_keys, softmax_tile
+from rlcu.ops.paged_keys import attend_keys, group_rows, softmax_tile
 
 DEFAULT_BLOCK_SIZE = 16
 _LOG2E = 1.4426950408889634
@@ -116,12 +116,7 @@ def _decode_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART,
         if n0 >= L:  # an empty split: the reduce does not read it
             return
     n1 = tl.minimum(n0 + PART, L)
-    g = tl.arange(0, BG)
-    d = tl.arange(0, BD)
-    gmask = g < G
-    dmask = d < D
-    h = hk * G + g  # [BG] query heads of this KV head
-    omask = gmask[:, None] & dmask[None, :]
+    g, d, gmask, dmask, h, omask = group_rows(hk, G, BG, D, BD)  # h: [BG] query heads of this KV head
     m, l, acc = attend_keys(Q, q_start, h, omask, stride_qn, stride_qh, KC, VC, BLOCK_TABLES, s,
                             stride_bt, hk, d, dmask, n0, n1, stride_cs, stride_ch, scale_log2,
                             BG=BG, BD=BD, BS=BS, BN=BN)

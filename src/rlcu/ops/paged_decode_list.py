@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from rlcu.ops._backend import tl, triton
-from rlcu.ops.paged_keys import attend_keys
+from rlcu.ops.paged_keys import attend_keys, group_rows
 
 
 @triton.jit(do_not_specialize=["S", "T"])
@@ -101,12 +101,7 @@ def _decode_list_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_
     n_s = tl.maximum((L + C - 1) // C, 1)
     n0 = c * C
     n1 = tl.minimum(n0 + C, L)
-    g = tl.arange(0, BG)
-    d = tl.arange(0, BD)
-    gmask = g < G
-    dmask = d < D
-    h = hk * G + g  # [BG] query heads of this KV head
-    omask = gmask[:, None] & dmask[None, :]
+    g, d, gmask, dmask, h, omask = group_rows(hk, G, BG, D, BD)  # h: [BG] query heads of this KV head
     m, l, acc = attend_keys(Q, q_start, h, omask, stride_qn, stride_qh, KC, VC, BLOCK_TABLES, s,
                             stride_bt, hk, d, dmask, n0, n1, stride_cs, stride_ch, scale_log2,
                             BG=BG, BD=BD, BS=BS, BN=BN)

@@ -36,6 +36,17 @@ def softmax_tile(m, l, acc, sc, VC, kv_off, vmask):
 
 
 @triton.jit
+def group_rows(hk, G, BG: tl.constexpr, D, BD: tl.constexpr):
+    """The rows of KV head hk's G query heads (padded to BG) and the head dim (padded to BD):
+    (g, d, gmask, dmask, h = hk G + g the query heads, omask [BG, BD])."""
+    g = tl.arange(0, BG)
+    d = tl.arange(0, BD)
+    gmask = g < G
+    dmask = d < D
+    return g, d, gmask, dmask, hk * G + g, gmask[:, None] & dmask[None, :]
+
+
+@triton.jit
 def attend_keys(Q, q_start, h, qmask, stride_qn, stride_qh, KC, VC, BLOCK_TABLES, s, stride_bt, hk, d,
                 dmask, n0, n1, stride_cs, stride_ch, scale_log2, BG: tl.constexpr, BD: tl.constexpr,
                 BS: tl.constexpr, BN: tl.constexpr):
