@@ -19,6 +19,7 @@ PLANS = {  # name: decode_plan overrides (num_sms = 2 below, so that tiny batche
     "fine": dict(kernel="list", BN=16, min_part=16, per_sm=1, waves=16),
     "coarse": dict(kernel="list", BN=16, min_part=48, per_sm=1, waves=2),
     "one_chunk": dict(kernel="list", BN=32, min_part=1024),
+    "many": dict(kernel="list", BN=16, min_part=16, per_sm=2, waves=16),  # over 16 chunks: blocks of the combine
 }
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 
@@ -90,6 +91,8 @@ def test_list_kernel_vs_twin(shape, list_plan):
     ref = pa.paged_attention_ref(*args, 1, 512, D**-0.5)
     assert not torch.isnan(o).any()
     assert rel_err(o, ref) < TOL
+    if list_plan is PLANS["many"] and shape == "gqa4_d64_idle":  # the combine's second block of 16 ran
+        assert -(-max(ctx) // int(DecodeWork(cu, lens, Hk, pa.decode_plan(len(ctx), Hk, 512, 2)).meta[0])) > 16
 
 
 @pytest.mark.parametrize("list_plan", ["fine"], indirect=True)

@@ -35,7 +35,7 @@ def list_kernel(monkeypatch):
     monkeypatch.setitem(pa.CONFIGS, "decode_plan", {**pa.CONFIGS["decode_plan"], "kernel": "list"})
 
 
-@pytest.mark.parametrize("B,lo,hi", [(1, 3000, 3000), (7, 1, 40), (64, 200, 2048), (256, 200, 2048),
+@pytest.mark.parametrize("B,lo,hi", [(1, 3000, 3000), (1, 40000, 40000), (7, 1, 40), (64, 200, 2048), (256, 200, 2048),
                                      (32, 100, 8192)])
 def test_matches_twin(list_kernel, B, lo, hi):
     args, max_k = _batch(B, lo, hi)
