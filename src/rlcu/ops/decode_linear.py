@@ -113,30 +113,44 @@ def _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y
 
 
 @triton.jit
+def _add_split(acc, acc_up, ss, P, PSS, s, offs_m, offs_n, mask, mmask, M, width, pair_off, stride_pss,
+               NORM: tl.constexpr, PAIR: tl.constexpr, CG: tl.constexpr):
+    pp = P + (s * M + offs_m[:, None]) * width + offs_n[None, :]
+    if CG:
+        acc += tl.load(pp, mask=mask, other=0.0, cache_modifier=".cg")
+        if PAIR:
+            acc_up += tl.load(pp + pair_off, mask=mask, other=0.0, cache_modifier=".cg")
+        if NORM:
+            ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0, cache_modifier=".cg")
+    else:
+        acc += tl.load(pp, mask=mask, other=0.0)
+        if PAIR:
+            acc_up += tl.load(pp + pair_off, mask=mask, other=0.0)
+        if NORM:
+            ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0)
+    return acc, acc_up, ss
+
+
+@triton.jit
 def _sum_partials(P, PSS, offs_m, offs_n, M, n_valid, width, pair_off, SPLIT, stride_pss, NORM: tl.constexpr,
-                  PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CG: tl.constexpr):
+                  PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CG: tl.constexpr, UNROLL: tl.constexpr):
     # the SPLIT partials (rows of `width`, the pair's second tile pair_off columns on) of rows
     # offs_m, columns offs_n (< n_valid), in split order (the same bits every replay); the
-    # partial sums of squares from PSS[s * stride_pss + m]; CG: read through L2
+    # partial sums of squares from PSS[s * stride_pss + m]; CG: read through L2; UNROLL (SPLIT
+    # a constexpr): the loop unrolled, so that every split's loads are in flight together
     mmask = offs_m < M
     mask = mmask[:, None] & (offs_n < n_valid)[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
     acc_up = tl.zeros([BM, BN], tl.float32)
     ss = tl.zeros([BM], tl.float32)
-    for s in range(SPLIT):
-        pp = P + (s * M + offs_m[:, None]) * width + offs_n[None, :]
-        if CG:
-            acc += tl.load(pp, mask=mask, other=0.0, cache_modifier=".cg")
-            if PAIR:
-                acc_up += tl.load(pp + pair_off, mask=mask, other=0.0, cache_modifier=".cg")
-            if NORM:
-                ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0, cache_modifier=".cg")
-        else:
-            acc += tl.load(pp, mask=mask, other=0.0)
-            if PAIR:
-                acc_up += tl.load(pp + pair_off, mask=mask, other=0.0)
-            if NORM:
-                ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0)
+    if UNROLL:
+        for s in tl.static_range(SPLIT):
+            acc, acc_up, ss = _add_split(acc, acc_up, ss, P, PSS, s, offs_m, offs_n, mask, mmask, M, width, pair_off,
+                                         stride_pss, NORM, PAIR, CG)
+    else:
+        for s in range(SPLIT):
+            acc, acc_up, ss = _add_split(acc, acc_up, ss, P, PSS, s, offs_m, offs_n, mask, mmask, M, width, pair_off,
+                                         stride_pss, NORM, PAIR, CG)
     return acc, acc_up, ss
 
 
@@ -184,8 +198,8 @@ def _mainloop(X, W, G, offs_m, mmask, rows_w, pair_off, k_lo, K, K_SPLIT, stride
 
 @triton.jit
 def _split_arrive(P, PSS, CNT, acc, acc_up, ss, offs_m, offs_n, M, n_valid, width, pair_off, tile, pid_n, pid_k,
-                  n_tiles, split, NORM: tl.constexpr, PAIR: tl.constexpr, INLINE: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr):
+                  n_tiles, SPLIT: tl.constexpr, NORM: tl.constexpr, PAIR: tl.constexpr, INLINE: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr):
     # split-K: this program's fp32 partials to P ([split, M, width]) and PSS ([split, column
     # tiles, M]); INLINE: the tile's arrival counter CNT[tile] -> (last, acc, acc_up, ss), the
     # tile's sums where this program is the last to finish it (module docstring)
@@ -202,11 +216,11 @@ def _split_arrive(P, PSS, CNT, acc, acc_up, ss, offs_m, offs_n, M, n_valid, widt
     if INLINE:
         tl.debug_barrier()  # every thread's partials stored before the release
         arrived = tl.atomic_add(CNT + tile, 1, sem="acq_rel", scope="gpu")
-        last = arrived == split - 1
+        last = arrived == SPLIT - 1
         if last:
             tl.debug_barrier()
-            acc, acc_up, ss = _sum_partials(P, PSS + pid_n * M, offs_m, offs_n, M, n_valid, width, pair_off, split,
-                                            n_tiles * M, NORM, PAIR, BM, BN, True)
+            acc, acc_up, ss = _sum_partials(P, PSS + pid_n * M, offs_m, offs_n, M, n_valid, width, pair_off, SPLIT,
+                                            n_tiles * M, NORM, PAIR, BM, BN, True, True)
             tl.store(CNT + tile, 0)  # zero again for the next launch
     return last, acc, acc_up, ss
 
@@ -214,8 +228,9 @@ def _split_arrive(P, PSS, CNT, acc, acc_up, ss, offs_m, offs_n, M, n_valid, widt
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(X, W, G, R, Y, P, PSS, CNT, M, N, K, K_SPLIT, stride_x, stride_w, stride_r, stride_y, eps,
                    NORM: tl.constexpr, SWIGLU: tl.constexpr, RES: tl.constexpr, PARTIAL: tl.constexpr,
-                   INLINE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                   KL: tl.constexpr, LINE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   INLINE: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH: tl.constexpr, KL: tl.constexpr, LINE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -234,7 +249,7 @@ def _linear_kernel(X, W, G, R, Y, P, PSS, CNT, M, N, K, K_SPLIT, stride_x, strid
         n_tiles = tl.num_programs(0)
         last, acc, acc_up, ss = _split_arrive(P, PSS, CNT, acc, acc_up, ss, offs_m, offs_n, M, N,
                                               2 * N if SWIGLU else N, N, pid_m * n_tiles + pid_n, pid_n, pid_k,
-                                              n_tiles, tl.num_programs(2), NORM, SWIGLU, INLINE, BM, BN)
+                                              n_tiles, SPLIT, NORM, SWIGLU, INLINE, BM, BN)
         if last:
             _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
 
@@ -245,7 +260,7 @@ def _reduce_kernel(P, PSS, R, Y, M, N, K, SPLIT, stride_pss, stride_r, stride_y,
     offs_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     offs_m = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
     acc, acc_up, ss = _sum_partials(P, PSS, offs_m, offs_n, M, N, 2 * N if SWIGLU else N, N, SPLIT, stride_pss, NORM,
-                                    SWIGLU, BM, BN, False)
+                                    SWIGLU, BM, BN, False, False)
     _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
 
 
@@ -326,7 +341,7 @@ def decode_linear_triton(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=Fals
         launch["launch_pdl"] = True
     _linear_kernel[grid](x, w, g, r, y, part, pss, cnt if cnt is not None else y, M, N, K, k_split, x.stride(0),
                          w.stride(0), r.stride(0), y.stride(0), eps, PARTIAL=split > 1, INLINE=cnt is not None,
-                         IEEE=x.dtype == torch.float32 or interpreting(),
+                         SPLIT=split, IEEE=x.dtype == torch.float32 or interpreting(),
                          PDL=pdl, PREFETCH=prefetch, KL=triton.next_power_of_2(triton.cdiv(k_split, _LINE)) if prefetch
                          else 1, LINE=_LINE, BM=BM, BN=BN, BK=BK, **meta, **launch)
     if split > 1 and cnt is None:

@@ -68,9 +68,9 @@ def _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, 
 
 @triton.jit(do_not_specialize=["M"])
 def _qkv_kernel(X, W, G, QW, KW, POS, SLOT, Q, KC, VC, P, PSS, CNT, M, K, K_SPLIT, stride_x, stride_w, stride_cs,
-                stride_ch, eps, freq_scale, Hq, Hk, PARTIAL: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-                PREFETCH: tl.constexpr, KL: tl.constexpr, LINE: tl.constexpr, D: tl.constexpr, D2: tl.constexpr,
-                BM: tl.constexpr, BK: tl.constexpr):
+                stride_ch, eps, freq_scale, Hq, Hk, PARTIAL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                PDL: tl.constexpr, PREFETCH: tl.constexpr, KL: tl.constexpr, LINE: tl.constexpr, D: tl.constexpr,
+                D2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     h = tl.program_id(0)  # the head: Hq q heads, then Hk k heads, then Hk v heads
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -86,7 +86,7 @@ def _qkv_kernel(X, W, G, QW, KW, POS, SLOT, Q, KC, VC, P, PSS, CNT, M, K, K_SPLI
         n_tiles = tl.num_programs(0)
         N = n_tiles * D
         last, acc1, acc2, ss = _split_arrive(P, PSS, CNT, acc1, acc2, ss, offs_m, rows_w, M, N, N, D2,
-                                             pid_m * n_tiles + h, h, pid_k, n_tiles, tl.num_programs(2), True, True,
+                                             pid_m * n_tiles + h, h, pid_k, n_tiles, SPLIT, True, True,
                                              True, BM, D2)
         if last:
             _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, Q, KC, VC, stride_cs,
@@ -147,7 +147,7 @@ def decode_qkv_triton(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache,
     _qkv_kernel[grid](
         x, w, norm_w, q_w, k_w, pos, slots, q, kc, vc, part, pss, cnt if cnt is not None else q, M, K, k_split,
         x.stride(0), w.stride(0), kc.stride(0), kc.stride(1), eps, -2.0 * math.log2(theta) / D, Hq, Hk,
-        PARTIAL=split > 1, IEEE=x.dtype == torch.float32 or interpreting(), PDL=pdl, PREFETCH=prefetch,
+        PARTIAL=split > 1, SPLIT=split, IEEE=x.dtype == torch.float32 or interpreting(), PDL=pdl, PREFETCH=prefetch,
         KL=triton.next_power_of_2(triton.cdiv(k_split, _LINE)) if prefetch else 1, LINE=_LINE, D=D, D2=D2, BM=BM,
         BK=BK, **launch)
     return q
