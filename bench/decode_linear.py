@@ -98,19 +98,18 @@ def fused(op: str, eps: float, cfg=None, ctx=None):
 def candidates(M: int, N: int, K: int, head_dim: int | None = None) -> list[tuple]:
     """(BM, BN, BK, SPLIT, warps, stages): BN 16-128 at the row tile M needs, each unsplit and
     split until about one program an SM (ops/decode_linear.heuristic_config's rule). With
-    head_dim (decode_qkv: a program a head, BN set by the op): the row tiles up to M's and the
-    splits up to that rule's, at 4 and 8 warps."""
+    head_dim (decode_qkv: a program a head, BN set by the op): M's row tile, the splits up to
+    that rule's, at 4 and 8 warps."""
     import triton
 
     BM = max(16, min(64, triton.next_power_of_2(M)))
     out = []
     if head_dim:
-        for bm in sorted({16, 32, BM} - {b for b in (32, 64) if b > BM}):
-            programs, split = N // head_dim * triton.cdiv(M, bm), 1
-            while programs * split * 2 <= 132 and K // (split * 2) >= 256:
-                split *= 2
-            for s in sorted({1, max(1, split // 2), split}):
-                out += [(bm, 0, 128, s, 4, 4), (bm, 0, 128, s, 8, 4)]
+        programs, split = N // head_dim * triton.cdiv(M, BM), 1
+        while programs * split * 2 <= 132 and K // (split * 2) >= 256:
+            split *= 2
+        for s in sorted({1, max(1, split // 2), split}):
+            out += [(BM, 0, 128, s, 4, 4), (BM, 0, 128, s, 8, 4)]
         return out
     for BN in (16, 32, 64, 128):
         programs = triton.cdiv(N, BN) * triton.cdiv(M, BM)
