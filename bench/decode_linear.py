@@ -139,6 +139,16 @@ def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+def _try(fn, dropped: list, c):
+    """fn() -> its value, or None with the config dropped where it cannot launch (its shared
+    memory past the SM's, say)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - triton's OutOfResources and the like: not a candidate
+        dropped.append({"config": c, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+        return None
+
+
 def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
     from rlcu.ops import decode_linear as dl
     from rlcu.ops import decode_qkv as dq
@@ -167,7 +177,9 @@ def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
                         "rel_err": _rel(result(fused(op, eps, heur, ctx)), ref)}
     sweep, dropped = [], []
     for c in candidates(M, N // 2 if op == "gate_up" else N, K, hd):
-        err = _rel(result(fused(op, eps, c, ctx)), ref)
+        err = _try(lambda c=c: _rel(result(fused(op, eps, c, ctx)), ref), dropped, c)
+        if err is None:
+            continue
         if err > MAX_ERR:
             dropped.append({"config": c, "rel_err": err})
             continue
@@ -178,7 +190,9 @@ def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
         c = (BM, BN, BK, split, warps, stages)
         if c in [e["config"] for e in sweep] or (split > 1 and K // split < BK):
             continue
-        err = _rel(result(fused(op, eps, c, ctx)), ref)
+        err = _try(lambda c=c: _rel(result(fused(op, eps, c, ctx)), ref), dropped, c)
+        if err is None:
+            continue
         if err > MAX_ERR:
             dropped.append({"config": c, "rel_err": err})
             continue
