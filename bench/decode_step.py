@@ -149,7 +149,7 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, de
         # whose concurrent launches would share the op's tile counters
         def step():
             saved = dict(dl.CONFIGS)
-            dl.CONFIGS.update(enabled=True, pdl=pdl, table=fused_table or {}, inline_reduce=inline)
+            dl.CONFIGS.update(enabled=True, pdl=pdl, table=fused_table or dl.MEASURED, inline_reduce=inline)
             try:  # the graph keeps the kernels launched here, whatever CONFIGS says later
                 return body()
             finally:

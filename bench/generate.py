@@ -23,7 +23,7 @@ runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_pre
 512: past the 1k context bucket no split longer than 512 keys below 12 programs an SM; JSON
 *_split_cap.json); --fused-linear runs the projections of steps of <= 256 tokens through
 ops/decode_linear.py (norm and SwiGLU inside the GEMMs) at the tiles of TABLE (a
-bench/decode_linear.py JSON; default: the op's heuristic), --pdl with programmatic dependent
+bench/decode_linear.py JSON; default: the op's measured table, decode_linear.MEASURED), --pdl with programmatic dependent
 launch (JSON *_fused_linear[_pdl].json); --decode-list runs the decode attention's list kernel
 (ops/paged_decode_list.py: a work list a step, longest units first, the combine in the kernel;
 JSON *_decode_list.json).
@@ -179,7 +179,8 @@ def main(argv=None) -> int:
     if args.fused_linear is not None:
         from bench.decode_linear import load_table
 
-        dl.CONFIGS.update(enabled=True, pdl=args.pdl, table=load_table(args.fused_linear) if args.fused_linear else {})
+        table = load_table(args.fused_linear) if args.fused_linear else dl.MEASURED
+        dl.CONFIGS.update(enabled=True, pdl=args.pdl, table=table)
     if args.decode_list:
         pa.CONFIGS["decode_plan"] = dict(pa.CONFIGS["decode_plan"], kernel="list")
 

@@ -133,12 +133,22 @@ def calls():
     tables = torch.arange(S * 8, dtype=torch.int32).view(S, 8) % NB
     lens = torch.full((S,), 100, dtype=torch.int32)
     qd = torch.randn(S, Hq, D).to(bf)
-    yield "paged_decode", lambda: paged_attention(qd, kc, vc, tables, torch.arange(S + 1, dtype=torch.int32), lens,
-                                                  1, 128, D**-0.5)
+    def split_kernel(fn):  # the split kernel (decode_plan "split"), whatever the default plan
+        def call():
+            saved = dict(pa.CONFIGS["decode_plan"])
+            pa.CONFIGS["decode_plan"]["kernel"] = "split"
+            try:
+                fn()
+            finally:
+                pa.CONFIGS["decode_plan"] = saved
+        return call
+
+    cu1 = torch.arange(S + 1, dtype=torch.int32)
+    yield "paged_decode", split_kernel(lambda: paged_attention(qd, kc, vc, tables, cu1, lens, 1, 128, D**-0.5))
     long_lens = torch.full((S,), 1000, dtype=torch.int32)  # past unsplit_keys: the split kernel and its reduce
     long_tables = torch.arange(S * 64, dtype=torch.int32).view(S, 64) % NB
-    yield "paged_decode_split", lambda: paged_attention(qd, kc, vc, long_tables, torch.arange(S + 1, dtype=torch.int32),
-                                                        long_lens, 1, 1024, D**-0.5)
+    yield "paged_decode_split", split_kernel(lambda: paged_attention(
+        qd, kc, vc, long_tables, torch.arange(S + 1, dtype=torch.int32), long_lens, 1, 1024, D**-0.5))
 
     def chunked():
         saved = dict(pa.CONFIGS["decode_plan"])
@@ -202,40 +212,41 @@ def calls():
 
     yield "exact", exact
 
-    def fused_linear():  # the decode projections at their heuristic tiles, split and not, and under PDL
-        from rlcu.ops import decode_linear as dl
+    def heuristic_tiles(fn):  # the decode GEMMs at their heuristic tiles: the measured table set aside
+        def call():
+            from rlcu.ops import decode_linear as dl
 
+            saved = dict(dl.CONFIGS)
+            dl.CONFIGS["table"] = {}
+            try:
+                fn(dl)
+            finally:
+                dl.CONFIGS.update(saved)
+        return call
+
+    def fused_linear(dl):  # the decode projections, split and not, and under PDL
         for M in (1, 64, 256):
             xm = torch.randn(M, H).to(bf)
             dl.decode_linear(xm, torch.randn(4096, H).to(bf), w, 1e-6)  # qkv, the norm inside
             dl.decode_linear(xm, torch.randn(2 * I, H).to(bf), w, 1e-6, None, True)  # gate_up + SwiGLU
             dl.decode_linear(torch.randn(M, I).to(bf), torch.randn(H, I).to(bf), None, 1e-6, xm)  # down + residual
-        saved = dict(dl.CONFIGS)
         dl.CONFIGS.update(pdl=True)
-        try:
-            dl.decode_linear(x[:64], torch.randn(4096, H).to(bf), w, 1e-6)
-            dl.CONFIGS.update(pdl=False, inline_reduce=False)  # split-K (down at 64 rows) by the reduce kernel
-            dl.decode_linear(torch.randn(64, I).to(bf), torch.randn(H, I).to(bf), None, 1e-6, x[:64].clone())
-        finally:
-            dl.CONFIGS.update(saved)
+        dl.decode_linear(x[:64], torch.randn(4096, H).to(bf), w, 1e-6)
+        dl.CONFIGS.update(pdl=False, inline_reduce=False)  # split-K (down at 64 rows) by the reduce kernel
+        dl.decode_linear(torch.randn(64, I).to(bf), torch.randn(H, I).to(bf), None, 1e-6, x[:64].clone())
 
-    yield "decode_linear", fused_linear
+    yield "decode_linear", heuristic_tiles(fused_linear)
 
-    def fused_qkv():  # the norm, the QKV GEMM and qkv_prep in one kernel (ops/decode_qkv.py)
-        from rlcu.ops import decode_linear as dl
+    def fused_qkv(dl):  # the norm, the QKV GEMM and qkv_prep in one kernel (ops/decode_qkv.py)
         from rlcu.ops.decode_qkv import decode_qkv
 
         wq, hd = torch.randn((Hq + 2 * Hk) * D, H).to(bf), torch.ones(D, dtype=bf)
         for M in (1, 64, 256):
             decode_qkv(torch.randn(M, H).to(bf), wq, w, 1e-6, hd, hd, pos[:M], slots[:M], kc, vc, Hq, Hk, D, 1e6)
-        saved = dict(dl.CONFIGS)
         dl.CONFIGS.update(pdl=True)
-        try:
-            decode_qkv(x[:64], wq, w, 1e-6, hd, hd, pos[:64], slots[:64], kc, vc, Hq, Hk, D, 1e6)
-        finally:
-            dl.CONFIGS.update(saved)
+        decode_qkv(x[:64], wq, w, 1e-6, hd, hd, pos[:64], slots[:64], kc, vc, Hq, Hk, D, 1e6)
 
-    yield "decode_qkv", fused_qkv
+    yield "decode_qkv", heuristic_tiles(fused_qkv)
 
 
 def main() -> int:

@@ -44,7 +44,7 @@ def _both(op, x, w, nw, r, cfg=None):
 def test_ops_match_unfused(op, M):
     x, w, nw, r = _operands(op, M)
     N, K = SHAPES[op]
-    heur = dl.config_for(M, N // 2 if op == "gate_up" else N, K, op == "gate_up")
+    heur = dl.heuristic_config(M, N // 2 if op == "gate_up" else N, K)
     for cfg in (heur, heur[:3] + (1,) + heur[4:], heur[:3] + (4,) + heur[4:]):
         ref, out = _both(op, x, w, nw, r, cfg)
         assert _rel(out, ref) < 1e-2, (op, M, cfg)
@@ -67,7 +67,7 @@ def test_qkv_prep_fused_matches_unfused(M):
     kc = torch.zeros(M, 4, Hk, D, device="cuda", dtype=torch.bfloat16)
     kr, vr = kc.clone(), kc.clone()
     ref = qkv_prep(rmsnorm_fwd(x, nw, 1e-6)[0] @ w.t(), *hw, pos, slots, kr, vr, Hq, Hk, D, 1e-6, 1e6)
-    heur = dq.config_for(M, w.shape[0], K, Hq + 2 * Hk)
+    heur = dq.heads_config(M, Hq + 2 * Hk, K)
     for cfg in (heur, heur[:3] + (1,) + heur[4:], heur[:3] + (4,) + heur[4:]):
         kc2, vc2 = kc.clone(), kc.clone()
         outs = [dq.decode_qkv(x, w, nw, 1e-6, *hw, pos, slots, kc2, vc2, Hq, Hk, D, 1e6, cfg) for _ in range(3)]

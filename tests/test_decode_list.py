@@ -127,12 +127,14 @@ def test_work_of_other_sizes_is_refused(list_plan):
         pa.paged_attention(*args, 1, 32, 32**-0.5, None, work)
 
 
-def test_no_work_list_without_the_list_kernel(monkeypatch):
-    """decode_work is None for the default plan and for the twin (the engine then passes
-    nothing)."""
+def test_work_list_only_for_the_list_kernel(monkeypatch):
+    """decode_work is built for the list kernel (the default) and is None for another plan and
+    for the twin (the engine then passes nothing)."""
     cu, lens = torch.arange(4, dtype=torch.int32), torch.tensor([5, 9, 2], dtype=torch.int32)
     monkeypatch.setenv("RLCU_BACKEND", "triton")
-    assert pa.CONFIGS["decode_plan"]["kernel"] != "list" and pa.decode_work(cu, lens, 2) is None
+    assert pa.CONFIGS["decode_plan"]["kernel"] == "list" and pa.decode_work(cu, lens, 2) is not None
+    monkeypatch.setitem(pa.CONFIGS, "decode_plan", {**pa.CONFIGS["decode_plan"], "kernel": "split"})
+    assert pa.decode_work(cu, lens, 2) is None
     monkeypatch.setitem(pa.CONFIGS, "decode_plan", {**pa.CONFIGS["decode_plan"], "kernel": "list"})
     monkeypatch.setenv("RLCU_BACKEND", "torch")
     assert pa.decode_work(cu, lens, 2) is None

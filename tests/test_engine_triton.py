@@ -19,19 +19,20 @@ from rlcu.ops.decode_linear import CONFIGS as DL_CONFIGS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-VARIANTS = {  # name: (decode_linear on, decode_plan overrides; "list": chunks of 16 keys, so that contexts split)
-    "unfused": (False, {}),
-    "decode_linear": (True, {}),
-    "decode_linear+list": (True, dict(kernel="list", BN=16, min_part=16, per_sm=1, waves=1)),
+LIST = dict(kernel="list", BN=16, min_part=16, per_sm=1, waves=1)  # chunks of 16 keys: contexts split
+VARIANTS = {  # name: (decode_linear on, decode_plan overrides)
+    "split": (False, dict(kernel="split")),
+    "list": (False, LIST),  # the default decode kernel
+    "decode_linear+list": (True, LIST),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_engine_on_kernels_equals_twins(tmp_path, monkeypatch, variant):
-    # decode_linear: the decode steps' projections through ops/decode_linear.py (norm and SwiGLU
-    # inside); list: the decode attention's list kernel (ops/paged_decode_list.py)
+    # decode_linear: the decode steps' projections through ops/decode_linear.py and
+    # ops/decode_qkv.py; list: the decode attention's list kernel (ops/paged_decode_list.py)
     fused, plan = VARIANTS[variant]
-    decode = "list" if plan else "split"
+    decode = plan["kernel"]
     monkeypatch.setitem(DL_CONFIGS, "enabled", fused)
     n = torch.get_num_threads()
     torch.set_num_threads(1)

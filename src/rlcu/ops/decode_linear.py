@@ -59,12 +59,29 @@ if HAS_TRITON:
 MAX_M = 256  # the rows this op is tuned for (the decode graphs' batch sizes)
 _LINE = 64  # bf16 elements in a 128-byte line (the L2 prefetch's unit)
 
-# (BM, BN, BK, SPLIT, num_warps, num_stages) by (N, K, swiglu): the first entry whose max_M
-# holds M (None: the unfused ops, where they measured faster); shapes not listed take
-# `heuristic_config`. Filled from bench/decode_linear.py.
+# (BM, BN, BK, SPLIT, num_warps, num_stages) by (N, K, swiglu, or "qkv" for decode_qkv.py):
+# the first entry whose max_M holds M (None: the unfused ops, where they measured faster);
+# shapes not listed take `heuristic_config`. Filled from bench/decode_linear.py (`MEASURED`).
+_ANY = 1 << 30
+# bench/decode_linear.py on the H200 (bench/results/decode_linear.json, Qwen3-0.6B and 8B, rows
+# 1, 64, 256): where the op beat the unfused ops (the projections of a step: 30% at one row at
+# 0.6B, 4% at 64, parity at 256), else None. The op is opt-in: on the generation protocol it
+# moved the throughput by +0.4% at 0.6B and +0.1% at 8B (noise; the fixed 64 x 256 case +3.7%
+# and +1.2%), since the GEMMs of our own are slower than cuBLAS at 64-256 rows of the larger
+# shapes, so the table sends most of a busy step back to cuBLAS.
+MEASURED = {
+    (4096, 1024, "qkv"): [(1, (16, 0, 128, 4, 4, 4)), (64, None), (_ANY, None)],
+    (1024, 2048, False): [(1, (16, 32, 128, 4, 4, 4)), (64, (64, 32, 64, 4, 4, 6)), (_ANY, None)],
+    (3072, 1024, True): [(1, (16, 128, 64, 4, 4, 6)), (64, None), (_ANY, None)],
+    (1024, 3072, False): [(1, (16, 64, 128, 8, 4, 6)), (64, (64, 32, 128, 4, 4, 4)), (_ANY, None)],
+    (6144, 4096, "qkv"): [(1, None), (64, None), (_ANY, None)],
+    (4096, 4096, False): [(1, (16, 64, 128, 2, 4, 6)), (64, None), (_ANY, None)],
+    (12288, 4096, True): [(1, None), (64, None), (_ANY, None)],
+    (4096, 12288, False): [(1, (16, 128, 128, 4, 4, 4)), (64, (64, 64, 128, 2, 4, 6)), (_ANY, None)],
+}
 CONFIGS: dict = {
     "enabled": False,  # the engine's layers use this op for steps of <= MAX_M tokens (fused_for)
-    "table": {},
+    "table": MEASURED,
     "pdl": False,  # launch with programmatic dependent launch (see the module docstring)
     "prefetch": True,  # with pdl: prefetch the weight slice into L2 before the wait
     "inline_reduce": True,  # split-K's partials added by the tile's last program, not a second kernel

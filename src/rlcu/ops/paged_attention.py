@@ -10,11 +10,14 @@ h reads KV head h // G (G = Hq / Hk).
 Two kernels, both launched on grids that depend only on (S, Hk, max_seqlen_q, max_seqlen_k),
 never on lengths read back from the device, so a decode step can be captured in a CUDA graph
 (capture with max_seqlen_k = the longest context the graph will serve):
-- decode (max_seqlen_q == 1), flash-decoding, two kernels (`decode_plan` picks one; both run
+- decode (max_seqlen_q == 1), flash-decoding, three kernels (`decode_plan` picks one; each runs
   an online softmax for the G query heads of one KV head at once, the G rows padded to 16 so
   that Q K^T and P V are tensor-core dots and each K/V tile is loaded once for all G heads;
-  that loop is one function, `paged_keys.attend_keys`, which both kernels call):
-  "split" (the default): program (s, KV head, split) over a
+  that loop is one function, `paged_keys.attend_keys`, which every kernel calls):
+  "list" (the default, `paged_decode_list.py`): a work list built once a step (chunks of a
+  size chosen from the step's total keys, longest first), the split sequences combined in
+  the kernel by the chunk that finishes last; see there.
+  "split": program (s, KV head, split) over a
   fixed partition of max_seqlen_k (`decode_splits`); with one split a long and a short context
   are one program each, so a batch of mixed lengths ends on its longest programs.
   "chunk" (`paged_decode_chunk.py`): a work list. Sequence s is cut into n_s = cdiv(L_s, CHUNK) chunks;
@@ -78,19 +81,26 @@ _DEC_MAX_SPLITS = 64
 # generate.py --split-cap, same device call; the reduce kernel and the partials cost what the
 # balance gains). So a batch of at least unsplit_per_sm programs an SM runs unsplit from
 # unsplit_keys keys on.
-# The default is the split kernel: on the H200 it reads K/V at 91-92% of the measured copy
-# bandwidth at 64-256 sequences, the chunk kernel at 71-76% there (2 programs an SM by its
-# registers) and better only for few long contexts (32 x 4096 keys: 93% against
-# 85%, CHUNK 2048, BN 32, 5 stages, 8 programs an SM); bench/results/decode_attention.json.
+# The split kernel read K/V at 91-92% of the measured copy bandwidth at 64-256 sequences of
+# equal lengths, the chunk kernel at 71-76% there (2 programs an SM by its registers) and
+# better only for few long contexts (32 x 4096 keys: 93% against 85%, CHUNK 2048, BN 32, 5
+# stages, 8 programs an SM); bench/results/decode_attention.json. The default is the list
+# kernel: on mixed lengths (200-2048 keys) it reads K/V at 68 / 85 / 98 / 98 / 100% of copy
+# bandwidth at 32 / 64 / 128 / 192 / 256 sequences against the split kernel's 54 / 73 / 79 /
+# 87 / 91% (and the split cap's 66 / 78 / 86 / 89 / 91%), at equal lengths as the split kernel
+# (64 x 1024: 90% against 91%; 256 x 512: 94% against 93%), its work list 3-14 us a step;
+# the generation protocol +5.5% at 0.6B and +2.6% at 8B (bench/results/decode_list.json,
+# generate_split.json against generate_decode_list.json, generate_8b_split.json against
+# generate_8b.json). waves = 2, min_part 256 was the best or tied of the plans timed.
 CONFIGS = {
     "decode": dict(BN=64, num_warps=4, num_stages=3),
-    "decode_plan": dict(kernel="split", CHUNK=512, per_sm=2, reduce_warps=4),
+    "decode_plan": dict(kernel="list", CHUNK=512, per_sm=2, reduce_warps=4),
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
     "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024, unsplit_per_sm=3, long_keys=2048, long_per_sm=12,
                    max_part=None),
-    # the list kernel (paged_decode_list.py; decode_plan kernel "list", not the default until
-    # measured): per_sm resident programs an SM (the split kernel's registers fit 4), waves
-    # target units a slot, min_part the fewest keys a chunk
+    # the list kernel (paged_decode_list.py; decode_plan kernel "list"): per_sm resident
+    # programs an SM (its registers, 109, fit 4), waves target units a slot, min_part the
+    # fewest keys a chunk
     "decode_list": dict(per_sm=4, waves=2, min_part=256),
 }
 
@@ -454,7 +464,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, m
     [S, max_blocks] int32; cu_seqlens_q: [S+1] int32; seq_lens: [S] int32 (context length
     including the new tokens, whose K/V are already cached); max_seqlen_q, max_seqlen_k: host
     ints bounding q_len and seq_lens (they size the launch grid) -> o [N, Hq, D] in q.dtype.
-    max_seqlen_q == 1 takes the split-KV decode kernel. A sequence with seq_lens == 0 (a
+    max_seqlen_q == 1 takes the decode kernels (decode_plan). A sequence with seq_lens == 0 (a
     padding entry of a CUDA-graph batch) gets zeros; rows of q past cu_seqlens_q[-1] are
     left unwritten. tiles: None, or the prefill kernel's tile list on the device
     (`prefill_tiles`: (tile_seq, tile_idx) int32 [T], T fixed for a CUDA graph whatever the
