@@ -176,27 +176,22 @@ def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
     row["heuristic"] = {"config": heur, "ms": _timed(bind(fused(op, eps, heur, ctx))),
                         "rel_err": _rel(result(fused(op, eps, heur, ctx)), ref)}
     sweep, dropped = [], []
-    for c in candidates(M, N // 2 if op == "gate_up" else N, K, hd):
-        err = _try(lambda c=c: _rel(result(fused(op, eps, c, ctx)), ref), dropped, c)
-        if err is None:
-            continue
-        if err > MAX_ERR:
+
+    def attempt(c, **tags):  # checked, then timed; dropped if it cannot launch or is wrong
+        err = _try(lambda: _rel(result(fused(op, eps, c, ctx)), ref), dropped, c)
+        if err is not None and err > MAX_ERR:
             dropped.append({"config": c, "rel_err": err})
-            continue
-        sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c, ctx))), "rel_err": err})
+        elif err is not None:
+            sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c, ctx))), "rel_err": err, **tags})
+
+    for c in candidates(M, N // 2 if op == "gate_up" else N, K, hd):
+        attempt(c)
     best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
     BM, BN, _, split, warps, _ = best["config"]
     for BK, stages in REFINE:  # the pipeline's depth at the best tile: the K step and the stages
         c = (BM, BN, BK, split, warps, stages)
-        if c in [e["config"] for e in sweep] or (split > 1 and K // split < BK):
-            continue
-        err = _try(lambda c=c: _rel(result(fused(op, eps, c, ctx)), ref), dropped, c)
-        if err is None:
-            continue
-        if err > MAX_ERR:
-            dropped.append({"config": c, "rel_err": err})
-            continue
-        sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c, ctx))), "rel_err": err, "refine": True})
+        if c not in [e["config"] for e in sweep] and not (split > 1 and K // split < BK):
+            attempt(c, refine=True)
     best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
     row.update(sweep=sweep, dropped=dropped, best=best)
     if best["config"][3] > 1 and op != "qkv":  # split-K's partials by the reduce kernel (decode_qkv: inline only)

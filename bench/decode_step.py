@@ -19,10 +19,10 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            so that one half's attention could run beside the other half's GEMMs (`halves`
            below; measured slower at every size on the H200: each half reads every weight, and
            the attention's programs fill the SMs, so the GEMMs wait for them anyway).
-With --decode-list, two more: serial_list and attn_list, the step and its attention alone through
-the decode attention's list kernel (ops/paged_decode_list.py: one work list a step for every
-layer, longest units first, the split sequences combined in the kernel), in the same run; with
-both flags also fused_list and fused_pdl_list (both ops on: what the engine would run).
+With --split-kernel, two more: serial_split and attn_split, the step and its attention alone
+through the decode attention's split kernel (ops/paged_attention.py; the default before the
+list kernel, ops/paged_decode_list.py), in the same run. `attn` builds one work list a step
+for its L launches, as paged_forward.hidden does.
 Each variant is one CUDA graph (as the engine replays it), timed by CUDA events: median of 30
 replays after 5 (common.replay_ms); halves' logits are compared with serial's (relative error,
 recorded: the GEMMs round M and M / 2 rows differently); `kernels` is the sum of serial's
@@ -30,7 +30,7 @@ kernel times (torch.profiler), so serial - kernels is the time between kernels.
 The bound: (weight bytes + context tokens x KV bytes a token) / the copy bandwidth measured in
 the same run (bytes read + written), as bench/generate.py counts a decode step.
 
-    python bench/decode_step.py [--shapes 0.6b,8b] [--batches 64,128,256] [--fused-linear [TABLE]] [--decode-list]
+    python bench/decode_step.py [--shapes 0.6b,8b] [--batches 64,128,256] [--fused-linear [TABLE]] [--split-kernel]
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def kernel_ms(g, reps: int = 5) -> float:
     return t / 1e3 / reps
 
 
-def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, decode_list: bool = False) -> dict:
+def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, split_kernel: bool = False) -> dict:
     from rlcu.engine import paged_forward
     from rlcu.engine.paged_forward import attention_inputs, attention_out, final
     from rlcu.ops import decode_linear as dl
@@ -131,9 +131,10 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, de
     def serial():
         return paged_forward.logits(model, paged_forward.hidden(model, kv, ids, pos, slots, tables, cu, lens, 1, kb))
 
-    def attn():
+    def attn():  # one work list for the L launches (list kernel), as paged_forward.hidden builds it
+        work = pa.decode_work(cu, lens, cfg.num_key_value_heads)
         for i in range(cfg.num_hidden_layers):
-            paged_attention(q, kv[0, i], kv[1, i], tables, cu, lens, 1, kb, scale)
+            paged_attention(q, kv[0, i], kv[1, i], tables, cu, lens, 1, kb, scale, None, work)
 
     def rest():
         x = embedding_fwd(ids, model.w["embed"])
@@ -149,27 +150,22 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, de
         # whose concurrent launches would share the op's tile counters
         def step():
             saved = dict(dl.CONFIGS)
-            dl.CONFIGS.update(enabled=True, pdl=pdl, table=fused_table or dl.MEASURED, inline_reduce=inline)
+            dl.CONFIGS.update(enabled=True, pdl=pdl, table=fused_table, inline_reduce=inline)
             try:  # the graph keeps the kernels launched here, whatever CONFIGS says later
                 return body()
             finally:
                 dl.CONFIGS.clear()
                 dl.CONFIGS.update(saved)
         return step
-    def listed(fn):  # fn captured with the list kernel as the decode plan
+    def split(fn):  # fn captured with the split kernel as the decode plan
         def run():
             saved = pa.CONFIGS["decode_plan"]
-            pa.CONFIGS["decode_plan"] = dict(saved, kernel="list")
+            pa.CONFIGS["decode_plan"] = dict(saved, kernel="split")
             try:
                 return fn()
             finally:
                 pa.CONFIGS["decode_plan"] = saved
         return run
-
-    def attn_list():  # one work list for the L launches, as paged_forward.hidden builds it
-        work = pa.decode_work(cu, lens, cfg.num_key_value_heads)
-        for i in range(cfg.num_hidden_layers):
-            paged_attention(q, kv[0, i], kv[1, i], tables, cu, lens, 1, kb, scale, None, work)
 
     kv_tok = 2 * cfg.num_hidden_layers * cfg.kv_size * 2
     weight_bytes = model.flat.numel() * model.flat.element_size()
@@ -181,10 +177,8 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, de
     if fused_table is not None:
         variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True)),
                      ("rest_fused", with_linear(False, rest)), ("halves_fused", with_linear(False, two, inline=False))]
-    if decode_list:
-        variants += [("serial_list", listed(serial)), ("attn_list", listed(attn_list))]
-    if decode_list and fused_table is not None:  # both: the step the engine would run with both on
-        variants += [("fused_list", listed(with_linear(False))), ("fused_pdl_list", listed(with_linear(True)))]
+    if split_kernel:
+        variants += [("serial_split", split(serial)), ("attn_split", split(attn))]
     for name, fn in variants:
         gr, out = capture(fn)
         e = {"ms": replay_ms(gr.replay, 30, warm=5)}
@@ -192,11 +186,11 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, de
         if name == "serial":
             ref = out.float().clone()
             e["kernels_ms"] = kernel_ms(gr)
-        elif name in ("halves", "fused", "fused_pdl", "halves_fused", "serial_list", "fused_list", "fused_pdl_list"):
+        elif name in ("halves", "fused", "fused_pdl", "halves_fused", "serial_split"):
             e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
         r[name] = e
         del gr
-    for name in ("attn", "attn_list"):
+    for name in ("attn", "attn_split"):
         if name in r:
             r[name]["attention_fraction"] = r["attention_bytes_bound_ms"] / r[name]["ms"]
     torch.cuda.empty_cache()
@@ -208,33 +202,33 @@ def main():
     ap.add_argument("--shapes", default="0.6b,8b")
     ap.add_argument("--batches", default="64,128,256")
     ap.add_argument("--fused-linear", nargs="?", const="", default=None, metavar="TABLE",
-                    help="add the fused and fused_pdl variants (tiles from a bench/decode_linear.py JSON)")
-    ap.add_argument("--decode-list", action="store_true", help="also the step through the list kernel")
+                    help="add the fused variants (tiles from a decode_linear.py JSON; default: the measured table)")
+    ap.add_argument("--split-kernel", action="store_true", help="also the step through the split kernel")
     a = ap.parse_args()
     table = None
     if a.fused_linear is not None:
         from bench.decode_linear import load_table
+        from rlcu.ops.decode_linear import MEASURED
 
-        table = load_table(a.fused_linear) if a.fused_linear else {}
+        table = load_table(a.fused_linear) if a.fused_linear else MEASURED
     ceil = measure_ceilings()
     copy_Bps = ceil["copy_GBps"] * 1e9
     rows = []
     for shape in a.shapes.split(","):
         model = random_model(qwen3_06b_config(**SHAPES[shape]), "cuda")
         for B in map(int, a.batches.split(",")):
-            r = {"shape": shape, **run_case(model, B, copy_Bps, table, a.decode_list)}
+            r = {"shape": shape, **run_case(model, B, copy_Bps, table, a.split_kernel)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
                              for k in ("serial", "attn", "rest", "halves", "fused", "fused_pdl", "rest_fused",
-                                       "halves_fused", "serial_list", "attn_list", "fused_list", "fused_pdl_list")
-                             if k in r)
+                                       "halves_fused", "serial_split", "attn_split") if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "
                   f"{r['serial']['kernels_ms']:6.2f}  attention at {100 * r['attn']['attention_fraction']:.0f}% "
-                  f"of its bytes" + (f" (list kernel {100 * r['attn_list']['attention_fraction']:.0f}%)"
-                                     if "attn_list" in r else ""), flush=True)
+                  f"of its bytes" + (f" (split kernel {100 * r['attn_split']['attention_fraction']:.0f}%)"
+                                     if "attn_split" in r else ""), flush=True)
         del model
         torch.cuda.empty_cache()
-    name = "decode_step" + ("_fused_linear" if table is not None else "") + ("_list" if a.decode_list else "")
+    name = "decode_step" + ("_fused_linear" if table is not None else "") + ("_split_kernel" if a.split_kernel else "")
     write_json(name + ".json", {"ceilings": ceil, "rows": rows})
 
 

@@ -15,7 +15,7 @@ wait for the device, postprocess) and the prefill/decode split say where the res
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
                              [--no-prefill-graphs] [--split-cap] [--fused-linear [TABLE]] [--pdl]
-                             [--decode-list]
+                             [--split-kernel]
 
 --shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
 runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
@@ -23,10 +23,10 @@ runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_pre
 512: past the 1k context bucket no split longer than 512 keys below 12 programs an SM; JSON
 *_split_cap.json); --fused-linear runs the projections of steps of <= 256 tokens through
 ops/decode_linear.py (norm and SwiGLU inside the GEMMs) at the tiles of TABLE (a
-bench/decode_linear.py JSON; default: the op's measured table, decode_linear.MEASURED), --pdl with programmatic dependent
-launch (JSON *_fused_linear[_pdl].json); --decode-list runs the decode attention's list kernel
-(ops/paged_decode_list.py: a work list a step, longest units first, the combine in the kernel;
-JSON *_decode_list.json).
+bench/decode_linear.py JSON; default: its measured table, decode_linear.MEASURED), --pdl with
+programmatic dependent launch (JSON *_fused_linear[_pdl].json); --split-kernel runs the decode
+attention's split kernel (ops/paged_attention.py), the default before the list kernel
+(ops/paged_decode_list.py; JSON *_split_kernel.json).
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--fused-linear", nargs="?", const="", default=None, metavar="TABLE",
                    help="decode projections through ops/decode_linear.py (tiles from a decode_linear.json)")
     p.add_argument("--pdl", action="store_true", help="with --fused-linear: programmatic dependent launch")
-    p.add_argument("--decode-list", action="store_true", help="the decode attention's list kernel")
+    p.add_argument("--split-kernel", action="store_true",
+                   help="the decode attention's split kernel (the previous default)")
     args = p.parse_args(argv)
     from rlcu.ops import decode_linear as dl
     from rlcu.ops import paged_attention as pa
@@ -181,8 +182,8 @@ def main(argv=None) -> int:
 
         table = load_table(args.fused_linear) if args.fused_linear else dl.MEASURED
         dl.CONFIGS.update(enabled=True, pdl=args.pdl, table=table)
-    if args.decode_list:
-        pa.CONFIGS["decode_plan"] = dict(pa.CONFIGS["decode_plan"], kernel="list")
+    if args.split_kernel:
+        pa.CONFIGS["decode_plan"] = dict(pa.CONFIGS["decode_plan"], kernel="split")
 
     from rlcu.engine import LLM, SamplingParams
 
@@ -261,7 +262,7 @@ def main(argv=None) -> int:
     name = "generate_quick" if args.quick else "generate" + ("" if args.shape == "0.6b" else "_" + args.shape)
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
     name += ("_fused_linear" + ("_pdl" if args.pdl else "")) if args.fused_linear is not None else ""
-    name += "_decode_list" if args.decode_list else ""
+    name += "_split_kernel" if args.split_kernel else ""
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0

@@ -90,7 +90,7 @@ _DEC_MAX_SPLITS = 64
 # 87 / 91% (and the split cap's 66 / 78 / 86 / 89 / 91%), at equal lengths as the split kernel
 # (64 x 1024: 90% against 91%; 256 x 512: 94% against 93%), its work list 3-14 us a step;
 # the generation protocol +5.5% at 0.6B and +2.6% at 8B (bench/results/decode_list.json,
-# generate_split.json against generate_decode_list.json, generate_8b_split.json against
+# generate_split_kernel.json against generate_decode_list.json, generate_8b_split_kernel.json against
 # generate_8b.json). waves = 2, min_part 256 was the best or tied of the plans timed.
 CONFIGS = {
     "decode": dict(BN=64, num_warps=4, num_stages=3),
