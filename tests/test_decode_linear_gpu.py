@@ -131,12 +131,16 @@ def test_engine_tokens_with_the_op(monkeypatch, pdl):
     for fused in (False, True):
         monkeypatch.setitem(dl.CONFIGS, "enabled", fused)
         monkeypatch.setitem(dl.CONFIGS, "pdl", pdl and fused)
-        llm = LLM(m, max_num_seqs=16, gpu_memory_utilization=0.3, warmup=False)
+        llm = LLM(m, max_num_seqs=16, num_kv_blocks=256, warmup=False)  # a pool of its own size, whatever else is held
         outs[fused] = llm.generate(prompts, sp, use_tqdm=False)
         del llm
-    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(outs[False], outs[True]))
-    assert same >= 10, same  # greedy at bf16: one rounding apart, a near-tie may flip a token
-    # the prefill step (> MAX_M tokens) is cuBLAS's either way; the first decode step is the op's
-    second = [a.outputs[0].logprobs[1] - b.outputs[0].logprobs[1] for a, b in zip(outs[False], outs[True])
-              if a.outputs[0].token_ids[:2] == b.outputs[0].token_ids[:2]]
-    assert len(second) >= 10 and max(abs(d) for d in second) < 0.05
+    # greedy at bf16 on random weights: the two paths are one rounding apart, so a near-tie may
+    # flip a token and the sequences part there; until they part, the logprobs must agree (the
+    # prefill step, > MAX_M tokens, is cuBLAS's either way: position 0 is the same computation)
+    prefix = []
+    for a, b in zip(outs[False], outs[True]):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        p = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        prefix.append(p)
+        assert all(abs(x - y) < 0.05 for x, y in zip(a.outputs[0].logprobs[1:p], b.outputs[0].logprobs[1:p]))
+    assert sum(p > 1 for p in prefix) >= 8 and sum(prefix) >= 12 * len(prefix), prefix
