@@ -131,30 +131,25 @@ def _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y
 
 @triton.jit
 def _add_split(acc, acc_up, ss, P, PSS, s, offs_m, offs_n, mask, mmask, M, width, pair_off, stride_pss,
-               NORM: tl.constexpr, PAIR: tl.constexpr, CG: tl.constexpr):
+               NORM: tl.constexpr, PAIR: tl.constexpr, CACHE: tl.constexpr):
+    # split s's partials added to (acc, acc_up, ss)
     pp = P + (s * M + offs_m[:, None]) * width + offs_n[None, :]
-    if CG:
-        acc += tl.load(pp, mask=mask, other=0.0, cache_modifier=".cg")
-        if PAIR:
-            acc_up += tl.load(pp + pair_off, mask=mask, other=0.0, cache_modifier=".cg")
-        if NORM:
-            ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0, cache_modifier=".cg")
-    else:
-        acc += tl.load(pp, mask=mask, other=0.0)
-        if PAIR:
-            acc_up += tl.load(pp + pair_off, mask=mask, other=0.0)
-        if NORM:
-            ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0)
+    acc += tl.load(pp, mask=mask, other=0.0, cache_modifier=CACHE)
+    if PAIR:
+        acc_up += tl.load(pp + pair_off, mask=mask, other=0.0, cache_modifier=CACHE)
+    if NORM:
+        ss += tl.load(PSS + s * stride_pss + offs_m, mask=mmask, other=0.0, cache_modifier=CACHE)
     return acc, acc_up, ss
 
 
 @triton.jit
 def _sum_partials(P, PSS, offs_m, offs_n, M, n_valid, width, pair_off, SPLIT, stride_pss, NORM: tl.constexpr,
-                  PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CG: tl.constexpr, UNROLL: tl.constexpr):
+                  PAIR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CACHE: tl.constexpr, UNROLL: tl.constexpr):
     # the SPLIT partials (rows of `width`, the pair's second tile pair_off columns on) of rows
     # offs_m, columns offs_n (< n_valid), in split order (the same bits every replay); the
-    # partial sums of squares from PSS[s * stride_pss + m]; CG: read through L2; UNROLL (SPLIT
-    # a constexpr): the loop unrolled, so that every split's loads are in flight together
+    # partial sums of squares from PSS[s * stride_pss + m]; CACHE: the loads' cache modifier
+    # (".cg": through L2); UNROLL (SPLIT a constexpr): the loop unrolled, so that every split's
+    # loads are in flight together
     mmask = offs_m < M
     mask = mmask[:, None] & (offs_n < n_valid)[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
@@ -163,11 +158,11 @@ def _sum_partials(P, PSS, offs_m, offs_n, M, n_valid, width, pair_off, SPLIT, st
     if UNROLL:
         for s in tl.static_range(SPLIT):
             acc, acc_up, ss = _add_split(acc, acc_up, ss, P, PSS, s, offs_m, offs_n, mask, mmask, M, width, pair_off,
-                                         stride_pss, NORM, PAIR, CG)
+                                         stride_pss, NORM, PAIR, CACHE)
     else:
         for s in range(SPLIT):
             acc, acc_up, ss = _add_split(acc, acc_up, ss, P, PSS, s, offs_m, offs_n, mask, mmask, M, width, pair_off,
-                                         stride_pss, NORM, PAIR, CG)
+                                         stride_pss, NORM, PAIR, CACHE)
     return acc, acc_up, ss
 
 
@@ -237,7 +232,7 @@ def _split_arrive(P, PSS, CNT, acc, acc_up, ss, offs_m, offs_n, M, n_valid, widt
         if last:
             tl.debug_barrier()
             acc, acc_up, ss = _sum_partials(P, PSS + pid_n * M, offs_m, offs_n, M, n_valid, width, pair_off, SPLIT,
-                                            n_tiles * M, NORM, PAIR, BM, BN, True, True)
+                                            n_tiles * M, NORM, PAIR, BM, BN, ".cg", True)
             tl.store(CNT + tile, 0)  # zero again for the next launch
     return last, acc, acc_up, ss
 
@@ -277,7 +272,7 @@ def _reduce_kernel(P, PSS, R, Y, M, N, K, SPLIT, stride_pss, stride_r, stride_y,
     offs_n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     offs_m = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)
     acc, acc_up, ss = _sum_partials(P, PSS, offs_m, offs_n, M, N, 2 * N if SWIGLU else N, N, SPLIT, stride_pss, NORM,
-                                    SWIGLU, BM, BN, False, False)
+                                    SWIGLU, BM, BN, "", False)
     _epilogue(acc, acc_up, ss, R, Y, offs_m, offs_n, M, N, K, stride_r, stride_y, eps, NORM, SWIGLU, RES)
 
 

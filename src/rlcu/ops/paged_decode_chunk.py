@@ -11,7 +11,7 @@ for few long contexts (bench/results/decode_attention.json), so it is not the de
 from __future__ import annotations
 
 from rlcu.ops._backend import tl, triton
-from rlcu.ops.paged_keys import attend_keys
+from rlcu.ops.paged_keys import attend_keys, combine_chunks
 
 
 @triton.jit(do_not_specialize=["stride_bt", "S", "CHUNK"])
@@ -70,8 +70,7 @@ def _decode_chunk_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE
 def _decode_chunk_reduce_kernel(O_PART, LSE_PART, CH_FIRST, CU_Q, SEQ_LENS, O, stride_on,
                                 stride_oh, Hq, CHUNK, D: tl.constexpr, BD: tl.constexpr,
                                 BJ: tl.constexpr):
-    # online over the n_s partials of (s, h), BJ at a time:
-    #     o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M)
+    # the n_s partials of (s, h) in chunk order (paged_keys.combine_chunks)
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     q_start = tl.load(CU_Q + s).to(tl.int64)
@@ -83,21 +82,5 @@ def _decode_chunk_reduce_kernel(O_PART, LSE_PART, CH_FIRST, CU_Q, SEQ_LENS, O, s
     first = tl.load(CH_FIRST + s).to(tl.int64)
     d = tl.arange(0, BD)
     dmask = d < D
-    m = tl.full([1], float("-inf"), tl.float32)
-    den = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BD], tl.float32)
-    for j0 in range(0, n_s, BJ):
-        j = j0 + tl.arange(0, BJ)
-        jmask = j < n_s
-        row = (first + j) * Hq + h  # [BJ]
-        lse = tl.load(LSE_PART + row, mask=jmask, other=float("-inf"))
-        o = tl.load(O_PART + row[:, None] * D + d[None, :], mask=jmask[:, None] & dmask[None, :],
-                    other=0.0)
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: j0 < n_s
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)  # [BJ], 0 where masked
-        den = den * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-        m = m_new
-    tl.store(O + q_start * stride_on + h * stride_oh + d, (acc / den).to(O.dtype.element_ty),
-             mask=dmask)
+    out = combine_chunks(O_PART, LSE_PART, first, n_s, h, Hq, d, dmask, D, BD, BJ, "")
+    tl.store(O + q_start * stride_on + h * stride_oh + d, out.to(O.dtype.element_ty), mask=dmask)

@@ -22,7 +22,7 @@ kernel a layer, which cost what the balance gained on the protocol. Here:
   sequence of one chunk writes o. A chunk of a split sequence writes its normalised partial
   (o_j, lse_j = m_j + log2 l_j), then adds one to its (sequence, KV head)'s counter; the program
   that brings it to n_s (the last to finish) combines the n_s partials in chunk order,
-      o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M)  (online over blocks of 16 chunks),
+      o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M)  (paged_keys.combine_chunks, 16 at a time),
   writes o and puts the counter back to 0 for the next layer. The order of the sum is fixed,
   so the bits do not depend on which program finished last. The partials are stored before a
   CTA barrier and an acq_rel atomic (the release of every thread's stores), and read after it
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from rlcu.ops._backend import tl, triton
-from rlcu.ops.paged_keys import attend_keys, group_rows
+from rlcu.ops.paged_keys import attend_keys, combine_chunks, group_rows
 
 
 @triton.jit(do_not_specialize=["S", "T"])
@@ -84,34 +84,6 @@ def _decode_work_kernel(CU_Q, SEQ_LENS, UNIT_SEQ, UNIT_C, CH_FIRST, COUNT, META,
     tl.store(META + 1, tl.sum(nch, 0))
 
 
-@triton.jit
-def _combine(O_PART, LSE_PART, O, first, n_s, q_start, hk, d, dmask, stride_on, stride_oh, Hq, G: tl.constexpr,
-             D: tl.constexpr, BD: tl.constexpr, BJ: tl.constexpr):
-    # the n_s partials of each of the G query heads of KV head hk, BJ at a time (their loads in
-    # flight together: a long context's many chunks cost n_s / BJ round trips to L2, not n_s),
-    # online over the blocks in chunk order:
-    #     o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M)
-    jj = tl.arange(0, BJ)
-    for gi in tl.static_range(G):
-        h = hk * G + gi
-        m = tl.full([1], float("-inf"), tl.float32)
-        den = tl.zeros([1], tl.float32)
-        acc = tl.zeros([BD], tl.float32)
-        for j0 in range(0, n_s, BJ):
-            jm = j0 + jj < n_s
-            row = (first + j0 + jj) * Hq + h  # [BJ]
-            lse = tl.load(LSE_PART + row, mask=jm, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(O_PART + row[:, None] * D + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
-                        cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(lse, 0))  # finite: j0 < n_s
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new)  # [BJ], 0 where masked
-            den = den * alpha + tl.sum(w, 0)
-            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-            m = m_new
-        tl.store(O + q_start * stride_on + h * stride_oh + d, (acc / den).to(O.dtype.element_ty), mask=dmask)
-
-
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_list_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_PART, UNIT_SEQ, UNIT_C,
                         CH_FIRST, COUNT, META, stride_qn, stride_qh, stride_cs, stride_ch, stride_bt,
@@ -148,7 +120,10 @@ def _decode_list_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_
         arrived = tl.atomic_add(COUNT + s * Hk + hk, 1, sem="acq_rel", scope="gpu")
         if arrived == n_s - 1:  # the last chunk of (s, hk) to finish: the combine, in chunk order
             tl.debug_barrier()
-            _combine(O_PART, LSE_PART, O, first, n_s, q_start, hk, d, dmask, stride_on, stride_oh, Hq, G, D, BD, BJ)
+            for gi in tl.static_range(G):  # each query head's partials, through L2 (other programs wrote them)
+                o_h = combine_chunks(O_PART, LSE_PART, first, n_s, hk * G + gi, Hq, d, dmask, D, BD, BJ, ".cg")
+                tl.store(O + q_start * stride_on + (hk * G + gi) * stride_oh + d, o_h.to(O.dtype.element_ty),
+                         mask=dmask)
             tl.store(COUNT + s * Hk + hk, 0)  # ready for the next layer's launch
 
 
