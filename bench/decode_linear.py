@@ -102,20 +102,17 @@ def candidates(M: int, N: int, K: int, head_dim: int | None = None) -> list[tupl
     that rule's, at 4 and 8 warps."""
     import triton
 
-    BM = max(16, min(64, triton.next_power_of_2(M)))
+    from rlcu.ops.decode_linear import row_tile, split_for
+
+    BM = row_tile(M)
     out = []
     if head_dim:
-        programs, split = N // head_dim * triton.cdiv(M, BM), 1
-        while programs * split * 2 <= 132 and K // (split * 2) >= 256:
-            split *= 2
+        split = split_for(N // head_dim * triton.cdiv(M, BM), K)
         for s in sorted({1, max(1, split // 2), split}):
             out += [(BM, 0, 128, s, 4, 4), (BM, 0, 128, s, 8, 4)]
         return out
     for BN in (16, 32, 64, 128):
-        programs = triton.cdiv(N, BN) * triton.cdiv(M, BM)
-        split = 1
-        while programs * split * 2 <= 132 and K // (split * 2) >= 256:
-            split *= 2
+        split = split_for(triton.cdiv(N, BN) * triton.cdiv(M, BM), K)
         for s in sorted({1, split}):
             out.append((BM, BN, 128, s, 8 if BM * BN >= 64 * 128 else 4, 4))
     return out

@@ -282,27 +282,57 @@ def fused_for(M: int) -> bool:
     return bool(CONFIGS["enabled"]) and M <= MAX_M
 
 
+def row_tile(M: int) -> int:
+    """The row tile of an M-row step: M's power of two, 16 to 64."""
+    return max(16, min(64, triton.next_power_of_2(M)))
+
+
+def split_for(programs: int, K: int, BK: int = 128) -> int:
+    """The split-K factor of a grid of `programs` tiles: doubled until about one program an SM
+    (_TARGET_PROGRAMS), each split keeping two K steps or more."""
+    split = 1
+    while programs * split * 2 <= _TARGET_PROGRAMS and K // (split * 2) >= 2 * BK:
+        split *= 2
+    return split
+
+
 def heuristic_config(M: int, N: int, K: int) -> tuple:
     """(BM, BN, BK, SPLIT, num_warps, num_stages) where CONFIGS["table"] has no entry: rows in
     one tile up to 64, 32 columns a program up to 64 rows (64 beyond, where the A tile's
     re-reads from L2 grow with M / BN), and K split until about one program an SM."""
-    BM = max(16, min(64, triton.next_power_of_2(M)))
-    BN = 32 if M <= 64 else 64
-    BK = 128
-    programs = triton.cdiv(N, BN) * triton.cdiv(M, BM)
-    split = 1
-    while programs * split * 2 <= _TARGET_PROGRAMS and K // (split * 2) >= 2 * BK:
-        split *= 2
-    return BM, BN, BK, split, 4, 4
+    BM, BN = row_tile(M), 32 if M <= 64 else 64
+    return BM, BN, 128, split_for(triton.cdiv(N, BN) * triton.cdiv(M, BM), K), 4, 4
+
+
+def table_config(M: int, key: tuple, default, interpreted: tuple = _INTERPRET_CONFIG):
+    """The tiles of an M-row call at CONFIGS["table"][key] (the first entry whose max M holds M;
+    None: the unfused ops), else default(); `interpreted` under the interpreter."""
+    if interpreting():
+        return interpreted
+    for max_m, cfg in CONFIGS["table"].get(key, ()):
+        if M <= max_m:
+            return cfg
+    return default()
 
 
 def config_for(M: int, N: int, K: int, swiglu: bool) -> tuple:
-    if interpreting():
-        return _INTERPRET_CONFIG
-    for max_m, cfg in CONFIGS["table"].get((N, K, swiglu), ()):
-        if M <= max_m:
-            return cfg
-    return heuristic_config(M, N, K)
+    return table_config(M, (N, K, swiglu), lambda: heuristic_config(M, N, K))
+
+
+def launch_args(x: torch.Tensor, K: int, BK: int, split: int, warps: int, stages: int):
+    """(K a program sums, a multiple of BK; the split count that gives; the keywords that this
+    op's kernel and decode_qkv's take alike: SPLIT, IEEE, PDL, PREFETCH, KL, LINE and the launch
+    options)."""
+    k_split = triton.cdiv(triton.cdiv(K, BK), split) * BK
+    split = triton.cdiv(K, k_split)
+    pdl = bool(CONFIGS["pdl"]) and gdc_launch_dependents is not None and not interpreting()
+    prefetch = pdl and bool(CONFIGS["prefetch"])
+    kw = dict(SPLIT=split, IEEE=x.dtype == torch.float32 or interpreting(), PDL=pdl, PREFETCH=prefetch,
+              KL=triton.next_power_of_2(triton.cdiv(k_split, _LINE)) if prefetch else 1, LINE=_LINE,
+              num_warps=warps, num_stages=stages)
+    if pdl:
+        kw["launch_pdl"] = True
+    return k_split, split, kw
 
 
 def _check(x, w, norm_w, residual, swiglu):
@@ -334,9 +364,7 @@ def decode_linear_triton(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=Fals
     if cfg is None:  # the table's word: the unfused ops (cuBLAS) are faster at this shape and M
         return decode_linear_ref(x, w, norm_w, eps, residual, swiglu)
     BM, BN, BK, split, warps, stages = cfg
-    k_split = triton.cdiv(triton.cdiv(K, BK), split) * BK  # K a program sums, a multiple of BK
-    split = triton.cdiv(K, k_split)
-    pdl = bool(CONFIGS["pdl"]) and gdc_launch_dependents is not None and not interpreting()
+    k_split, split, kw = launch_args(x, K, BK, split, warps, stages)
     grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), split)
     part = pss = y  # not read unless split > 1 (and the norm's partial sums only with the norm)
     cnt = _counters(x.device, grid[0] * grid[1]) if split > 1 and CONFIGS["inline_reduce"] else None
@@ -347,15 +375,9 @@ def decode_linear_triton(x, w, norm_w=None, eps=1e-6, residual=None, swiglu=Fals
     g = norm_w if norm_w is not None else x
     r = residual if residual is not None else y
     meta = dict(NORM=norm_w is not None, SWIGLU=swiglu, RES=residual is not None)
-    launch = dict(num_warps=warps, num_stages=stages)
-    prefetch = pdl and bool(CONFIGS["prefetch"])
-    if pdl:
-        launch["launch_pdl"] = True
     _linear_kernel[grid](x, w, g, r, y, part, pss, cnt if cnt is not None else y, M, N, K, k_split, x.stride(0),
                          w.stride(0), r.stride(0), y.stride(0), eps, PARTIAL=split > 1, INLINE=cnt is not None,
-                         SPLIT=split, IEEE=x.dtype == torch.float32 or interpreting(),
-                         PDL=pdl, PREFETCH=prefetch, KL=triton.next_power_of_2(triton.cdiv(k_split, _LINE)) if prefetch
-                         else 1, LINE=_LINE, BM=BM, BN=BN, BK=BK, **meta, **launch)
+                         BM=BM, BN=BN, BK=BK, **meta, **kw)
     if split > 1 and cnt is None:
         RBN = min(128, triton.next_power_of_2(N))
         RBM = max(1, min(triton.next_power_of_2(M), 4096 // RBN))

@@ -24,8 +24,8 @@ import math
 import torch
 
 from rlcu.ops import decode_linear as dl
-from rlcu.ops._backend import dispatch, interpreting, tl, triton
-from rlcu.ops.decode_linear import _LINE, _mainloop, _pdl_begin, _split_arrive
+from rlcu.ops._backend import dispatch, tl, triton
+from rlcu.ops.decode_linear import _mainloop, _pdl_begin, _split_arrive
 from rlcu.ops.qkv_prep import norm_rope_halves, qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
 
@@ -100,20 +100,12 @@ def heads_config(M: int, heads: int, K: int) -> tuple:
     """(BM, BN, BK, SPLIT, num_warps, num_stages) where the tile table has no entry: BN is D / 2
     (set by the launcher; listed as 0), rows as decode_linear's heuristic, K split until about
     one program an SM (a program a head and row tile)."""
-    BM = max(16, min(64, triton.next_power_of_2(M)))
-    programs, split = heads * triton.cdiv(M, BM), 1
-    while programs * split * 2 <= dl._TARGET_PROGRAMS and K // (split * 2) >= 256:
-        split *= 2
-    return BM, 0, 128, split, 4, 4
+    BM = dl.row_tile(M)
+    return BM, 0, 128, dl.split_for(heads * triton.cdiv(M, BM), K), 4, 4
 
 
 def config_for(M: int, N: int, K: int, heads: int):
-    if interpreting():
-        return (16, 0, 32, 1, 4, 1)
-    for max_m, cfg in dl.CONFIGS["table"].get((N, K, KIND), ()):
-        if M <= max_m:
-            return cfg
-    return heads_config(M, heads, K)
+    return dl.table_config(M, (N, K, KIND), lambda: heads_config(M, heads, K), (16, 0, 32, 1, 4, 1))
 
 
 def decode_qkv_triton(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
@@ -127,8 +119,7 @@ def decode_qkv_triton(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache,
     if cfg is None:  # the table's word: the unfused ops are faster at this shape and M
         return decode_qkv_ref(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, theta)
     BM, _, BK, split, warps, stages = cfg
-    k_split = triton.cdiv(triton.cdiv(K, BK), split) * BK
-    split = triton.cdiv(K, k_split)
+    k_split, split, kw = dl.launch_args(x, K, BK, split, warps, stages)
     grid = (heads, triton.cdiv(M, BM), split)
     cnt = dl._counters(x.device, grid[0] * grid[1]) if split > 1 else None
     if split > 1 and cnt is None:  # no counters for the inline reduce: the unfused ops
@@ -140,16 +131,11 @@ def decode_qkv_triton(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache,
     if split > 1:
         part = torch.empty(split, M, heads * D, device=x.device, dtype=torch.float32)
         pss = torch.empty(split, heads, M, device=x.device, dtype=torch.float32)
-    pdl = bool(dl.CONFIGS["pdl"]) and dl.gdc_launch_dependents is not None and not interpreting()
-    prefetch = pdl and bool(dl.CONFIGS["prefetch"])
-    launch = dict(num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
     kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
     _qkv_kernel[grid](
         x, w, norm_w, q_w, k_w, pos, slots, q, kc, vc, part, pss, cnt if cnt is not None else q, M, K, k_split,
         x.stride(0), w.stride(0), kc.stride(0), kc.stride(1), eps, -2.0 * math.log2(theta) / D, Hq, Hk,
-        PARTIAL=split > 1, SPLIT=split, IEEE=x.dtype == torch.float32 or interpreting(), PDL=pdl, PREFETCH=prefetch,
-        KL=triton.next_power_of_2(triton.cdiv(k_split, _LINE)) if prefetch else 1, LINE=_LINE, D=D, D2=D2, BM=BM,
-        BK=BK, **launch)
+        PARTIAL=split > 1, D=D, D2=D2, BM=BM, BK=BK, **kw)
     return q
 
 
