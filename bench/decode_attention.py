@@ -231,8 +231,8 @@ def split_sweep(copy: float, sms: int) -> list[dict]:
 
 
 LIST_PLANS = {  # name: decode_plan of the list kernel (paged_decode_list.py), its work list shared
-    f"list w{w} min{mp}{' s5' if st == 5 else ''}": dict(kernel="list", waves=w, min_part=mp, num_stages=st)
-    for w, mp, st in ((1, 256, 3), (2, 256, 3), (4, 256, 3), (2, 128, 3), (2, 512, 3), (2, 256, 5))
+    f"list u{u} min{mp}{' s5' if st == 5 else ''}": dict(kernel="list", units_per_sm=u, min_part=mp, num_stages=st)
+    for u, mp, st in ((2, 256, 3), (4, 256, 3), (8, 256, 3), (4, 128, 3), (4, 512, 3), (4, 256, 5))
 }
 
 

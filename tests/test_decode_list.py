@@ -16,10 +16,10 @@ from rlcu.ops.paged_decode_list import DecodeWork
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TOL = 1e-5 if INTERPRET else 3e-3
 PLANS = {  # name: decode_plan overrides (num_sms = 2 below, so that tiny batches split)
-    "fine": dict(kernel="list", BN=16, min_part=16, per_sm=1, waves=16),
-    "coarse": dict(kernel="list", BN=16, min_part=48, per_sm=1, waves=2),
+    "fine": dict(kernel="list", BN=16, min_part=16, units_per_sm=16),
+    "coarse": dict(kernel="list", BN=16, min_part=48, units_per_sm=2),
     "one_chunk": dict(kernel="list", BN=32, min_part=1024),
-    "many": dict(kernel="list", BN=16, min_part=16, per_sm=2, waves=16),  # over 16 chunks: blocks of the combine
+    "many": dict(kernel="list", BN=16, min_part=16, units_per_sm=32),  # over 16 chunks: blocks of the combine
 }
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 

@@ -19,7 +19,7 @@ from rlcu.ops.decode_linear import CONFIGS as DL_CONFIGS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-LIST = dict(kernel="list", BN=16, min_part=16, per_sm=1, waves=1)  # chunks of 16 keys: contexts split
+LIST = dict(kernel="list", BN=16, min_part=16, units_per_sm=1)  # chunks of 16 keys: contexts split
 VARIANTS = {  # name: (decode_linear on, decode_plan overrides)
     "split": (False, dict(kernel="split")),
     "list": (False, LIST),  # the default decode kernel

@@ -91,17 +91,18 @@ _DEC_MAX_SPLITS = 64
 # (64 x 1024: 90% against 91%; 256 x 512: 94% against 93%), its work list 3-14 us a step;
 # the generation protocol +5.5% at 0.6B and +2.6% at 8B (bench/results/decode_list.json,
 # generate_split_kernel.json against generate_decode_list.json, generate_8b_split_kernel.json against
-# generate_8b.json). waves = 2, min_part 256 was the best or tied of the plans timed.
+# generate_8b.json). 4 units an SM, min_part 256 was the best or tied of the plans timed (the
+# JSON's "w1 / w2 / w4" ran 2 / 4 / 8 units an SM).
 CONFIGS = {
     "decode": dict(BN=64, num_warps=4, num_stages=3),
     "decode_plan": dict(kernel="list", CHUNK=512, per_sm=2, reduce_warps=4),
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
     "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024, unsplit_per_sm=3, long_keys=2048, long_per_sm=12,
                    max_part=None),
-    # the list kernel (paged_decode_list.py; decode_plan kernel "list"): per_sm resident
-    # programs an SM (its registers, 109, fit 4), waves target units a slot, min_part the
-    # fewest keys a chunk
-    "decode_list": dict(per_sm=4, waves=2, min_part=256),
+    # the list kernel (paged_decode_list.py; decode_plan kernel "list"): units_per_sm target
+    # work units an SM, over the KV heads (its registers, 109, let 4 programs an SM run at
+    # once), min_part the fewest keys a chunk
+    "decode_list": dict(units_per_sm=4, min_part=256),
 }
 
 
@@ -267,14 +268,15 @@ def decode_plan(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132, cfg: dic
     on the batch's chunks) and programs = per_sm programs an SM (or fewer, if the batch cannot
     have that many units). kernel "split": the split-by-size kernel, with decode_splits'
     (splits, part). kernel "list" (paged_decode_list.py): CONFIGS["decode_list"] too, T target
-    units (waves x per_sm x num_sms programs over the Hk heads) and cap = S + T, the most units
+    units (units_per_sm x num_sms programs over the Hk heads) and cap = S + T, the most units
     a step can have (so the grid); max_seqlen_k does not enter."""
-    cfg = {**CONFIGS["decode"], **CONFIGS["decode_plan"], **(cfg or {})}
+    cfg = cfg or {}
+    kernel = cfg.get("kernel", CONFIGS["decode_plan"]["kernel"])
+    cfg = {**CONFIGS["decode"], **(CONFIGS["decode_list"] if kernel == "list" else {}), **CONFIGS["decode_plan"], **cfg}
     max_seqlen_k = max(int(max_seqlen_k), 1)
     BN = cfg["BN"]
-    if cfg["kernel"] == "list":
-        cfg = {**CONFIGS["decode"], **CONFIGS["decode_plan"], **CONFIGS["decode_list"], **(cfg or {})}
-        T = max(1, triton.cdiv(cfg["waves"] * cfg["per_sm"] * num_sms, Hk))
+    if kernel == "list":
+        T = max(1, triton.cdiv(cfg["units_per_sm"] * num_sms, Hk))
         return dict(cfg, T=T, cap=max(S, 1) + T)
     if cfg["kernel"] == "split":
         splits, part = decode_splits(S, Hk, max_seqlen_k, num_sms, BN)

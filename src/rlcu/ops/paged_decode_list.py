@@ -11,7 +11,7 @@ kernel a layer, which cost what the balance gained on the protocol. Here:
 
 - `_decode_work_kernel` (one program, once a step: the lengths are the same in every layer)
   picks the chunk size C = max(min_part, ceil(total keys / T)) rounded up to the tile, T the
-  target units (about `waves` units a resident program slot, over the KV heads), and cuts
+  target units (`units_per_sm` programs an SM, over the KV heads), and cuts
   sequence s into n_s = max(ceil(L_s / C), 1) chunks. Unit (s, c) is keys c C .. min((c + 1) C,
   L_s) - 1. The list runs longest first (all full chunks, then each sequence's last chunk by
   its length, descending; ties by sequence), so the block scheduler hands the short units to
