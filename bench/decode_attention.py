@@ -201,33 +201,48 @@ SPLIT_POLICIES = {  # name: CONFIGS["splits"] updates
 }
 
 
-def split_sweep(copy: float, sms: int) -> list[dict]:
-    """The split kernel under each policy of SPLIT_POLICIES (ops/paged_attention.py
-    decode_splits; the max_part ones never run unsplit) on batches of mixed and of equal
-    lengths: one split a sequence leaves a batch of mixed lengths waiting on its longest
-    programs."""
+def policy_sweep(copy: float, sms: int, runs: list[tuple[str, dict, dict]]) -> list[dict]:
+    """Every (name, decode_plan overrides, CONFIGS["splits"] updates) of `runs` on each batch of
+    SPLIT_CASES. The list kernel's work list is built outside the timed calls (the engine builds
+    one a step for all layers), and that build is timed on its own (`work_ms`)."""
     import rlcu.ops.paged_attention as pa
 
     saved = dict(pa.CONFIGS["splits"])
-    cfg = {**pa.CONFIGS["decode"], **pa.CONFIGS["decode_plan"], "kernel": "split"}
+    base = {**pa.CONFIGS["decode"], **pa.CONFIGS["decode_plan"]}
     out = []
     try:
         for name, (B, lens, max_k) in SPLIT_CASES.items():
             c = Case(name, B, lens, sms, max_k)
             bound_ms = c.bytes / (copy * 1e9) * 1e3
-            for pname, upd in SPLIT_POLICIES.items():
-                pa.CONFIGS["splits"] = dict(saved, **upd)
-                r = c.run(cfg, copy)
+            for pname, upd, splits in runs:
+                cfg = dict(base, **upd)
+                pa.CONFIGS["splits"] = dict(saved, **splits)
+                listed = cfg["kernel"] == "list"
+                r = c.run(cfg, copy, shared_work=listed)
                 r.update(policy=pname, splits_cfg=pa.CONFIGS["splits"], bound_ms=bound_ms, max_k=c.max_k)
+                if listed and r.get("ok"):
+                    plan = pa.decode_plan(B, Hk, c.max_k, sms, cfg)
+                    cu, lens = c.args[4], c.args[5]
+                    r["work_ms"] = time_graph(lambda cu=cu, lens=lens, plan=plan: pa.DecodeWork(cu, lens, Hk, plan))
                 out.append(r)
                 ms = f"{r['ms']:.4f} ms {r['frac_copy']:.0%}" if "ms" in r else r.get("error", "")
-                print(f"  {name:<32} {pname:<13} splits {r['plan'].get('splits'):>3} "
-                      f"err {r.get('err', float('nan')):.1e} {'' if r['ok'] else 'FAIL '}{ms}", flush=True)
+                what = (f" units {r.get('units')} C {r.get('chunk_keys')} work {r['work_ms']:.4f} ms" if "work_ms" in r
+                        else f" splits {r['plan'].get('splits')}" if not listed else "")
+                print(f"  {name:<32} {pname:<18} err {r.get('err', float('nan')):.1e} "
+                      f"{'' if r['ok'] else 'FAIL '}{ms}{what}", flush=True)
             del c
             torch.cuda.empty_cache()
     finally:
         pa.CONFIGS["splits"] = saved
     return out
+
+
+def split_sweep(copy: float, sms: int) -> list[dict]:
+    """The split kernel under each policy of SPLIT_POLICIES (ops/paged_attention.py
+    decode_splits; the max_part ones never run unsplit) on batches of mixed and of equal
+    lengths: one split a sequence leaves a batch of mixed lengths waiting on its longest
+    programs."""
+    return policy_sweep(copy, sms, [(n, {"kernel": "split"}, upd) for n, upd in SPLIT_POLICIES.items()])
 
 
 LIST_PLANS = {  # name: decode_plan of the list kernel (paged_decode_list.py), its work list shared
@@ -238,40 +253,9 @@ LIST_PLANS = {  # name: decode_plan of the list kernel (paged_decode_list.py), i
 
 def list_sweep(copy: float, sms: int) -> list[dict]:
     """The list kernel (a work list a step, longest units first, the combine in the kernel) at
-    LIST_PLANS against the default split kernel and the split cap of 512 keys, on the cases of
-    --splits; its work list is built outside the timed calls (the engine builds one a step for
-    all layers), and that build is timed on its own (`work_ms`)."""
-    import rlcu.ops.paged_attention as pa
-
-    saved = dict(pa.CONFIGS["splits"])
-    base = {**pa.CONFIGS["decode"], **pa.CONFIGS["decode_plan"]}
-    out = []
-    try:
-        for name, (B, lens, max_k) in SPLIT_CASES.items():
-            c = Case(name, B, lens, sms, max_k)
-            bound_ms = c.bytes / (copy * 1e9) * 1e3
-            runs = [("split", dict(base, kernel="split"), {}), ("split cap 512", dict(base, kernel="split"),
-                                                                 dict(max_part=512))]
-            runs += [(n, dict(base, **cfg), {}) for n, cfg in LIST_PLANS.items()]
-            for pname, cfg, splits in runs:
-                pa.CONFIGS["splits"] = dict(saved, **splits)
-                r = c.run(cfg, copy, shared_work=cfg["kernel"] == "list")
-                r.update(policy=pname, bound_ms=bound_ms, max_k=c.max_k)
-                if cfg["kernel"] == "list" and r.get("ok"):
-                    plan = pa.decode_plan(B, Hk, c.max_k, sms, cfg)
-                    cu, lens = c.args[4], c.args[5]
-                    r["work_ms"] = time_graph(lambda cu=cu, lens=lens, plan=plan: pa.DecodeWork(cu, lens, Hk, plan))
-                out.append(r)
-                ms = f"{r['ms']:.4f} ms {r['frac_copy']:.0%}" if "ms" in r else r.get("error", "")
-                extra = f" units {r.get('units')} C {r.get('chunk_keys')} work {r['work_ms']:.4f} ms" \
-                    if "work_ms" in r else ""
-                print(f"  {name:<32} {pname:<18} err {r.get('err', float('nan')):.1e} "
-                      f"{'' if r['ok'] else 'FAIL '}{ms}{extra}", flush=True)
-            del c
-            torch.cuda.empty_cache()
-    finally:
-        pa.CONFIGS["splits"] = saved
-    return out
+    LIST_PLANS against the split kernel and the split cap of 512 keys, on the cases of --splits."""
+    runs = [("split", {"kernel": "split"}, {}), ("split cap 512", {"kernel": "split"}, dict(max_part=512))]
+    return policy_sweep(copy, sms, runs + [(n, cfg, {}) for n, cfg in LIST_PLANS.items()])
 
 
 def main():
