@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -155,3 +156,19 @@ def scale_to_entropy(model, target: float, seed: int = 0, tokens: int = 4096) ->
         e = float(ent.mean())
         lo, hi = (s, hi) if e > target else (lo, s)
     return s, e
+
+
+@contextlib.contextmanager
+def overriding(configs: dict, **updates):
+    """configs (an op's CONFIGS, say) with `updates` inside the block, its own values after it.
+    A CUDA graph captured inside keeps the kernels the updated configs launched."""
+    saved = {k: configs[k] for k in updates if k in configs}
+    configs.update(updates)
+    try:
+        yield configs
+    finally:
+        for k in updates:
+            if k in saved:
+                configs[k] = saved[k]
+            else:
+                del configs[k]

@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, graph_ms, measure_ceilings, qwen3_06b_config, write_json  # noqa: E402
+from bench.common import SHAPES, graph_ms, measure_ceilings, overriding, qwen3_06b_config, write_json  # noqa: E402
 
 L2_BYTES = 120 << 20
 OPS = ("qkv", "o", "gate_up", "down")
@@ -191,20 +191,13 @@ def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
             attempt(c, refine=True)
     best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
     row.update(sweep=sweep, dropped=dropped, best=best)
+    variants = {"pdl": dict(pdl=True, prefetch=False), "pdl_prefetch": dict(pdl=True, prefetch=True)}
     if best["config"][3] > 1 and op != "qkv":  # split-K's partials by the reduce kernel (decode_qkv: inline only)
-        dl.CONFIGS.update(inline_reduce=False)
-        try:
-            row["reduce_kernel"] = {"ms": _timed(bind(fused(op, eps, best["config"], ctx))),
-                                    "rel_err": _rel(result(fused(op, eps, best["config"], ctx)), ref)}
-        finally:
-            dl.CONFIGS.update(inline_reduce=True)
-    for name, prefetch in (("pdl", False), ("pdl_prefetch", True)):
-        dl.CONFIGS.update(pdl=True, prefetch=prefetch)
-        try:
+        variants["reduce_kernel"] = dict(inline_reduce=False)
+    for name, upd in variants.items():  # the best tile under other launch options
+        with overriding(dl.CONFIGS, **upd):
             row[name] = {"ms": _timed(bind(fused(op, eps, best["config"], ctx))),
                          "rel_err": _rel(result(fused(op, eps, best["config"], ctx)), ref)}
-        finally:
-            dl.CONFIGS.update(pdl=False, prefetch=True)
     return row
 
 
@@ -229,13 +222,8 @@ def chain(cfg, M: int, table: dict, pdl: bool | None) -> float:
             a = f["gate_up"](x, lw["gate_up"], gn, None)
             f["down"](a, lw["down"], None, x)
 
-    saved = dict(dl.CONFIGS)
-    dl.CONFIGS.update(table=table, pdl=bool(pdl))
-    try:
+    with overriding(dl.CONFIGS, table=table, pdl=bool(pdl)):
         return _timed([step], inner=1, reps=15)
-    finally:
-        dl.CONFIGS.clear()
-        dl.CONFIGS.update(saved)
 
 
 def table_of(rows: list[dict]) -> dict:

@@ -43,7 +43,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, capture, measure_ceilings, qwen3_06b_config, replay_ms, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    SHAPES,
+    capture,
+    measure_ceilings,
+    overriding,
+    qwen3_06b_config,
+    replay_ms,
+    write_json,
+)
 from bench.generate import random_model  # noqa: E402
 
 BS = 16
@@ -149,22 +157,14 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         # inline: split-K's partials added by each tile's last program; off for the two streams,
         # whose concurrent launches would share the op's tile counters
         def step():
-            saved = dict(dl.CONFIGS)
-            dl.CONFIGS.update(enabled=True, pdl=pdl, table=fused_table, inline_reduce=inline)
-            try:  # the graph keeps the kernels launched here, whatever CONFIGS says later
+            with overriding(dl.CONFIGS, enabled=True, pdl=pdl, table=fused_table, inline_reduce=inline):
                 return body()
-            finally:
-                dl.CONFIGS.clear()
-                dl.CONFIGS.update(saved)
         return step
+
     def split(fn):  # fn captured with the split kernel as the decode plan
         def run():
-            saved = pa.CONFIGS["decode_plan"]
-            pa.CONFIGS["decode_plan"] = dict(saved, kernel="split")
-            try:
+            with overriding(pa.CONFIGS, decode_plan=dict(pa.CONFIGS["decode_plan"], kernel="split")):
                 return fn()
-            finally:
-                pa.CONFIGS["decode_plan"] = saved
         return run
 
     kv_tok = 2 * cfg.num_hidden_layers * cfg.kv_size * 2
