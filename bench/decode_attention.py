@@ -13,9 +13,10 @@ generation protocol's mid-run state (B = 256, L uniform in [200, 2048]) and B x 
 Each plan is checked against the reference twin (bf16 tolerance of the repo's GPU tests, 1e-2,
 the output poisoned with NaN first) and timed as a CUDA graph of a few launches (as the engine
 replays it): median of many replays after warm-up. Plans: the split-by-size kernel (the
-previous default) at a few tile configs, then the chunked work-list kernel (decode_plan
-kind "chunk"): first its tile configs at CHUNK = 512, then CHUNK x programs an SM around the
-best tile config of each case. Prints a table last; JSON to --out.
+previous default) at a few tile configs, then the list kernel (decode_plan kernel "list", the
+default): first its tile configs at 4 units an SM, then units an SM around the best tile
+config of each case (as many as the compiler lets an SM hold, and half and twice that).
+Prints a table last; JSON to --out.
 
     python bench/decode_attention.py [--out decode_attention.json] [--quick]
     python bench/decode_attention.py --splits [--out decode_splits.json]
@@ -55,12 +56,11 @@ CASES = {  # name: (B, context lengths: "uniform lo hi" or a fixed length)
 SPLIT_TILES = [  # (BN, num_warps, num_stages, maxnreg): the first is the previous default
     (64, 4, 3, None), (64, 4, 5, None), (32, 4, 5, None), (64, 8, 5, None), (128, 8, 3, None),
 ]
-CHUNK_TILES = [
+LIST_TILES = [
     (64, 4, 3, None), (64, 4, 5, None), (64, 4, 3, 128), (64, 4, 5, 128), (32, 4, 3, None),
     (32, 4, 5, None), (32, 4, 7, None), (64, 8, 3, None), (64, 8, 5, None), (128, 8, 3, None),
     (128, 8, 5, None), (128, 4, 3, None),
 ]
-CHUNKS = (256, 512, 1024, 2048)
 
 
 def graph_bucket(max_k: int) -> int:
@@ -301,7 +301,7 @@ def main():
         def go(cfg, tag, c=c, case_rows=case_rows):
             if time.time() - t0 > args.budget_s and tag not in ("default", "previous"):
                 return None
-            r = c.run(cfg, copy)
+            r = c.run(cfg, copy, shared_work=cfg.get("kernel") == "list")  # one list a step, as the engine
             r.update(tag=tag, bound_ms=bound_ms)
             case_rows.append(r)
             ms = f"{r['ms']:.4f} ms {r['frac_copy']:.0%}" if "ms" in r else r.get("error", "")
@@ -315,21 +315,16 @@ def main():
         split_tiles = SPLIT_TILES[1:3] if args.quick else SPLIT_TILES[1:]
         for t in split_tiles:
             go(dict(tile(t), kernel="split"), "split")
-        chunk_tiles = CHUNK_TILES[:4] if args.quick else CHUNK_TILES
+        list_tiles = LIST_TILES[:4] if args.quick else LIST_TILES
         tiles = []
-        for t in chunk_tiles:
-            r = go(dict(tile(t), kernel="chunk", CHUNK=512, per_sm=2), "tile")
+        for t in list_tiles:
+            r = go(dict(tile(t), kernel="list", units_per_sm=4), "tile")
             if r and r.get("ok") and "ms" in r:
-                # again at the occupancy the compiler reports, if that is not 2
-                if r.get("fit") and r["fit"] != 2:
-                    r2 = go(dict(tile(t), kernel="chunk", CHUNK=512, per_sm=r["fit"]), "tile")
-                    r = r2 if r2 and r2.get("ok") and r2["ms"] < r["ms"] else r
-                tiles.append((r["ms"], t, r.get("fit") or 2))
+                tiles.append((r["ms"], t, r.get("fit") or 4))
         tiles.sort(key=lambda x: x[0])
         for _, t, fit in tiles[:1 if args.quick else 2]:
-            for chunk in CHUNKS:
-                for per_sm in sorted({1, fit, 2 * fit}):
-                    go(dict(tile(t), kernel="chunk", CHUNK=chunk, per_sm=per_sm), "chunk")
+            for units in sorted({max(1, fit // 2), fit, 2 * fit} - {4}):
+                go(dict(tile(t), kernel="list", units_per_sm=units), "units")
         good = [r for r in case_rows if r.get("ok") and "ms" in r]
         best = min(good, key=lambda r: r["ms"]) if good else None
         dflt = next((r for r in case_rows if r["tag"] == "default"), None)

@@ -150,17 +150,6 @@ def calls():
     yield "paged_decode_split", split_kernel(lambda: paged_attention(
         qd, kc, vc, long_tables, torch.arange(S + 1, dtype=torch.int32), long_lens, 1, 1024, D**-0.5))
 
-    def chunked():
-        saved = dict(pa.CONFIGS["decode_plan"])
-        pa.CONFIGS["decode_plan"]["kernel"] = "chunk"
-        try:
-            paged_attention(qd, kc, vc, long_tables, torch.arange(S + 1, dtype=torch.int32), long_lens, 1, 1024,
-                            D**-0.5)
-        finally:
-            pa.CONFIGS["decode_plan"] = saved
-
-    yield "paged_decode_chunk", chunked
-
     def listed():  # the list kernel, its work list built once (as the engine does) and by the call
         saved = dict(pa.CONFIGS["decode_plan"])
         pa.CONFIGS["decode_plan"]["kernel"] = "list"

@@ -173,11 +173,10 @@ def test_prefill_tile_list_launch_equals_the_grid(triton_backend):
         pa.paged_attention(*args, max(q_lens), max(ctx), scale, (tiles[0].long(), tiles[1]))
 
 
-DECODE_PLANS = {  # name: cfg overrides of decode_plan (tiny chunks so that contexts span many)
+DECODE_PLANS = {  # name: cfg overrides of decode_plan (tiny tiles so that contexts span many)
     "split": dict(kernel="split", BN=16),
-    "chunk": dict(kernel="chunk", CHUNK=32, BN=16, per_sm=1),
-    "chunk_one_per_seq": dict(kernel="chunk", CHUNK=512, BN=32, per_sm=2),
-    "chunk_many_programs": dict(kernel="chunk", CHUNK=16, BN=16, per_sm=64, reduce_warps=1),
+    "split_one_reduce_warp": dict(kernel="split", BN=16, reduce_warps=1),
+    "list": dict(kernel="list", BN=16),
 }
 DECODE_SHAPES = {  # name: (ctx_lens, Hq, Hk, D, block_size, max_seqlen_k passed)
     "gqa2_d128": ([1, 37, 16, 100, 65], 4, 2, 128, 16, None),
@@ -197,10 +196,6 @@ def test_decode_plans_vs_twin(plan, shape, triton_backend, monkeypatch):
     max_k = max_k or max(ctx)
     monkeypatch.setitem(pa.CONFIGS, "decode_plan", {**pa.CONFIGS["decode_plan"],
                                                     **DECODE_PLANS[plan]})
-    cfg = DECODE_PLANS[plan]
-    if cfg["kernel"] == "chunk":
-        p = pa.decode_plan(len(ctx), Hk, max_k, 2)
-        assert p["CHUNK"] % p["BN"] == 0 and p["rows"] * p["CHUNK"] >= len(ctx) * max_k
     q, kc, vc, bt, cu, lens = args
     o = torch.full_like(q, float("nan"))
     kcv, vcv = kc.view(-1, Hk, D), vc.view(-1, Hk, D)
@@ -215,14 +210,16 @@ def test_decode_plans_vs_twin(plan, shape, triton_backend, monkeypatch):
 
 
 def test_decode_plan_sizes_only():
-    """The plan (so the grid and the partials' buffer) follows sizes, never lengths; the chunk
-    grows so that a sequence has at most _DEC_MAX_SPLITS chunks."""
-    p = pa.decode_plan(256, 8, 4096, 132, dict(kernel="chunk", CHUNK=512, BN=64, per_sm=2))
-    assert (p["CHUNK"], p["max_chunks"], p["rows"], p["programs"]) == (512, 8, 2048, 264)
-    p = pa.decode_plan(1, 8, 1 << 20, 132, dict(kernel="chunk", CHUNK=512, BN=64, per_sm=2))
-    assert p["max_chunks"] <= pa._DEC_MAX_SPLITS and p["CHUNK"] % 64 == 0
-    p = pa.decode_plan(1, 1, 100, 132, dict(kernel="chunk", CHUNK=512, BN=64, per_sm=2))
-    assert p["programs"] == 1
+    """The plan (so the grid) follows sizes, never lengths: the list kernel's grid follows the
+    batch only, the split kernel's the batch and the context bucket; another kernel name is
+    refused, naming the field."""
+    p = pa.decode_plan(256, 8, 4096, 132, dict(kernel="list", units_per_sm=4))
+    assert (p["T"], p["cap"]) == (66, 256 + 66)
+    assert pa.decode_plan(256, 8, 1 << 20, 132, dict(kernel="list"))["cap"] == p["cap"]
+    p = pa.decode_plan(1, 8, 4096, 132, dict(kernel="split"))
+    assert p["splits"] * p["part"] >= 4096 and p["part"] % p["BN"] == 0
+    with pytest.raises(ValueError, match="decode_plan.*kernel.*'chunk'"):
+        pa.decode_plan(1, 8, 4096, 132, dict(kernel="chunk"))
 
 
 def test_decode_splits_fill_the_machine():

@@ -70,18 +70,6 @@ def test_graph_plan_covers_every_step_and_merges_unsplit_batches(monkeypatch):
     assert set(r.graph_plan(2064)) == {r.decode_graphs.key(S, k) for S in range(1, 257) for k in (1, 2064)}
 
 
-def test_graph_plan_keeps_every_bucket_for_the_chunk_kernel(monkeypatch):
-    """The chunk kernel's partials are sized by the context bucket: no bucket is merged."""
-    from rlcu.ops import paged_attention as pa
-
-    monkeypatch.setitem(pa.CONFIGS, "decode_plan", dict(pa.CONFIGS["decode_plan"], kernel="chunk"))
-    r = LLM(_model(), num_kv_blocks=40960 // 16, warmup=False).runner
-    plan = r.graph_plan()
-    keys = {r.decode_graphs.key(S, k) for S, k in itertools.product(range(1, 257), [1, 1024, 1025, 5000, 20000, 40960])}
-    assert keys == set(plan)
-    assert len(plan) == 4 * len(graph_buckets(256))
-
-
 def test_graph_plan_one_graph_a_batch_for_the_list_kernel(monkeypatch):
     """The list kernel's launch follows the batch only: one graph a batch bucket, at
     max_model_len, serves every context."""

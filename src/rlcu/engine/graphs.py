@@ -164,8 +164,7 @@ class DecodeGraphs(GraphSet):
 
     def _any_context(self, b: int, kb: int) -> bool:
         # the split kernel with one split is the same launch at any bucket, and so is the list
-        # kernel (its grid and partials follow the batch, never the context); the chunk
-        # kernel's partials are sized by the bucket, so it keeps a graph per bucket
+        # kernel (its grid and partials follow the batch, never the context)
         plan = decode_plan(b, self.num_kv_heads, kb, _num_sms(self.device))
         return plan["kernel"] == "list" or (plan["kernel"] == "split" and plan["splits"] == 1)
 

@@ -10,25 +10,20 @@ h reads KV head h // G (G = Hq / Hk).
 Two kernels, both launched on grids that depend only on (S, Hk, max_seqlen_q, max_seqlen_k),
 never on lengths read back from the device, so a decode step can be captured in a CUDA graph
 (capture with max_seqlen_k = the longest context the graph will serve):
-- decode (max_seqlen_q == 1), flash-decoding, three kernels (`decode_plan` picks one; each runs
+- decode (max_seqlen_q == 1), flash-decoding, two kernels (`decode_plan` picks one; each runs
   an online softmax for the G query heads of one KV head at once, the G rows padded to 16 so
   that Q K^T and P V are tensor-core dots and each K/V tile is loaded once for all G heads;
-  that loop is one function, `paged_keys.attend_keys`, which every kernel calls):
+  that loop is one function, `paged_keys.attend_keys`, which both kernels call):
   "list" (the default, `paged_decode_list.py`): a work list built once a step (chunks of a
   size chosen from the step's total keys, longest first), the split sequences combined in
   the kernel by the chunk that finishes last; see there.
   "split": program (s, KV head, split) over a
   fixed partition of max_seqlen_k (`decode_splits`); with one split a long and a short context
   are one program each, so a batch of mixed lengths ends on its longest programs.
-  "chunk" (`paged_decode_chunk.py`): a work list. Sequence s is cut into n_s = cdiv(L_s, CHUNK) chunks;
-  unit (chunk, KV head) is CHUNK keys whatever the lengths, and a fixed grid of about per_sm
-  programs an SM takes units pid, pid + P, ... (the list is built in each program from
-  seq_lens, a cumsum over the batch), so the work is balanced across the machine for any mix
-  of lengths, and the grid depends on sizes only.
-  A sequence of several chunks (splits) writes normalised partial outputs o_j and
+  A sequence of several splits writes normalised partial outputs o_j and
   lse_j = m_j + log2 l_j, which the reduce kernel combines:
       o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M),   M = max_j lse_j;
-  one of a single chunk writes o directly.
+  one of a single split writes o directly.
 - prefill (max_seqlen_q > 1), FlashAttention-2 style: program (query tile, s, kv head) holds
   BM rows = (query token, head of the group) pairs, so the G heads of a KV head share every
   K/V tile (the engine passes the step's tile list, `prefill_tiles`: one program a tile with
@@ -50,7 +45,6 @@ import numpy as np
 import torch
 
 from rlcu.ops._backend import dispatch, tl, triton, use_triton
-from rlcu.ops.paged_decode_chunk import _decode_chunk_kernel, _decode_chunk_reduce_kernel
 from rlcu.ops.paged_decode_list import DecodeWork, decode_list
 from rlcu.ops.paged_keys import attend_keys, group_rows, softmax_tile
 
@@ -60,10 +54,9 @@ _DEC_MAX_SPLITS = 64
 # tile sizes and launch options (bench/decode_attention.py sweeps the decode plans against the
 # bandwidth bound; bench/kernel_suites/engine_ops.py --sweep times the tiles). decode: BN keys
 # a tile of either decode kernel (num_stages >= 5 double-buffers the K/V tiles: the block-table
-# load takes pipeline stages of its own); decode_plan: which decode kernel, its CHUNK keys a
-# work unit, per_sm persistent programs an SM (at most the programs an SM holds at once, else
-# the late programs make a tail; 2 fits the chunk kernel's registers at BN=64, 4 warps) and an
-# optional register cap maxnreg. prefill: BM rows (query token x group head), BN keys a tile.
+# load takes pipeline stages of its own); decode_plan: which decode kernel ("list" or "split"),
+# the warps of the split kernel's reduce and an optional register cap maxnreg. prefill: BM rows
+# (query token x group head), BN keys a tile.
 # splits: the split kernel's policy (`decode_splits`). Measured on the H200 for the split
 # kernel (B = 64, Hk = 8): at L = 512 one split (512 programs of 8 tiles, no reduce) took
 # 0.094 ms and two splits (1024 programs of 4 tiles + the reduce) 0.073 ms; at L = 2048 one
@@ -82,9 +75,8 @@ _DEC_MAX_SPLITS = 64
 # balance gains). So a batch of at least unsplit_per_sm programs an SM runs unsplit from
 # unsplit_keys keys on.
 # The split kernel read K/V at 91-92% of the measured copy bandwidth at 64-256 sequences of
-# equal lengths, the chunk kernel at 71-76% there (2 programs an SM by its registers) and
-# better only for few long contexts (32 x 4096 keys: 93% against 85%, CHUNK 2048, BN 32, 5
-# stages, 8 programs an SM); bench/results/decode_attention.json. The default is the list
+# equal lengths (a work-list kernel that built its list in every program, since removed, at
+# 71-76%; bench/results/decode_attention.json). The default is the list
 # kernel: on mixed lengths (200-2048 keys) it reads K/V at 68 / 85 / 98 / 98 / 100% of copy
 # bandwidth at 32 / 64 / 128 / 192 / 256 sequences against the split kernel's 54 / 73 / 79 /
 # 87 / 91% (and the split cap's 66 / 78 / 86 / 89 / 91%), at equal lengths as the split kernel
@@ -95,7 +87,7 @@ _DEC_MAX_SPLITS = 64
 # JSON's "w1 / w2 / w4" ran 2 / 4 / 8 units an SM).
 CONFIGS = {
     "decode": dict(BN=64, num_warps=4, num_stages=3),
-    "decode_plan": dict(kernel="list", CHUNK=512, per_sm=2, reduce_warps=4),
+    "decode_plan": dict(kernel="list", reduce_warps=4),
     "prefill": dict(BM=128, BN=64, num_warps=8, num_stages=2),
     "splits": dict(per_sm=4, min_part=256, unsplit_keys=1024, unsplit_per_sm=3, long_keys=2048, long_per_sm=12,
                    max_part=None),
@@ -263,29 +255,21 @@ def decode_plan(S: int, Hk: int, max_seqlen_k: int, num_sms: int = 132, cfg: dic
     """The decode launch for S sequences of up to max_seqlen_k keys (sizes only, so a CUDA graph
     captured at max_seqlen_k serves any shorter contexts): CONFIGS["decode"] (tiles) and
     CONFIGS["decode_plan"], updated by cfg, with the derived sizes filled in.
-    kernel "chunk": CHUNK keys a work unit (a multiple of BN, raised so that a sequence has at
-    most _DEC_MAX_SPLITS chunks), max_chunks per sequence, rows of the partials' buffer (a bound
-    on the batch's chunks) and programs = per_sm programs an SM (or fewer, if the batch cannot
-    have that many units). kernel "split": the split-by-size kernel, with decode_splits'
-    (splits, part). kernel "list" (paged_decode_list.py): CONFIGS["decode_list"] too, T target
-    units (units_per_sm x num_sms programs over the Hk heads) and cap = S + T, the most units
-    a step can have (so the grid); max_seqlen_k does not enter."""
+    kernel "split": the split-by-size kernel, with decode_splits' (splits, part). kernel
+    "list" (paged_decode_list.py): CONFIGS["decode_list"] too, T target units (units_per_sm x
+    num_sms programs over the Hk heads) and cap = S + T, the most units a step can have (so
+    the grid); max_seqlen_k does not enter."""
     cfg = cfg or {}
     kernel = cfg.get("kernel", CONFIGS["decode_plan"]["kernel"])
     cfg = {**CONFIGS["decode"], **(CONFIGS["decode_list"] if kernel == "list" else {}), **CONFIGS["decode_plan"], **cfg}
-    max_seqlen_k = max(int(max_seqlen_k), 1)
-    BN = cfg["BN"]
     if kernel == "list":
         T = max(1, triton.cdiv(cfg["units_per_sm"] * num_sms, Hk))
         return dict(cfg, T=T, cap=max(S, 1) + T)
-    if cfg["kernel"] == "split":
-        splits, part = decode_splits(S, Hk, max_seqlen_k, num_sms, BN)
-        return dict(cfg, splits=splits, part=part)
-    chunk = triton.cdiv(max(cfg["CHUNK"], triton.cdiv(max_seqlen_k, _DEC_MAX_SPLITS)), BN) * BN
-    max_chunks = triton.cdiv(max_seqlen_k, chunk)
-    units = max(S, 1) * Hk * max_chunks
-    return dict(cfg, CHUNK=chunk, max_chunks=max_chunks, rows=max(S, 1) * max_chunks,
-                programs=max(1, min(cfg["per_sm"] * num_sms, units)))
+    if kernel != "split":
+        raise ValueError(f'paged_attention: CONFIGS["decode_plan"]["kernel"] must be "list" or "split", '
+                         f"got {kernel!r}")
+    splits, part = decode_splits(S, Hk, max_seqlen_k, num_sms, cfg["BN"])
+    return dict(cfg, splits=splits, part=part)
 
 
 def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens):
@@ -321,21 +305,6 @@ def _decode(q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, strides, scale_l
                   num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if plan.get("maxnreg"):  # a register cap: more programs an SM
         common["maxnreg"] = plan["maxnreg"]
-    if plan["kernel"] == "chunk":
-        rows, chunk = plan["rows"], plan["CHUNK"]
-        o_part = torch.empty(rows, Hq, D, device=q.device, dtype=torch.float32)
-        lse_part = torch.empty(rows, Hq, device=q.device, dtype=torch.float32)
-        ch_first = torch.empty(S, device=q.device, dtype=torch.int32)
-        k = _decode_chunk_kernel[(plan["programs"],)](
-            q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, o_part, lse_part, ch_first,
-            *strides, S, Hq, Hk, scale_log2, chunk, BSEQ=max(256, triton.next_power_of_2(S)),
-            **common)
-        if plan["max_chunks"] > 1:
-            _decode_chunk_reduce_kernel[(S, Hq)](
-                o_part, lse_part, ch_first, cu_seqlens_q, seq_lens, o, o.stride(0), o.stride(1),
-                Hq, chunk, D=D, BD=BD, BJ=min(16, triton.next_power_of_2(plan["max_chunks"])),
-                num_warps=plan["reduce_warps"])
-        return k
     splits, part = plan["splits"], plan["part"]
     if splits > 1:
         o_part = torch.empty(S, Hq, splits, D, device=q.device, dtype=torch.float32)

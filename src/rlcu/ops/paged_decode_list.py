@@ -121,7 +121,7 @@ def _decode_list_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_
         if arrived == n_s - 1:  # the last chunk of (s, hk) to finish: the combine, in chunk order
             tl.debug_barrier()
             for gi in tl.static_range(G):  # each query head's partials, through L2 (other programs wrote them)
-                o_h = combine_chunks(O_PART, LSE_PART, first, n_s, hk * G + gi, Hq, d, dmask, D, BD, BJ, ".cg")
+                o_h = combine_chunks(O_PART, LSE_PART, first, n_s, hk * G + gi, Hq, d, dmask, D, BD, BJ)
                 tl.store(O + q_start * stride_on + (hk * G + gi) * stride_oh + d, o_h.to(O.dtype.element_ty),
                          mask=dmask)
             tl.store(COUNT + s * Hk + hk, 0)  # ready for the next layer's launch

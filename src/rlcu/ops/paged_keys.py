@@ -8,8 +8,8 @@ BLOCK_TABLES[s, p // BS] * BS + p % BS), the gather of K and V from the paged ca
 q K^T * scale_log2 (log2 domain), keys at or past n1 masked to -inf, then
     m' = max(m, rowmax(sc)),  l' = l 2^(m - m') + rowsum(2^(sc - m')),
     acc' = acc 2^(m - m') + 2^(sc - m') V.
-The decode kernels (the split kernel of paged_attention.py, the work-list kernels of
-paged_decode_chunk.py and paged_decode_list.py) call it; each normalises and stores the result its own way. Triton
+The decode kernels (the split kernel of paged_attention.py, the work-list kernel of
+paged_decode_list.py) call it; each normalises and stores the result its own way. Triton
 inlines a jit function into its caller, so this is the code each kernel had inline (the
 kernels' sm_90 PTX is the same as with the lines written out).
 """
@@ -37,13 +37,12 @@ def softmax_tile(m, l, acc, sc, VC, kv_off, vmask):
 
 @triton.jit
 def combine_chunks(O_PART, LSE_PART, first, n_s, h, Hq, d, dmask, D: tl.constexpr, BD: tl.constexpr,
-                   BJ: tl.constexpr, CACHE: tl.constexpr):
+                   BJ: tl.constexpr):
     """Query head h's n_s normalised partials (rows (first + j) Hq + h of O_PART [., D] and
     LSE_PART, lse_j = m_j + log2 l_j) combined in chunk order, BJ at a time (their loads in
     flight together), online over the blocks -> o [BD] fp32:
         o = sum_j 2^(lse_j - M) o_j / sum_j 2^(lse_j - M).
-    CACHE: the loads' cache modifier ("" or ".cg": through L2, for partials that other
-    programs of the same launch wrote)."""
+    The loads go through L2 (".cg"): other programs of the same launch wrote the partials."""
     jj = tl.arange(0, BJ)
     m = tl.full([1], float("-inf"), tl.float32)
     den = tl.zeros([1], tl.float32)
@@ -51,9 +50,9 @@ def combine_chunks(O_PART, LSE_PART, first, n_s, h, Hq, d, dmask, D: tl.constexp
     for j0 in range(0, n_s, BJ):
         jm = j0 + jj < n_s
         row = (first + j0 + jj) * Hq + h  # [BJ]
-        lse = tl.load(LSE_PART + row, mask=jm, other=float("-inf"), cache_modifier=CACHE)
+        lse = tl.load(LSE_PART + row, mask=jm, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(O_PART + row[:, None] * D + d[None, :], mask=jm[:, None] & dmask[None, :], other=0.0,
-                    cache_modifier=CACHE)
+                    cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, 0))  # finite: j0 < n_s
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)  # [BJ], 0 where masked
