@@ -14,7 +14,10 @@ The unfused sequence is two copies (the strided q and k slices), two norms, two 
 cache write per layer: 7 launches that each read and write the heads again. Here one program
 holds BT whole token rows (all Hq + 2 Hk heads) read in place from qkv, the angles of its
 tokens are formed once and shared by the q and k heads, and each element is read once and
-written once: 2 (Hq + 2 Hk) D elements a token. N is not specialised on, so that a new token
+written once: 2 (Hq + 2 Hk) D elements a token. Every load is issued first, none waiting on
+another's result (the positions, the slots and the q, k and v rows; k and v are read for every
+token and written only where it has a slot), so that a decode step's launch, a few token rows
+just written by the GEMM, waits on one round trip to L2 instead of four. N is not specialised on, so that a new token
 count (prefill chunks, decode batch sizes) never compiles the kernel again.
 
 The trainer's forward runs this kernel too, in either mode, through `qk_norm_rope`, which
@@ -38,6 +41,7 @@ from rlcu.ops.rope import rope_fwd_ref
 
 MAX_D = 256  # head_dim: a program holds BT x (Hq + 2 Hk) x D elements
 _TILE = 4096  # elements of a program's rows (at least one token row)
+WARP_ELEMS = 512  # a warp's share of those elements (num_warps)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -59,13 +63,11 @@ def norm_rope_halves(x1, x2, W, i, D, D2, eps, cos, sin, dt: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(X, W, t, h, i, mask, stride_x, D, D2, eps, cos, sin):
-    """Heads [BT, BH, D] at X + t * stride_x + h * D -> their rotated halves (y1, y2), each
-    [BT, BH, BD2] in X's dtype, and their rstd [BT, BH] (norm_rope_halves)."""
+def _halves(X, t, h, i, mask, stride_x, D, D2):
+    """Heads [BT, BH, D] at X + t * stride_x + h * D as their halves (x1, x2), each [BT, BH, BD2]
+    in X's dtype."""
     off = t[:, None, None] * stride_x + h[None, :, None] * D + i[None, None, :]
-    x1 = tl.load(X + off, mask=mask, other=0.0).to(tl.float32)  # [BT, BH, BD2]
-    x2 = tl.load(X + off + D2, mask=mask, other=0.0).to(tl.float32)
-    return norm_rope_halves(x1, x2, W, i, D, D2, eps, cos, sin, X.dtype.element_ty)
+    return tl.load(X + off, mask=mask, other=0.0), tl.load(X + off + D2, mask=mask, other=0.0)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -80,16 +82,24 @@ def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, RQ, RK, N, Hq, Hk, D, D2
     hk = tl.arange(0, BHK)
     tmask = t < N
     imask = (i < D2)[None, None, :]
+    qmask = tmask[:, None, None] & (hq < Hq)[None, :, None] & imask
+    rmask = tmask[:, None, None] & (hk < Hk)[None, :, None] & imask  # k and v rows of the tokens
+    # every load first, none behind another's result: the rows were just written (L2), so the
+    # kernel takes one round trip instead of one for the positions and slots, one for q, one
+    # for k and one for v (k and v are read for every token, written only where it has a slot)
     pos = tl.load(POS + t, mask=tmask, other=0).to(tl.float32)
     slot = tl.load(SLOT + t, mask=tmask, other=-1).to(tl.int64)  # [BT]
+    q1, q2 = _halves(QKV, t, hq, i, qmask, stride_qkv, D, D2)
+    k1, k2 = _halves(QKV + Hq * D, t, hk, i, rmask, stride_qkv, D, D2)
+    v1, v2 = _halves(QKV + (Hq + Hk) * D, t, hk, i, rmask, stride_qkv, D, D2)
     inv_freq = tl.exp2(i.to(tl.float32) * freq_scale)  # [BD2]
     ang = pos[:, None] * inv_freq[None, :]  # [BT, BD2]
     cos = tl.cos(ang)[:, None, :]  # [BT, 1, BD2]
     sin = tl.sin(ang)[:, None, :]
+    dt = QKV.dtype.element_ty
 
     # q: every token row
-    qmask = tmask[:, None, None] & (hq < Hq)[None, :, None] & imask
-    q1, q2, rq = _norm_rope(QKV, QW, t, hq, i, qmask, stride_qkv, D, D2, eps, cos, sin)
+    q1, q2, rq = norm_rope_halves(q1.to(tl.float32), q2.to(tl.float32), QW, i, D, D2, eps, cos, sin, dt)
     q_off = t[:, None, None] * (Hq * D) + hq[None, :, None] * D + i[None, None, :]
     tl.store(Q + q_off, q1, mask=qmask)
     tl.store(Q + q_off + D2, q2, mask=qmask)
@@ -97,16 +107,13 @@ def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, RQ, RK, N, Hq, Hk, D, D2
         tl.store(RQ + t[:, None] * Hq + hq[None, :], rq, mask=tmask[:, None] & (hq < Hq)[None, :])
 
     # k and v: only the rows that have a cache slot; row slot of the cache seen as [slots, Hk, D]
-    kmask = (slot >= 0)[:, None, None] & (hk < Hk)[None, :, None] & imask
-    k1, k2, rk = _norm_rope(QKV + Hq * D, KW, t, hk, i, kmask, stride_qkv, D, D2, eps, cos, sin)
+    kmask = (slot >= 0)[:, None, None] & rmask
+    k1, k2, rk = norm_rope_halves(k1.to(tl.float32), k2.to(tl.float32), KW, i, D, D2, eps, cos, sin, dt)
     if STATS:
         tl.store(RK + t[:, None] * Hk + hk[None, :], rk, mask=(slot >= 0)[:, None] & (hk < Hk)[None, :])
     c_off = slot[:, None, None] * stride_cs + hk[None, :, None] * stride_ch + i[None, None, :]
     tl.store(KC + c_off, k1.to(KC.dtype.element_ty), mask=kmask)
     tl.store(KC + c_off + D2, k2.to(KC.dtype.element_ty), mask=kmask)
-    v_off = t[:, None, None] * stride_qkv + (Hq + Hk) * D + hk[None, :, None] * D + i[None, None, :]
-    v1 = tl.load(QKV + v_off, mask=kmask, other=0.0)
-    v2 = tl.load(QKV + v_off + D2, mask=kmask, other=0.0)
     tl.store(VC + c_off, v1.to(VC.dtype.element_ty), mask=kmask)
     tl.store(VC + c_off + D2, v2.to(VC.dtype.element_ty), mask=kmask)
 
@@ -157,8 +164,8 @@ def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: in
         BHQ, BHK, BD2 = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk), triton.next_power_of_2(D2)
         row = (BHQ + 2 * BHK) * 2 * BD2  # elements of one token row in the program's blocks
         BT = max(1, _TILE // triton.next_power_of_2(row))
-        # ~32 fp32 elements a thread per live block (Qwen3-0.6B: 4 warps, 80 registers, no spill)
-        num_warps = min(16, max(4, triton.next_power_of_2(BT * row) // 1024))
+        # ~16 elements a thread of each block, all three live at once after the loads
+        num_warps = min(16, max(4, triton.next_power_of_2(BT * row) // WARP_ELEMS))
         kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
         _qkv_prep_kernel[(triton.cdiv(N, BT),)](
             qkv, q_w.contiguous(), k_w.contiguous(), pos.to(torch.int32).contiguous(), slots.contiguous(), q, kc, vc,
