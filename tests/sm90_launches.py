@@ -129,6 +129,10 @@ def calls():
     yield "kv_write", lambda: kv_write(k, v, kc, vc, slots)
     yield "qkv_prep", lambda: qkv_prep(qkv, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), pos, slots, kc, vc,
                                        Hq, Hk, D, 1e-6, 1e6)
+    for hq in (32, 64):  # the 4B / 8B and the 32B head counts: a warp's share of a token row differs
+        big = torch.randn(T, (hq + 2 * Hk) * D).to(bf)
+        yield f"qkv_prep_{hq}_heads", lambda big=big, hq=hq: qkv_prep(
+            big, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), pos, slots, kc, vc, hq, Hk, D, 1e-6, 1e6)
     S = 8
     tables = torch.arange(S * 8, dtype=torch.int32).view(S, 8) % NB
     lens = torch.full((S,), 100, dtype=torch.int32)

@@ -165,7 +165,7 @@ def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: in
         row = (BHQ + 2 * BHK) * 2 * BD2  # elements of one token row in the program's blocks
         BT = max(1, _TILE // triton.next_power_of_2(row))
         # ~16 elements a thread of each block, all three live at once after the loads
-        num_warps = min(16, max(4, triton.next_power_of_2(BT * row) // WARP_ELEMS))
+        num_warps = min(32, max(4, triton.next_power_of_2(BT * row) // WARP_ELEMS))
         kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
         _qkv_prep_kernel[(triton.cdiv(N, BT),)](
             qkv, q_w.contiguous(), k_w.contiguous(), pos.to(torch.int32).contiguous(), slots.contiguous(), q, kc, vc,
