@@ -125,14 +125,13 @@ def calls():
     BS, NB = 16, 64
     kc, vc = torch.zeros(NB, BS, Hk, D, dtype=bf), torch.zeros(NB, BS, Hk, D, dtype=bf)
     slots = torch.arange(T, dtype=torch.int64)
-    qkv = torch.randn(T, (Hq + 2 * Hk) * D).to(bf)
     yield "kv_write", lambda: kv_write(k, v, kc, vc, slots)
-    yield "qkv_prep", lambda: qkv_prep(qkv, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), pos, slots, kc, vc,
-                                       Hq, Hk, D, 1e-6, 1e6)
-    for hq in (32, 64):  # the 4B / 8B and the 32B head counts: a warp's share of a token row differs
-        big = torch.randn(T, (hq + 2 * Hk) * D).to(bf)
-        yield f"qkv_prep_{hq}_heads", lambda big=big, hq=hq: qkv_prep(
-            big, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), pos, slots, kc, vc, hq, Hk, D, 1e-6, 1e6)
+    for hq in (Hq, 32, 64):  # the 0.6B, 8B and 32B head counts, both launches (qkv_prep.launch):
+        big = torch.randn(T, (hq + 2 * Hk) * D).to(bf)  # a decode step's rows, and the trainer's (stats)
+        for stats in (False, True):
+            yield f"qkv_prep_{hq}_heads{'_stats' if stats else ''}", lambda big=big, hq=hq, stats=stats: qkv_prep(
+                big, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), pos, slots, kc, vc, hq, Hk, D, 1e-6, 1e6,
+                stats)
     S = 8
     tables = torch.arange(S * 8, dtype=torch.int32).view(S, 8) % NB
     lens = torch.full((S,), 100, dtype=torch.int32)

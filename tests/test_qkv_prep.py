@@ -85,7 +85,8 @@ def test_twin_equals_unfused_ops(dtype, monkeypatch):
 # ------------------------------------------------------------------ kernel vs twin
 @cpu
 @pytest.mark.parametrize("N,Hq,Hk,D,pad", [(7, 4, 2, 32, 0), (33, 4, 2, 32, 0), (7, 4, 2, 64, 0),
-                                           (33, 4, 2, 64, 5), (5, 6, 2, 24, 3), (3, 3, 1, 6, 0)])
+                                           (33, 4, 2, 64, 5), (5, 6, 2, 24, 3), (3, 3, 1, 6, 0),
+                                           (300, 4, 2, 32, 3)])  # past "decode": the bulk launch
 def test_kernel_matches_twin(N, Hq, Hk, D, pad, triton_backend):
     args = _inputs(N, Hq, Hk, D, pad_cols=pad)
     (q, kc, vc), (q_ref, kc_ref, vc_ref) = _both(qp.qkv_prep, qp.qkv_prep_ref, args, Hq, Hk, D)
@@ -123,6 +124,18 @@ def test_kernel_empty_and_no_slots(triton_backend):
     q = qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, THETA)
     q_ref = qp.qkv_prep_ref(qkv, q_w, k_w, pos, slots, kc0.clone(), vc0.clone(), Hq, Hk, D, EPS, THETA)
     assert rel_err(q, q_ref) < 1e-5 and torch.equal(kc, kc0) and torch.equal(vc, vc0)
+
+
+def test_launch_decode_rows_and_bulk():
+    """A decode step's few rows get a program each (the measured H200 configs); many rows, or any
+    call with stats, the bulk launch, whose config never follows N: the trainer's and exact
+    mode's engine rows run one kernel."""
+    assert qp.launch(64, 4096, False) == (1, 8)  # Qwen3-0.6B heads: 16 q, 8 kv, 128
+    assert qp.launch(256, 8192, False) == (1, 16)  # 8B: 32 q
+    assert qp.launch(64, 16384, False) == qp.launch(64, 16384, True) == (1, 8)  # 32B: 64 q, bulk always
+    assert qp.launch(257, 4096, False) == qp.launch(8192, 4096, False) == (4, 8)
+    for row in (64, 4096, 8192, 16384):
+        assert len({qp.launch(n, row, True) for n in (1, 64, 256, 8192, 1 << 20)}) == 1
 
 
 def test_errors():
@@ -177,7 +190,7 @@ def test_gpu_fp32_matches_twin_and_does_not_recompile(monkeypatch):
     monkeypatch.delenv("RLCU_BACKEND", raising=False)
     Hq, Hk, D = 16, 8, 128
     compiled = []
-    for N in (1, 63, 1000):
+    for N in (1, 63, 1000, 3000):  # two launches (qkv_prep.launch): decode rows, then bulk
         args = _inputs(N, Hq, Hk, D, torch.float32, "cuda", seed=N)
         (q, kc, vc), (q_ref, kc_ref, vc_ref) = _both(qp.qkv_prep, qp.qkv_prep_ref, args, Hq, Hk, D)
         # the twin's angles use pow, the kernels' exp2 (as rope.py's): measured 2.5e-5 at p ~ 3000
@@ -189,7 +202,8 @@ def test_gpu_fp32_matches_twin_and_does_not_recompile(monkeypatch):
         if caches:
             compiled.append(sum(len(c[0]) for c in caches.values()))
     if compiled:
-        assert compiled[0] == compiled[-1], f"kernel compiled again for a new N: {compiled}"
+        assert compiled[1] == compiled[0] and compiled[3] == compiled[2] == compiled[0] + 1, \
+            f"kernel compiled again for a new N: {compiled}"
 
 
 # ------------------------------------------------------------------ exact mode: the trainer's entry

@@ -17,8 +17,9 @@ tokens are formed once and shared by the q and k heads, and each element is read
 written once: 2 (Hq + 2 Hk) D elements a token. Every load is issued first, none waiting on
 another's result (the positions, the slots and the q, k and v rows; k and v are read for every
 token and written only where it has a slot), so that a decode step's launch, a few token rows
-just written by the GEMM, waits on one round trip to L2 instead of four. N is not specialised on, so that a new token
-count (prefill chunks, decode batch sizes) never compiles the kernel again.
+just written by the GEMM, waits on one round trip to L2 instead of four. N is not specialised
+on: a shape compiles two variants (`launch`: a few rows for latency, many for throughput),
+never one per token count (prefill chunks, decode batch sizes).
 
 The trainer's forward runs this kernel too, in either mode, through `qk_norm_rope`, which
 writes k and v into contiguous [N, Hk, D] tensors seen as a cache of N one-token blocks (slot
@@ -40,8 +41,18 @@ from rlcu.ops.rmsnorm import rmsnorm_fwd_ref
 from rlcu.ops.rope import rope_fwd_ref
 
 MAX_D = 256  # head_dim: a program holds BT x (Hq + 2 Hk) x D elements
-_TILE = 4096  # elements of a program's rows (at least one token row)
-WARP_ELEMS = 512  # a warp's share of those elements (num_warps)
+# Two launches (`launch`), measured on the H200 (one token row = (Hq + 2 Hk) D elements padded to
+# a power of two, bf16; the previous kernel, whose loads waited on each other, in the same run):
+# "decode", a step's few rows (at most max_tokens, rows of at most max_row elements): one row a
+# program, a warp per elems_per_warp elements, for latency: 2.5 / 3.5 us at 64 / 256 rows at
+# Qwen3-0.6B's heads (previous: 4.3 / 5.1), 3.4 / 4.7 at 8B's (4.2 / 4.9). "bulk", everything
+# else and every call with stats (the trainer, exact mode's engine: one kernel for both, so the
+# same bits): tile elements a program, a warp per elems_per_warp, for throughput: 8192 rows in
+# 37 / 66 / 111 us at 0.6B / 8B / 32B heads (previous: 59 / 85 / 173). Both spill-free (ptxas).
+CONFIGS = {
+    "decode": dict(max_tokens=256, max_row=8192, elems_per_warp=512),
+    "bulk": dict(tile=16384, elems_per_warp=2048),
+}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -148,6 +159,18 @@ def _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int
         raise ValueError(f"qkv_prep: theta must be > 0, got {theta}")
 
 
+def launch(N: int, row: int, stats: bool) -> tuple[int, int]:
+    """(BT token rows a program, num_warps) for N rows of `row` elements (the program's blocks
+    of one token, a power of two): CONFIGS' "decode" for a few rows without stats, else "bulk".
+    A row's float ops follow num_warps (the sum of squares' order), never BT or N, and a call
+    with stats always takes "bulk": the trainer's rows and exact mode's engine rows agree."""
+    dec, bulk = CONFIGS["decode"], CONFIGS["bulk"]
+    if not stats and N <= dec["max_tokens"] and row <= dec["max_row"]:
+        return 1, max(4, row // dec["elems_per_warp"])
+    BT = max(1, bulk["tile"] // row)
+    return BT, min(16, max(4, BT * row // bulk["elems_per_warp"]))
+
+
 def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
                     eps: float, theta: float, stats: bool = False):
     N = qkv.shape[0]
@@ -162,10 +185,7 @@ def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: in
             qkv = qkv.contiguous()
         D2 = D // 2
         BHQ, BHK, BD2 = triton.next_power_of_2(Hq), triton.next_power_of_2(Hk), triton.next_power_of_2(D2)
-        row = (BHQ + 2 * BHK) * 2 * BD2  # elements of one token row in the program's blocks
-        BT = max(1, _TILE // triton.next_power_of_2(row))
-        # ~16 elements a thread of each block, all three live at once after the loads
-        num_warps = min(32, max(4, triton.next_power_of_2(BT * row) // WARP_ELEMS))
+        BT, num_warps = launch(N, triton.next_power_of_2((BHQ + 2 * BHK) * 2 * BD2), stats)
         kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
         _qkv_prep_kernel[(triton.cdiv(N, BT),)](
             qkv, q_w.contiguous(), k_w.contiguous(), pos.to(torch.int32).contiguous(), slots.contiguous(), q, kc, vc,
