@@ -10,7 +10,8 @@ Left to the first generate, three kinds of one-time work land inside it:
   split count and length) is unspecialised, every step buffer starts 16 bytes aligned, and the
   constexprs depend on the model's shape only, so each kernel has one variant, except the
   decode attention: split or not (`SPLIT`), and its reduce per power of two of the split
-  count (BSPLIT, 2 .. 64). The prefill attention, norms, qkv_prep, swiglu, embedding and both
+  count (BSPLIT, 2 .. 64), and qkv_prep: a few rows or many (ops/qkv_prep.py `launch`; the
+  warm-up's prefill steps take both). The prefill attention, norms, swiglu, embedding and both
   sampler kernels (the row kernel is the largest compile) are one variant each.
 - CUDA-graph captures: one per (batch bucket, context bucket) of the pure decode steps, tens
   of ms each (a warm-up step, then the capture), and one per token bucket of the prefill and
@@ -19,13 +20,13 @@ Left to the first generate, three kinds of one-time work land inside it:
   host buffers.
 
 The warm-up runs the runner's own forward and sampler (`_hidden`, `_sample`) on dummy steps
-that write nowhere in the KV pool (kv slot -1): one small prefill step that samples (the
-prefill kernels and the sampler), then every decode graph of `graph_plan` (each batch bucket
-at each context bucket, after merging the context buckets whose steps launch the same
-kernels), largest batch first so that the smaller graphs reuse the capture pool's memory,
+that write nowhere in the KV pool (kv slot -1): a small prefill step that samples (the
+prefill kernels and the sampler) and one past qkv_prep's few rows, then every decode graph of
+`graph_plan` (each batch bucket at each context bucket, after merging the context buckets whose
+steps launch the same kernels), largest batch first so that the smaller graphs reuse the capture pool's memory,
 then the prefill graphs of every token bucket, largest first.
 Without graphs (enforce_eager) the same decode steps run eagerly, which compiles their
-kernels. Off CUDA nothing compiles; one prefill and one decode step run on the twins.
+kernels. Off CUDA nothing compiles; the prefill steps and one decode step run on the twins.
 
 Compiled kernels persist on disk (Triton's cache: ~/.triton/cache, or $TRITON_CACHE_DIR), so
 on a machine that ran the engine before, the warm-up loads them (ms each) rather than
@@ -39,6 +40,7 @@ import time
 import torch
 
 from rlcu.ops.paged_attention import prefill_tiles
+from rlcu.ops.qkv_prep import CONFIGS as QKV_PREP
 
 
 # ---------------------------------------------------------------------------- dummy steps
@@ -90,11 +92,15 @@ def warm_up(runner) -> dict:
         raise RuntimeError("warm_up needs the KV pool (the engine is asleep): call wake() first")
     t0 = time.perf_counter()
     dev, bs, cuda = runner.device, runner.block_size, runner.device.type == "cuda"
-    n = min(runner.max_num_batched_tokens, 2 * bs + 3)  # any lengths do: one variant a kernel
-    lens = [n, 1] if n < runner.max_num_batched_tokens else [n]
-    c = runner.cfg
-    args, R = prefill_inputs(lens, bs, runner.max_num_seqs, dev, (c.num_attention_heads, c.num_key_value_heads))
-    out = runner._sample(runner._hidden(*args), sampling_inputs(R, dev))
+    budget, c = runner.max_num_batched_tokens, runner.cfg
+    n = min(budget, 2 * bs + 3)  # any lengths do: one variant a kernel, but for qkv_prep's two
+    steps = [[n, 1] if n < budget else [n]]
+    many = min(budget, QKV_PREP["decode"]["max_tokens"] + 1)
+    if many > n:
+        steps.append([many])
+    for lens in steps:
+        args, R = prefill_inputs(lens, bs, runner.max_num_seqs, dev, (c.num_attention_heads, c.num_key_value_heads))
+        out = runner._sample(runner._hidden(*args), sampling_inputs(R, dev))
     for _ in range(2):  # both readback buffers (pinned host memory)
         runner.collect(runner._readback(out))
     if cuda:
