@@ -151,26 +151,3 @@ def test_warmup_captures_every_graph_the_run_replays_emulated():
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert torch.allclose(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-5)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles on a GPU")
-def test_gpu_warmup_compiles_both_qkv_prep_launches(monkeypatch):
-    """qkv_prep has two launches (a few rows, or many: ops/qkv_prep.launch); the warm-up's
-    prefill steps take both, so a first prefill of many tokens compiles nothing (without the
-    prefill graphs, whose captures would compile it too)."""
-    from rlcu.model.layout import ParamLayout
-    from rlcu.ops import qkv_prep as qp
-
-    monkeypatch.delenv("RLCU_BACKEND", raising=False)
-    cfg = _model().cfg
-    m = Qwen3(cfg, torch.zeros(ParamLayout(cfg).numel, device="cuda", dtype=torch.bfloat16))
-    llm = LLM(m, num_kv_blocks=64, max_num_batched_tokens=512, enforce_eager=True, prefill_graphs=False,
-              warmup=True)
-
-    def variants():
-        return sum(len(c[0]) for c in qp._qkv_prep_kernel.device_caches.values())
-
-    before = variants()
-    sp = SamplingParams(max_tokens=2, ignore_eos=True, seed=0)
-    llm.generate([{"prompt_token_ids": list(range(1, 60)) * 5}], sp, use_tqdm=False)  # 295 tokens: many rows
-    assert variants() == before
