@@ -19,8 +19,6 @@ never runs it.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlcu.ops import decode_linear as dl
@@ -28,6 +26,7 @@ from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.decode_linear import _mainloop, _pdl_begin, _split_arrive
 from rlcu.ops.qkv_prep import norm_rope_halves, qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
+from rlcu.ops.rope import cos_sin, freq_scale_of
 
 KIND = "qkv"  # the third element of this op's keys in decode_linear.CONFIGS["table"]
 
@@ -41,11 +40,8 @@ def _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, 
     x1 = (acc1 * rstd).to(dt).to(tl.float32)[:, None, :]  # qkv, rounded as the GEMM's output: [BM, 1, D2]
     x2 = (acc2 * rstd).to(dt).to(tl.float32)[:, None, :]
     mask = mmask[:, None, None] & (i < D2)[None, None, :]
-    if h < Hq + Hk:  # a q or k head: norm and rotation, the angles as qkv_prep forms them
-        pos = tl.load(POS + offs_m, mask=mmask, other=0).to(tl.float32)
-        ang = pos[:, None] * tl.exp2(i.to(tl.float32) * freq_scale)[None, :]
-        cos = tl.cos(ang)[:, None, :]
-        sin = tl.sin(ang)[:, None, :]
+    if h < Hq + Hk:  # a q or k head: norm and rotation, the angles as rope.py forms them
+        cos, sin = cos_sin(tl.load(POS + offs_m, mask=mmask, other=0).to(tl.float32), i, freq_scale)
         if h < Hq:
             y1, y2, _ = norm_rope_halves(x1, x2, QW, i, D, D2, eps, cos, sin, dt)
             q_off = offs_m[:, None, None] * (Hq * D) + h * D + i[None, None, :]
@@ -134,7 +130,7 @@ def decode_qkv_triton(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache,
     kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
     _qkv_kernel[grid](
         x, w, norm_w, q_w, k_w, pos, slots, q, kc, vc, part, pss, cnt if cnt is not None else q, M, K, k_split,
-        x.stride(0), w.stride(0), kc.stride(0), kc.stride(1), eps, -2.0 * math.log2(theta) / D, Hq, Hk,
+        x.stride(0), w.stride(0), kc.stride(0), kc.stride(1), eps, freq_scale_of(theta, D), Hq, Hk,
         PARTIAL=split > 1, D=D, D2=D2, BM=BM, BK=BK, **kw)
     return q
 

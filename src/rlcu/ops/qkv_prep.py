@@ -31,14 +31,12 @@ which program holds it, so q and k have the same bits whatever the batch.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.kv_cache import kv_write_ref
 from rlcu.ops.rmsnorm import rmsnorm_fwd_ref
-from rlcu.ops.rope import rope_fwd_ref
+from rlcu.ops.rope import cos_sin, freq_scale_of, rope_fwd_ref
 
 MAX_D = 256  # head_dim: a program holds BT x (Hq + 2 Hk) x D elements
 # Two launches (`launch`), measured on the H200 (one token row = (Hq + 2 Hk) D elements padded to
@@ -85,7 +83,6 @@ def _halves(X, t, h, i, mask, stride_x, D, D2):
 def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, RQ, RK, N, Hq, Hk, D, D2, stride_qkv,
                      stride_cs, stride_ch, eps, freq_scale, BT: tl.constexpr, BHQ: tl.constexpr,
                      BHK: tl.constexpr, BD2: tl.constexpr, STATS: tl.constexpr):
-    # freq_scale = -2 log2(theta) / D, so that theta^(-2i/D) = exp2(i * freq_scale), as rope.py
     pid = tl.program_id(0).to(tl.int64)
     t = pid * BT + tl.arange(0, BT)  # [BT] tokens
     i = tl.arange(0, BD2)
@@ -103,10 +100,7 @@ def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, RQ, RK, N, Hq, Hk, D, D2
     q1, q2 = _halves(QKV, t, hq, i, qmask, stride_qkv, D, D2)
     k1, k2 = _halves(QKV + Hq * D, t, hk, i, rmask, stride_qkv, D, D2)
     v1, v2 = _halves(QKV + (Hq + Hk) * D, t, hk, i, rmask, stride_qkv, D, D2)
-    inv_freq = tl.exp2(i.to(tl.float32) * freq_scale)  # [BD2]
-    ang = pos[:, None] * inv_freq[None, :]  # [BT, BD2]
-    cos = tl.cos(ang)[:, None, :]  # [BT, 1, BD2]
-    sin = tl.sin(ang)[:, None, :]
+    cos, sin = cos_sin(pos, i, freq_scale)  # [BT, 1, BD2], as rope.py forms them
     dt = QKV.dtype.element_ty
 
     # q: every token row
@@ -190,7 +184,7 @@ def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: in
         _qkv_prep_kernel[(triton.cdiv(N, BT),)](
             qkv, q_w.contiguous(), k_w.contiguous(), pos.to(torch.int32).contiguous(), slots.contiguous(), q, kc, vc,
             rq, rk, N, Hq, Hk, D, D2, qkv.stride(0), kc.stride(0), kc.stride(1), eps,
-            -2.0 * math.log2(theta) / D, BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, STATS=stats, num_warps=num_warps)
+            freq_scale_of(theta, D), BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, STATS=stats, num_warps=num_warps)
     return (q, rq, rk) if stats else q
 
 

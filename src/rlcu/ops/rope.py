@@ -23,20 +23,31 @@ _TILE = 4096  # elements a program handles: BT tokens x BH heads x D
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def freq_scale_of(theta: float, D: int) -> float:
+    """-2 log2(theta) / D, so that theta^(-2i/D) = exp2(i * freq_scale): the kernels' argument."""
+    return -2.0 * math.log2(theta) / D
+
+
+@triton.jit
+def cos_sin(pos, i, freq_scale):
+    """cos and sin [rows, 1, BD2] of the angles pos * theta^(-2i/D) (pos [rows] fp32, i [BD2]
+    the frequencies), to broadcast over a token's heads. Every kernel that rotates (this one,
+    qkv_prep.py's, decode_qkv.py's) forms them here, so all give the same bits."""
+    ang = pos[:, None] * tl.exp2(i.to(tl.float32) * freq_scale)[None, :]  # [rows, BD2]
+    return tl.cos(ang)[:, None, :], tl.sin(ang)[:, None, :]
+
+
 @triton.jit(do_not_specialize=["N"])
 def _rope_kernel(X, POS, Y, N, H, D2, stride_xn, stride_xh, stride_yn, stride_yh, freq_scale,
                  SIGN: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BD2: tl.constexpr):
-    # freq_scale = -2 log2(theta) / D, so that theta^(-2i/D) = exp2(i * freq_scale)
     pid = tl.program_id(0).to(tl.int64)
     t = pid * BT + tl.arange(0, BT)  # [BT] tokens
     h = tl.arange(0, BH)
     i = tl.arange(0, BD2)
     tmask = t < N
     pos = tl.load(POS + t, mask=tmask, other=0).to(tl.float32)
-    inv_freq = tl.exp2(i.to(tl.float32) * freq_scale)  # [BD2]
-    ang = pos[:, None] * inv_freq[None, :]  # [BT, BD2]
-    cos = tl.cos(ang)[:, None, :]  # [BT, 1, BD2]
-    sin = (SIGN * tl.sin(ang))[:, None, :]
+    cos, sin = cos_sin(pos, i, freq_scale)  # [BT, 1, BD2]
+    sin = SIGN * sin
     mask = tmask[:, None, None] & (h < H)[None, :, None] & (i < D2)[None, None, :]
     x_off = t[:, None, None] * stride_xn + h[None, :, None] * stride_xh + i[None, None, :]
     y_off = t[:, None, None] * stride_yn + h[None, :, None] * stride_yh + i[None, None, :]
@@ -72,7 +83,7 @@ def _rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float, sign: f
     BT = max(1, _TILE // (2 * BD2 * BH))
     num_warps = 4 if BT * BH * BD2 <= 2048 else 8
     _rope_kernel[(triton.cdiv(N, BT),)](x, positions, y, N, H, D2, x.stride(0), x.stride(1),
-                                        y.stride(0), y.stride(1), -2.0 * math.log2(theta) / D,
+                                        y.stride(0), y.stride(1), freq_scale_of(theta, D),
                                         SIGN=sign, BT=BT, BH=BH, BD2=BD2, num_warps=num_warps)
     return y
 
