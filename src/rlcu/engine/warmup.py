@@ -26,7 +26,7 @@ prefill kernels and the sampler) and one past qkv_prep's few rows, then every de
 steps launch the same kernels), largest batch first so that the smaller graphs reuse the capture pool's memory,
 then the prefill graphs of every token bucket, largest first.
 Without graphs (enforce_eager) the same decode steps run eagerly, which compiles their
-kernels. Off CUDA nothing compiles; the prefill steps and one decode step run on the twins.
+kernels. Off CUDA nothing compiles; one prefill and one decode step run on the twins.
 
 Compiled kernels persist on disk (Triton's cache: ~/.triton/cache, or $TRITON_CACHE_DIR), so
 on a machine that ran the engine before, the warm-up loads them (ms each) rather than
@@ -96,7 +96,7 @@ def warm_up(runner) -> dict:
     n = min(budget, 2 * bs + 3)  # any lengths do: one variant a kernel, but for qkv_prep's two
     steps = [[n, 1] if n < budget else [n]]
     many = min(budget, QKV_PREP["decode"]["max_tokens"] + 1)
-    if many > n:
+    if cuda and many > n:  # its bulk launch (off CUDA nothing compiles: no need)
         steps.append([many])
     for lens in steps:
         args, R = prefill_inputs(lens, bs, runner.max_num_seqs, dev, (c.num_attention_heads, c.num_key_value_heads))

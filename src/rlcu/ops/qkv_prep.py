@@ -156,8 +156,9 @@ def _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int
 def launch(N: int, row: int, stats: bool) -> tuple[int, int]:
     """(BT token rows a program, num_warps) for N rows of `row` elements (the program's blocks
     of one token, a power of two): CONFIGS' "decode" for a few rows without stats, else "bulk".
-    A row's float ops follow num_warps (the sum of squares' order), never BT or N, and a call
-    with stats always takes "bulk": the trainer's rows and exact mode's engine rows agree."""
+    A row's float ops follow the compiled variant (its BT and num_warps lay out the sum of
+    squares), never N, and a call with stats always takes "bulk", whose variant depends on the
+    shape only: the trainer's rows and exact mode's engine rows agree."""
     dec, bulk = CONFIGS["decode"], CONFIGS["bulk"]
     if not stats and N <= dec["max_tokens"] and row <= dec["max_row"]:
         return 1, max(4, row // dec["elems_per_warp"])
