@@ -231,6 +231,7 @@ def main(argv=None) -> int:
                           "kv_blocks": llm.runner.num_blocks, "block_size": llm.runner.block_size,
                           "cuda_graphs": llm.runner.use_graphs, "async_scheduling": llm.async_scheduling,
                           "prefill_graphs": sorted(llm.runner.prefill_graphs.graphs), "shape": args.shape,
+                          "decode_kernel": pa.CONFIGS["decode_plan"]["kernel"],
                           "decode_splits": dict(pa.CONFIGS["splits"]),
                           "decode_linear": {"enabled": dl.CONFIGS["enabled"], "pdl": dl.CONFIGS["pdl"],
                                             "table": args.fused_linear or None},

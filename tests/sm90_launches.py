@@ -26,6 +26,9 @@ os.environ["RLCU_BACKEND"] = "triton"
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.common
+from bench.common import overriding  # noqa: E402
+
 bf = torch.bfloat16
 COMPILED: dict[str, list] = {}
 # PTX a variant's entry says whether it holds: pipelined async copies, warpgroup MMAs, grid
@@ -136,35 +139,27 @@ def calls():
     tables = torch.arange(S * 8, dtype=torch.int32).view(S, 8) % NB
     lens = torch.full((S,), 100, dtype=torch.int32)
     qd = torch.randn(S, Hq, D).to(bf)
-    def split_kernel(fn):  # the split kernel (decode_plan "split"), whatever the default plan
+    def decode_kernel(kernel, fn):  # fn with the decode plan's kernel set, whatever the default
         def call():
-            saved = dict(pa.CONFIGS["decode_plan"])
-            pa.CONFIGS["decode_plan"]["kernel"] = "split"
-            try:
+            with overriding(pa.CONFIGS, decode_plan=dict(pa.CONFIGS["decode_plan"], kernel=kernel)):
                 fn()
-            finally:
-                pa.CONFIGS["decode_plan"] = saved
         return call
 
     cu1 = torch.arange(S + 1, dtype=torch.int32)
-    yield "paged_decode", split_kernel(lambda: paged_attention(qd, kc, vc, tables, cu1, lens, 1, 128, D**-0.5))
+    yield "paged_decode", decode_kernel("split", lambda: paged_attention(qd, kc, vc, tables, cu1, lens, 1, 128,
+                                                                         D**-0.5))
     long_lens = torch.full((S,), 1000, dtype=torch.int32)  # past unsplit_keys: the split kernel and its reduce
     long_tables = torch.arange(S * 64, dtype=torch.int32).view(S, 64) % NB
-    yield "paged_decode_split", split_kernel(lambda: paged_attention(
+    yield "paged_decode_split", decode_kernel("split", lambda: paged_attention(
         qd, kc, vc, long_tables, torch.arange(S + 1, dtype=torch.int32), long_lens, 1, 1024, D**-0.5))
 
     def listed():  # the list kernel, its work list built once (as the engine does) and by the call
-        saved = dict(pa.CONFIGS["decode_plan"])
-        pa.CONFIGS["decode_plan"]["kernel"] = "list"
-        try:
-            cuq = torch.arange(S + 1, dtype=torch.int32)
-            work = pa.decode_work(cuq, long_lens, Hk)
-            paged_attention(qd, kc, vc, long_tables, cuq, long_lens, 1, 1024, D**-0.5, None, work)
-            paged_attention(qd, kc, vc, long_tables, cuq, long_lens, 1, 1024, D**-0.5)
-        finally:
-            pa.CONFIGS["decode_plan"] = saved
+        cuq = torch.arange(S + 1, dtype=torch.int32)
+        work = pa.decode_work(cuq, long_lens, Hk)
+        paged_attention(qd, kc, vc, long_tables, cuq, long_lens, 1, 1024, D**-0.5, None, work)
+        paged_attention(qd, kc, vc, long_tables, cuq, long_lens, 1, 1024, D**-0.5)
 
-    yield "paged_decode_list", listed
+    yield "paged_decode_list", decode_kernel("list", listed)
     cuq = torch.arange(0, S * 32 + 1, 32, dtype=torch.int32)
     qp = torch.randn(S * 32, Hq, D).to(bf)
     tiles = tuple(torch.from_numpy(t) for t in prefill_tiles([32] * S, Hq, Hk))
@@ -208,12 +203,8 @@ def calls():
         def call():
             from rlcu.ops import decode_linear as dl
 
-            saved = dict(dl.CONFIGS)
-            dl.CONFIGS["table"] = {}
-            try:
+            with overriding(dl.CONFIGS, table={}, pdl=False, inline_reduce=True):  # fn may switch the last two
                 fn(dl)
-            finally:
-                dl.CONFIGS.update(saved)
         return call
 
     def fused_linear(dl):  # the decode projections, split and not, and under PDL

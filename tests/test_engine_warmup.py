@@ -150,4 +150,3 @@ def test_warmup_captures_every_graph_the_run_replays_emulated():
     for a, b in zip(ref, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert torch.allclose(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs), atol=1e-5)
-
