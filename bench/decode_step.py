@@ -17,8 +17,6 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            serial's;
   serial_no_pdl, rest_no_pdl  serial and rest with the small kernels launched without
            programmatic dependent launch (ops/pdl.py; on by default): its peer, same bits;
-           serial_pdl_attention with PDL for qkv_prep and the attention only (the one edge
-           between two of our kernels); serial_again serial once more, last (the run's drift);
   halves   the batch as two halves on two streams, their attentions in turn (A0, B0, A1, ...),
            so that one half's attention could run beside the other half's GEMMs (`halves`
            below; measured slower at every size on the H200: each half reads every weight, and
@@ -59,8 +57,6 @@ from bench.common import (  # noqa: E402
 from bench.generate import random_model  # noqa: E402
 
 BS = 16
-VARIANTS = ("serial", "serial_no_pdl", "serial_pdl_attention", "attn", "rest", "rest_no_pdl", "halves", "serial_again",
-            "fused", "fused_pdl", "rest_fused", "halves_fused", "serial_split", "attn_split")
 
 
 def cache(cfg, B: int, seed: int = 0):
@@ -168,9 +164,9 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
                 return body()
         return step
 
-    def no_pdl(fn, kernels=()):  # fn captured with PDL for `kernels` only (ops/pdl.py; none: off)
+    def no_pdl(fn):  # fn captured without programmatic dependent launch (ops/pdl.py)
         def run():
-            with overriding(pdl.CONFIGS, kernels=kernels):
+            with overriding(pdl.CONFIGS, enabled=False):
                 return fn()
         return run
 
@@ -186,9 +182,8 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
     bound = (weight_bytes + ctx * kv_tok) / copy_Bps * 1e3
     r = {"B": B, "context_tokens": ctx, "bound_ms": bound, "attention_bytes_bound_ms": ctx * kv_tok / copy_Bps * 1e3}
     ref = None
-    variants = [("serial", serial), ("serial_no_pdl", no_pdl(serial)),
-                ("serial_pdl_attention", no_pdl(serial, ("qkv_prep", "decode_list"))), ("attn", attn),
-                ("rest", rest), ("rest_no_pdl", no_pdl(rest)), ("halves", two), ("serial_again", serial)]
+    variants = [("serial", serial), ("serial_no_pdl", no_pdl(serial)), ("attn", attn), ("rest", rest),
+                ("rest_no_pdl", no_pdl(rest)), ("halves", two)]
     if fused_table is not None:
         variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True)),
                      ("rest_fused", with_linear(False, rest)), ("halves_fused", with_linear(False, two, inline=False))]
@@ -201,7 +196,7 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         if name == "serial":
             ref = out.float().clone()
             e["kernels_ms"] = kernel_ms(gr)
-        elif not name.startswith(("attn", "rest")):  # the variants of the whole step
+        elif name in ("serial_no_pdl", "halves", "fused", "fused_pdl", "halves_fused", "serial_split"):
             e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
         r[name] = e
         del gr
@@ -235,7 +230,9 @@ def main():
             r = {"shape": shape, **run_case(model, B, copy_Bps, table, a.split_kernel)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
-                             for k in VARIANTS if k in r)
+                             for k in ("serial", "serial_no_pdl", "attn", "rest", "rest_no_pdl", "halves",
+                                       "fused", "fused_pdl", "rest_fused", "halves_fused", "serial_split",
+                                       "attn_split") if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "
                   f"{r['serial']['kernels_ms']:6.2f}  attention at {100 * r['attn']['attention_fraction']:.0f}% "
                   f"of its bytes" + (f" (split kernel {100 * r['attn_split']['attention_fraction']:.0f}%)"

@@ -174,7 +174,6 @@ def main(argv=None) -> int:
                    help="the decode attention's split kernel (the previous default)")
     p.add_argument("--no-pdl", action="store_true",
                    help="the small kernels launched without programmatic dependent launch (ops/pdl.py)")
-    p.add_argument("--pdl-kernels", default=None, help="PDL for these kernels only (comma-separated, ops/pdl.py)")
     args = p.parse_args(argv)
     from rlcu.ops import decode_linear as dl
     from rlcu.ops import paged_attention as pa
@@ -191,8 +190,6 @@ def main(argv=None) -> int:
         pa.CONFIGS["decode_plan"] = dict(pa.CONFIGS["decode_plan"], kernel="split")
     if args.no_pdl:
         pdl.CONFIGS["enabled"] = False
-    if args.pdl_kernels is not None:
-        pdl.CONFIGS["kernels"] = tuple(k for k in args.pdl_kernels.split(",") if k)
 
     from rlcu.engine import LLM, SamplingParams
 
@@ -241,7 +238,7 @@ def main(argv=None) -> int:
                           "cuda_graphs": llm.runner.use_graphs, "async_scheduling": llm.async_scheduling,
                           "prefill_graphs": sorted(llm.runner.prefill_graphs.graphs), "shape": args.shape,
                           "decode_kernel": pa.CONFIGS["decode_plan"]["kernel"],
-                          "pdl": list(pdl.CONFIGS["kernels"]) if pdl.on(torch.device(dev)) else [],
+                          "pdl": pdl.on(torch.device(dev)),
                           "decode_splits": dict(pa.CONFIGS["splits"]),
                           "decode_linear": {"enabled": dl.CONFIGS["enabled"], "pdl": dl.CONFIGS["pdl"],
                                             "table": args.fused_linear or None},
@@ -274,7 +271,7 @@ def main(argv=None) -> int:
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
     name += ("_fused_linear" + ("_pdl" if args.pdl else "")) if args.fused_linear is not None else ""
     name += "_split_kernel" if args.split_kernel else ""
-    name += "_no_pdl" if args.no_pdl else ("_pdl_" + "_".join(pdl.CONFIGS["kernels"]) if args.pdl_kernels else "")
+    name += "_no_pdl" if args.no_pdl else ""
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0

@@ -10,13 +10,13 @@ from rlcu.ops import pdl
 
 def test_cpu_tensors_never_take_pdl():
     assert not pdl.available(torch.device("cpu"))
-    assert pdl.launch_kw(torch.device("cpu"), "rmsnorm") == {"PDL": False}
+    assert pdl.launch_kw(torch.device("cpu")) == {"PDL": False}
 
 
 def test_disabled_and_interpreted_launches_take_no_pdl(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setitem(pdl.CONFIGS, "enabled", False)
-    assert pdl.launch_kw(cuda, "rmsnorm") == {"PDL": False}  # decided before any CUDA call
+    assert pdl.launch_kw(cuda) == {"PDL": False}  # decided before any CUDA call
     monkeypatch.setitem(pdl.CONFIGS, "enabled", True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.available(cuda)
@@ -29,15 +29,5 @@ def test_sm90_and_later_take_pdl(monkeypatch, cap, want):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(pdl, "_CAPABLE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx: cap)
-    kw = pdl.launch_kw(torch.device("cuda", 0), "swiglu")
+    kw = pdl.launch_kw(torch.device("cuda", 0))
     assert kw == ({"PDL": True, "launch_pdl": True} if want else {"PDL": False})
-
-
-def test_kernels_set_and_unknown_names(monkeypatch):
-    monkeypatch.setattr(pdl, "available", lambda device: True)
-    monkeypatch.setitem(pdl.CONFIGS, "kernels", ("qkv_prep",))
-    cuda = torch.device("cuda", 0)
-    assert pdl.launch_kw(cuda, "qkv_prep") == {"PDL": True, "launch_pdl": True}
-    assert pdl.launch_kw(cuda, "rmsnorm") == {"PDL": False}
-    with pytest.raises(ValueError, match="unknown kernel 'rms'"):
-        pdl.launch_kw(cuda, "rms")

@@ -171,5 +171,5 @@ def decode_list(q, kc, vc, block_tables, cu_q, seq_lens, o, strides, scale_log2,
         q, kc, vc, block_tables, cu_q, seq_lens, o, o_part, lse_part, work.unit_seq, work.unit_c, work.ch_first,
         work.count, work.meta, *strides, Hq, scale_log2, Hk=Hk, G=G, BG=max(16, triton.next_power_of_2(G)), D=D,
         BD=BD, BS=BS, BN=plan["BN"], BJ=16, num_warps=plan["num_warps"], num_stages=plan["num_stages"],
-        **extra, **pdl.launch_kw(q.device, "decode_list"))
+        **extra, **pdl.launch_kw(q.device))
 

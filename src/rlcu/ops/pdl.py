@@ -37,9 +37,7 @@ if HAS_TRITON:
     except ImportError:  # pragma: no cover - depends on the triton build
         pass
 
-# the kernels (by the name their launcher passes) launched with PDL where it is on
-KERNELS = ("rmsnorm", "swiglu", "qkv_prep", "decode_list", "pass1", "row")
-CONFIGS = {"enabled": True, "kernels": KERNELS}
+CONFIGS = {"enabled": True}
 _CAPABLE: dict = {}  # device index -> compute capability >= 9.0
 
 
@@ -54,19 +52,15 @@ def available(device: torch.device) -> bool:
     return _CAPABLE[idx]
 
 
-def on(device: torch.device, kernel: str | None = None) -> bool:
-    """Whether a launch on `device` (of `kernel`, one of KERNELS) uses PDL now:
-    CONFIGS["enabled"], the kernel in CONFIGS["kernels"], and `available`."""
-    if kernel is not None and kernel not in KERNELS:
-        raise ValueError(f"pdl: unknown kernel {kernel!r}; the kernels that take PDL are {', '.join(KERNELS)}")
-    wanted = kernel is None or kernel in CONFIGS["kernels"]
-    return bool(CONFIGS["enabled"]) and wanted and available(device)
+def on(device: torch.device) -> bool:
+    """Whether a launch on `device` uses PDL now: CONFIGS["enabled"] and `available`."""
+    return bool(CONFIGS["enabled"]) and available(device)
 
 
-def launch_kw(device: torch.device, kernel: str) -> dict:
-    """The keywords `kernel` (one of KERNELS: a `PDL: tl.constexpr` calling `enter`) is launched
-    with: PDL=True and triton's launch_pdl where `on(device, kernel)`, else PDL=False."""
-    return dict(PDL=True, launch_pdl=True) if on(device, kernel) else dict(PDL=False)
+def launch_kw(device: torch.device) -> dict:
+    """The keywords a kernel that takes PDL (a `PDL: tl.constexpr` calling `enter`) is launched
+    with: PDL=True and triton's launch_pdl where `on(device)`, else PDL=False."""
+    return dict(PDL=True, launch_pdl=True) if on(device) else dict(PDL=False)
 
 
 @triton.jit

@@ -189,7 +189,7 @@ def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: in
             qkv, q_w.contiguous(), k_w.contiguous(), pos.to(torch.int32).contiguous(), slots.contiguous(), q, kc, vc,
             rq, rk, N, Hq, Hk, D, D2, qkv.stride(0), kc.stride(0), kc.stride(1), eps,
             freq_scale_of(theta, D), BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, STATS=stats, num_warps=num_warps,
-            **pdl.launch_kw(qkv.device, "qkv_prep"))
+            **pdl.launch_kw(qkv.device))
     return (q, rq, rk) if stats else q
 
 

@@ -177,7 +177,7 @@ def rmsnorm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
         return y, rstd
     BN, BD, num_warps = _blocks(D)
     _rmsnorm_fwd_kernel[(triton.cdiv(N, BN),)](x, w, y, rstd, N, D, x.stride(0), y.stride(0), eps,
-                                               BN=BN, BD=BD, num_warps=num_warps, **pdl.launch_kw(x.device, "rmsnorm"))
+                                               BN=BN, BD=BD, num_warps=num_warps, **pdl.launch_kw(x.device))
     return y, rstd
 
 

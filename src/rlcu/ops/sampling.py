@@ -412,12 +412,12 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets):
         [2 * B * NC, B * NT])
     _pass1_kernel[(B, NC)](logits, temperature, seeds, offsets, pf, pi, tmax, logits.stride(0), B,
                            V, NC, NT, BV=BV, CHUNK=CHUNK, BT=BT, FAST=fast,
-                           num_warps=c1["num_warps"], **pdl.launch_kw(dev, "pass1"))
+                           num_warps=c1["num_warps"], **pdl.launch_kw(dev))
     _row_kernel[(B,)](logits, temperature, top_k, top_p, min_p, seeds, offsets, pf, pi, tmax,
                       tokens, logprobs, logits.stride(0), B, V, NC, NT, triton.cdiv(V, SCHUNK),
                       BC=triton.next_power_of_2(NC), BNT=triton.next_power_of_2(NT), BT=BT,
                       TPC=SCHUNK // BT, NP=_NP, PASSES=_PASSES, FAST=fast,
-                      num_warps=cr["num_warps"], maxnreg=cr.get("maxnreg"), **pdl.launch_kw(dev, "row"))
+                      num_warps=cr["num_warps"], maxnreg=cr.get("maxnreg"), **pdl.launch_kw(dev))
     return tokens, logprobs
 
 

@@ -85,7 +85,7 @@ def swiglu_fwd_triton(gu: torch.Tensor):
         return a
     grid, BN, BI, num_warps = _grid(N, I)
     _swiglu_fwd_kernel[grid](gu, a, N, I, gu.stride(0), a.stride(0), BN=BN, BI=BI, num_warps=num_warps,
-                             **pdl.launch_kw(gu.device, "swiglu"))
+                             **pdl.launch_kw(gu.device))
     return a
 
 
