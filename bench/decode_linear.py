@@ -45,9 +45,6 @@ L2_BYTES = 120 << 20
 OPS = ("qkv", "o", "gate_up", "down")
 MAX_ERR = 2e-2
 REFINE = ((64, 6), (128, 3), (128, 6), (256, 3), (256, 4))  # (BK, stages) tried at each op's best tile
-# (BM, BN) row tiles of 128 and 256 rows, at 8 warps, BK 64 and 3 stages (ptxas for sm_90:
-# gate_up's pair at (128, 64) takes 148 registers, a single tile at (256, 64) 151, spill-free)
-WIDE_ROWS = ((128, 32), (128, 64), (256, 32), (256, 64))
 
 
 def op_shapes(cfg) -> dict:
@@ -118,10 +115,6 @@ def candidates(M: int, N: int, K: int, head_dim: int | None = None) -> list[tupl
         split = split_for(triton.cdiv(N, BN) * triton.cdiv(M, BM), K)
         for s in sorted({1, split}):
             out.append((BM, BN, 128, s, 8 if BM * BN >= 64 * 128 else 4, 4))
-    for BM, BN in WIDE_ROWS:  # row tiles past row_tile's 64, where M fills them: each weight tile read once
-        if M >= BM:
-            split = split_for(triton.cdiv(N, BN) * triton.cdiv(M, BM), K, 64)
-            out += [(BM, BN, 64, s, 8, 3) for s in sorted({1, split})]
     return out
 
 

@@ -15,8 +15,6 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            the op (its GEMMs hold less shared memory than cuBLAS's, so that one half's GEMM
            programs may sit on an SM beside the other half's attention); logits compared with
            serial's;
-  serial_no_pdl, rest_no_pdl  serial and rest with the small kernels launched without
-           programmatic dependent launch (ops/pdl.py; on by default): its peer, same bits;
   halves   the batch as two halves on two streams, their attentions in turn (A0, B0, A1, ...),
            so that one half's attention could run beside the other half's GEMMs (`halves`
            below; measured slower at every size on the H200: each half reads every weight, and
@@ -124,7 +122,6 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
     from rlcu.engine.paged_forward import attention_inputs, attention_out, final
     from rlcu.ops import decode_linear as dl
     from rlcu.ops import paged_attention as pa
-    from rlcu.ops import pdl
     from rlcu.ops.embedding import embedding_fwd
     from rlcu.ops.paged_attention import paged_attention
 
@@ -164,12 +161,6 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
                 return body()
         return step
 
-    def no_pdl(fn):  # fn captured without programmatic dependent launch (ops/pdl.py)
-        def run():
-            with overriding(pdl.CONFIGS, enabled=False):
-                return fn()
-        return run
-
     def split(fn):  # fn captured with the split kernel as the decode plan
         def run():
             with overriding(pa.CONFIGS, decode_plan=dict(pa.CONFIGS["decode_plan"], kernel="split")):
@@ -182,8 +173,7 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
     bound = (weight_bytes + ctx * kv_tok) / copy_Bps * 1e3
     r = {"B": B, "context_tokens": ctx, "bound_ms": bound, "attention_bytes_bound_ms": ctx * kv_tok / copy_Bps * 1e3}
     ref = None
-    variants = [("serial", serial), ("serial_no_pdl", no_pdl(serial)), ("attn", attn), ("rest", rest),
-                ("rest_no_pdl", no_pdl(rest)), ("halves", two)]
+    variants = [("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)]
     if fused_table is not None:
         variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True)),
                      ("rest_fused", with_linear(False, rest)), ("halves_fused", with_linear(False, two, inline=False))]
@@ -196,7 +186,7 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         if name == "serial":
             ref = out.float().clone()
             e["kernels_ms"] = kernel_ms(gr)
-        elif name in ("serial_no_pdl", "halves", "fused", "fused_pdl", "halves_fused", "serial_split"):
+        elif name in ("halves", "fused", "fused_pdl", "halves_fused", "serial_split"):
             e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
         r[name] = e
         del gr
@@ -230,9 +220,8 @@ def main():
             r = {"shape": shape, **run_case(model, B, copy_Bps, table, a.split_kernel)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
-                             for k in ("serial", "serial_no_pdl", "attn", "rest", "rest_no_pdl", "halves",
-                                       "fused", "fused_pdl", "rest_fused", "halves_fused", "serial_split",
-                                       "attn_split") if k in r)
+                             for k in ("serial", "attn", "rest", "halves", "fused", "fused_pdl", "rest_fused",
+                                       "halves_fused", "serial_split", "attn_split") if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "
                   f"{r['serial']['kernels_ms']:6.2f}  attention at {100 * r['attn']['attention_fraction']:.0f}% "
                   f"of its bytes" + (f" (split kernel {100 * r['attn_split']['attention_fraction']:.0f}%)"

@@ -15,7 +15,7 @@ wait for the device, postprocess) and the prefill/decode split say where the res
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
                              [--no-prefill-graphs] [--split-cap] [--fused-linear [TABLE]] [--pdl]
-                             [--split-kernel] [--no-pdl]
+                             [--split-kernel]
 
 --shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
 runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
@@ -26,8 +26,7 @@ ops/decode_linear.py (norm and SwiGLU inside the GEMMs) at the tiles of TABLE (a
 bench/decode_linear.py JSON; default: its measured table, decode_linear.MEASURED), --pdl with
 programmatic dependent launch (JSON *_fused_linear[_pdl].json); --split-kernel runs the decode
 attention's split kernel (ops/paged_attention.py), the default before the list kernel
-(ops/paged_decode_list.py; JSON *_split_kernel.json); --no-pdl launches the small kernels
-without programmatic dependent launch (ops/pdl.py, on by default on sm_90; JSON *_no_pdl.json).
+(ops/paged_decode_list.py; JSON *_split_kernel.json).
 """
 
 from __future__ import annotations
@@ -172,12 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--pdl", action="store_true", help="with --fused-linear: programmatic dependent launch")
     p.add_argument("--split-kernel", action="store_true",
                    help="the decode attention's split kernel (the previous default)")
-    p.add_argument("--no-pdl", action="store_true",
-                   help="the small kernels launched without programmatic dependent launch (ops/pdl.py)")
     args = p.parse_args(argv)
     from rlcu.ops import decode_linear as dl
     from rlcu.ops import paged_attention as pa
-    from rlcu.ops import pdl
 
     if args.split_cap:
         pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], max_part=512)
@@ -188,8 +184,6 @@ def main(argv=None) -> int:
         dl.CONFIGS.update(enabled=True, pdl=args.pdl, table=table)
     if args.split_kernel:
         pa.CONFIGS["decode_plan"] = dict(pa.CONFIGS["decode_plan"], kernel="split")
-    if args.no_pdl:
-        pdl.CONFIGS["enabled"] = False
 
     from rlcu.engine import LLM, SamplingParams
 
@@ -238,7 +232,6 @@ def main(argv=None) -> int:
                           "cuda_graphs": llm.runner.use_graphs, "async_scheduling": llm.async_scheduling,
                           "prefill_graphs": sorted(llm.runner.prefill_graphs.graphs), "shape": args.shape,
                           "decode_kernel": pa.CONFIGS["decode_plan"]["kernel"],
-                          "pdl": pdl.on(torch.device(dev)),
                           "decode_splits": dict(pa.CONFIGS["splits"]),
                           "decode_linear": {"enabled": dl.CONFIGS["enabled"], "pdl": dl.CONFIGS["pdl"],
                                             "table": args.fused_linear or None},
@@ -271,7 +264,6 @@ def main(argv=None) -> int:
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
     name += ("_fused_linear" + ("_pdl" if args.pdl else "")) if args.fused_linear is not None else ""
     name += "_split_kernel" if args.split_kernel else ""
-    name += "_no_pdl" if args.no_pdl else ""
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0

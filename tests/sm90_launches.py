@@ -238,9 +238,6 @@ def main() -> int:
     except ImportError as e:  # no triton, or one without these internals (written for triton 3.6)
         print(f"cannot compile for sm_90 here: {e}")
         return 3
-    from rlcu.ops import pdl
-
-    pdl.available = lambda device: True  # compile what the H200 launches: the kernels' PDL variants
     only = set(sys.argv[1:])  # call names to run (default: all)
     failed = {}
     for name, fn in calls():

@@ -28,9 +28,7 @@ def _kernels_defined() -> set[str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    """tests/sm90_launches.py's JSON: every call's kernels compiled for sm_90 (run once)."""
+def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLCU_BACKEND")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     p = subprocess.run([sys.executable, str(ROOT / "tests/sm90_launches.py")], capture_output=True, text=True,
@@ -38,11 +36,7 @@ def compiled() -> dict:
     if p.returncode == 3:
         pytest.skip(p.stdout.strip())
     assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
-def test_every_kernel_compiles_for_sm90(compiled):
-    got = compiled
+    got = json.loads(p.stdout.strip().splitlines()[-1])
     assert not got["call_errors"], got["call_errors"]
     errors = {k: [e["error"] for e in v if "error" in e] for k, v in got["kernels"].items()}
     assert not any(errors.values()), {k: e for k, e in errors.items() if e}
@@ -54,22 +48,3 @@ def test_every_kernel_compiles_for_sm90(compiled):
     assert all("spills" in e for v in got["kernels"].values() for e in v), "ptxas -v gave no register report"
     spills = {k: [e["spills"] for e in v] for k, v in got["kernels"].items() if any(e.get("spills") for e in v)}
     assert not spills, spills
-
-
-# the decode step's small kernels, launched with programmatic dependent launch on sm_90 (ops/pdl.py)
-PDL_KERNELS = ("rmsnorm._rmsnorm_fwd_kernel", "swiglu._swiglu_fwd_kernel", "qkv_prep._qkv_prep_kernel",
-               "paged_decode_list._decode_list_kernel", "sampling._pass1_kernel", "sampling._row_kernel")
-
-
-def test_pdl_kernels_wait_then_trigger(compiled):
-    """Each PDL kernel's every variant holds griddepcontrol.wait and launch_dependents (pdl.enter);
-    of the rest, only ops/decode_linear.py's and decode_qkv.py's own PDL variants hold them."""
-    got = compiled["kernels"]
-    for k in PDL_KERNELS:
-        v = got.get("rlcu.ops." + k)
-        assert v, f"{k}: not compiled ({sorted(got)})"
-        assert all(e.get("griddepcontrol") and e.get("launch_dependents") for e in v), (k, v)
-    others = {k for k, v in got.items() if k.split("rlcu.ops.")[-1] not in PDL_KERNELS
-              and not k.startswith(("rlcu.ops.decode_linear.", "rlcu.ops.decode_qkv."))
-              and any(e.get("griddepcontrol") for e in v)}
-    assert not others, others

@@ -310,11 +310,11 @@ def static(dtype: str = "bf16") -> list[dict]:
                LOGPROBS="*fp32")
     rows += [
         static_compile(sm._pass1_kernel, ptr, dict(BV=c1["BV"], CHUNK=c1["CHUNK"], BT=cr["BT"],
-                                                   FAST=True, PDL=True), c1["num_warps"]),
+                                                   FAST=True), c1["num_warps"]),
         static_compile(sm._row_kernel, ptr, dict(BC=triton.next_power_of_2(NC),
                                                  BNT=triton.next_power_of_2(NT), BT=cr["BT"],
                                                  TPC=cr["CHUNK"] // cr["BT"], NP=sm._NP,
-                                                 PASSES=sm._PASSES, FAST=True, PDL=True), cr["num_warps"],
+                                                 PASSES=sm._PASSES, FAST=True), cr["num_warps"],
                        maxnreg=cr.get("maxnreg")),
     ]
     return rows

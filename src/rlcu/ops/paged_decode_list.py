@@ -37,10 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.ops import pdl
 from rlcu.ops._backend import tl, triton
 from rlcu.ops.paged_keys import attend_keys, combine_chunks, group_rows
-from rlcu.ops.pdl import enter as pdl_enter
 
 
 @triton.jit(do_not_specialize=["S", "T"])
@@ -91,8 +89,7 @@ def _decode_list_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, O_PART, LSE_
                         CH_FIRST, COUNT, META, stride_qn, stride_qh, stride_cs, stride_ch, stride_bt,
                         stride_on, stride_oh, Hq, scale_log2, Hk: tl.constexpr, G: tl.constexpr,
                         BG: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                        BN: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                        BN: tl.constexpr, BJ: tl.constexpr):
     p = tl.program_id(0)
     u = p // Hk
     if u >= tl.load(META + 1):
@@ -170,6 +167,5 @@ def decode_list(q, kc, vc, block_tables, cu_q, seq_lens, o, strides, scale_log2,
     return _decode_list_kernel[(work.cap * Hk,)](
         q, kc, vc, block_tables, cu_q, seq_lens, o, o_part, lse_part, work.unit_seq, work.unit_c, work.ch_first,
         work.count, work.meta, *strides, Hq, scale_log2, Hk=Hk, G=G, BG=max(16, triton.next_power_of_2(G)), D=D,
-        BD=BD, BS=BS, BN=plan["BN"], BJ=16, num_warps=plan["num_warps"], num_stages=plan["num_stages"],
-        **extra, **pdl.launch_kw(q.device))
+        BD=BD, BS=BS, BN=plan["BN"], BJ=16, num_warps=plan["num_warps"], num_stages=plan["num_stages"], **extra)
 

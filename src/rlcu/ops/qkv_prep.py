@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.ops import pdl
 from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.kv_cache import kv_write_ref
-from rlcu.ops.pdl import enter as pdl_enter
 from rlcu.ops.rmsnorm import rmsnorm_fwd_ref
 from rlcu.ops.rope import cos_sin, freq_scale_of, rope_fwd_ref
 
@@ -84,8 +82,7 @@ def _halves(X, t, h, i, mask, stride_x, D, D2):
 @triton.jit(do_not_specialize=["N"])
 def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, RQ, RK, N, Hq, Hk, D, D2, stride_qkv,
                      stride_cs, stride_ch, eps, freq_scale, BT: tl.constexpr, BHQ: tl.constexpr,
-                     BHK: tl.constexpr, BD2: tl.constexpr, STATS: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                     BHK: tl.constexpr, BD2: tl.constexpr, STATS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     t = pid * BT + tl.arange(0, BT)  # [BT] tokens
     i = tl.arange(0, BD2)
@@ -188,8 +185,7 @@ def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: in
         _qkv_prep_kernel[(triton.cdiv(N, BT),)](
             qkv, q_w.contiguous(), k_w.contiguous(), pos.to(torch.int32).contiguous(), slots.contiguous(), q, kc, vc,
             rq, rk, N, Hq, Hk, D, D2, qkv.stride(0), kc.stride(0), kc.stride(1), eps,
-            freq_scale_of(theta, D), BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, STATS=stats, num_warps=num_warps,
-            **pdl.launch_kw(qkv.device))
+            freq_scale_of(theta, D), BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, STATS=stats, num_warps=num_warps)
     return (q, rq, rk) if stats else q
 
 

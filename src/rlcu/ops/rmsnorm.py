@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.ops import pdl
 from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.exact import is_exact, tree_sum
-from rlcu.ops.pdl import enter as pdl_enter
 
 MAX_D = 8192  # a row lives in one block
 _TILE = 4096  # elements a program handles at once: BN rows of BD columns
@@ -50,8 +48,7 @@ _RESIDENT: dict = {}  # (device, dtypes, blocks) -> backward programs that fit o
 
 @triton.jit(do_not_specialize=["N"])
 def _rmsnorm_fwd_kernel(X, W, Y, RSTD, N, D, stride_x, stride_y, eps,
-                        BN: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                        BN: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * BN + tl.arange(0, BN)  # [BN]
     cols = tl.arange(0, BD)
@@ -177,7 +174,7 @@ def rmsnorm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
         return y, rstd
     BN, BD, num_warps = _blocks(D)
     _rmsnorm_fwd_kernel[(triton.cdiv(N, BN),)](x, w, y, rstd, N, D, x.stride(0), y.stride(0), eps,
-                                               BN=BN, BD=BD, num_warps=num_warps, **pdl.launch_kw(x.device))
+                                               BN=BN, BD=BD, num_warps=num_warps)
     return y, rstd
 
 

@@ -57,12 +57,10 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.ops import pdl
 from rlcu.ops._backend import dispatch, interpreting, libdevice, tl, triton
 from rlcu.ops._hash import M32 as _M32
 from rlcu.ops._hash import hash32 as _hash32
 from rlcu.ops._hash import hash32_ref as _hash32_ref
-from rlcu.ops.pdl import enter as pdl_enter
 
 _NP = 16  # pivots a search pass evaluates
 # pass 1: BV a vector, CHUNK tokens a program (constants: sums must not depend on B); row
@@ -112,9 +110,7 @@ def _zkey(k):
 
 @triton.jit(do_not_specialize=["B"])
 def _pass1_kernel(LOGITS, TEMP, SEEDS, OFFSETS, PF, PI, TMAX, stride_b, B, V, NC, NT,
-                  BV: tl.constexpr, CHUNK: tl.constexpr, BT: tl.constexpr, FAST: tl.constexpr,
-                  PDL: tl.constexpr):
-    pdl_enter(PDL)
+                  BV: tl.constexpr, CHUNK: tl.constexpr, BT: tl.constexpr, FAST: tl.constexpr):
     # per (row, chunk): max m, sum exp(z - m), min z, argmax, race winner (score, index);
     # per tile of BT tokens: the largest key (int32 min for a tile past V)
     b = tl.program_id(0).to(tl.int64)
@@ -290,8 +286,7 @@ def _settle(stage, lo, hi, mk_lo, done, first, lo1, lo_pb, top_p, m, V):
 def _row_kernel(LOGITS, TEMP, TOP_K, TOP_P, MIN_P, SEEDS, OFFSETS, PF, PI, TMAX, TOKENS, LOGPROBS,
                 stride_b, B, V, NC, NT, NS, BC: tl.constexpr, BNT: tl.constexpr,
                 BT: tl.constexpr, TPC: tl.constexpr, NP: tl.constexpr, PASSES: tl.constexpr,
-                FAST: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                FAST: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)
     cmask = c < NC
@@ -412,12 +407,12 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets):
         [2 * B * NC, B * NT])
     _pass1_kernel[(B, NC)](logits, temperature, seeds, offsets, pf, pi, tmax, logits.stride(0), B,
                            V, NC, NT, BV=BV, CHUNK=CHUNK, BT=BT, FAST=fast,
-                           num_warps=c1["num_warps"], **pdl.launch_kw(dev))
+                           num_warps=c1["num_warps"])
     _row_kernel[(B,)](logits, temperature, top_k, top_p, min_p, seeds, offsets, pf, pi, tmax,
                       tokens, logprobs, logits.stride(0), B, V, NC, NT, triton.cdiv(V, SCHUNK),
                       BC=triton.next_power_of_2(NC), BNT=triton.next_power_of_2(NT), BT=BT,
                       TPC=SCHUNK // BT, NP=_NP, PASSES=_PASSES, FAST=fast,
-                      num_warps=cr["num_warps"], maxnreg=cr.get("maxnreg"), **pdl.launch_kw(dev))
+                      num_warps=cr["num_warps"], maxnreg=cr.get("maxnreg"))
     return tokens, logprobs
 
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.ops import pdl
 from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.exact import is_exact
-from rlcu.ops.pdl import enter as pdl_enter
 
 _TILE = 4096  # elements of `a` a program handles: BN rows of BI columns
 _MAX_BI = 1024
@@ -22,8 +20,7 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _swiglu_fwd_kernel(GU, A, N, I, stride_gu, stride_a, BN: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+def _swiglu_fwd_kernel(GU, A, N, I, stride_gu, stride_a, BN: tl.constexpr, BI: tl.constexpr):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_i = tl.program_id(1).to(tl.int64)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -84,8 +81,7 @@ def swiglu_fwd_triton(gu: torch.Tensor):
     if a.numel() == 0:
         return a
     grid, BN, BI, num_warps = _grid(N, I)
-    _swiglu_fwd_kernel[grid](gu, a, N, I, gu.stride(0), a.stride(0), BN=BN, BI=BI, num_warps=num_warps,
-                             **pdl.launch_kw(gu.device))
+    _swiglu_fwd_kernel[grid](gu, a, N, I, gu.stride(0), a.stride(0), BN=BN, BI=BI, num_warps=num_warps)
     return a
 
 
