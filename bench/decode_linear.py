@@ -11,7 +11,8 @@ Per (shape, op, M), op one of
   gate_up  rmsnorm + x Wgu^T + swiglu     (fused: decode_linear(x, Wgu, g, eps, None, True))
   down     x += a Wd^T                    (fused: decode_linear(a, Wd, None, eps, x)),
 the unfused sequence, decode_linear at config_for's tiles (`heuristic`), every candidate tile
-(BN 16-128, K split 1 or until ~one program an SM; `sweep`; then at the fastest tile the
+(BN 16-128 at row_tile's rows, and WIDE_ROWS' 128 / 256-row tiles where M fills them, K split 1
+or until ~one program an SM; `sweep`; then at the fastest tile the
 K step and pipeline depth of REFINE), and the fastest of them with
 programmatic dependent launch (`pdl`, then `pdl_prefetch`: the weight slice prefetched to
 L2 before the wait); where the fastest splits K, also with its partials added by the reduce
@@ -25,7 +26,7 @@ order) in one graph, unfused against fused at the best tiles (with and without P
 per-step time these kernels cost, which bench/decode_step.py's `rest` contains.
 
 The JSON's `table` is CONFIGS["table"] for ops/decode_linear.py (load_table reads it back):
-    python bench/decode_linear.py [--shapes 0.6b,8b] [--rows 1,8,32,64,128,256] [--quick]
+    python bench/decode_linear.py [--shapes 0.6b,8b] [--rows 1,8,32,64,128,256] [--quick] [--json NAME]
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ L2_BYTES = 120 << 20
 OPS = ("qkv", "o", "gate_up", "down")
 MAX_ERR = 2e-2
 REFINE = ((64, 6), (128, 3), (128, 6), (256, 3), (256, 4))  # (BK, stages) tried at each op's best tile
+# (BM, BN) row tiles of 128 and 256 rows, at 8 warps, BK 64 and 3 stages (ptxas for sm_90:
+# gate_up's pair at (128, 64) takes 148 registers, a single tile at (256, 64) 151, spill-free)
+WIDE_ROWS = ((128, 32), (128, 64), (256, 32), (256, 64))
 
 
 def op_shapes(cfg) -> dict:
@@ -115,6 +119,10 @@ def candidates(M: int, N: int, K: int, head_dim: int | None = None) -> list[tupl
         split = split_for(triton.cdiv(N, BN) * triton.cdiv(M, BM), K)
         for s in sorted({1, split}):
             out.append((BM, BN, 128, s, 8 if BM * BN >= 64 * 128 else 4, 4))
+    for BM, BN in WIDE_ROWS:  # row tiles past row_tile's 64 where M fills them: each weight tile read once
+        if M >= BM:
+            split = split_for(triton.cdiv(N, BN) * triton.cdiv(M, BM), K, 64)
+            out += [(BM, BN, 64, s, 8, 3) for s in sorted({1, split})]
     return out
 
 
@@ -168,8 +176,11 @@ def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
     row = {"op": op, "M": M, "N": N, "K": K, "weight_bytes": bytes_,
            "unfused_ms": _timed(bind(unfused(op, eps, ctx)))}
     hd = mcfg.head_dim if op == "qkv" else None
-    heur = (dq.config_for(M, N, K, N // hd) if hd else
-            dl.config_for(M, N // 2 if op == "gate_up" else N, K, op == "gate_up"))
+    n_out = N // 2 if op == "gate_up" else N
+    # the op's own tiles where it is not tabled, else its heuristic's: never the table's None (the
+    # unfused ops, timed above), so that every entry below is a config of this op
+    heur = ((dq.config_for(M, N, K, N // hd) or dq.heads_config(M, N // hd, K)) if hd else
+            (dl.config_for(M, n_out, K, op == "gate_up") or dl.heuristic_config(M, n_out, K)))
     row["heuristic"] = {"config": heur, "ms": _timed(bind(fused(op, eps, heur, ctx))),
                         "rel_err": _rel(result(fused(op, eps, heur, ctx)), ref)}
     sweep, dropped = [], []
@@ -181,7 +192,7 @@ def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
         elif err is not None:
             sweep.append({"config": c, "ms": _timed(bind(fused(op, eps, c, ctx))), "rel_err": err, **tags})
 
-    for c in candidates(M, N // 2 if op == "gate_up" else N, K, hd):
+    for c in candidates(M, n_out, K, hd):
         attempt(c)
     best = min(sweep + [row["heuristic"]], key=lambda e: e["ms"])
     BM, BN, _, split, warps, _ = best["config"]
@@ -252,6 +263,7 @@ def main():
     ap.add_argument("--shapes", default="0.6b,8b")
     ap.add_argument("--rows", default="1,8,32,64,128,256")
     ap.add_argument("--quick", action="store_true", help="0.6B, M = 64 only")
+    ap.add_argument("--json", default="decode_linear.json", help="the result's name (a partial sweep: another)")
     a = ap.parse_args()
     shapes, Ms = a.shapes.split(","), [int(m) for m in a.rows.split(",")]
     if a.quick:
@@ -285,7 +297,7 @@ def main():
             torch.cuda.empty_cache()
         # after each shape, so that a run cut short keeps what it measured
         out["table"] = {json.dumps(list(k)): v for k, v in table_of(out["rows"]).items()}
-        write_json("decode_linear.json", out)
+        write_json(a.json, out)
 
 
 if __name__ == "__main__":

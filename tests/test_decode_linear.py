@@ -135,3 +135,14 @@ def test_table_entry_none_runs_the_unfused_ops(monkeypatch):
     monkeypatch.setitem(dl.CONFIGS, "table", {(24, 64, False): [(8, None)]})
     assert dl.config_for(5, 24, 64, False) is None
     assert torch.equal(decode_linear_triton(x, w, nw, 1e-6), decode_linear_ref(x, w, nw, 1e-6))
+
+
+def test_bench_sweep_takes_wide_row_tiles_where_the_rows_fill_them():
+    pytest.importorskip("triton")
+    from bench.decode_linear import WIDE_ROWS, candidates
+
+    assert max(c[0] for c in candidates(64, 1024, 2048)) == 64  # row_tile's 64 at most
+    wide = {M: {c[:2] for c in candidates(M, 1024, 2048) if c[0] > 64} for M in (128, 256)}
+    assert wide[128] == {t for t in WIDE_ROWS if t[0] == 128}
+    assert wide[256] == set(WIDE_ROWS)
+    assert all(c[2:] == (64, c[3], 8, 3) for c in candidates(256, 1024, 2048) if c[0] > 64)
