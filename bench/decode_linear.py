@@ -126,6 +126,19 @@ def candidates(M: int, N: int, K: int, head_dim: int | None = None) -> list[tupl
     return out
 
 
+def own_config(op: str, M: int, N: int, K: int, head_dim: int | None = None) -> tuple:
+    """The op's tiles at M rows (N rows of W; head_dim for qkv): config_for's, or its heuristic's
+    where the table says None (the unfused ops, which run_op times on their own), so that the
+    `heuristic` entry is always a tile of the op."""
+    from rlcu.ops import decode_linear as dl
+    from rlcu.ops import decode_qkv as dq
+
+    if head_dim:
+        return dq.config_for(M, N, K, N // head_dim) or dq.heads_config(M, N // head_dim, K)
+    n = N // 2 if op == "gate_up" else N
+    return dl.config_for(M, n, K, op == "gate_up") or dl.heuristic_config(M, n, K)
+
+
 def operands(op: str, N: int, K: int, M: int, H: int, n_sets: int):
     """n_sets (x, w, g, residual) sets: weights cycled so that each call reads HBM."""
     d, bf = "cuda", torch.bfloat16
@@ -156,7 +169,6 @@ def _try(fn, dropped: list, c):
 
 def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
     from rlcu.ops import decode_linear as dl
-    from rlcu.ops import decode_qkv as dq
 
     eps, H = mcfg.rms_norm_eps, mcfg.hidden_size
     ctx = qkv_context(mcfg, M) if op == "qkv" else None
@@ -177,10 +189,7 @@ def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
            "unfused_ms": _timed(bind(unfused(op, eps, ctx)))}
     hd = mcfg.head_dim if op == "qkv" else None
     n_out = N // 2 if op == "gate_up" else N
-    # the op's own tiles where it is not tabled, else its heuristic's: never the table's None (the
-    # unfused ops, timed above), so that every entry below is a config of this op
-    heur = ((dq.config_for(M, N, K, N // hd) or dq.heads_config(M, N // hd, K)) if hd else
-            (dl.config_for(M, n_out, K, op == "gate_up") or dl.heuristic_config(M, n_out, K)))
+    heur = own_config(op, M, N, K, hd)
     row["heuristic"] = {"config": heur, "ms": _timed(bind(fused(op, eps, heur, ctx))),
                         "rel_err": _rel(result(fused(op, eps, heur, ctx)), ref)}
     sweep, dropped = [], []

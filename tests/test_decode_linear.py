@@ -145,4 +145,23 @@ def test_bench_sweep_takes_wide_row_tiles_where_the_rows_fill_them():
     wide = {M: {c[:2] for c in candidates(M, 1024, 2048) if c[0] > 64} for M in (128, 256)}
     assert wide[128] == {t for t in WIDE_ROWS if t[0] == 128}
     assert wide[256] == set(WIDE_ROWS)
-    assert all(c[2:] == (64, c[3], 8, 3) for c in candidates(256, 1024, 2048) if c[0] > 64)
+    assert all((c[2], c[4], c[5]) == (64, 8, 3) for c in candidates(256, 1024, 2048) if c[0] > 64)  # BK, warps, stages
+
+
+def test_bench_heuristic_entry_is_a_tile_where_the_table_says_unfused(monkeypatch):
+    # bench/decode_linear.py timed its `heuristic` entry at config_for's tiles, which are None
+    # where the table sends the op to the unfused ops: the sweep then crashed unpacking None
+    pytest.importorskip("triton")
+    from bench.decode_linear import own_config
+    from rlcu.ops import decode_linear as dl
+    from rlcu.ops import decode_qkv as dq
+
+    monkeypatch.setattr(dl, "interpreting", lambda: False)  # table_config reads the table
+    monkeypatch.setitem(dl.CONFIGS, "table", {(1024, 2048, False): [(1 << 30, None)],
+                                             (3072, 1024, True): [(1 << 30, None)],
+                                             (4096, 1024, dq.KIND): [(1 << 30, None)]})
+    assert own_config("o", 256, 1024, 2048) == dl.heuristic_config(256, 1024, 2048)
+    assert own_config("gate_up", 256, 6144, 1024) == dl.heuristic_config(256, 3072, 1024)
+    assert own_config("qkv", 256, 4096, 1024, 128) == dq.heads_config(256, 32, 1024)
+    monkeypatch.setitem(dl.CONFIGS, "table", {(1024, 2048, False): [(1 << 30, (64, 32, 128, 2, 4, 6))]})
+    assert own_config("o", 256, 1024, 2048) == (64, 32, 128, 2, 4, 6)  # a tabled tile is kept
