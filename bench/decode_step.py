@@ -15,6 +15,18 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            the op (its GEMMs hold less shared memory than cuBLAS's, so that one half's GEMM
            programs may sit on an SM beside the other half's attention); logits compared with
            serial's;
+  prefetch serial with ops/l2_prefetch.py on (each layer's next weights asked for in L2 as its
+           attention ends, paged_forward.decode_prefetch), rest_prefetch `rest` with the same
+           prefetches, and rest_hot `rest` with every layer reading layer 0's weights (they stay
+           in L2: what the rest would cost if no GEMM waited on DRAM, the prefetch's ceiling);
+           prefetch_early the same prefetches issued before each attention instead; their
+           logits compared with serial's (a hint: the same bits);
+  duo      the batch as two halves run as two independent chains (paged_forward.hidden each) on
+           two streams, forked at the step's start and joined at its end, so that one chain's
+           latency-bound kernels may fill the SMs the other's leave idle; duo_u2 / duo_u1 the
+           same with the list attention's target units at 2 / 1 an SM (fewer attention
+           programs, room beside them for the other chain's GEMMs), attn_u2 / attn_u1 and
+           serial_u2 the attention alone and the serial step at those units;
   halves   the batch as two halves on two streams, their attentions in turn (A0, B0, A1, ...),
            so that one half's attention could run beside the other half's GEMMs (`halves`
            below; measured slower at every size on the H200: each half reads every weight, and
@@ -104,6 +116,23 @@ def halves(model, kv, ids, pos, kv_slots, tables, cu, lens, max_k: int, side) ->
     return final(model, x)
 
 
+def duo(model, kv, ids, pos, kv_slots, tables, cu, lens, max_k: int, side) -> torch.Tensor:
+    """The step's hidden states with the batch as two halves run as two independent chains
+    (paged_forward.hidden each, the second on stream `side`), forked at the step's start and
+    joined at its end: the GPU interleaves the two chains' kernels as their resources allow."""
+    from rlcu.engine.paged_forward import hidden
+
+    S = ids.shape[0]
+    h = S // 2
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    a = hidden(model, kv, ids[:h], pos[:h], kv_slots[:h], tables[:h], cu[:h + 1], lens[:h], 1, max_k)
+    with torch.cuda.stream(side):
+        b = hidden(model, kv, ids[h:], pos[h:], kv_slots[h:], tables[h:], cu[:S - h + 1], lens[h:], 1, max_k)
+    main.wait_stream(side)
+    return torch.cat([a, b])
+
+
 def kernel_ms(g, reps: int = 5) -> float:
     """The sum of the kernels' device times of one replay of g (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -117,10 +146,21 @@ def kernel_ms(g, reps: int = 5) -> float:
     return t / 1e3 / reps
 
 
+def hot(model):
+    """model with every layer's weights replaced by layer 0's (views of the same bytes): a step of
+    it reads one layer's weights L times, from L2 after the first."""
+    import re
+    import types
+
+    w = {k: model.w[re.sub(r"^layers\.\d+\.", "layers.0.", k)] for k in model.w}
+    return types.SimpleNamespace(cfg=model.cfg, w=w, lm_head=model.lm_head, flat=model.flat, layout=model.layout)
+
+
 def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, split_kernel: bool = False) -> dict:
     from rlcu.engine import paged_forward
-    from rlcu.engine.paged_forward import attention_inputs, attention_out, final
+    from rlcu.engine.paged_forward import attention_inputs, attention_out, decode_prefetch, final
     from rlcu.ops import decode_linear as dl
+    from rlcu.ops import l2_prefetch as l2
     from rlcu.ops import paged_attention as pa
     from rlcu.ops.embedding import embedding_fwd
     from rlcu.ops.paged_attention import paged_attention
@@ -144,14 +184,34 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         for i in range(cfg.num_hidden_layers):
             paged_attention(q, kv[0, i], kv[1, i], tables, cu, lens, 1, kb, scale, None, work)
 
-    def rest():
-        x = embedding_fwd(ids, model.w["embed"])
+    def rest(m=model, ahead=None):
+        x = embedding_fwd(ids, m.w["embed"])
+        if ahead:
+            l2.l2_prefetch(m.flat, *ahead[0])
         for i in range(cfg.num_hidden_layers):
-            attention_out(model, i, x, attention_inputs(model, kv, i, x, pos, slots))
-        return paged_forward.logits(model, final(model, x))
+            q_i = attention_inputs(m, kv, i, x, pos, slots)
+            if ahead:
+                l2.l2_prefetch(m.flat, *ahead[i + 1])
+            attention_out(m, i, x, q_i)
+        return paged_forward.logits(m, final(m, x))
+
+    def prefetching(fn, early=False):
+        def step():
+            with overriding(l2.CONFIGS, enabled=True, early=early):
+                return fn()
+        return step
 
     def two():
         return paged_forward.logits(model, halves(model, kv, ids, pos, slots, tables, cu, lens, kb, side))
+
+    def chains():
+        return paged_forward.logits(model, duo(model, kv, ids, pos, slots, tables, cu, lens, kb, side))
+
+    def units(fn, n):  # fn with the list kernel's target units an SM set to n
+        def run():
+            with overriding(pa.CONFIGS, decode_list=dict(pa.CONFIGS["decode_list"], units_per_sm=n)):
+                return fn()
+        return run
 
     def with_linear(pdl: bool, body=serial, inline=True):
         # inline: split-K's partials added by each tile's last program; off for the two streams,
@@ -173,7 +233,11 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
     bound = (weight_bytes + ctx * kv_tok) / copy_Bps * 1e3
     r = {"B": B, "context_tokens": ctx, "bound_ms": bound, "attention_bytes_bound_ms": ctx * kv_tok / copy_Bps * 1e3}
     ref = None
-    variants = [("serial", serial), ("attn", attn), ("rest", rest), ("halves", two)]
+    variants = [("serial", serial), ("attn", attn), ("rest", rest), ("prefetch", prefetching(serial)),
+                ("prefetch_early", prefetching(serial, True)),
+                ("rest_prefetch", lambda: rest(ahead=decode_prefetch(model))), ("rest_hot", lambda: rest(hot(model))),
+                ("halves", two), ("duo", chains), ("duo_u2", units(chains, 2)), ("duo_u1", units(chains, 1)),
+                ("attn_u2", units(attn, 2)), ("attn_u1", units(attn, 1)), ("serial_u2", units(serial, 2))]
     if fused_table is not None:
         variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True)),
                      ("rest_fused", with_linear(False, rest)), ("halves_fused", with_linear(False, two, inline=False))]
@@ -186,11 +250,12 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         if name == "serial":
             ref = out.float().clone()
             e["kernels_ms"] = kernel_ms(gr)
-        elif name in ("halves", "fused", "fused_pdl", "halves_fused", "serial_split"):
+        elif name in ("halves", "fused", "fused_pdl", "halves_fused", "serial_split", "prefetch",
+                      "prefetch_early", "duo", "duo_u2", "duo_u1", "serial_u2"):
             e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
         r[name] = e
         del gr
-    for name in ("attn", "attn_split"):
+    for name in ("attn", "attn_split", "attn_u2", "attn_u1"):
         if name in r:
             r[name]["attention_fraction"] = r["attention_bytes_bound_ms"] / r[name]["ms"]
     torch.cuda.empty_cache()
@@ -204,7 +269,12 @@ def main():
     ap.add_argument("--fused-linear", nargs="?", const="", default=None, metavar="TABLE",
                     help="add the fused variants (tiles from a decode_linear.py JSON; default: the measured table)")
     ap.add_argument("--split-kernel", action="store_true", help="also the step through the split kernel")
+    ap.add_argument("--chunk", type=int, default=None, help="ops/l2_prefetch.py CONFIGS['chunk'] (bytes)")
     a = ap.parse_args()
+    if a.chunk:
+        from rlcu.ops import l2_prefetch as l2
+
+        l2.CONFIGS["chunk"] = a.chunk
     table = None
     if a.fused_linear is not None:
         from bench.decode_linear import load_table
@@ -220,8 +290,10 @@ def main():
             r = {"shape": shape, **run_case(model, B, copy_Bps, table, a.split_kernel)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
-                             for k in ("serial", "attn", "rest", "halves", "fused", "fused_pdl", "rest_fused",
-                                       "halves_fused", "serial_split", "attn_split") if k in r)
+                             for k in ("serial", "attn", "rest", "prefetch", "prefetch_early", "rest_prefetch",
+                                       "rest_hot", "halves", "duo", "duo_u2", "duo_u1", "attn_u2", "attn_u1",
+                                       "serial_u2", "fused", "fused_pdl", "rest_fused", "halves_fused",
+                                       "serial_split", "attn_split") if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "
                   f"{r['serial']['kernels_ms']:6.2f}  attention at {100 * r['attn']['attention_fraction']:.0f}% "
                   f"of its bytes" + (f" (split kernel {100 * r['attn_split']['attention_fraction']:.0f}%)"
