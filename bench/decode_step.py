@@ -15,18 +15,17 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            the op (its GEMMs hold less shared memory than cuBLAS's, so that one half's GEMM
            programs may sit on an SM beside the other half's attention); logits compared with
            serial's;
-  prefetch serial with ops/l2_prefetch.py on (each layer's next weights asked for in L2 as its
-           attention ends, paged_forward.decode_prefetch), rest_prefetch `rest` with the same
-           prefetches, and rest_hot `rest` with every layer reading layer 0's weights (they stay
-           in L2: what the rest would cost if no GEMM waited on DRAM, the prefetch's ceiling);
-           prefetch_early the same prefetches issued before each attention instead; their
-           logits compared with serial's (a hint: the same bits);
-  duo      the batch as two halves run as two independent chains (paged_forward.hidden each) on
-           two streams, forked at the step's start and joined at its end, so that one chain's
-           latency-bound kernels may fill the SMs the other's leave idle; duo_u2 / duo_u1 the
-           same with the list attention's target units at 2 / 1 an SM (fewer attention
+  rest_hot `rest` with every layer reading layer 0's weights (they stay in L2): what the rest
+           would cost if no GEMM waited on DRAM (0-10% less on the H200: the rest is its kernels'
+           own latency; an L2 prefetch of each layer's next weights, measured slower,
+           bench/results/l2_prefetch.json, 0033ff8);
+  duo      (--overlap) the batch as two halves run as two independent chains (paged_forward.hidden
+           each) on two streams, forked at the step's start and joined at its end, so that one
+           chain's latency-bound kernels may fill the SMs the other's leave idle; duo_u2 / duo_u1
+           the same with the list attention's target units at 2 / 1 an SM (fewer attention
            programs, room beside them for the other chain's GEMMs), attn_u2 / attn_u1 and
-           serial_u2 the attention alone and the serial step at those units;
+           serial_u2 the attention alone and the serial step at those units (measured slower
+           than serial at every size: bench/results/l2_prefetch.json);
   halves   the batch as two halves on two streams, their attentions in turn (A0, B0, A1, ...),
            so that one half's attention could run beside the other half's GEMMs (`halves`
            below; measured slower at every size on the H200: each half reads every weight, and
@@ -43,6 +42,7 @@ The bound: (weight bytes + context tokens x KV bytes a token) / the copy bandwid
 the same run (bytes read + written), as bench/generate.py counts a decode step.
 
     python bench/decode_step.py [--shapes 0.6b,8b] [--batches 64,128,256] [--fused-linear [TABLE]] [--split-kernel]
+                                [--overlap]
 """
 
 from __future__ import annotations
@@ -153,14 +153,14 @@ def hot(model):
     import types
 
     w = {k: model.w[re.sub(r"^layers\.\d+\.", "layers.0.", k)] for k in model.w}
-    return types.SimpleNamespace(cfg=model.cfg, w=w, lm_head=model.lm_head, flat=model.flat, layout=model.layout)
+    return types.SimpleNamespace(cfg=model.cfg, w=w, lm_head=model.lm_head)
 
 
-def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, split_kernel: bool = False) -> dict:
+def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, split_kernel: bool = False,
+             overlap: bool = False) -> dict:
     from rlcu.engine import paged_forward
-    from rlcu.engine.paged_forward import attention_inputs, attention_out, decode_prefetch, final
+    from rlcu.engine.paged_forward import attention_inputs, attention_out, final
     from rlcu.ops import decode_linear as dl
-    from rlcu.ops import l2_prefetch as l2
     from rlcu.ops import paged_attention as pa
     from rlcu.ops.embedding import embedding_fwd
     from rlcu.ops.paged_attention import paged_attention
@@ -184,22 +184,11 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         for i in range(cfg.num_hidden_layers):
             paged_attention(q, kv[0, i], kv[1, i], tables, cu, lens, 1, kb, scale, None, work)
 
-    def rest(m=model, ahead=None):
+    def rest(m=model):
         x = embedding_fwd(ids, m.w["embed"])
-        if ahead:
-            l2.l2_prefetch(m.flat, *ahead[0])
         for i in range(cfg.num_hidden_layers):
-            q_i = attention_inputs(m, kv, i, x, pos, slots)
-            if ahead:
-                l2.l2_prefetch(m.flat, *ahead[i + 1])
-            attention_out(m, i, x, q_i)
+            attention_out(m, i, x, attention_inputs(m, kv, i, x, pos, slots))
         return paged_forward.logits(m, final(m, x))
-
-    def prefetching(fn, early=False):
-        def step():
-            with overriding(l2.CONFIGS, enabled=True, early=early):
-                return fn()
-        return step
 
     def two():
         return paged_forward.logits(model, halves(model, kv, ids, pos, slots, tables, cu, lens, kb, side))
@@ -233,11 +222,11 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
     bound = (weight_bytes + ctx * kv_tok) / copy_Bps * 1e3
     r = {"B": B, "context_tokens": ctx, "bound_ms": bound, "attention_bytes_bound_ms": ctx * kv_tok / copy_Bps * 1e3}
     ref = None
-    variants = [("serial", serial), ("attn", attn), ("rest", rest), ("prefetch", prefetching(serial)),
-                ("prefetch_early", prefetching(serial, True)),
-                ("rest_prefetch", lambda: rest(ahead=decode_prefetch(model))), ("rest_hot", lambda: rest(hot(model))),
-                ("halves", two), ("duo", chains), ("duo_u2", units(chains, 2)), ("duo_u1", units(chains, 1)),
-                ("attn_u2", units(attn, 2)), ("attn_u1", units(attn, 1)), ("serial_u2", units(serial, 2))]
+    variants = [("serial", serial), ("attn", attn), ("rest", rest), ("rest_hot", lambda: rest(hot(model))),
+                ("halves", two)]
+    if overlap:
+        variants += [("duo", chains), ("duo_u2", units(chains, 2)), ("duo_u1", units(chains, 1)),
+                     ("attn_u2", units(attn, 2)), ("attn_u1", units(attn, 1)), ("serial_u2", units(serial, 2))]
     if fused_table is not None:
         variants += [("fused", with_linear(False)), ("fused_pdl", with_linear(True)),
                      ("rest_fused", with_linear(False, rest)), ("halves_fused", with_linear(False, two, inline=False))]
@@ -250,8 +239,8 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         if name == "serial":
             ref = out.float().clone()
             e["kernels_ms"] = kernel_ms(gr)
-        elif name in ("halves", "fused", "fused_pdl", "halves_fused", "serial_split", "prefetch",
-                      "prefetch_early", "duo", "duo_u2", "duo_u1", "serial_u2"):
+        elif name in ("halves", "fused", "fused_pdl", "halves_fused", "serial_split", "duo", "duo_u2", "duo_u1",
+                      "serial_u2"):
             e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
         r[name] = e
         del gr
@@ -269,12 +258,8 @@ def main():
     ap.add_argument("--fused-linear", nargs="?", const="", default=None, metavar="TABLE",
                     help="add the fused variants (tiles from a decode_linear.py JSON; default: the measured table)")
     ap.add_argument("--split-kernel", action="store_true", help="also the step through the split kernel")
-    ap.add_argument("--chunk", type=int, default=None, help="ops/l2_prefetch.py CONFIGS['chunk'] (bytes)")
+    ap.add_argument("--overlap", action="store_true", help="also duo, duo_u2 / u1, attn_u2 / u1 and serial_u2")
     a = ap.parse_args()
-    if a.chunk:
-        from rlcu.ops import l2_prefetch as l2
-
-        l2.CONFIGS["chunk"] = a.chunk
     table = None
     if a.fused_linear is not None:
         from bench.decode_linear import load_table
@@ -287,13 +272,12 @@ def main():
     for shape in a.shapes.split(","):
         model = random_model(qwen3_06b_config(**SHAPES[shape]), "cuda")
         for B in map(int, a.batches.split(",")):
-            r = {"shape": shape, **run_case(model, B, copy_Bps, table, a.split_kernel)}
+            r = {"shape": shape, **run_case(model, B, copy_Bps, table, a.split_kernel, a.overlap)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
-                             for k in ("serial", "attn", "rest", "prefetch", "prefetch_early", "rest_prefetch",
-                                       "rest_hot", "halves", "duo", "duo_u2", "duo_u1", "attn_u2", "attn_u1",
-                                       "serial_u2", "fused", "fused_pdl", "rest_fused", "halves_fused",
-                                       "serial_split", "attn_split") if k in r)
+                             for k in ("serial", "attn", "rest", "rest_hot", "halves", "duo", "duo_u2", "duo_u1",
+                                       "attn_u2", "attn_u1", "serial_u2", "fused", "fused_pdl", "rest_fused",
+                                       "halves_fused", "serial_split", "attn_split") if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "
                   f"{r['serial']['kernels_ms']:6.2f}  attention at {100 * r['attn']['attention_fraction']:.0f}% "
                   f"of its bytes" + (f" (split kernel {100 * r['attn_split']['attention_fraction']:.0f}%)"
@@ -301,6 +285,7 @@ def main():
         del model
         torch.cuda.empty_cache()
     name = "decode_step" + ("_fused_linear" if table is not None else "") + ("_split_kernel" if a.split_kernel else "")
+    name += "_overlap" if a.overlap else ""
     write_json(name + ".json", {"ceilings": ceil, "rows": rows})
 
 

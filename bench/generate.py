@@ -15,7 +15,7 @@ wait for the device, postprocess) and the prefill/decode split say where the res
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
                              [--no-prefill-graphs] [--split-cap] [--fused-linear [TABLE]] [--pdl]
-                             [--split-kernel] [--l2-prefetch [early]]
+                             [--split-kernel]
 
 --shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
 runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
@@ -26,9 +26,7 @@ ops/decode_linear.py (norm and SwiGLU inside the GEMMs) at the tiles of TABLE (a
 bench/decode_linear.py JSON; default: its measured table, decode_linear.MEASURED), --pdl with
 programmatic dependent launch (JSON *_fused_linear[_pdl].json); --split-kernel runs the decode
 attention's split kernel (ops/paged_attention.py), the default before the list kernel
-(ops/paged_decode_list.py; JSON *_split_kernel.json); --l2-prefetch has decode steps ask for
-each layer's next weights in L2 after its attention (`early`: before it; ops/l2_prefetch.py,
-paged_forward.decode_prefetch; JSON *_l2_prefetch[_early].json).
+(ops/paged_decode_list.py; JSON *_split_kernel.json).
 """
 
 from __future__ import annotations
@@ -173,15 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--pdl", action="store_true", help="with --fused-linear: programmatic dependent launch")
     p.add_argument("--split-kernel", action="store_true",
                    help="the decode attention's split kernel (the previous default)")
-    p.add_argument("--l2-prefetch", nargs="?", const="after", default=None, choices=["after", "early"],
-                   help="decode steps prefetch each layer's next weights into L2 (after, or before, its attention)")
     args = p.parse_args(argv)
     from rlcu.ops import decode_linear as dl
-    from rlcu.ops import l2_prefetch as l2
     from rlcu.ops import paged_attention as pa
-
-    if args.l2_prefetch:
-        l2.CONFIGS.update(enabled=True, early=args.l2_prefetch == "early")
 
     if args.split_cap:
         pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], max_part=512)
@@ -243,7 +235,6 @@ def main(argv=None) -> int:
                           "decode_splits": dict(pa.CONFIGS["splits"]),
                           "decode_linear": {"enabled": dl.CONFIGS["enabled"], "pdl": dl.CONFIGS["pdl"],
                                             "table": args.fused_linear or None},
-                          "l2_prefetch": dict(l2.CONFIGS),
                           "quick": args.quick}, "ceilings": ceil, "rlcu": [], "hf": []}
     rng = np.random.default_rng(1234)
     plens = rng.integers(lo, hi + 1, n_req)
@@ -273,7 +264,6 @@ def main(argv=None) -> int:
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
     name += ("_fused_linear" + ("_pdl" if args.pdl else "")) if args.fused_linear is not None else ""
     name += "_split_kernel" if args.split_kernel else ""
-    name += ("_l2_prefetch" + ("_early" if l2.CONFIGS["early"] else "")) if args.l2_prefetch else ""
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0

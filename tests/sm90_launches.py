@@ -231,13 +231,6 @@ def calls():
 
     yield "decode_qkv", heuristic_tiles(fused_qkv)
 
-    def prefetch():  # a range of several programs and a cut last chunk
-        from rlcu.ops.l2_prefetch import l2_prefetch
-
-        l2_prefetch(torch.empty(3 << 20, dtype=bf), 64, (3 << 20) - 8)
-
-    yield "l2_prefetch", prefetch
-
 
 def main() -> int:
     try:

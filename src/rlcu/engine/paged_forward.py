@@ -16,11 +16,7 @@ with ops/decode_linear.py's CONFIGS["enabled"], a step of <= 256 tokens runs its
 through that op and ops/decode_qkv.py instead: the input norm, the QKV GEMM and qkv_prep in one
 kernel, the post norm and SwiGLU inside gate_up, the residual adds in o's and down's epilogues:
 five launches a layer instead of nine)
-then the final norm (`final`) and the LM head only on the rows that sample a token. With
-ops/l2_prefetch.py's CONFIGS["enabled"], a decode step asks for each layer's next weights in L2
-as its attention ends (`decode_prefetch`: o, the post norm, gate_up, down, and the next layer's
-input norm and QKV, one contiguous range of the flat buffer), so that its latency-bound GEMMs
-read L2 rather than wait on DRAM. In exact mode
+then the final norm (`final`) and the LM head only on the rows that sample a token. In exact mode
 (ops/exact.py) `hidden_exact` runs the trainer's ops in the trainer's order instead (qkv_prep
 with its stats, as the trainer's forward runs it, the batch-invariant GEMM, the exact attention
 over the cache) and the sampled token's logprob is taken by the trainer's head kernel
@@ -39,8 +35,6 @@ from rlcu.ops.decode_linear import decode_linear, fused_for
 from rlcu.ops.decode_qkv import decode_qkv
 from rlcu.ops.embedding import embedding_fwd
 from rlcu.ops.exact import is_exact
-from rlcu.ops.l2_prefetch import CONFIGS as PREFETCH
-from rlcu.ops.l2_prefetch import l2_prefetch
 from rlcu.ops.logprob import token_logprob
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.paged_attention import decode_work, paged_attention
@@ -64,34 +58,11 @@ def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_
     # a decode step's attention work list, built once for every layer (None unless the decode
     # plan is the list kernel, ops/paged_decode_list.py)
     work = decode_work(cu_q, seq_lens, c.num_key_value_heads) if max_q == 1 else None
-    ahead = decode_prefetch(model) if max_q == 1 and PREFETCH["enabled"] else None
-    if ahead:
-        l2_prefetch(model.flat, *ahead[0])
     for i in range(c.num_hidden_layers):
         q = attention_inputs(model, kv, i, x, pos, kv_slots)
-        if ahead and PREFETCH["early"]:
-            l2_prefetch(model.flat, *ahead[i + 1])
         o = paged_attention(q, kv[0, i], kv[1, i], block_tables, cu_q, seq_lens, max_q, max_k, scale, tiles, work)
-        if ahead and not PREFETCH["early"]:
-            l2_prefetch(model.flat, *ahead[i + 1])
         attention_out(model, i, x, o)
     return final(model, x, rows)
-
-
-def decode_prefetch(model: Qwen3) -> list[tuple[int, int]]:
-    """The element ranges of model.flat a decode step prefetches into L2 (ops/l2_prefetch.py):
-    [0] layer 0's input norm and QKV (at the step's start), [i + 1] what layer i reads after its
-    attention and layer i + 1 before its own (o, the post norm, gate_up, down, then the next
-    input norm and QKV: contiguous in the flat layout, model/layout.py)."""
-    s, L = model.layout.slots, model.cfg.num_hidden_layers
-
-    def end(name):
-        return s[name].offset + s[name].numel
-
-    out = [(s["layers.0.input_norm"].offset, end("layers.0.qkv"))]
-    for i in range(L):
-        out.append((s[f"layers.{i}.o"].offset, end(f"layers.{i + 1}.qkv" if i + 1 < L else f"layers.{i}.down")))
-    return out
 
 
 def final(model: Qwen3, x, rows=None) -> torch.Tensor:
