@@ -1,0 +1,37 @@
+"""bench/decode_step.py's `hot` model (the rest_hot variant: every layer reads layer 0's weights, so
+they stay in L2) computes what a model whose every layer holds a copy of layer 0's weights
+computes, through the engine's own layer functions (engine/paged_forward.py), on the CPU twins."""
+
+import torch
+
+from bench.decode_step import hot
+from rlcu.engine.paged_forward import attention_inputs, attention_out, final, logits
+from rlcu.model.config import Qwen3Config
+from rlcu.model.qwen3 import Qwen3
+
+
+def _rest(m, kv, ids, pos, slots):
+    x = m.w["embed"][ids.long()].clone()
+    for i in range(m.cfg.num_hidden_layers):
+        attention_out(m, i, x, attention_inputs(m, kv, i, x, pos, slots))
+    return logits(m, final(m, x))
+
+
+def test_hot_model_is_layer_zero_everywhere():
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    m = Qwen3.from_config(cfg, "cpu", torch.float32, 0)
+    h = hot(m)
+    assert h.w["layers.2.qkv"].data_ptr() == m.w["layers.0.qkv"].data_ptr()
+    assert h.w["embed"] is m.w["embed"] and h.w["final_norm"] is m.w["final_norm"]
+    copied = Qwen3.from_config(cfg, "cpu", torch.float32, 1)
+    copied.flat.copy_(m.flat)
+    for name in m.w:
+        if name.startswith("layers.") and not name.startswith("layers.0."):
+            copied.w[name].copy_(m.w["layers.0." + name.split(".", 2)[2]])
+    kv = torch.zeros(2, 3, 4, 16, 2, 8)
+    ids, pos = torch.tensor([3, 7, 9]), torch.tensor([0, 0, 0], dtype=torch.int32)
+    slots = torch.full((3,), -1, dtype=torch.int64)
+    got, want = _rest(h, kv, ids, pos, slots), _rest(copied, kv, ids, pos, slots)
+    assert torch.equal(got, want)
+    assert not torch.equal(want, _rest(m, kv, ids, pos, slots))  # the layers do differ in m
