@@ -16,7 +16,7 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            programs may sit on an SM beside the other half's attention); logits compared with
            serial's;
   rest_hot `rest` with every layer reading layer 0's weights (they stay in L2): what the rest
-           would cost if no GEMM waited on DRAM (0-10% less on the H200: the rest is its kernels'
+           would cost if no GEMM waited on DRAM (0-11% less on the H200: the rest is its kernels'
            own latency; an L2 prefetch of each layer's next weights, measured slower,
            bench/results/l2_prefetch.json, 0033ff8);
   duo      (--overlap) the batch as two halves run as two independent chains (paged_forward.hidden
