@@ -2,6 +2,7 @@
 it from the step after the last one logged; the history is read back from the offline run files."""
 
 import json
+import re
 import struct
 import sys
 import time
@@ -90,7 +91,9 @@ def test_wandb_offline_resume_continues_the_run(tmp_path, offline):
     _run(out, range(4, 7), lambda s: 10.0 * s, resume_step=3)
     assert (out / "wandb_run_id").read_text().strip() == run_id
     runs = sorted(offline.glob("offline-run-*"))
-    assert len(runs) == 2 and all(p.name.endswith("-" + run_id) for p in runs)
+    # wandb names a run's folder offline-run-<time>-<id>, with -1, -2, ... when a folder of that name
+    # exists already (two runs within one second)
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", p.name) for p in runs)
     (id1, rows1), (id2, rows2) = _offline_run(runs[0], 5), _offline_run(runs[1], 1)
     # the folder names carry the id (checked above); the run record itself may reach the file late on a
     # loaded machine, so it is checked where present
