@@ -19,10 +19,6 @@ mid-run state), kv slots -1 (nothing written, so every replay reads the same cac
            would cost if no GEMM waited on DRAM (0-11% less on the H200: the rest is its kernels'
            own latency; an L2 prefetch of each layer's next weights, measured slower,
            bench/results/l2_prefetch.json, 0033ff8);
-  sampled  serial with the sampler after the head (temperature 0.6), as the engine's steps run,
-           and sampled_fused_head the same with the head and the sampler's first pass in one
-           kernel (ops/head_sample.py); `tokens_equal` counts the rows whose tokens agree (its
-           logits and cuBLAS's may round apart on a near tie);
   duo      (--overlap) the batch as two halves run as two independent chains (paged_forward.hidden
            each) on two streams, forked at the step's start and joined at its end, so that one
            chain's latency-bound kernels may fill the SMs the other's leave idle; duo_u2 / duo_u1
@@ -178,9 +174,6 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
     cu = torch.arange(B + 1, device="cuda", dtype=torch.int32)
     side = torch.cuda.Stream()
     q = torch.randn(B, cfg.num_attention_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-    f = torch.ones(B, device="cuda")  # the sampler's rows: temperature 0.6, no filter
-    samp = (f * 0.6, torch.zeros(B, device="cuda", dtype=torch.int32), f, f * 0.0,
-            torch.arange(B, device="cuda", dtype=torch.int64), torch.zeros(B, device="cuda", dtype=torch.int64))
     scale = cfg.head_dim**-0.5
 
     def serial():
@@ -202,18 +195,6 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
 
     def chains():
         return paged_forward.logits(model, duo(model, kv, ids, pos, slots, tables, cu, lens, kb, side))
-
-    def fused_head():  # serial, its head and the sampler's first pass in one kernel (ops/head_sample.py)
-        from rlcu.ops.head_sample import head_sample
-
-        h = paged_forward.hidden(model, kv, ids, pos, slots, tables, cu, lens, 1, kb)
-        return head_sample(h, model.lm_head, *samp)[0]
-
-    def head_then_sample():  # serial with the sampler after its head, as the engine's steps run
-        from rlcu.ops.sampling import sample
-
-        return sample(paged_forward.logits(model, paged_forward.hidden(model, kv, ids, pos, slots, tables, cu, lens,
-                                                                         1, kb)), *samp)[0]
 
     def units(fn, n):  # fn with the list kernel's target units an SM set to n
         def run():
@@ -242,7 +223,7 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
     r = {"B": B, "context_tokens": ctx, "bound_ms": bound, "attention_bytes_bound_ms": ctx * kv_tok / copy_Bps * 1e3}
     ref = None
     variants = [("serial", serial), ("attn", attn), ("rest", rest), ("rest_hot", lambda: rest(hot(model))),
-                ("halves", two), ("sampled", head_then_sample), ("sampled_fused_head", fused_head)]
+                ("halves", two)]
     if overlap:
         variants += [("duo", chains), ("duo_u2", units(chains, 2)), ("duo_u1", units(chains, 1)),
                      ("attn_u2", units(attn, 2)), ("attn_u1", units(attn, 1)), ("serial_u2", units(serial, 2))]
@@ -261,10 +242,6 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         elif name in ("halves", "fused", "fused_pdl", "halves_fused", "serial_split", "duo", "duo_u2", "duo_u1",
                       "serial_u2"):
             e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
-        elif name == "sampled":
-            sampled = out.clone()
-        elif name == "sampled_fused_head":
-            e["tokens_equal"] = int((out == sampled).sum())
         r[name] = e
         del gr
     for name in ("attn", "attn_split", "attn_u2", "attn_u1"):
@@ -298,8 +275,7 @@ def main():
             r = {"shape": shape, **run_case(model, B, copy_Bps, table, a.split_kernel, a.overlap)}
             rows.append(r)
             cols = "  ".join(f"{k} {r[k]['ms']:6.2f} ({100 * r[k]['bound_fraction']:.0f}%)"
-                             for k in ("serial", "attn", "rest", "rest_hot", "sampled", "sampled_fused_head",
-                                       "halves", "duo", "duo_u2", "duo_u1",
+                             for k in ("serial", "attn", "rest", "rest_hot", "halves", "duo", "duo_u2", "duo_u1",
                                        "attn_u2", "attn_u1", "serial_u2", "fused", "fused_pdl", "rest_fused",
                                        "halves_fused", "serial_split", "attn_split") if k in r)
             print(f"{shape:>5} B={B:<4} bound {r['bound_ms']:6.2f} ms  {cols}  serial's kernels "

@@ -15,7 +15,7 @@ wait for the device, postprocess) and the prefill/decode split say where the res
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
                              [--no-prefill-graphs] [--split-cap] [--fused-linear [TABLE]] [--pdl]
-                             [--split-kernel] [--head-sample]
+                             [--split-kernel]
 
 --shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
 runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
@@ -26,8 +26,7 @@ ops/decode_linear.py (norm and SwiGLU inside the GEMMs) at the tiles of TABLE (a
 bench/decode_linear.py JSON; default: its measured table, decode_linear.MEASURED), --pdl with
 programmatic dependent launch (JSON *_fused_linear[_pdl].json); --split-kernel runs the decode
 attention's split kernel (ops/paged_attention.py), the default before the list kernel
-(ops/paged_decode_list.py; JSON *_split_kernel.json); --head-sample runs each step's LM head and
-the sampler's first pass as one kernel (ops/head_sample.py; JSON *_head_sample.json).
+(ops/paged_decode_list.py; JSON *_split_kernel.json).
 """
 
 from __future__ import annotations
@@ -172,14 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--pdl", action="store_true", help="with --fused-linear: programmatic dependent launch")
     p.add_argument("--split-kernel", action="store_true",
                    help="the decode attention's split kernel (the previous default)")
-    p.add_argument("--head-sample", action="store_true",
-                   help="the LM head and the sampler's first pass in one kernel (ops/head_sample.py)")
     args = p.parse_args(argv)
     from rlcu.ops import decode_linear as dl
-    from rlcu.ops import head_sample as hs
     from rlcu.ops import paged_attention as pa
-
-    hs.CONFIGS["enabled"] = args.head_sample or hs.CONFIGS["enabled"]
 
     if args.split_cap:
         pa.CONFIGS["splits"] = dict(pa.CONFIGS["splits"], max_part=512)
@@ -241,7 +235,6 @@ def main(argv=None) -> int:
                           "decode_splits": dict(pa.CONFIGS["splits"]),
                           "decode_linear": {"enabled": dl.CONFIGS["enabled"], "pdl": dl.CONFIGS["pdl"],
                                             "table": args.fused_linear or None},
-                          "head_sample": dict(hs.CONFIGS),
                           "quick": args.quick}, "ceilings": ceil, "rlcu": [], "hf": []}
     rng = np.random.default_rng(1234)
     plens = rng.integers(lo, hi + 1, n_req)
@@ -271,7 +264,6 @@ def main(argv=None) -> int:
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
     name += ("_fused_linear" + ("_pdl" if args.pdl else "")) if args.fused_linear is not None else ""
     name += "_split_kernel" if args.split_kernel else ""
-    name += "_head_sample" if args.head_sample else ""
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0

@@ -169,17 +169,6 @@ def calls():
     yield "sample", lambda: (sample(logits, f * 0.7, torch.full((S,), 50, dtype=torch.int32), f * 0.9, f * 0.0,
                                     torch.arange(S, dtype=torch.int64), torch.zeros(S, dtype=torch.int64)),
                              greedy(logits))
-
-    def head():  # the LM head with the sampler's first pass (ops/head_sample.py), at 1 / 16 / 64 / 256 rows
-        from rlcu.ops.head_sample import head_sample
-
-        W = torch.randn(V, H).to(bf)
-        for B in (1, 16, 64, 256):
-            fb = torch.ones(B)
-            head_sample(torch.randn(B, H).to(bf), W, fb * 0.7, torch.zeros(B, dtype=torch.int32), fb, fb * 0.0,
-                        torch.arange(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64))
-
-    yield "head_sample", head
     tg = torch.randint(0, V, (T,), dtype=torch.int64)
     head = torch.randn(V, H).to(bf)
 

@@ -35,8 +35,6 @@ from rlcu.ops.decode_linear import decode_linear, fused_for
 from rlcu.ops.decode_qkv import decode_qkv
 from rlcu.ops.embedding import embedding_fwd
 from rlcu.ops.exact import is_exact
-from rlcu.ops.head_sample import CONFIGS as HEAD_SAMPLE
-from rlcu.ops.head_sample import head_sample
 from rlcu.ops.logprob import token_logprob
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.paged_attention import decode_work, paged_attention
@@ -135,12 +133,8 @@ def logits(model: Qwen3, h: torch.Tensor) -> torch.Tensor:
 
 def sample_rows(model: Qwen3, h: torch.Tensor, samp: tuple):
     """The LM head and the sampler on final hidden rows -> (tokens, logprobs). In exact mode
-    the logprob of each sampled token is the trainer's head kernel's on the same logits. With
-    ops/head_sample.py's CONFIGS["enabled"] (not in exact mode) the head and the sampler's first
-    pass run as one kernel.
+    the logprob of each sampled token is the trainer's head kernel's on the same logits.
     samp: the sampler's per-row tensors (temperature, top_k, top_p, min_p, seeds, offsets)."""
-    if HEAD_SAMPLE["enabled"] and not is_exact():  # the sampler's first pass inside the head's GEMM
-        return head_sample(h, model.lm_head, *samp)[:2]
     z = logits(model, h)
     tokens, logprobs = sample(z, *samp)
     if is_exact():

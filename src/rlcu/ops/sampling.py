@@ -379,55 +379,41 @@ def _check(logits, temperature, top_k, top_p, min_p, seeds, offsets):
             raise ValueError(f"sample: {name} is on {t.device}, logits on {logits.device}")
 
 
-def _row_params(temperature, top_k, top_p, min_p, seeds, offsets) -> tuple:
-    """The sampler's per-row tensors in the kernels' dtypes, contiguous."""
-    return (temperature.float().contiguous(), top_k.to(torch.int32).contiguous(), top_p.float().contiguous(),
-            min_p.float().contiguous(), seeds.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous())
-
-
-def pass1_buffers(B: int, NC: int, NT: int, device) -> tuple:
-    """Pass 1's partials: pf [4, B, NC] fp32 (max, sum, min, race best), pi [2, B, NC] int32
-    (argmax, race winner), tmax [B, NT] int32 (each tile's largest key), flat."""
-    pf = torch.empty(4 * B * NC, device=device, dtype=torch.float32)
-    pi, tmax = torch.empty(2 * B * NC + B * NT, device=device, dtype=torch.int32).split([2 * B * NC, B * NT])
-    return pf, pi, tmax
-
-
-def finish_rows(logits, params: tuple, pf, pi, tmax, NC: int, NT: int, BT: int):
-    """`_row_kernel` over pass 1's partials (NC chunks and NT tiles of BT tokens a row) ->
-    (tokens [B] int64, logprobs [B] fp32). params: `_row_params`' tuple."""
-    B, V = logits.shape
-    tokens = torch.empty(B, device=logits.device, dtype=torch.int64)
-    logprobs = torch.empty(B, device=logits.device, dtype=torch.float32)
-    cr = CONFIGS["row"]
-    SCHUNK = max(min(cr["CHUNK"], triton.next_power_of_2(V)), BT)  # tokens a search chunk
-    _row_kernel[(B,)](logits, *params, pf, pi, tmax, tokens, logprobs, logits.stride(0), B, V, NC, NT,
-                      triton.cdiv(V, SCHUNK), BC=triton.next_power_of_2(NC), BNT=triton.next_power_of_2(NT), BT=BT,
-                      TPC=SCHUNK // BT, NP=_NP, PASSES=_PASSES, FAST=not interpreting(),
-                      num_warps=cr["num_warps"], maxnreg=cr.get("maxnreg"))
-    return tokens, logprobs
-
-
 def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     B, V = logits.shape
     dev = logits.device
+    tokens = torch.empty(B, device=dev, dtype=torch.int64)
+    logprobs = torch.empty(B, device=dev, dtype=torch.float32)
     if B == 0:
-        return torch.empty(0, device=dev, dtype=torch.int64), torch.empty(0, device=dev, dtype=torch.float32)
+        return tokens, logprobs
     if V >= 2**31 - 2**20:
         raise ValueError(f"sample: V={V} must be < 2^31 - 2^20")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    params = _row_params(temperature, top_k, top_p, min_p, seeds, offsets)
+    temperature = temperature.float().contiguous()
+    top_k = top_k.to(torch.int32).contiguous()
+    top_p, min_p = top_p.float().contiguous(), min_p.float().contiguous()
+    seeds, offsets = seeds.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()
+    fast = not interpreting()
     c1, cr = CONFIGS["pass1"], CONFIGS["row"]
     CHUNK = min(c1["CHUNK"], triton.next_power_of_2(V))  # depends on V only, never on B
     BV = min(c1["BV"], CHUNK)
     BT = min(cr["BT"], BV)
     NC, NT = triton.cdiv(V, CHUNK), triton.cdiv(V, CHUNK) * (CHUNK // BT)
-    pf, pi, tmax = pass1_buffers(B, NC, NT, dev)
-    _pass1_kernel[(B, NC)](logits, params[0], params[4], params[5], pf, pi, tmax, logits.stride(0), B,
-                           V, NC, NT, BV=BV, CHUNK=CHUNK, BT=BT, FAST=not interpreting(),
+    SCHUNK = max(min(cr["CHUNK"], triton.next_power_of_2(V)), BT)  # tokens a search chunk
+    # pass-1 partials: [4, B, NC] fp32, [2, B, NC] int32; tile keys [B, NT] int32
+    pf = torch.empty(4 * B * NC, device=dev, dtype=torch.float32)
+    pi, tmax = torch.empty(2 * B * NC + B * NT, device=dev, dtype=torch.int32).split(
+        [2 * B * NC, B * NT])
+    _pass1_kernel[(B, NC)](logits, temperature, seeds, offsets, pf, pi, tmax, logits.stride(0), B,
+                           V, NC, NT, BV=BV, CHUNK=CHUNK, BT=BT, FAST=fast,
                            num_warps=c1["num_warps"])
-    return finish_rows(logits, params, pf, pi, tmax, NC, NT, BT)
+    _row_kernel[(B,)](logits, temperature, top_k, top_p, min_p, seeds, offsets, pf, pi, tmax,
+                      tokens, logprobs, logits.stride(0), B, V, NC, NT, triton.cdiv(V, SCHUNK),
+                      BC=triton.next_power_of_2(NC), BNT=triton.next_power_of_2(NT), BT=BT,
+                      TPC=SCHUNK // BT, NP=_NP, PASSES=_PASSES, FAST=fast,
+                      num_warps=cr["num_warps"], maxnreg=cr.get("maxnreg"))
+    return tokens, logprobs
 
 
 # ----------------------------------------------------------------------------- the hash RNG
