@@ -93,7 +93,8 @@ def test_wandb_offline_resume_continues_the_run(tmp_path, offline):
     runs = sorted(offline.glob("offline-run-*"))
     # wandb names a run's folder offline-run-<time>-<id>, with -1, -2, ... when a folder of that name
     # exists already (two runs within one second)
-    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", p.name) for p in runs)
+    name = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(runs) == 2 and all(name.fullmatch(p.name) for p in runs)
     (id1, rows1), (id2, rows2) = _offline_run(runs[0], 5), _offline_run(runs[1], 1)
     # the folder names carry the id (checked above); the run record itself may reach the file late on a
     # loaded machine, so it is checked where present
