@@ -1,0 +1,175 @@
+"""How fast a plain Triton kernel streams a decode projection's weights, against cuBLAS.
+
+A decode step's projections read each weight once for 1-256 rows: weight-bound, ~1-3 us of
+bytes at Qwen3-0.6B, but cuBLAS takes 5-8 us each (bench/results/profile_engine.json), and
+ops/decode_linear.py's fused kernels (split-K with an inline reduce, the norm in the A path)
+took longer still at 64-256 rows (bench/results/decode_linear.json). This probe asks what the
+simplest weight-streaming tiling reaches: y = x W^T, a program per (row tile, BN output
+columns), the whole K in its loop (no split, no reduce, no epilogue), the W tile read by
+pointer loads or by a TMA descriptor; a sweep of (BN, BK, stages, warps) per shape and rows.
+
+Each op timed as ops/decode_linear's bench times it (`common.graph_ms`: a CUDA graph of 12
+back-to-back calls over 4 weight copies, so none is read from L2, median of 7 replays), cuBLAS
+(`torch.mm`) in the same run; GB/s = weight bytes / time, against the copy ceiling measured in
+the same run. Every candidate is checked against an fp32 reference before it is timed.
+
+    python bench/stream_gemm.py [--shapes 0.6b 8b] [--rows 1 64 128 256] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import SHAPES, graph_ms, measure_ceilings, qwen3_06b_config, write_json  # noqa: E402
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the triton build
+    TensorDescriptor = None
+
+COPIES = 4  # weight copies the timed graph cycles through (4 x the op's bytes > L2 at every shape)
+
+
+@triton.jit
+def _stream_ptr_kernel(X, W, Y, M, K, stride_x, stride_w, stride_y,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pm, pn = tl.program_id(0), tl.program_id(1)  # row tiles adjacent: a W slice is read once from DRAM
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        x = tl.load(X + rm[:, None] * stride_x + (k + rk)[None, :], mask=rm[:, None] < M, other=0.0)
+        w = tl.load(W + rn[:, None] * stride_w + (k + rk)[None, :])
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty), mask=rm[:, None] < M)
+
+
+@triton.jit
+def _stream_tma_kernel(X, w_desc, Y, M, K, stride_x, stride_y,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pm, pn = tl.program_id(0), tl.program_id(1)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        x = tl.load(X + rm[:, None] * stride_x + (k + rk)[None, :], mask=rm[:, None] < M, other=0.0)
+        w = w_desc.load([pn * BN, k])
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty), mask=rm[:, None] < M)
+
+
+def row_tile(M: int) -> int:
+    """The row tile: M rounded up to 16 (tl.dot's least), at most 128 (two tiles at 256 rows)."""
+    return min(max(16, triton.next_power_of_2(M)), 128)
+
+
+def stream_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple, tma: bool = False):
+    """y = x w^T with cfg = (BN, BK, stages, warps); N % BN == 0 and K % BK == 0."""
+    BN, BK, stages, warps = cfg
+    M, K = x.shape
+    N = w.shape[0]
+    BM = row_tile(M)
+    grid = (triton.cdiv(M, BM), N // BN)
+    if tma:
+        desc = TensorDescriptor.from_tensor(w, [BN, BK])
+        _stream_tma_kernel[grid](x, desc, y, M, K, x.stride(0), y.stride(0), BM=BM, BN=BN, BK=BK, num_stages=stages,
+                                 num_warps=warps)
+    else:
+        _stream_ptr_kernel[grid](x, w, y, M, K, x.stride(0), w.stride(0), y.stride(0), BM=BM, BN=BN, BK=BK,
+                                 num_stages=stages, num_warps=warps)
+    return y
+
+
+def projections(cfg) -> dict[str, tuple[int, int]]:
+    """A decoder layer's four projections: name -> (N, K) of the [N, K] weight."""
+    q, kv, H, I = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
+        cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": (q + 2 * kv, H), "o": (H, q), "gate_up": (2 * I, H), "down": (H, I)}
+
+
+SMEM = 220 * 1024  # the H200's shared memory a block, less Triton's own
+
+
+def candidates(N: int, K: int, M: int, quick: bool) -> list[tuple]:
+    """(BN, BK, stages, warps) that tile N and K and whose pipeline fits in shared memory."""
+    bns = (32,) if quick else (16, 32, 64)
+    bks = (128,) if quick else (128, 256)
+    stages = (3,) if quick else (3, 5)
+    warps = (4,) if quick else (4, 8)
+    BM = row_tile(M)
+    return [c for c in itertools.product(bns, bks, stages, warps)
+            if N % c[0] == 0 and K % c[1] == 0 and c[2] * (BM + c[0]) * c[1] * 2 <= SMEM]
+
+
+def measure(N: int, K: int, M: int, quick: bool) -> dict:
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    ref = (x.float() @ ws[0].float().t())
+    scale = ref.abs().max().item()
+    row = {"N": N, "K": K, "M": M, "weight_bytes": N * K * 2}
+    row["cublas_us"] = 1e3 * graph_ms([lambda w=w: torch.mm(x, w.t(), out=y) for w in ws])
+    best = None
+    for tma in ((False,) if TensorDescriptor is None else (False, True)):
+        for c in candidates(N, K, M, quick):
+            try:
+                stream_gemm(x, ws[0], y, c, tma)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a tile the SM cannot hold is dropped, with why
+                row.setdefault("dropped", []).append({"config": c, "tma": tma, "error": str(e)[:160]})
+                continue
+            err = (y.float() - ref).abs().max().item() / scale
+            if err > 2e-2:
+                raise AssertionError(f"stream_gemm {c} tma={tma} at {M}x{N}x{K}: relative error {err:.3g}")
+            us = 1e3 * graph_ms([lambda w=w, c=c, tma=tma: stream_gemm(x, w, y, c, tma) for w in ws])
+            row.setdefault("sweep", []).append({"config": c, "tma": tma, "us": us, "rel_err": err})
+            if best is None or us < best["us"]:
+                best = {"config": c, "tma": tma, "us": us}
+    row["best"] = best
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", default=["0.6b", "8b"], choices=sorted(SHAPES))
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 64, 128, 256])
+    p.add_argument("--quick", action="store_true", help="one candidate a variant (a smoke run)")
+    args = p.parse_args(argv)
+    ceil = measure_ceilings()
+    bw = ceil["copy_GBps"]
+    print(f"copy ceiling {bw:.0f} GB/s", flush=True)
+    rows = []
+    for shape in args.shapes:
+        cfg = qwen3_06b_config(**SHAPES[shape])
+        for M in args.rows:
+            tot_c = tot_s = 0.0
+            for op, (N, K) in projections(cfg).items():
+                r = measure(N, K, M, args.quick)
+                r.update(shape=shape, op=op)
+                rows.append(r)
+                b = r["best"]
+                gbs = lambda us: r["weight_bytes"] / (us * 1e-6) / 1e9  # noqa: E731
+                print(f"{shape:>4} {op:<8} M={M:<4} {N:>6}x{K:<6} cuBLAS {r['cublas_us']:6.1f} us "
+                      f"({gbs(r['cublas_us']):5.0f} GB/s)  stream {b['us']:6.1f} us ({gbs(b['us']):5.0f} GB/s) "
+                      f"{b['config']} tma={b['tma']}  bytes at ceiling {r['weight_bytes'] / bw / 1e3:.1f} us",
+                      flush=True)
+                tot_c += r["cublas_us"]
+                tot_s += b["us"]
+            print(f"{shape:>4} layer    M={M:<4} cuBLAS {tot_c:6.1f} us, stream {tot_s:6.1f} us", flush=True)
+    write_json("stream_gemm.json", {"ceilings": ceil, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
