@@ -69,6 +69,37 @@ def _stream_tma_kernel(X, w_desc, Y, M, K, stride_x, stride_y,
     tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty), mask=rm[:, None] < M)
 
 
+@triton.jit
+def _stream_fused_kernel(X, G, W, Y, M, K, N, stride_x, stride_w, stride_y, eps, NORM: tl.constexpr,
+                         SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # y = rmsnorm(x; g) W^T (NORM: the A tile is x * g, the rows' sums of squares from the same
+    # loads, the sums scaled by rstd at the end) and SWIGLU: W = [Wg; Wu], N the rows of each,
+    # y = silu(h Wg^T) * (h Wu^T), a program's gate and up columns the same BN of [0, N)
+    pm, pn = tl.program_id(0), tl.program_id(1)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    ss = tl.zeros((BM,), dtype=tl.float32)
+    for k in range(0, K, BK):
+        x = tl.load(X + rm[:, None] * stride_x + (k + rk)[None, :], mask=rm[:, None] < M, other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            x = (xf * tl.load(G + k + rk).to(tl.float32)[None, :]).to(W.dtype.element_ty)
+        acc = tl.dot(x, tl.trans(tl.load(W + rn[:, None] * stride_w + (k + rk)[None, :])), acc)
+        if SWIGLU:
+            acc_up = tl.dot(x, tl.trans(tl.load(W + (N + rn)[:, None] * stride_w + (k + rk)[None, :])), acc_up)
+    if NORM:
+        rstd = tl.rsqrt(ss / K + eps)[:, None]
+        acc *= rstd
+        acc_up *= rstd
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty), mask=rm[:, None] < M)
+
+
 def row_tile(M: int) -> int:
     """The row tile: M rounded up to 16 (tl.dot's least), at most 128 (two tiles at 256 rows)."""
     return min(max(16, triton.next_power_of_2(M)), 128)
@@ -91,6 +122,20 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple, t
     return y
 
 
+def stream_fused(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple, eps: float,
+                 swiglu: bool) -> torch.Tensor:
+    """y = rmsnorm(x; g) w^T, or with swiglu (w = [Wg; Wu]) silu(h Wg^T) * (h Wu^T); cfg as stream_gemm's
+    (BN counts gate columns under swiglu)."""
+    BN, BK, stages, warps = cfg
+    M, K = x.shape
+    N = w.shape[0] // 2 if swiglu else w.shape[0]
+    BM = row_tile(M)
+    _stream_fused_kernel[(triton.cdiv(M, BM), N // BN)](x, g, w, y, M, K, N, x.stride(0), w.stride(0), y.stride(0),
+                                                       eps, NORM=True, SWIGLU=swiglu, BM=BM, BN=BN, BK=BK,
+                                                       num_stages=stages, num_warps=warps)
+    return y
+
+
 def projections(cfg) -> dict[str, tuple[int, int]]:
     """A decoder layer's four projections: name -> (N, K) of the [N, K] weight."""
     q, kv, H, I = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
@@ -101,43 +146,81 @@ def projections(cfg) -> dict[str, tuple[int, int]]:
 SMEM = 220 * 1024  # the H200's shared memory a block, less Triton's own
 
 
-def candidates(N: int, K: int, M: int, quick: bool) -> list[tuple]:
-    """(BN, BK, stages, warps) that tile N and K and whose pipeline fits in shared memory."""
+def candidates(N: int, K: int, M: int, quick: bool, pair: bool = False) -> list[tuple]:
+    """(BN, BK, stages, warps) that tile N and K and whose pipeline fits in shared memory (pair:
+    two W tiles a stage, SwiGLU's gate and up)."""
     bns = (32,) if quick else (16, 32, 64)
     bks = (128,) if quick else (128, 256)
     stages = (3,) if quick else (3, 5)
     warps = (4,) if quick else (4, 8)
     BM = row_tile(M)
     return [c for c in itertools.product(bns, bks, stages, warps)
-            if N % c[0] == 0 and K % c[1] == 0 and c[2] * (BM + c[0]) * c[1] * 2 <= SMEM]
+            if N % c[0] == 0 and K % c[1] == 0 and c[2] * (BM + (2 if pair else 1) * c[0]) * c[1] * 2 <= SMEM]
+
+
+def sweep(row: dict, run, check, cands, variants=(False,)) -> dict:
+    """Time run(w, cfg, variant) over the weight copies for each candidate tile (checked first:
+    check() -> relative error); the row gets its sweep, dropped tiles and best."""
+    best = None
+    for var in variants:
+        for c in cands:
+            try:
+                run(0, c, var)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a tile the SM cannot hold is dropped, with why
+                row.setdefault("dropped", []).append({"config": c, "variant": var, "error": str(e)[:160]})
+                continue
+            err = check()
+            if err > 2e-2:
+                raise AssertionError(f"{row} {c} {var}: relative error {err:.3g}")
+            us = 1e3 * graph_ms([lambda i=i, c=c, var=var: run(i, c, var) for i in range(COPIES)])
+            row.setdefault("sweep", []).append({"config": c, "variant": var, "us": us, "rel_err": err})
+            if best is None or us < best["us"]:
+                best = {"config": c, "variant": var, "us": us}
+    row["best"] = best
+    return row
 
 
 def measure(N: int, K: int, M: int, quick: bool) -> dict:
+    """x W^T: cuBLAS against stream_gemm's tiles (pointer and TMA loads of W)."""
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    ref = (x.float() @ ws[0].float().t())
-    scale = ref.abs().max().item()
+    ref = x.float() @ ws[0].float().t()
     row = {"N": N, "K": K, "M": M, "weight_bytes": N * K * 2}
     row["cublas_us"] = 1e3 * graph_ms([lambda w=w: torch.mm(x, w.t(), out=y) for w in ws])
-    best = None
-    for tma in ((False,) if TensorDescriptor is None else (False, True)):
-        for c in candidates(N, K, M, quick):
-            try:
-                stream_gemm(x, ws[0], y, c, tma)
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001 - a tile the SM cannot hold is dropped, with why
-                row.setdefault("dropped", []).append({"config": c, "tma": tma, "error": str(e)[:160]})
-                continue
-            err = (y.float() - ref).abs().max().item() / scale
-            if err > 2e-2:
-                raise AssertionError(f"stream_gemm {c} tma={tma} at {M}x{N}x{K}: relative error {err:.3g}")
-            us = 1e3 * graph_ms([lambda w=w, c=c, tma=tma: stream_gemm(x, w, y, c, tma) for w in ws])
-            row.setdefault("sweep", []).append({"config": c, "tma": tma, "us": us, "rel_err": err})
-            if best is None or us < best["us"]:
-                best = {"config": c, "tma": tma, "us": us}
-    row["best"] = best
-    return row
+    return sweep(row, lambda i, c, tma: stream_gemm(x, ws[i], y, c, tma),
+                 lambda: (y.float() - ref).abs().max().item() / ref.abs().max().item(),
+                 candidates(N, K, M, quick), (False,) if TensorDescriptor is None else (False, True))
+
+
+def measure_fused(op: str, N: int, K: int, M: int, quick: bool, eps: float = 1e-6) -> dict:
+    """The engine's unfused ops (rmsnorm, cuBLAS, and SwiGLU for gate_up) against stream_fused's
+    tiles: the norm (and SwiGLU) inside the weight-streaming kernel."""
+    from rlcu.ops.rmsnorm import rmsnorm_fwd
+    from rlcu.ops.swiglu import swiglu_fwd
+
+    sw = op == "gate_up"
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    g = 1 + 0.1 * torch.randn(K, device="cuda", dtype=torch.bfloat16)
+    n_out = N // 2 if sw else N
+    y = torch.empty(M, n_out, device="cuda", dtype=torch.bfloat16)
+    xf = x.float()
+    h = xf * torch.rsqrt(xf.pow(2).mean(1, keepdim=True) + eps) * g.float()
+    ref = h @ ws[0].float().t()
+    if sw:
+        ref = torch.nn.functional.silu(ref[:, :n_out]) * ref[:, n_out:]
+
+    def unfused(w):
+        z = rmsnorm_fwd(x, g, eps)[0] @ w.t()
+        return swiglu_fwd(z) if sw else z
+
+    row = {"op": op + "+norm" + ("+swiglu" if sw else ""), "N": N, "K": K, "M": M, "weight_bytes": N * K * 2}
+    row["unfused_us"] = 1e3 * graph_ms([lambda w=w: unfused(w) for w in ws])
+    return sweep(row, lambda i, c, _v: stream_fused(x, g, ws[i], y, c, eps, sw),
+                 lambda: (y.float() - ref).abs().max().item() / ref.abs().max().item(),
+                 candidates(n_out, K, M, quick, pair=sw))
 
 
 def main(argv=None) -> int:
@@ -149,7 +232,7 @@ def main(argv=None) -> int:
     ceil = measure_ceilings()
     bw = ceil["copy_GBps"]
     print(f"copy ceiling {bw:.0f} GB/s", flush=True)
-    rows = []
+    rows, fused = [], []
     for shape in args.shapes:
         cfg = qwen3_06b_config(**SHAPES[shape])
         for M in args.rows:
@@ -162,12 +245,18 @@ def main(argv=None) -> int:
                 gbs = lambda us: r["weight_bytes"] / (us * 1e-6) / 1e9  # noqa: E731
                 print(f"{shape:>4} {op:<8} M={M:<4} {N:>6}x{K:<6} cuBLAS {r['cublas_us']:6.1f} us "
                       f"({gbs(r['cublas_us']):5.0f} GB/s)  stream {b['us']:6.1f} us ({gbs(b['us']):5.0f} GB/s) "
-                      f"{b['config']} tma={b['tma']}  bytes at ceiling {r['weight_bytes'] / bw / 1e3:.1f} us",
+                      f"{b['config']} tma={b['variant']}  bytes at ceiling {r['weight_bytes'] / bw / 1e3:.1f} us",
                       flush=True)
                 tot_c += r["cublas_us"]
                 tot_s += b["us"]
+                if op in ("qkv", "gate_up"):
+                    f = measure_fused(op, N, K, M, args.quick, cfg.rms_norm_eps)
+                    f["shape"] = shape
+                    fused.append(f)
+                    print(f"{shape:>4} {f['op']:<19} M={M:<4} unfused {f['unfused_us']:6.1f} us  fused "
+                          f"{f['best']['us']:6.1f} us {f['best']['config']}", flush=True)
             print(f"{shape:>4} layer    M={M:<4} cuBLAS {tot_c:6.1f} us, stream {tot_s:6.1f} us", flush=True)
-    write_json("stream_gemm.json", {"ceilings": ceil, "rows": rows})
+    write_json("stream_gemm.json", {"ceilings": ceil, "rows": rows, "fused": fused})
     return 0
 
 

@@ -1,6 +1,7 @@
-"""bench/stream_gemm.py's probe kernels compute x W^T (on the CPU through Triton's interpreter, in
-fp32: the interpreter's bf16 dot is not the GPU's), at row counts that fill one row tile, part of
-one and two; and every candidate tile it times fits the SM's shared memory."""
+"""bench/stream_gemm.py's probe kernels compute x W^T, and the fused ones rmsnorm(x) W^T and its
+SwiGLU (on the CPU through Triton's interpreter, in fp32: the interpreter's bf16 dot is not the
+GPU's), at row counts that fill one row tile, part of one and two; and every candidate tile it
+times fits the SM's shared memory."""
 
 import pytest
 import torch
@@ -32,3 +33,19 @@ def test_candidates_tile_and_fit():
                 assert N % bn == 0 and K % bk == 0
                 assert stages * (BM + bn) * bk * 2 <= stream.SMEM
     assert stream.row_tile(1) == 16 and stream.row_tile(64) == 64 and stream.row_tile(256) == 128
+
+
+@needs_triton(stream._stream_fused_kernel)
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_stream_fused_is_norm_then_projection(swiglu):
+    g = torch.Generator().manual_seed(int(swiglu))
+    M, N, K, eps = 20, 32, 256, 1e-6
+    x, gain = torch.randn(M, K, generator=g), 1 + 0.1 * torch.randn(K, generator=g)
+    w = torch.randn(2 * N if swiglu else N, K, generator=g)
+    h = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + eps) * gain
+    want = h @ w.t()
+    if swiglu:
+        want = torch.nn.functional.silu(want[:, :N]) * want[:, N:]
+    y = torch.full((M, N), float("nan"))
+    stream.stream_fused(x, gain, w, y, (16, 128, 2, 4), eps, swiglu)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
