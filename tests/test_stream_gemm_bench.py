@@ -36,8 +36,9 @@ def test_candidates_tile_and_fit():
 
 
 @needs_triton(stream._stream_fused_kernel)
+@pytest.mark.parametrize("x_next", [False, True])
 @pytest.mark.parametrize("swiglu", [False, True])
-def test_stream_fused_is_norm_then_projection(swiglu):
+def test_stream_fused_is_norm_then_projection(swiglu, x_next):
     g = torch.Generator().manual_seed(int(swiglu))
     M, N, K, eps = 20, 32, 256, 1e-6
     x, gain = torch.randn(M, K, generator=g), 1 + 0.1 * torch.randn(K, generator=g)
@@ -47,5 +48,5 @@ def test_stream_fused_is_norm_then_projection(swiglu):
     if swiglu:
         want = torch.nn.functional.silu(want[:, :N]) * want[:, N:]
     y = torch.full((M, N), float("nan"))
-    stream.stream_fused(x, gain, w, y, (16, 128, 2, 4), eps, swiglu)
+    stream.stream_fused(x, gain, w, y, (16, 128, 2, 4), eps, swiglu, x_next)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
