@@ -13,7 +13,11 @@ back-to-back calls over 4 weight copies, so none is read from L2, median of 7 re
 (`torch.mm`) in the same run; GB/s = weight bytes / time, against the copy ceiling measured in
 the same run. Every candidate is checked against an fp32 reference before it is timed.
 
-    python bench/stream_gemm.py [--shapes 0.6b 8b] [--rows 1 64 128 256] [--quick]
+Also the input norm (and gate_up's SwiGLU) inside the streaming kernel, with x loaded by the
+compiler's order or one K step ahead by hand (XNEXT), against the engine's unfused ops
+(rmsnorm, cuBLAS, swiglu). The README's generation section says what the runs found.
+
+    python bench/stream_gemm.py [--shapes 0.6b 8b] [--rows 1 64 128 256] [--quick] [--fused-only]
 """
 
 from __future__ import annotations
