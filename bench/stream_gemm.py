@@ -44,8 +44,9 @@ COPIES = 4  # weight copies the timed graph cycles through (4 x the op's bytes >
 
 
 @triton.jit
-def _stream_ptr_kernel(X, W, Y, M, K, stride_x, stride_w, stride_y,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _stream_kernel(X, W, w_desc, Y, M, K, stride_x, stride_w, stride_y, TMA: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # TMA: the W tile by the descriptor w_desc, else by pointer loads from W
     pm, pn = tl.program_id(0), tl.program_id(1)  # row tiles adjacent: a W slice is read once from DRAM
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
@@ -53,22 +54,10 @@ def _stream_ptr_kernel(X, W, Y, M, K, stride_x, stride_w, stride_y,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(0, K, BK):
         x = tl.load(X + rm[:, None] * stride_x + (k + rk)[None, :], mask=rm[:, None] < M, other=0.0)
-        w = tl.load(W + rn[:, None] * stride_w + (k + rk)[None, :])
-        acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty), mask=rm[:, None] < M)
-
-
-@triton.jit
-def _stream_tma_kernel(X, w_desc, Y, M, K, stride_x, stride_y,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pm, pn = tl.program_id(0), tl.program_id(1)
-    rm = pm * BM + tl.arange(0, BM)
-    rn = pn * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        x = tl.load(X + rm[:, None] * stride_x + (k + rk)[None, :], mask=rm[:, None] < M, other=0.0)
-        w = w_desc.load([pn * BN, k])
+        if TMA:
+            w = w_desc.load([pn * BN, k])
+        else:
+            w = tl.load(W + rn[:, None] * stride_w + (k + rk)[None, :])
         acc = tl.dot(x, tl.trans(w), acc)
     tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty), mask=rm[:, None] < M)
 
@@ -125,13 +114,9 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: tuple, t
     N = w.shape[0]
     BM = row_tile(M)
     grid = (triton.cdiv(M, BM), N // BN)
-    if tma:
-        desc = TensorDescriptor.from_tensor(w, [BN, BK])
-        _stream_tma_kernel[grid](x, desc, y, M, K, x.stride(0), y.stride(0), BM=BM, BN=BN, BK=BK, num_stages=stages,
-                                 num_warps=warps)
-    else:
-        _stream_ptr_kernel[grid](x, w, y, M, K, x.stride(0), w.stride(0), y.stride(0), BM=BM, BN=BN, BK=BK,
-                                 num_stages=stages, num_warps=warps)
+    desc = TensorDescriptor.from_tensor(w, [BN, BK]) if tma else None
+    _stream_kernel[grid](x, w, desc, y, M, K, x.stride(0), w.stride(0), y.stride(0), TMA=tma, BM=BM, BN=BN, BK=BK,
+                         num_stages=stages, num_warps=warps)
     return y
 
 

@@ -11,7 +11,7 @@ from tests.interp_util import needs_triton
 stream = pytest.importorskip("bench.stream_gemm")
 
 
-@needs_triton(stream._stream_ptr_kernel)
+@needs_triton(stream._stream_kernel)
 @pytest.mark.parametrize("M", [1, 20, 130])
 def test_stream_gemm_is_x_wt(M):
     g = torch.Generator().manual_seed(M)
