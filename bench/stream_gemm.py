@@ -34,6 +34,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import SHAPES, graph_ms, measure_ceilings, qwen3_06b_config, write_json  # noqa: E402
+from bench.decode_linear import op_shapes  # noqa: E402
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -63,11 +64,10 @@ def _stream_kernel(X, W, w_desc, Y, M, K, stride_x, stride_w, stride_y, TMA: tl.
 
 
 @triton.jit
-def _stream_fused_kernel(X, G, W, Y, M, K, N, stride_x, stride_w, stride_y, eps, NORM: tl.constexpr,
-                         SWIGLU: tl.constexpr, XNEXT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr):
-    # y = rmsnorm(x; g) W^T (NORM: the A tile is x * g, the rows' sums of squares from the same
-    # loads, the sums scaled by rstd at the end) and SWIGLU: W = [Wg; Wu], N the rows of each,
+def _stream_fused_kernel(X, G, W, Y, M, K, N, stride_x, stride_w, stride_y, eps, SWIGLU: tl.constexpr,
+                         XNEXT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    # y = rmsnorm(x; g) W^T (the A tile is x * g, the rows' sums of squares from the same loads,
+    # the sums scaled by rstd at the end) and SWIGLU: W = [Wg; Wu], N the rows of each,
     # y = silu(h Wg^T) * (h Wu^T), a program's gate and up columns the same BN of [0, N).
     # XNEXT: the next K step's x tile loaded one step ahead, by hand (the compiler's pipeline
     # takes only loads that feed a dot, and x feeds the norm's arithmetic first)
@@ -79,26 +79,24 @@ def _stream_fused_kernel(X, G, W, Y, M, K, N, stride_x, stride_w, stride_y, eps,
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     ss = tl.zeros((BM,), dtype=tl.float32)
     xp = X + rm[:, None] * stride_x + rk[None, :]
-    x_next = tl.load(xp, mask=rm[:, None] < M, other=0.0)
+    if XNEXT:
+        x_next = tl.load(xp, mask=rm[:, None] < M, other=0.0)
     for k in range(0, K, BK):
         if XNEXT:
             x = x_next
             x_next = tl.load(xp + k + BK, mask=(rm[:, None] < M) & (k + BK + rk < K)[None, :], other=0.0)
         else:
             x = tl.load(xp + k, mask=rm[:, None] < M, other=0.0)
-        if NORM:
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, 1)
-            x = (xf * tl.load(G + k + rk).to(tl.float32)[None, :]).to(W.dtype.element_ty)
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, 1)
+        x = (xf * tl.load(G + k + rk).to(tl.float32)[None, :]).to(W.dtype.element_ty)
         acc = tl.dot(x, tl.trans(tl.load(W + rn[:, None] * stride_w + (k + rk)[None, :])), acc)
         if SWIGLU:
             acc_up = tl.dot(x, tl.trans(tl.load(W + (N + rn)[:, None] * stride_w + (k + rk)[None, :])), acc_up)
-    if NORM:
-        rstd = tl.rsqrt(ss / K + eps)[:, None]
-        acc *= rstd
-        acc_up *= rstd
+    rstd = tl.rsqrt(ss / K + eps)[:, None]
+    acc *= rstd
     if SWIGLU:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        acc = acc * tl.sigmoid(acc) * (acc_up * rstd)
     tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty), mask=rm[:, None] < M)
 
 
@@ -129,16 +127,9 @@ def stream_fused(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, y: torch.Ten
     N = w.shape[0] // 2 if swiglu else w.shape[0]
     BM = row_tile(M)
     _stream_fused_kernel[(triton.cdiv(M, BM), N // BN)](x, g, w, y, M, K, N, x.stride(0), w.stride(0), y.stride(0),
-                                                       eps, NORM=True, SWIGLU=swiglu, XNEXT=x_next, BM=BM, BN=BN, BK=BK,
+                                                       eps, SWIGLU=swiglu, XNEXT=x_next, BM=BM, BN=BN, BK=BK,
                                                        num_stages=stages, num_warps=warps)
     return y
-
-
-def projections(cfg) -> dict[str, tuple[int, int]]:
-    """A decoder layer's four projections: name -> (N, K) of the [N, K] weight."""
-    q, kv, H, I = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
-        cfg.hidden_size, cfg.intermediate_size
-    return {"qkv": (q + 2 * kv, H), "o": (H, q), "gate_up": (2 * I, H), "down": (H, I)}
 
 
 SMEM = 220 * 1024  # the H200's shared memory a block, less Triton's own
@@ -157,7 +148,7 @@ def candidates(N: int, K: int, M: int, quick: bool, pair: bool = False) -> list[
 
 
 def sweep(row: dict, run, check, cands, variants=(False,)) -> dict:
-    """Time run(w, cfg, variant) over the weight copies for each candidate tile (checked first:
+    """Time run(i, cfg, variant), i the weight copy, over the copies for each candidate tile (checked first:
     check() -> relative error); the row gets its sweep, dropped tiles and best."""
     best = None
     for var in variants:
@@ -245,7 +236,7 @@ def main(argv=None) -> int:
         cfg = qwen3_06b_config(**SHAPES[shape])
         for M in args.rows:
             tot_c = tot_s = 0.0
-            for op, (N, K) in projections(cfg).items():
+            for op, (N, K) in op_shapes(cfg).items():
                 if args.fused_only:
                     if op in ("qkv", "gate_up"):
                         fused.append(report_fused(op, N, K, M, shape, cfg.rms_norm_eps, args.quick))
