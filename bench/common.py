@@ -101,6 +101,12 @@ def graph_ms(fns, inner: int = 12, reps: int = 7, warm: int = 0) -> float:
     return replay_ms(graph.replay, reps, warm) / inner
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (2-norms, in fp32): how far a result is from its reference."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def write_json(name: str, payload: dict) -> Path:
     """Write to $OUT (on the device machine) and bench/results/."""
     payload = {"meta": meta(), **payload}

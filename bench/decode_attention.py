@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import capture, meta  # noqa: E402
+from bench.common import capture, meta, rel_err  # noqa: E402
 
 Hq, Hk, D, BS = 16, 8, 128, 16
 DEV, DT = "cuda", torch.bfloat16
@@ -101,11 +101,6 @@ def copy_bandwidth() -> float:
     b = torch.empty_like(a)
     ms = do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
     return 2 * a.numel() * 4 / (ms * 1e-3) / 1e9
-
-
-def rel_err(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def time_graph(fn, reps: int = 5) -> float:

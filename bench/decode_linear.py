@@ -40,7 +40,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, graph_ms, measure_ceilings, overriding, qwen3_06b_config, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    SHAPES,
+    graph_ms,
+    measure_ceilings,
+    overriding,
+    qwen3_06b_config,
+    rel_err,
+    write_json,
+)
 
 L2_BYTES = 120 << 20
 OPS = ("qkv", "o", "gate_up", "down")
@@ -153,10 +161,6 @@ def operands(op: str, N: int, K: int, M: int, H: int, n_sets: int):
     return sets
 
 
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
-
-
 def _try(fn, dropped: list, c):
     """fn() -> its value, or None with the config dropped where it cannot launch (its shared
     memory past the SM's, say)."""
@@ -191,11 +195,11 @@ def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
     n_out = N // 2 if op == "gate_up" else N
     heur = own_config(op, M, N, K, hd)
     row["heuristic"] = {"config": heur, "ms": _timed(bind(fused(op, eps, heur, ctx))),
-                        "rel_err": _rel(result(fused(op, eps, heur, ctx)), ref)}
+                        "rel_err": rel_err(result(fused(op, eps, heur, ctx)), ref)}
     sweep, dropped = [], []
 
     def attempt(c, **tags):  # checked, then timed; dropped if it cannot launch or is wrong
-        err = _try(lambda: _rel(result(fused(op, eps, c, ctx)), ref), dropped, c)
+        err = _try(lambda: rel_err(result(fused(op, eps, c, ctx)), ref), dropped, c)
         if err is not None and err > MAX_ERR:
             dropped.append({"config": c, "rel_err": err})
         elif err is not None:
@@ -217,7 +221,7 @@ def run_op(op: str, N: int, K: int, M: int, mcfg) -> dict:
     for name, upd in variants.items():  # the best tile under other launch options
         with overriding(dl.CONFIGS, **upd):
             row[name] = {"ms": _timed(bind(fused(op, eps, best["config"], ctx))),
-                         "rel_err": _rel(result(fused(op, eps, best["config"], ctx)), ref)}
+                         "rel_err": rel_err(result(fused(op, eps, best["config"], ctx)), ref)}
     return row
 
 

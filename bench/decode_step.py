@@ -61,6 +61,7 @@ from bench.common import (  # noqa: E402
     measure_ceilings,
     overriding,
     qwen3_06b_config,
+    rel_err,
     replay_ms,
     write_json,
 )
@@ -242,7 +243,7 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         elif name.startswith("attn"):
             e["attention_fraction"] = r["attention_bytes_bound_ms"] / e["ms"]
         elif not name.startswith("rest"):  # a whole step, another schedule or kernel: its logits against serial's
-            e["rel_err"] = float((out.float() - ref).norm() / ref.norm())
+            e["rel_err"] = rel_err(out, ref)
         r[name] = e
         del gr
     torch.cuda.empty_cache()

@@ -11,7 +11,8 @@ pointer loads or by a TMA descriptor; a sweep of (BN, BK, stages, warps) per sha
 Each op timed as ops/decode_linear's bench times it (`common.graph_ms`: a CUDA graph of 12
 back-to-back calls over 4 weight copies, so none is read from L2, median of 7 replays), cuBLAS
 (`torch.mm`) in the same run; GB/s = weight bytes / time, against the copy ceiling measured in
-the same run. Every candidate is checked against an fp32 reference before it is timed.
+the same run. Every candidate is checked against an fp32 reference before it is timed
+(`common.rel_err`; the runs in bench/results, f1ccf79 and 2ad8520, recorded max |diff| / max |ref|).
 
 Also the input norm (and gate_up's SwiGLU) inside the streaming kernel, with x loaded by the
 compiler's order or one K step ahead by hand (XNEXT), against the engine's unfused ops
@@ -33,7 +34,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, graph_ms, measure_ceilings, qwen3_06b_config, write_json  # noqa: E402
+from bench.common import SHAPES, graph_ms, measure_ceilings, qwen3_06b_config, rel_err, write_json  # noqa: E402
 from bench.decode_linear import op_shapes  # noqa: E402
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -179,8 +180,8 @@ def measure(N: int, K: int, M: int, quick: bool) -> dict:
     row = {"N": N, "K": K, "M": M, "weight_bytes": N * K * 2}
     row["cublas_us"] = 1e3 * graph_ms([lambda w=w: torch.mm(x, w.t(), out=y) for w in ws])
     return sweep(row, lambda i, c, tma: stream_gemm(x, ws[i], y, c, tma),
-                 lambda: (y.float() - ref).abs().max().item() / ref.abs().max().item(),
-                 candidates(N, K, M, quick), (False,) if TensorDescriptor is None else (False, True))
+                 lambda: rel_err(y, ref), candidates(N, K, M, quick),
+                 (False,) if TensorDescriptor is None else (False, True))
 
 
 def measure_fused(op: str, N: int, K: int, M: int, quick: bool, eps: float = 1e-6) -> dict:
@@ -208,8 +209,7 @@ def measure_fused(op: str, N: int, K: int, M: int, quick: bool, eps: float = 1e-
     row = {"op": op + "+norm" + ("+swiglu" if sw else ""), "N": N, "K": K, "M": M, "weight_bytes": N * K * 2}
     row["unfused_us"] = 1e3 * graph_ms([lambda w=w: unfused(w) for w in ws])
     return sweep(row, lambda i, c, xn: stream_fused(x, g, ws[i], y, c, eps, sw, xn),
-                 lambda: (y.float() - ref).abs().max().item() / ref.abs().max().item(),
-                 candidates(n_out, K, M, quick, pair=sw), (False, True))
+                 lambda: rel_err(y, ref), candidates(n_out, K, M, quick, pair=sw), (False, True))
 
 
 def report_fused(op: str, N: int, K: int, M: int, shape: str, eps: float, quick: bool) -> dict:

@@ -66,13 +66,10 @@ def _contiguous_kv(kc, vc, bt, L):
     return k, v
 
 
-def _rel_err(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def _decode_row(B: int, L: int, ceil: dict) -> dict:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+    from bench.common import rel_err
     from rlcu.ops.paged_attention import (
         decode_splits,
         paged_attention,
@@ -81,7 +78,7 @@ def _decode_row(B: int, L: int, ceil: dict) -> dict:
 
     args = _paged([1] * B, [L] * B)
     scale = D**-0.5
-    err = _rel_err(paged_attention(*args, 1, L, scale), paged_attention_ref(*args, 1, L, scale))
+    err = rel_err(paged_attention(*args, 1, L, scale), paged_attention_ref(*args, 1, L, scale))
     ms = _time(lambda: paged_attention(*args, 1, L, scale))
     q, kc, vc, bt = args[:4]
     k, v = _contiguous_kv(kc, vc, bt, L)
@@ -103,11 +100,12 @@ def _prefill_row(q_len: int, L: int, ceil: dict) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+    from bench.common import rel_err
     from rlcu.ops.paged_attention import paged_attention, paged_attention_ref
 
     args = _paged([q_len], [L])
     scale = D**-0.5
-    err = _rel_err(paged_attention(*args, q_len, L, scale),
+    err = rel_err(paged_attention(*args, q_len, L, scale),
                    paged_attention_ref(*args, q_len, L, scale))
     ms = _time(lambda: paged_attention(*args, q_len, L, scale))
     pos = torch.arange(L - q_len, L, dtype=torch.float64)
