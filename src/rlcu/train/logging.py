@@ -8,9 +8,10 @@ compared bit for bit), one `STEP` line to log.txt, and the numeric metrics to th
 On resume the rows after the checkpoint's step are dropped, so the file reads as one
 uninterrupted run (the trackers do the same: see rlcu.train.trackers).
 
-The console: on a terminal a rich progress bar; when the output is not a terminal (a pipe, a
-file, a batch job's log) no live display, whose redraws would land as stray lines, and no
-wrapping at 80 columns: one plain line per logged step instead. matplotlib is optional:
+The console: on a terminal a rich progress bar (step n/N, elapsed, ETA, then the metrics, which
+are what a narrow terminal cuts); when the output is not a terminal (a pipe, a file, a batch
+job's log) no live display, whose redraws would land as stray lines, and no wrapping at 80
+columns: one plain line per logged step instead. Both show the loss and the total reward first. matplotlib is optional:
 without it the PNG is skipped with a log line.
 """
 
@@ -41,11 +42,41 @@ def _clock(s: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def _bar_columns() -> list:
+    """The live bar's columns: name, bar, step n/N, elapsed, ETA, then the metrics. A terminal
+    too narrow for all of it cuts the metrics (with an ellipsis), never the step count or the
+    clocks: rich's table first shrinks the columns that may wrap, so only the bar and the
+    metrics may, and the metrics' text itself never wraps to a second line."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.table import Column
+    from rich.text import Text
+
+    class Metrics(ProgressColumn):
+        def render(self, task) -> Text:
+            return Text(task.fields.get("metrics", ""), no_wrap=True, overflow="ellipsis")
+
+    def fixed():
+        return Column(no_wrap=True)
+
+    return [TextColumn("[bold]{task.description}", table_column=fixed()),
+            BarColumn(bar_width=20, table_column=Column(no_wrap=False)),
+            MofNCompleteColumn(table_column=fixed()), TimeElapsedColumn(table_column=fixed()),
+            TimeRemainingColumn(table_column=fixed()), Metrics(table_column=Column(no_wrap=False))]
+
+
 class RunLogger:
-    """`run_config` (the run's whole config as plain data) goes to W&B as the run's config."""
+    """`run_config` (the run's whole config as plain data) goes to W&B as the run's config.
+    `console`: a rich Console for the messages and the bar (default: stderr's)."""
 
     def __init__(self, out_dir, cfg: LogConfig | None = None, total_steps: int | None = None, *,
-                 resume_step: int | None = None, run_config: dict | None = None):
+                 resume_step: int | None = None, run_config: dict | None = None, console=None):
         self.cfg = cfg or LogConfig()
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -69,19 +100,19 @@ class RunLogger:
         self._jsonl.flush()
         self._log_txt = open(self.out_dir / "log.txt", "a")
         self._closed = False
-        from rich.console import Console
+        if console is None:
+            from rich.console import Console
 
-        self.console = Console(stderr=True)
-        if not self.console.is_terminal:
-            self.console = Console(stderr=True, soft_wrap=True)  # no wrapping of long lines in a log file
+            console = Console(stderr=True)
+            if not console.is_terminal:
+                console = Console(stderr=True, soft_wrap=True)  # no wrapping of long lines in a log file
+        self.console = console
         self._t0, self._step0 = time.perf_counter(), resume_step or 0
         self._progress = None
         if self.cfg.progress and self.console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress
 
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
-                                      console=self.console, transient=False)
+            self._progress = Progress(*_bar_columns(), console=self.console, transient=False)
             self._progress.start()
             self._task = self._progress.add_task("train", total=total_steps, metrics="",
                                                  completed=resume_step or 0)
@@ -138,10 +169,13 @@ class RunLogger:
         return f"  [{_clock(dt)} elapsed, {_clock(left)} left]"
 
     @staticmethod
-    def _short(metrics: dict, n: int = 5, pinned=("mismatch/abs_mean", "mismatch/exact_frac")) -> str:
-        """The first n numeric metrics, then the `pinned` ones present (the RL steps' mismatch)."""
+    def _short(metrics: dict, n: int = 5, first=("loss", "reward", "eval/loss", "eval/reward"),
+               pinned=("mismatch/abs_mean", "mismatch/exact_frac")) -> str:
+        """The `first` metrics present (the total reward and the loss, wherever a step put them:
+        PPO's come after the per-function rewards and the lengths), the next numeric ones up to
+        n, then the `pinned` ones present (the RL steps' mismatch)."""
         nums = {k: x for k, v in metrics.items() if (x := _num(v)) is not None and not isinstance(x, bool)}
-        keys = list(nums)
+        keys = [k for k in first if k in nums] + [k for k in nums if k not in first]
         shown = keys[:n] + [k for k in pinned if k in keys[n:]]
         return "  ".join(f"{k} {nums[k]:.4g}" if isinstance(nums[k], float) else f"{k} {nums[k]}" for k in shown)
 
