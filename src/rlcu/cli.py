@@ -2,13 +2,21 @@
 
 Each subcommand lives with its subsystem as a `main(argv) -> int` function; this file only
 dispatches, so `rlcu --help` stays fast (nothing heavy is imported until a command runs).
+
+A reader that goes away (`rlcu grpo --help | head`) ends any command quietly with status 141
+(128 + SIGPIPE, what the shell shows for a C program that SIGPIPE killed), not with a
+BrokenPipeError traceback: Python ignores SIGPIPE, so the write raises instead, and the
+interpreter's last flush at exit would raise again unless the streams point elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+SIGPIPE_STATUS = 128 + 13  # signal.SIGPIPE is 13 on every POSIX system (and absent on Windows)
 
 # command -> (module with main(argv), one-line help)
 COMMANDS = {
@@ -51,6 +59,26 @@ def info_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:
+        _drop_output()
+        return SIGPIPE_STATUS
+
+
+def _drop_output() -> None:
+    """Point stdout and stderr at the null device, so that what is still buffered, and the
+    interpreter's flush at exit, write nowhere instead of raising."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(null, stream.fileno())
+        except (OSError, ValueError, AttributeError):  # a stream without a file descriptor (replaced, closed)
+            pass
+    os.close(null)
+
+
+def _dispatch(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: rlcu COMMAND [options]\n\nLLM RL post-training for Qwen3 with hand-written kernels.\n\ncommands:")
