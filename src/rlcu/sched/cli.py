@@ -61,9 +61,14 @@ def _token(a) -> str | None:
               "or $RLCU_SCHED_TOKEN", file=sys.stderr)
     if a.token_file is not None:
         try:
-            return Path(a.token_file).read_text().strip()
+            tok = Path(a.token_file).read_text().strip()
         except OSError as e:
             raise ValueError(f"cannot read --token-file {a.token_file}: {e.strerror}") from None
+        if not tok:  # never "" as a token: it would be anyone's
+            raise ValueError(f"--token-file {a.token_file} is empty: it must hold the service's token")
+        return tok
+    if a.token is not None and not a.token.strip():
+        raise ValueError("--token is empty: give the service's token (better with --token-file)")
     return a.token
 
 

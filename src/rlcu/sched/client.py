@@ -71,7 +71,7 @@ def find_token(addr: str, token: str | None = None, token_file: str | Path | Non
         return token
     if token_file:
         try:
-            return Path(token_file).read_text().strip()
+            return _nonempty(Path(token_file).read_text(), token_file)
         except OSError as e:
             raise SchedError(f"cannot read the token file {token_file}: {e.strerror}") from None
     if os.environ.get("RLCU_SCHED_TOKEN"):
@@ -81,10 +81,17 @@ def find_token(addr: str, token: str | None = None, token_file: str | Path | Non
     places.append(default_state_dir() / "token")
     for p in places:
         try:
-            return p.read_text().strip()
+            return _nonempty(p.read_text(), p)
         except OSError:
             continue
     return None
+
+
+def _nonempty(text: str, path) -> str:
+    """A token file's token; an empty one is refused, never sent as the token "" (anyone's)."""
+    if not text.strip():
+        raise SchedError(f"the token file {path} is empty: it must hold the service's token")
+    return text.strip()
 
 
 class RayTransport:

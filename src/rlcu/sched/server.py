@@ -71,16 +71,62 @@ def secure_state_dir(state_dir: Path) -> Path:
 
 
 def load_token(state_dir: Path, token: str | None = None) -> str:
-    """The given token (saved), or the saved one, or a new random one (saved, mode 0600)."""
+    """The given token (saved), or the saved one, or a new random one (saved, mode 0600).
+
+    The file is replaced atomically (a temporary file, fsynced, renamed over it), so a full
+    disk leaves the old token or none, never part of one. A saved token that is empty, cut
+    short (every token this writes ends in a newline) or unreadable is refused with a
+    ValueError naming the file: a service must never take "" (or a fragment) as its token,
+    since the token is admin authority and every job's secret is derived from it."""
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     p = state_dir / "token"
     if token is None and p.exists():
-        return p.read_text().strip()
+        return _read_saved_token(p)
+    if token is not None:
+        _check_token(token, "the token given")
     token = token or secrets.token_hex(16)
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(p, 0o600)
+    tmp = p.with_name(f".token.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dfd = os.open(state_dir, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # the rename itself survives a crash
+    finally:
+        os.close(dfd)
+    return token
+
+
+def _check_token(token: str, what: str) -> None:
+    """A token is one line of printable characters without spaces (ValueError naming `what`)."""
+    if not token:
+        raise ValueError(f"{what} is empty: a service token must be a non-empty secret")
+    if not token.isprintable() or any(c.isspace() for c in token):
+        raise ValueError(f"{what} holds spaces or control characters: a token is one word of printable characters")
+
+
+def _read_saved_token(p: Path) -> str:
+    fix = f"remove {p} to make a new token (every job's secret changes), or give the old one with --token-file"
+    try:
+        raw = p.read_bytes().decode()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "it is not text"
+        raise ValueError(f"cannot read the service token {p} ({why}): refusing to start; {fix}") from None
+    if not raw.strip():
+        raise ValueError(f"the service token {p} is empty (a write cut short, e.g. by a full disk): refusing to "
+                         f"start; {fix}")
+    if not raw.endswith("\n"):
+        raise ValueError(f"the service token {p} is cut short (it does not end in a newline, as every token the "
+                         f"service writes does): refusing to start; {fix}")
+    token = raw.strip()
+    _check_token(token, f"the service token {p}")
     return token
 
 

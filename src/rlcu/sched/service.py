@@ -52,6 +52,8 @@ class Front:
     def __init__(self, core, token: str | None, keep_ops: int = 8, keep_s: float = 300.0):
         """token None: no service token (a Ray actor reached only from its cluster): every
         caller who gives no job secret has admin authority."""
+        if token is not None and not token.strip():  # "" would be anyone's, and so every job's secret
+            raise ValueError("the service token is empty: give a secret one (or None: no token)")
         self.core, self.token = core, token
         seed = token.encode() if token is not None else secrets.token_bytes(32)
         self._key = hashlib.sha256(b"rlcu-sched job secrets\0" + seed).digest()
