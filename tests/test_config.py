@@ -37,7 +37,7 @@ def test_example_loads():
     ("optim.betas=[0.9, 1.5]", "optim.betas[1] must be < 1.0"),
     ("steps=abc", "steps must be an integer, got 'abc'"),
     ("log.tensorboard=maybe", "log.tensorboard must be true or false"),
-    ("optim.lrr=1", "unknown option 'optim.lrr'; did you mean 'lr'?"),
+    ("optim.lrr=1", "unknown option 'optim.lrr'; did you mean 'optim.lr'?"),
     ("nope.x=1", "unknown option 'nope'"),
     ("optim.lr.x=1", "optim.lr is not a section"),
     ("model.dtype=float16", "model.dtype must be one of 'auto', 'float32', 'bfloat16'"),
@@ -96,3 +96,70 @@ def test_help_lists_every_option():
             else:
                 yield f
     assert all(f.metadata.get("help") for f in leaves(SFTConfig))
+
+
+@pytest.mark.parametrize("cls_name, key, ours", [
+    ("GRPOConfig", "learning_rate", "optim.lr"),
+    ("GRPOConfig", "num_generations", "group_size"),
+    ("GRPOConfig", "max_completion_length", "max_new_tokens"),
+    ("GRPOConfig", "max_steps", "steps"),
+    ("GRPOConfig", "beta", "kl_coef"),
+    ("PPOConfig", "beta", "kl_coef"),
+    ("PPOConfig", "cliprange_value", "critic.value_clip"),
+    ("SFTConfig", "max_length", "max_seq_len"),
+    ("SFTConfig", "learning_rate", "optim.lr"),
+])
+def test_trl_names_get_ours(tmp_path, cls_name, key, ours):
+    from rlcu.train import rl_config
+
+    cls = getattr(rl_config, cls_name, None) or SFTConfig
+    f = tmp_path / "trl.yaml"
+    f.write_text(f"{key}: 1\n")
+    for src in ({"path": f}, {"overrides": [f"{key}=1"]}):
+        with pytest.raises(ConfigError) as e:
+            load_config(cls, **src)
+        assert f"unknown option '{key}'; TRL's '{key}' is rlcu's '{ours}'" in str(e.value)
+    if ours.startswith("optim."):  # inside the section, too
+        with pytest.raises(ConfigError, match=f"'optim.{key}'; TRL's '{key}' is rlcu's '{ours}'"):
+            load_config(cls, None, [f"optim.{key}=1"])
+
+
+def test_trl_names_point_at_real_options():
+    """Every TRL name's target is an option of at least one trainer's config."""
+    from rlcu.config import _leaf_paths
+    from rlcu.config_hints import TRL_NAMES
+    from rlcu.train.rl_config import GRPOConfig, PPOConfig
+
+    leaves = set().union(*(_leaf_paths(c) for c in (SFTConfig, GRPOConfig, PPOConfig)))
+    assert {k: v for k, v in TRL_NAMES.items() if v not in leaves} == {}
+    assert "kl_coef" not in _leaf_paths(SFTConfig)
+    with pytest.raises(ConfigError) as e:  # SFT has no KL: no hint at all rather than a wrong one
+        load_config(SFTConfig, None, ["beta=1"])
+    assert "TRL" not in str(e.value) and "did you mean" not in str(e.value)
+
+
+@pytest.mark.parametrize("cls_name, override, needle", [
+    ("SFTConfig", "lr=1", "unknown option 'lr'; did you mean 'optim.lr'?"),
+    ("SFTConfig", "warmup=1", "unknown option 'warmup'; did you mean 'optim.warmup_steps'?"),
+    ("GRPOConfig", "group_sise=4", "unknown option 'group_sise'; did you mean 'group_size'?"),
+    ("GRPOConfig", "engine.max_num_seq=4", "unknown option 'engine.max_num_seq'; did you mean 'engine.max_num_seqs'?"),
+    ("PPOConfig", "critic.optim.lrr=1", "unknown option 'critic.optim.lrr'; did you mean 'critic.optim.lr'?"),
+    ("GRPOConfig", "rewards=[{func: math}]", "rewards[0].func is not a reward option; did you mean 'rewards[0].fn'?"),
+])
+def test_near_miss_did_you_mean(cls_name, override, needle):
+    from rlcu.train import rl_config
+
+    cls = getattr(rl_config, cls_name, None) or SFTConfig
+    with pytest.raises(ConfigError) as e:
+        load_config(cls, None, [override])
+    assert needle in str(e.value)
+
+
+def test_nested_unknown_key_in_a_file_names_its_whole_path(tmp_path):
+    from rlcu.train.rl_config import PPOConfig
+
+    f = tmp_path / "ppo.yaml"
+    f.write_text("critic:\n  optim:\n    lrr: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(PPOConfig, f)
+    assert str(e.value).startswith("unknown option 'critic.optim.lrr'; did you mean 'critic.optim.lr'?")

@@ -15,7 +15,6 @@ rlcu/train/rl_config.py and are built from the sections defined here.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import sys
 import types
 import typing
@@ -24,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from rlcu.config_hints import hint, hint_text
 from rlcu.model.config import checkpointed_layers
 
 _MISSING = dataclasses.MISSING
@@ -204,18 +204,45 @@ def _build(cls, data: dict, prefix: str = "", source: str | None = None):
     names = [f.name for f in dataclasses.fields(cls)]
     for k in data:
         if k not in names:
-            raise _unknown(k, names, prefix, source)
+            raise _unknown(k, cls, prefix, source)
     try:
         return cls(**data)
     except ConfigError as e:
         raise e.under(prefix, source) from None
 
 
-def _unknown(key, names, prefix, source) -> ConfigError:
-    near = difflib.get_close_matches(str(key), names, n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
-    where = f"{prefix}.{key}" if prefix else str(key)
-    return ConfigError("", f"unknown option {where!r}{hint} (known: {', '.join(names)})", source)
+class UnknownOption(ConfigError):
+    """A key that is no option of its section: `parent` is the section's dotted path, `found`
+    where the key may belong (rlcu.config_hints: TRL's name of ours, or a near miss)."""
+
+    def __init__(self, parent: str, key, names: list[str], found, source: str | None = None):
+        self.parent, self.key, self.names, self.found = parent, key, list(names), found
+        where = f"{parent}.{key}" if parent else str(key)
+        super().__init__("", f"unknown option {where!r}{hint_text(str(key), found, parent)} "
+                             f"(known: {', '.join(self.names)})", source)
+
+    def under(self, prefix: str, source: str | None = None) -> ConfigError:
+        parent = f"{prefix}.{self.parent}" if prefix and self.parent else (prefix or self.parent)
+        return UnknownOption(parent, self.key, self.names, self.found, self.source or source)
+
+
+def _unknown(key, cls, prefix, source) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    return UnknownOption(prefix, key, names, hint(str(key), names, _leaf_paths(cls)), source)
+
+
+def _leaf_paths(cls) -> list[str]:
+    """The dotted path of every option below `cls` that is not a section, shallowest first."""
+    out, todo = [], [(cls, "")]
+    while todo:
+        c, prefix = todo.pop(0)
+        for f in dataclasses.fields(c):
+            tp = _hints(c)[f.name]
+            if isinstance(tp, type) and issubclass(tp, Section):
+                todo.append((tp, f"{prefix}{f.name}."))
+            else:
+                out.append(prefix + f.name)
+    return out
 
 
 # ---------------------------------------------------------------- sections
@@ -415,7 +442,7 @@ def _set_path(data: dict, cls, dotted: str, value, source: str) -> None:
         if c is not None:
             names = {f.name: f for f in dataclasses.fields(c)}
             if k not in names:
-                raise _unknown(k, list(names), prefix, source)
+                raise _unknown(k, c, prefix, source)
             tp = _hints(c)[k]
             sub = [a for a in ((tp,) if not _is_union(tp) else typing.get_args(tp))
                    if isinstance(a, type) and issubclass(a, Section)]

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from rlcu.config_hints import hint, hint_text
 from rlcu.rewards.call import BATCH_KEYS, CALL_KEYS, CallPlan, as_completions, describe
 from rlcu.rewards.loader import BUILTIN, load_reward
 from rlcu.rewards.runner import CallTimeout, make_runner
@@ -98,9 +99,11 @@ class RewardSet:
             s = {"fn": s}
         if not isinstance(s, dict):
             raise ValueError(f"rewards[{i}] must be a name, 'module:function', a callable or a mapping, got {s!r}")
-        bad = set(s) - {"name", "fn", "weight", "kwargs"}
+        known = ["name", "fn", "weight", "kwargs"]
+        bad = sorted(map(str, set(s) - set(known)))
         if bad:
-            raise ValueError(f"rewards[{i}]: unknown key(s) {sorted(bad)} (known: name, fn, weight, kwargs)")
+            near = hint_text(bad[0], hint(bad[0], known, known), f"rewards[{i}]")
+            raise ValueError(f"rewards[{i}]: unknown key(s) {bad}{near} (known: {', '.join(known)})")
         fn = s.get("fn", s.get("name"))
         if fn is None:
             raise ValueError(f"rewards[{i}] needs `name` or `fn`")

@@ -17,6 +17,7 @@ from rlcu.config import (
     Section,
     opt,
 )
+from rlcu.config_hints import hint, hint_text
 
 _REWARD_KEYS = ("name", "fn", "weight", "kwargs")
 
@@ -97,8 +98,10 @@ class RLConfig(Section):
                 raise ConfigError(f"rewards[{i}]", f"must be a mapping like {{name: math}}, got {spec!r}")
             bad = [k for k in spec if k not in _REWARD_KEYS]
             if bad:
+                near = hint_text(str(bad[0]), hint(str(bad[0]), list(_REWARD_KEYS), list(_REWARD_KEYS)),
+                                 f"rewards[{i}]")
                 raise ConfigError(f"rewards[{i}].{bad[0]}",
-                                  f"is not a reward option (allowed: {', '.join(_REWARD_KEYS)})")
+                                  f"is not a reward option{near} (allowed: {', '.join(_REWARD_KEYS)})")
             if ("name" in spec) == ("fn" in spec):
                 raise ConfigError(f"rewards[{i}]", "needs exactly one of name (a built-in: math, format) or "
                                                    "fn ('module.path:function')")
