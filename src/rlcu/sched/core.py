@@ -36,6 +36,7 @@ import dataclasses
 import fcntl
 import inspect
 import os
+import sqlite3
 import sys
 import threading
 import time
@@ -45,7 +46,7 @@ from pathlib import Path
 from rlcu.sched import metrics as mx
 from rlcu.sched.ops import MAX_WAIT_S, Operations, SchedRequestError
 from rlcu.sched.policy import make_policy
-from rlcu.sched.pool import Lease, PolicyError, Request, check_invariants
+from rlcu.sched.pool import RESIDENT, Lease, PolicyError, Request, check_invariants
 from rlcu.sched.store import Job, Store, StoreError
 from rlcu.sched.views import LIVE, Snapshot, metrics_of
 
@@ -123,6 +124,7 @@ class Core(Operations):
                     self._ops[name[3:]] = (fn, frozenset(ps), [k for k, p in ps.items()
                                                                if p.default is inspect.Parameter.empty])
             self._load(recovering=True)
+            self._reconcile_tally()
             try:
                 self._audit()
             except AssertionError as e:
@@ -130,10 +132,16 @@ class Core(Operations):
                                  "it (start with --fresh to move it aside and begin anew)") from None
             self.store.commit(self._meta())
             self._prune_at = self.mono() + 60.0
-        except BaseException:
+        except BaseException as e:
+            if getattr(self, "store", None) is not None:
+                with contextlib.suppress(Exception):
+                    self.store.db.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
+            if isinstance(e, sqlite3.Error):  # (a full disk at start): one line, not a traceback
+                raise StoreError(f"{state}: the database failed at start ({type(e).__name__}: {e}); its last "
+                                 "committed state is kept") from None
             raise
 
     def _init_pool(self, capacity, state, policy, aging_s, device_names) -> None:
@@ -210,6 +218,25 @@ class Core(Operations):
         for name in self.jobs:
             self._bump(name)
 
+    def _reconcile_tally(self) -> None:
+        """The tally's present (memory and phase leases per device) from the held leases, when
+        the saved one disagrees: the leases are the books, the tally is derived from them (a
+        state saved by an older version after a failed commit had a tally ahead of its rows).
+        Its integrals, the past, stay."""
+        n = len(self.pool["capacity"])
+        used, busy = [0.0] * n, [0] * n
+        for s in self.held.values():
+            for d, m in zip(s.devices, s.mem):
+                used[d] += m
+                busy[d] += s.phase != RESIDENT
+        t = self.tally
+        if len(t.used) == n and t.busy_n == busy and all(abs(a - b) <= 1e-6 for a, b in zip(t.used, used)):
+            return
+        print(f"rlcu sched: the saved metrics tally had {[round(u, 6) for u in t.used]} in use, the leases "
+              f"{[round(u, 6) for u in used]}: taken from the leases", file=sys.stderr, flush=True)
+        t.capacity, t.used, t.busy_n = list(self.pool["capacity"]), used, busy
+        t.peak = (t.peak + [0.0] * n)[:n]
+
     def _tally_from_history(self) -> mx.Tally:
         """A tally from the lease rows (a database written before the tally was kept)."""
         t0 = min((j.submitted for j in self.jobs.values()), default=self.pool["t0"])
@@ -246,9 +273,17 @@ class Core(Operations):
                     self._audit()
                 except AssertionError as e:
                     self._fail(f"{e} (found at close)")
-            if self._unaudited:
-                self.store.rollback()
-            self.store.close(self._meta())
+            if self.fatal is not None:  # the database keeps the last good state: nothing more is written
+                with contextlib.suppress(Exception):
+                    self.store.rollback()
+                with contextlib.suppress(Exception):
+                    self.store.close()
+            else:
+                try:
+                    self.store.close(self._meta())
+                except Exception as e:  # noqa: BLE001  (a full disk at the very end: the last commit stands)
+                    print(f"rlcu sched: the database could not commit at close ({type(e).__name__}: {e}); it keeps "
+                          "the last committed state", file=sys.stderr, flush=True)
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -352,9 +387,16 @@ class Core(Operations):
         anything (or failed unexpectedly), the state in memory is reloaded from the database."""
         expected = isinstance(e, (SchedRequestError, PolicyError))
         self._unsaved.clear()
+        if isinstance(e, sqlite3.Error):  # a full disk, a database gone bad: stop on the last good state
+            self._fail(f"the database failed in op {op!r}: {type(e).__name__}: {e}")
+            return self._fatal_reply()
         if mutating or self.store.in_op:
             dirty = self.store.writes > 0 or not expected
-            self.store.rollback_op()
+            try:
+                self.store.rollback_op()
+            except Exception as e2:  # noqa: BLE001  (SQLite dropped the transaction: kept ops are lost)
+                self._fail(f"undoing the failed {op!r}: {type(e2).__name__}: {e2}")
+                return self._fatal_reply()
             if dirty:
                 try:
                     self._load(tally=tally)
@@ -410,14 +452,14 @@ class Core(Operations):
         self._unaudited = False
 
     def _fail(self, why: str) -> None:
-        """A broken invariant: commit nothing more, refuse every message, tell on_fatal."""
+        """A broken invariant or a failed commit: commit nothing more, refuse every message,
+        tell on_fatal. What the open transaction holds is rolled back whole: no reply of its
+        operations has left (each waits for its commit, `_durable`), and whatever is written
+        after a failure (a commit that failed may have been rolled back by SQLite already)
+        could disagree with the rows, and a restart would refuse it."""
         self.fatal = why
         with contextlib.suppress(Exception):  # the database itself may be what broke
-            if self._unaudited:  # kept writes not audited yet (a batch): none of them is committed
-                self.store.rollback()
-            else:
-                self.store.rollback_op()  # the failing operation's writes, not those kept before it
-                self.store.commit(self._meta())
+            self.store.rollback()
         print(f"rlcu sched: FATAL: {why}; the service stops (the database keeps the last good state)",
               file=sys.stderr, flush=True)
         self.cond.notify_all()
@@ -448,7 +490,7 @@ class Core(Operations):
                 self._failed("tick", {}, e, True, tally)
                 return []
             if self._keep():
-                self.store.commit(self._meta())
+                self._commit_now("a tick")
             if dead:
                 self.cond.notify_all()
             return dead
@@ -457,10 +499,20 @@ class Core(Operations):
         """Delete up to `limit` ended leases past the retention (older than history_s, or beyond
         the last history_rows ended ones) from the database; the tally keeps their counts."""
         with self.cond:
+            if self.closed or self.fatal is not None:
+                return 0
             n = self._prune(limit)
             if self._keep():
-                self.store.commit(self._meta())
+                self._commit_now("pruning")
             return n
+
+    def _commit_now(self, what: str) -> None:
+        """Commit (under the lock); a failure is fatal: the state in memory would be ahead of
+        the database, and the next commit would write a tally that disagrees with its rows."""
+        try:
+            self.store.commit(self._meta())
+        except Exception as e:  # noqa: BLE001  (a full disk, a database gone bad)
+            self._fail(f"the database could not commit {what}: {type(e).__name__}: {e}")
 
     def _prune(self, limit: int | None = None) -> int:
         n = self.store.prune(self.clock() - self.history_s, self.history_count - max(self.history_rows, 0),

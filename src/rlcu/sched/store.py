@@ -153,10 +153,12 @@ class Store:
         return None
 
     def close(self, meta: dict | None = None) -> None:
-        """Commit what the operations kept (and `meta`), and close."""
-        self.rollback_op()
-        self.commit(meta)
-        self.db.close()
+        """Commit what the operations kept (and `meta`), and close (also when that fails)."""
+        try:
+            self.rollback_op()
+            self.commit(meta)
+        finally:
+            self.db.close()
         with self._ckpt_lock:
             self.closed = True
             if self._ckpt is not None:
@@ -197,32 +199,52 @@ class Store:
         return self.tx_no
 
     def rollback_op(self) -> None:
+        """Undo the open operation's writes alone. Raises StoreError when SQLite has already
+        rolled back the whole transaction (it may, on SQLITE_FULL or an I/O error): the
+        operations kept in it are lost, which only the caller can answer for."""
         if self.in_op and self.op_owns_tx:
             self.rollback()
         elif self.in_op:
+            if not self.db.in_transaction:
+                self.rollback()
+                raise StoreError(f"{self.path or 'the database'}: SQLite rolled back the open transaction (a full "
+                                 "disk or an I/O error): the operations kept in it are lost")
             self.db.execute("ROLLBACK TO op")
             self.db.execute("RELEASE op")
         self.in_op, self.writes = False, 0
 
     def commit(self, meta: dict | None = None) -> None:
         """Commit the open transaction (an operation still open is kept first), writing `meta`
-        (key -> value) in it."""
+        (key -> value) in it. When that fails the transaction is rolled back and the error
+        raised: nothing of it is written later (a meta written outside it, after SQLite had
+        dropped it, would not match the rows)."""
         self.end_op()
         if self.in_tx:
-            for k, v in (meta or {}).items():
-                self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (k, json.dumps(v)))
-            self.db.execute("COMMIT")
+            try:
+                if not self.db.in_transaction:  # SQLite dropped it (SQLITE_FULL, I/O error)
+                    raise StoreError(f"{self.path or 'the database'}: SQLite rolled back the open transaction "
+                                     "(a full disk or an I/O error)")
+                for k, v in (meta or {}).items():
+                    self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (k, json.dumps(v)))
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.rollback()
+                raise
             self.commits += 1
             self.done_tx = self.tx_no
             self.tx_no += 1
         self.in_tx = False
 
     def rollback(self) -> None:
-        """Undo the whole open transaction (every kept operation not committed yet)."""
-        if self.in_tx:
-            self.db.execute("ROLLBACK")
-            self.tx_no += 1
-        self.in_tx, self.in_op, self.writes = False, False, 0
+        """Undo the whole open transaction (every kept operation not committed yet); the
+        transaction's number is never committed."""
+        try:
+            if self.in_tx and self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+        finally:
+            if self.in_tx:
+                self.tx_no += 1
+            self.in_tx, self.in_op, self.writes = False, False, 0
 
     # ------------------------------------------------------------------ meta
     def get_meta(self, key: str):
