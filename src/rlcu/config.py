@@ -419,10 +419,8 @@ class SFTConfig(Section):
                                   "batch_tokens, and the optimizer step), captured at the first step; eager, "
                                   "with the reason logged, on the CPU, in exact mode, with several ranks or "
                                   "bf16 gradients, and for a micro-batch past batch_tokens. Pays where "
-                                  "launches, not the GPU, bound the step: on an H200, Qwen3-0.6B, ms a "
-                                  "step eager -> graph: 4 x 512 tokens a micro-batch 98.7 -> 31.7 (3.1x), "
-                                  "8 x 1024 104.8 -> 101.1 (1.04x), 32 x 1024 387.8 -> 380.3 (1.02x); a PPO "
-                                  "critic step at 8 x 1024 150 -> 87 (1.7x). Off by default: past ~8k tokens "
+                                  "launches, not the GPU, bound the step: small micro-batches and the PPO "
+                                  "critic (bench/results/train_graph.json). Off by default: past ~8k tokens "
                                   "a micro-batch gains little, every micro-batch is padded to batch_tokens, "
                                   "and the first step captures (~1 s); turn it on for small micro-batches")
     max_seq_len: int = opt(1024, "drop examples longer than this many tokens (the count is logged)", ge=2)

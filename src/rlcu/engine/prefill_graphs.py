@@ -1,9 +1,9 @@
 """The CUDA graphs of prefill and mixed steps: their token buckets, their fields on the device,
 their capture and their replay.
 
-A step with prefill chunks launches about ten kernels a layer whatever its size; eagerly that
-is ~20 ms of host time a step at 0.6B, longer than the 17 ms its kernels of 8192 tokens take,
-so the device waits (bench/prefill.py). A graph launches the step's trunk (the embedding to
+A step with prefill chunks launches about ten kernels a layer whatever its size; eagerly its
+host time is longer than its kernels take on the device, even at a full budget of tokens, so
+the device waits (bench/prefill.py, bench/results/prefill.json). A graph launches the step's trunk (the embedding to
 the final norm of every token) at once; the sampled rows' LM head and the sampler then run
 eagerly on exactly those rows (a few launches), so a graph serves any number of rows. Steps
 of up to `budget` new tokens and `max_seqs` sequences replay the graph of the smallest token

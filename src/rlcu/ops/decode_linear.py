@@ -6,8 +6,8 @@
 
 A decode step's GEMMs read each weight once for 1-256 rows: they are weight-bound, and at
 these sizes cuBLAS (or any one-kernel-per-op sequence) spends most of a layer between
-launches and in ramp-up (~5-8 us a GEMM of 4-12 MB on the H200, against 1-3 us of weight
-bytes: bench/results/exact_tiles.json). This kernel takes the norm and SwiGLU, two launches
+launches and in ramp-up, several times what its weight bytes take at copy bandwidth
+(bench/results/exact_tiles.json, stream_gemm.json). This kernel takes the norm and SwiGLU, two launches
 of a layer each, into the GEMMs, and splits N finely (and K where N is small) so that every
 SM streams weights.
 

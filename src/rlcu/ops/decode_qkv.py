@@ -7,8 +7,8 @@ written to their cache slots):
 
 One program holds one head's D columns for BM rows, as two accumulators of D / 2 columns (the
 halves RoPE rotates into each other: W rows h D + i and h D + D / 2 + i), so the head's norm
-and rotation run on the accumulators: no qkv tensor, and no qkv_prep launch (5 us a layer at
-64 rows on the H200, `profile_engine.json`). The GEMM is decode_linear.py's (its main loop,
+and rotation run on the accumulators: no qkv tensor, and no qkv_prep launch (one launch a
+layer fewer: bench/results/profile_engine.json). The GEMM is decode_linear.py's (its main loop,
 the input norm inside it, split-K added by each tile's last program, optional PDL); the
 epilogue first rounds qkv to the model's dtype, as the GEMM's output was, then runs
 qkv_prep's norm and rotation (`qkv_prep.norm_rope_halves`), so the two paths differ only by

@@ -1,13 +1,12 @@
 """The balanced decode kernel of paged attention (paged_attention.decode_plan's kernel "list", the
 default): a work list built once a step on the device, longest units first, and the split
 sequences' partials combined inside the attention kernel by the program that finishes last.
-Measured on the H200 (bench/decode_attention.py --list): K/V read at 68-100% of copy bandwidth
-on 32-256 sequences of mixed lengths, where the split kernel reads 54-91%.
+bench/decode_attention.py --list measures it against the split kernel on sequences of mixed
+lengths (bench/results/decode_list.json).
 
 Why: with one program a (sequence, KV head), a batch of mixed lengths ends on its longest
-programs (the split kernel reads K/V at 73% of the copy bandwidth for 64 sequences of 200-2048
-keys, `decode_splits.json`); splitting every sequence finely balances it but adds a reduce
-kernel a layer, which cost what the balance gained on the protocol. Here:
+programs (bench/results/decode_splits.json); splitting every sequence finely balances it but
+adds a reduce kernel a layer, which cost what the balance gained on the protocol. Here:
 
 - `_decode_work_kernel` (one program, once a step: the lengths are the same in every layer)
   picks the chunk size C = max(min_part, ceil(total keys / T)) rounded up to the tile, T the

@@ -19,15 +19,11 @@ programs per SM, ~0.5k: 2 MB against 200 MB at [32768, 1024]). The loop over a p
 tiles is software-pipelined (`tl.range(num_stages=3)`: the loads of the next two tiles are
 in flight, through shared memory, while one is computed), dw is accumulated element-wise in
 a [BN, BD] register tile and reduced over rows once at the end, and 2048-element tiles on 8
-warps (64 registers) fit 4 programs an SM, 64 KB of loads in flight. Measured on the H200:
-this took the q-norm backward [524288, 128] from 0.144 to 0.124 ms (66% -> 77% of copy), but
-left the hidden one [32768, 1024] at 0.091 ms (52%), as the first version (no pipelining, 3-4
-programs of 4 warps an SM). What the two hidden versions share: each program owned a
-contiguous run of rows, so the 512-1056 programs streamed from addresses 64 or 128 KB apart
-(a power of two: the same DRAM channels, in lock step), while the q-norm runs were 258 KB
-apart and the forward (82%) reads consecutive tiles. Programs now take tiles pid, pid + P,
-...: the hidden backward measured 0.073 ms (65%) and the q-norm one 0.119 ms (80%)
-(`bench/results/kernels.json`).
+warps (64 registers) fit 4 programs an SM, 64 KB of loads in flight. Programs take
+tiles pid, pid + P, pid + 2P, ... rather than a contiguous run of rows each: contiguous runs
+put the programs' streams a power of two apart for the hidden norm (the same DRAM channels,
+in lock step), which held its backward far below copy bandwidth whatever the pipelining
+(bench/kernels.py, bench/results/kernels.json).
 """
 
 from __future__ import annotations

@@ -41,16 +41,13 @@ Passes a row needs (counted in the interpreter, V = 151936): top-k 50 + top-p 0.
 benchmark's randn * 3 / 0.7 logits 3-5 (bf16) and 5-6 (fp32); top-p 0.95 over ~2000 strong
 tokens 4-5; top-p 0.95 on flat randn fp32 6-8; min-p alone 0.
 
-Cost, [256, 151936] on the H200 (bench/kernel_suites/engine_ops.py). The first version: one
-program a row, reading the whole row every pass tile after dependent tile, with each token's
-z / key / exp computed 16 times over (a [BV, 16] layout with the pivots across threads):
-7.5 ms (bf16) / 4.5 ms (fp32) with top-k 50 + top-p 0.9. A second version split every pass
-across the row (a launch per pass, 12 launches): 0.68 ms filtered, but temperature-only rows
-went from 0.19 to 0.66 ms (the launches) and flat top-p took 2.1 / 2.9 ms. This one keeps
-the two launches: pass 1 (~0.19 ms, compute-bound: the noise hash) + one program a row,
-~10 us a sparse pass (~50 tiles), ~40-80 us a dense one (594 tiles, ~57 instructions a
-token): expected ~0.3 ms with top-k 50 + top-p 0.9, ~0.19 ms temperature-only, ~0.8 ms for
-top-p 0.95 on flat logits (8 dense passes).
+Why two launches (bench/kernel_suites/engine_ops.py, bench/results/kernels.json). One program
+a row that reads the whole row every pass, tile after dependent tile, with each token's z /
+key / exp computed 16 times over, was an order of magnitude slower with filters; a launch per
+pass across the row made the filtered rows fast but paid its launches on the temperature-only
+rows, the usual case. Here pass 1 (compute-bound: the noise hash) is spread over the whole
+row, and a row's filter passes read only its candidate tiles (~50 of 594 with top-k 50), so
+one program a row for them costs little beside pass 1.
 """
 
 from __future__ import annotations
