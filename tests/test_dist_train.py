@@ -17,6 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 SFT_SETS = ("optim.lr=3e-2", "optim.max_grad_norm=0.5", "grad_accum=4", "batch_tokens=24", "steps=4",
             "checkpoint.every=2", "checkpoint.keep_last=0")
+SFT_TOL = 5e-5
 GRPO_KW = dict(steps=3, kl_coef=0.05, micro_batch_tokens=24, dynamic_sampling=True,
                old_logprobs="recompute", behaviour_correction="tis",  # each rank recomputes its own sequences
                optim=dict(lr=3e-2))
@@ -68,8 +69,11 @@ def test_sft_and_grpo_two_ranks_equal_one_process(tmp_path):
     assert _rel(ref.model.flat, tiny().flat) > 1e-2
     for k in ("sft", "sft_resumed", "grpo"):
         assert torch.equal(r0[k], r1[k]), k
-    assert _rel(r0["sft"], ref.model.flat) < 1e-5
-    assert _rel(r0["sft_resumed"], ref.model.flat) < 1e-5
+    # the ranks pack the step's examples into other micro-batches: fp32 sums in another order,
+    # which Adam at lr 3e-2 carries to ~1e-5 in 4 steps (summing one process's micro-batches in
+    # another order alone moves it 7e-6)
+    assert _rel(r0["sft"], ref.model.flat) < SFT_TOL
+    assert _rel(r0["sft_resumed"], ref.model.flat) < SFT_TOL
     # 2 -> 1: the 2-rank run's step-2 checkpoint (sharded optimizer state) continued in one process
     ck = tmp_path / "sft2" / "checkpoints"
     assert sorted(p.name for p in (ck / "step-000002" / "optim").iterdir()) == [
@@ -79,7 +83,7 @@ def test_sft_and_grpo_two_ranks_equal_one_process(tmp_path):
 
     shutil.rmtree(ck / "step-000004")
     c = _sft(tmp_path / "sft2", "checkpoint.resume=auto")
-    assert _rel(c.model.flat, ref.model.flat) < 1e-5
+    assert _rel(c.model.flat, ref.model.flat) < SFT_TOL
     # metrics written once, by rank 0: one row per step
     rows = [json.loads(x) for x in (tmp_path / "grpo2" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -5,8 +5,11 @@ that must be taken over the whole batch rather than a rank's share.
   prompt is one group of G samples, so a group is never split), and prompt i draws from seed
   index i whatever rank it lands on (`rollout.sample(seed_offset=lo)`), so N ranks draw the
   samples one process draws.
-* SFT micro-batches: every rank builds the step's micro-batch list (cheap, host-side), takes
-  every N-th (`rank_share`) and normalises by the global token count it already knows.
+* SFT micro-batches: every rank draws the step's micro-batches (example indices: cheap,
+  host-side), takes the contiguous block of the step's examples that holds about 1/N of its
+  tokens and packs it again into micro-batches of the same budget (`rank_micro_batches`), and
+  normalises by the global token count it already knows. So any `grad_accum` works at any N,
+  like GRPO's global batch; a rank may get fewer micro-batches than another, or none.
 * Normalisers and statistics (token / sequence counts of the loss, reward mean and std,
   PPO's whitening and running reward moments) are sums over ranks (`world.all_sum`), so they
   equal one process's up to the order of the sums.
@@ -18,6 +21,7 @@ One process: every helper is the identity (or the local statistic).
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
@@ -31,10 +35,36 @@ def rank_block(n: int, w=None) -> tuple[int, int]:
     return n * w.rank // w.size, n * (w.rank + 1) // w.size
 
 
-def rank_share(items: list, w=None) -> list:
-    """Every N-th item, from this rank's index (SFT's micro-batches)."""
+def token_block(lengths: list[int], w=None) -> tuple[int, int]:
+    """[lo, hi): this rank's contiguous share of items `lengths` tokens long, by tokens: item i
+    goes to the rank whose 1/N of the total holds its middle (on a boundary: the lower rank;
+    blocks may be empty)."""
     w = w or world()
-    return items[w.rank :: w.size]
+    total, owners, c = sum(lengths), [], 0
+    for n in lengths:  # item i's middle sits at c + n/2: rank ceil(N (2c + n) / (2 total)) - 1
+        owners.append(min(max(w.size * (2 * c + n) - 1, 0) // max(2 * total, 1), w.size - 1))
+        c += n
+    return bisect.bisect_left(owners, w.rank), bisect.bisect_left(owners, w.rank + 1)
+
+
+def rank_micro_batches(batches: list[list[int]], lengths, budget: int, w=None) -> list[list[int]]:
+    """This rank's micro-batches (lists of item indices) of a step drawn as `batches` (SFT's
+    `grad_accum` micro-batches; item i is lengths[i] tokens long). One process: `batches`
+    itself. N ranks: the step's items in order, cut by `token_block`, this rank's block packed
+    greedily into micro-batches of at most `budget` tokens (an item longer than that alone)."""
+    w = w or world()
+    if not w.distributed:
+        return batches
+    items = [i for b in batches for i in b]
+    lo, hi = token_block([lengths[i] for i in items], w)
+    out, tok = [], 0
+    for i in items[lo:hi]:
+        if not out or tok + lengths[i] > budget:
+            out.append([])
+            tok = 0
+        out[-1].append(i)
+        tok += lengths[i]
+    return out
 
 
 def equal_passes(n_local: int) -> int:

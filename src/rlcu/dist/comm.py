@@ -6,8 +6,9 @@ MASTER_PORT) and, when WORLD_SIZE > 1, initialises torch.distributed: NCCL with 
 (cuda:LOCAL_RANK) when CUDA is there, gloo on the CPU (RLCU_DIST_BACKEND overrides). The
 process group's timeout (RLCU_DIST_TIMEOUT_S, default 600 s) bounds any collective, and a
 watchdog thread (watchdog.py) ends every rank within RLCU_DIST_HEARTBEAT_S (default 60 s) of
-another rank raising or dying. Without torchrun (or with one rank) nothing happens: `world()`
-is the one-process World, the helpers below return their input, and no process group exists.
+another rank raising or dying. A run's error line is printed once for the job (`print_once`),
+not once a rank. Without torchrun (or with one rank) nothing happens: `world()` is the
+one-process World, the helpers below return their input, and no process group exists.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
+import time
 
 import torch
 
@@ -136,6 +139,30 @@ def report_failure(exc: BaseException) -> None:
     if isinstance(exc, getattr(dist, "DistError", ())) or any(h in msg.lower() for h in _COMM_HINTS):
         _WATCHDOG.wait_for_peer_failure()
     _WATCHDOG.report(msg)
+
+
+def print_once(line: str, wait_s: float = 1.0) -> None:
+    """Print a line for the user (a run's error) on stderr once for the job, not once a rank:
+    rank 0 prints its line; another rank prints its own, marked with its rank, only when it
+    differs from rank 0's (posted to the rendezvous store first, waited for up to wait_s: the
+    ranks of one config fail the same way at about the same time). One process: a print."""
+    if _WATCHDOG is None:
+        print(line, file=sys.stderr, flush=True)
+        return
+    store, key = _WATCHDOG.store, "said/0"
+    try:
+        if _WORLD.is_main:
+            store.set(key, line)
+        else:
+            end = time.monotonic() + wait_s
+            while not store.check([key]) and time.monotonic() < end:
+                time.sleep(0.02)
+            if store.check([key]) and store.get(key).decode(errors="replace") == line:
+                return
+            line = f"rank {_WORLD.rank}: {line}"
+    except Exception:  # no store: say it here
+        pass
+    print(line, file=sys.stderr, flush=True)
 
 
 def shutdown() -> None:

@@ -111,8 +111,8 @@ class Watchdog:
             try:
                 self.store.add(f"hb/{self.rank}", 1)
                 err = self._other_error()
-                if err is not None and not self._stop.is_set():
-                    self._die(err)
+                if err is not None and not self._stop.is_set() and not self._reported:
+                    self._die(err)  # (a rank that failed itself is ending already, with its own status)
                 hb = self.store.add(f"hb/{self.peer}", 0)
                 now = time.monotonic()
                 store_ok = now

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser(cmd)
     args = p.parse_args(argv[1:])
     from rlcu.config import ConfigError, config_help, config_to_dict, load_config
+    from rlcu.dist.comm import print_once
 
     cls, (tmod, tcls) = _load(cmd)
     if args.help:
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(cls, args.config, overrides)
     except (ConfigError, FileNotFoundError) as e:
-        print(f"rlcu {cmd}: {e}", file=sys.stderr)
+        print_once(f"rlcu {cmd}: {e}")  # under torchrun: once, not once a rank
         return 2
     if args.print_config:
         import yaml
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer = trainer_cls(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"rlcu {cmd}: {e}", file=sys.stderr)
+        print_once(f"rlcu {cmd}: {e}")
         return 2
     from rlcu.train.core import exit_status
 

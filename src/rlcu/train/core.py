@@ -22,7 +22,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -352,7 +351,9 @@ def exit_status(prog: str, fn, *args, **kw) -> int:
         status, why = 1, e  # a clean abort, with its checkpoint
     else:
         return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
-    print(f"{prog}: {why}", file=sys.stderr)
+    from rlcu.dist.comm import print_once
+
+    print_once(f"{prog}: {why}")  # under torchrun: once, not once a rank
     return status
 
 

@@ -8,9 +8,12 @@ mask over all tokens of the step and n = sum(m), the loss is
     L = -(1/n) sum_i m_i lp_i,        so  dL/dlp_i = -m_i / n,
 
 and each micro-batch's backward starts from that dlp: the accumulated gradient equals the
-gradient of one big batch. The data order is a seeded permutation per epoch, so the data
-position (epoch, cursor) is the whole data state, and resuming from a checkpoint replays
-the remaining steps bit for bit.
+gradient of one big batch. Across N ranks the step is the same global batch: each rank
+takes a contiguous block of its examples holding about 1/N of its tokens, repacked under the
+same budget (rlcu.dist.batch.rank_micro_batches), so any grad_accum runs at any N and trains
+as one process does up to the order of sums. The data order is a seeded permutation per
+epoch, so the data position (epoch, cursor) is the whole data state, and resuming from a
+checkpoint replays the remaining steps bit for bit.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ class SFTTrainer(Trainer):
             dataset = d.path
         if isinstance(dataset, (str, Path)):
             src = str(dataset)
-            rows = load_sft_rows(dataset, **fields)
+            rows = load_sft_rows(dataset, **fields, split=d.split, subset=d.subset,
+                                 field="data.path" if dataset is d.path else None)
         else:
             src = "dataset"
             rows = list(dataset)
@@ -110,7 +114,8 @@ class SFTTrainer(Trainer):
                     raise ValueError(f"dataset[{i}]: a row must be a dict, got {type(r).__name__}")
                 check_sft_row(r, f"dataset[{i}]", **fields)
         if d.eval_path is not None:
-            eval_rows = load_sft_rows(d.eval_path, **fields)
+            eval_rows = load_sft_rows(d.eval_path, **fields, split=d.eval_split, subset=d.subset,
+                                      field="data.eval_path")
         else:
             rows, eval_rows = split_eval(rows, d.eval_size, d.seed, src)
         self.tokenizer = tokenizer
@@ -119,9 +124,7 @@ class SFTTrainer(Trainer):
         self.examples = self._encode(rows, src, fields)
         self.eval_examples = self._encode(eval_rows, d.eval_path or f"{src} (held out)", fields) if eval_rows else []
         self.stream = PackedStream([len(e[0]) for e in self.examples], cfg.batch_tokens, d.shuffle, d.seed)
-        if cfg.grad_accum % world().size:
-            raise ValueError(f"grad_accum ({cfg.grad_accum}) must be a multiple of the number of ranks "
-                             f"({world().size}): each rank takes every N-th micro-batch of a step")
+        self._n_mask = [sum(m) for _, m in self.examples]  # completion tokens of each example
         self.optimizer = make_optimizer(self.model, cfg.optim)  # ShardedAdamW across ranks
         self.step_graph = self._make_step_graph() if cfg.cuda_graph else None
         self._graph_misfits = 0  # steps that ran eagerly because a micro-batch did not fit the graph
@@ -146,7 +149,7 @@ class SFTTrainer(Trainer):
         limit = min(cfg.max_seq_len, self.model.cfg.max_position_embeddings)  # never past the context
         for i, r in enumerate(rows):
             try:
-                ids, mask = encode_sft_row(r, self.tokenizer, **fields)
+                ids, mask = encode_sft_row(r, self.tokenizer, **fields, **cfg.data.chat_template_kwargs)
             except ValueError as e:
                 raise ValueError(f"{src} row {i + 1}: {e}") from None
             if ids and (min(ids) < 0 or max(ids) >= V):
@@ -171,9 +174,8 @@ class SFTTrainer(Trainer):
         return out
 
     # ---------------------------------------------------------------- batches
-    def _micro_batch(self, idx: list[int] | None = None, examples=None, device=None):
+    def _micro_batch(self, idx: list[int], examples=None, device=None):
         examples = self.examples if examples is None else examples
-        idx = self.stream.next_batch() if idx is None else idx
         ids, mask, lens = [], [], []
         for i in idx:
             a, m = examples[i]
@@ -214,10 +216,13 @@ class SFTTrainer(Trainer):
             self._log_info(resolve_auto(self.model, self.optimizer, cfg.batch_tokens))
         lr = lr_at(step, cfg.optim, cfg.steps)
         graph = self.step_graph
-        batches = [self._micro_batch(device="cpu" if graph else None) for _ in range(cfg.grad_accum)]
-        n_tok = sum(b[3] for b in batches)
-        n_all, n_seq = sum(b[0].numel() for b in batches), sum(b[1].numel() - 1 for b in batches)
-        batches = dp.rank_share(batches)  # the global batch's every N-th micro-batch; n_tok is global
+        drawn = [self.stream.next_batch() for _ in range(cfg.grad_accum)]  # the global batch
+        items = [i for b in drawn for i in b]
+        n_tok, n_seq = sum(self._n_mask[i] for i in items), len(items)
+        n_all = sum(self.stream.lengths[i] for i in items)
+        # across ranks: this rank's block of the step's examples, by tokens (n_tok stays global)
+        mine = dp.rank_micro_batches(drawn, self.stream.lengths, cfg.batch_tokens)
+        batches = [self._micro_batch(idx, device="cpu" if graph else None) for idx in mine]
         packed = self._graph_batches(batches, n_tok) if graph else None
         if packed is not None:
             loss, info = graph.step(packed, lr)  # may raise NonFiniteError
@@ -232,6 +237,8 @@ class SFTTrainer(Trainer):
 
     def _eager_step(self, batches, n_tok: int, lr: float) -> tuple[float, dict]:
         self.model.zero_grad()
+        for _ in range(dp.equal_passes(len(batches)) - len(batches)):
+            dp.dummy_backward(self.model)  # overlapped reduce-scatters: as many backward passes as every rank
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for tokens, cu, mask, _ in batches:
             lp = self.model.forward(tokens, cu)
