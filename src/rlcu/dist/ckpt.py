@@ -137,6 +137,7 @@ def save_sharded(root, step: int, model, optimizer, state: dict, keep_last: int,
     W.barrier()
     out = root / name
     if w.is_main:
+        W.check_launcher()  # a launcher killed meanwhile: no checkpoint after it (the restart's folder)
         out = save_checkpoint(root, step, model, _ShardFolder(shards), state, keep_last, extra=extra, **kw)
     W.barrier()
     return out

@@ -6,9 +6,10 @@ MASTER_PORT) and, when WORLD_SIZE > 1, initialises torch.distributed: NCCL with 
 (cuda:LOCAL_RANK) when CUDA is there, gloo on the CPU (RLCU_DIST_BACKEND overrides). The
 process group's timeout (RLCU_DIST_TIMEOUT_S, default 600 s) bounds any collective, and a
 watchdog thread (watchdog.py) ends every rank within RLCU_DIST_HEARTBEAT_S (default 60 s) of
-another rank raising or dying. A run's error line is printed once for the job (`print_once`),
-not once a rank. Without torchrun (or with one rank) nothing happens: `world()` is the
-one-process World, the helpers below return their input, and no process group exists.
+another rank raising or dying, and within a second of its launcher's death. A run's error line
+is printed once for the job (`print_once`), not once a rank. Without torchrun (or with one
+rank) nothing happens: `world()` is the one-process World, the helpers below return their
+input, and no process group exists.
 """
 
 from __future__ import annotations
@@ -139,6 +140,13 @@ def report_failure(exc: BaseException) -> None:
     if isinstance(exc, getattr(dist, "DistError", ())) or any(h in msg.lower() for h in _COMM_HINTS):
         _WATCHDOG.wait_for_peer_failure()
     _WATCHDOG.report(msg)
+
+
+def check_launcher() -> None:
+    """End this rank at once if its launcher (torchrun) is gone (watchdog.py); a no-op in
+    one process."""
+    if _WATCHDOG is not None:
+        _WATCHDOG.check_parent()
 
 
 def print_once(line: str, wait_s: float = 1.0) -> None:

@@ -13,6 +13,16 @@ its process at once (os._exit: the main thread may be inside a collective that c
 interrupted). A peer whose heartbeat has not moved for `timeout_s` is declared dead; a store
 that cannot be reached for `timeout_s` means its host is gone (rank 0 without torchrun's
 agent). So a failure ends every rank within about timeout_s + interval.
+
+A rank also watches its launcher (the parent process: torchrun's agent). torchrun starts each
+rank in a session of its own, so a `kill -9` of torchrun reaches no rank, and their collectives
+(peer to peer) go on without it: they would train, log and checkpoint into the run folder until
+the store's bound, racing a restart into the same folder. A rank whose parent is gone (its
+parent pid changed: it was reparented) ends at the next tick through os._exit, writing nothing
+more: no checkpoint of the step in flight (that is SIGTERM's graceful stop, for a launcher that
+is still there), and a sharded checkpoint checks once more before it commits. Polling, not
+prctl(PR_SET_PDEATHSIG): a signal reaches the main thread only between two collectives, and
+the trainer reads SIGTERM as "finish the step and checkpoint".
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ class Watchdog:
         self._reported = False
         self._thread = threading.Thread(target=self._run, name=f"rlcu-watchdog-{rank}", daemon=True)
         self.peer = (rank + 1) % size
+        self.parent = os.getppid()  # the launcher (torchrun's agent); see the module docstring
 
     def start(self) -> None:
         self.store.add(f"hb/{self.rank}", 1)
@@ -85,6 +96,13 @@ class Watchdog:
             time.sleep(self.interval_s / 4)
             n = self.store.add(key, 0)
 
+    def check_parent(self) -> None:
+        """End this process now if its launcher is gone (the thread calls it every tick; a
+        checkpoint calls it before it commits, so none is written after the launcher died)."""
+        if os.getppid() != self.parent:
+            self._die(f"its launcher (pid {self.parent}, e.g. torchrun) is gone: stopping at once, without "
+                      f"checkpointing the step in flight (resume from the last checkpoint)")
+
     # ---------------------------------------------------------------- the thread
     def _die(self, msg: str) -> None:
         print(f"rlcu: rank {self.rank} stops: {msg}", file=sys.stderr, flush=True)
@@ -108,6 +126,7 @@ class Watchdog:
         last_hb, last_change = None, time.monotonic()
         store_ok = time.monotonic()
         while not self._stop.wait(self.interval_s):
+            self.check_parent()  # before the store, which may have lived in the launcher
             try:
                 self.store.add(f"hb/{self.rank}", 1)
                 err = self._other_error()
