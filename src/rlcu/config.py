@@ -346,6 +346,9 @@ class OptimConfig(Section):
     grad_dtype: str = opt("float32", "the gradient buffer of bf16 weights: float32, or bfloat16 (half the bytes; "
                                      "each micro-batch's gradient is rounded once into the sum, as torch autograd "
                                      "does for bf16 parameters); fp32 weights keep fp32 gradients",
+    chat_template_kwargs: dict = opt({}, "variables of the chat template where chat messages are rendered (SFT "
+                                         "and RL prompts, evaluation), as TRL's and `rlcu generate "
+                                         "--chat-template-kwargs`: e.g. {enable_thinking: false} for Qwen3")
                           choices=("float32", "bfloat16"))
     release_grads: bool = opt(True, "RL trainers: free the gradient buffer after each step's updates, so "
                                     "that the rollout phase does not hold it (the next backward reallocates it)")

@@ -29,6 +29,7 @@ TRL_NAMES = {
     "max_completion_length": "max_new_tokens",
     "response_length": "max_new_tokens",
     "max_prompt_length": "data.max_prompt_tokens",
+    "chat_template_kwargs": "data.chat_template_kwargs",
     "max_steps": "steps",
     "beta": "kl_coef",
     "epsilon": "clip_low",

@@ -162,7 +162,7 @@ class RLTrainer(Trainer):
         if "prompt_token_ids" in row:  # pre-tokenised
             return list(row["prompt_token_ids"]), ""
         return ro.encode_prompt(self.tokenizer, ro.prompt_text_of(row, self.cfg.data.prompt_field),
-                                self.cfg.chat_template)
+                                self.cfg.chat_template, self.cfg.data.chat_template_kwargs)
 
     def _needs_ref(self) -> bool:
         return self.cfg.kl_coef > 0

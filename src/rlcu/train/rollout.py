@@ -40,15 +40,17 @@ def prompt_text_of(row: dict, field: str) -> str | list:
     return row[field]
 
 
-def encode_prompt(tokenizer, prompt, chat_template: bool = True) -> tuple[list[int], str]:
+def encode_prompt(tokenizer, prompt, chat_template: bool = True, template_kwargs: dict | None = None
+                  ) -> tuple[list[int], str]:
     """A string prompt is encoded as it is; chat messages go through the chat template with
-    the generation prompt. Returns (ids, the text the model sees)."""
+    the generation prompt and `template_kwargs` (data.chat_template_kwargs, e.g.
+    enable_thinking=False). Returns (ids, the text the model sees)."""
     if isinstance(prompt, str):
         text = prompt
     elif isinstance(prompt, (list, tuple)):
         if not chat_template:
             raise ValueError("a chat-message prompt needs chat_template: true")
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, **(template_kwargs or {}))
     else:
         raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
     ids = tokenizer.encode(text)
