@@ -13,8 +13,9 @@ Layout of one checkpoint, `root/step-000123/`:
 Atomicity: everything is written into `root/.tmp-step-000123-<pid>/`, every file and folder
 is fsynced, then the folder is renamed to its final name (a rename within one file system is
 atomic) and the root is fsynced. A kill at any moment leaves either no new folder or a
-complete one, so the previous checkpoint stays loadable; stale temp folders are removed by
-the next save. Set RLCU_CHECKPOINT_TEST_SLEEP=<seconds> to sleep between files (tests kill
+complete one, so the previous checkpoint stays loadable; stale temp folders (and the rank
+shard folders of a killed sharded save, rlcu.dist.ckpt) are removed by the next save, at any
+number of ranks. Set RLCU_CHECKPOINT_TEST_SLEEP=<seconds> to sleep between files (tests kill
 a save midway with it).
 """
 
@@ -116,8 +117,7 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint trainer state must be JSON-serialisable: {e}") from None
     _recover(root)
-    for p in root.glob(".tmp-*"):  # left by a killed save
-        shutil.rmtree(p, ignore_errors=True)
+    _clear_killed_saves(root, keep=getattr(optimizer, "folder", None))
     name = f"step-{int(step):06d}"
     final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
@@ -154,6 +154,15 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
         for p in older[: max(len(older) - (keep_last - 1), 0)]:
             shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def _clear_killed_saves(root: Path, keep: Path | None = None) -> None:
+    """Remove what killed saves left: temp folders, and the rank shard folders of a sharded
+    save (also when this run has another number of ranks, or one process); `keep`: the shard
+    folder of the save in progress."""
+    for p in [*root.glob(".tmp-*"), *root.glob(".shards-*")]:
+        if keep is None or p.resolve() != Path(keep).resolve():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _recover(root: Path) -> None:

@@ -218,6 +218,8 @@ class Trainer(abc.ABC):
         self._config_changes = {}
         resumed = bool(c.checkpoint.resume) and self.resume() > 0
         main = world().is_main  # across ranks, rank 0 alone owns the run folder
+        if main:
+            run_dir.check_writable(self.out_dir, self.ckpt_root)
         if not resumed and main:
             cleared = run_dir.claim(self.out_dir, self.ckpt_root, overwrite=c.log.overwrite,
                                     auto=c.checkpoint.resume == "auto")
