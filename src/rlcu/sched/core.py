@@ -123,7 +123,11 @@ class Core(Operations):
                     ps = inspect.signature(fn).parameters
                     self._ops[name[3:]] = (fn, frozenset(ps), [k for k, p in ps.items()
                                                                if p.default is inspect.Parameter.empty])
-            self._load(recovering=True)
+            try:
+                self._load(recovering=True)
+            except PolicyError as e:  # a row the books cannot take (an unknown cluster or phase)
+                raise StoreError(f"the state in {state} does not fit its pool and jobs ({e}); refusing to serve it "
+                                 "(start with --fresh to move it aside and begin anew)") from None
             self._reconcile_tally()
             try:
                 self._audit()
@@ -163,6 +167,7 @@ class Core(Operations):
             make_policy(policy, pool["capacity"], pool["aging_s"])  # refuses a bad pool before anything is saved
             self.store.set_meta("pool", pool)
         self.pool = pool
+        self.store.rows.n_devices = len(pool["capacity"])  # lease rows naming another device are refused
 
     # ------------------------------------------------------------------ loading (start, and after a failed op)
     def _load(self, recovering: bool = False, tally: mx.Tally | None = None) -> None:
@@ -188,8 +193,11 @@ class Core(Operations):
                 self.pol.add_job(j.name, j.clusters)
         live = self.store.get_meta("live") or {}  # what the last commit saved beside the rows
         t = live.get("tally") if tally is None else None
-        self.tally = tally if tally is not None else mx.Tally.from_dict(t) if t is not None else \
-            self._tally_from_history()
+        try:
+            self.tally = tally if tally is not None else mx.Tally.from_dict(t) if t is not None else \
+                self._tally_from_history()
+        except (TypeError, ValueError) as e:
+            raise self.store.rows.bad("meta", "key='live'", "value.tally", f"not a metrics tally ({e})") from None
         for s, _req, y in self.store.recent_leases(self.keep_spans):
             self.ended[s.id] = s
             if y is not None:

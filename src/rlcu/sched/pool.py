@@ -260,7 +260,7 @@ class _Base(abc.ABC):
     # ------------------------------------------------------------------ restore (service restart)
     def adopt(self, lease: Lease) -> None:
         """Put back a lease held before a restart (and the home it implies)."""
-        self._job(lease.job)
+        self._known(lease.job, lease.phase, lease.cluster, f"lease {lease.id}")
         for d, m in zip(lease.devices, lease.mem):
             if not 0 <= d < len(self.capacity):
                 raise PolicyError(f"lease {lease.id} names device {d} outside the pool")
@@ -271,9 +271,16 @@ class _Base(abc.ABC):
         self._next = max(self._next, lease.id + 1)
 
     def adopt_request(self, r: Request) -> None:
-        self._job(r.job)
+        self._known(r.job, r.phase, r.cluster, f"request {r.id}")
         self.pending[r.id] = r
         self._next = max(self._next, r.id + 1)
+
+    def _known(self, job: str, phase: str, cluster: str, what: str) -> None:
+        cls = self._job(job)
+        if phase != RESIDENT and phase not in RANK:
+            raise PolicyError(f"{what} of job {job!r} is for phase {phase!r}; phases: {', '.join(PHASES)}")
+        if cluster not in cls:
+            raise PolicyError(f"{what} of job {job!r} is on cluster {cluster!r}; the job has {', '.join(sorted(cls))}")
 
     def restore(self, leases: list[Lease], requests: list[Request], yielding: dict[int, float] | None = None,
                 next_id: int = 1) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from rlcu.sched.metrics import Span
 from rlcu.sched.pool import Request
+from rlcu.sched.rows import Rows, StoreError
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -44,10 +45,6 @@ CREATE INDEX IF NOT EXISTS leases_end ON leases(end);
 
 
 AUTO_CHECKPOINT_PAGES = 20_000  # the backstop: ~80 MB of WAL
-
-
-class StoreError(ValueError):
-    """The state file is not a usable scheduler database (the message says why and what to do)."""
 
 
 @dataclasses.dataclass
@@ -82,14 +79,6 @@ def request_to_json(r: Request | None) -> str | None:
                        "only": list(r.only) if r.only is not None else None})
 
 
-def request_from_json(s: str | None) -> Request | None:
-    if s is None:
-        return None
-    d = json.loads(s)
-    d["only"] = tuple(d["only"]) if d.get("only") is not None else None
-    return Request(**d)
-
-
 def _move_aside(p: Path) -> Path:
     dst = p.with_name(f"{p.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
     p.rename(dst)
@@ -105,6 +94,7 @@ class Store:
         """path None: an in-memory database (nothing survives the process). A file that
         exists must be a scheduler's database (else StoreError, unless fresh)."""
         self.path = None if path is None else Path(path)
+        self.rows = Rows(self.path)  # every row read back is checked (set rows.n_devices once the pool is known)
         self.moved: Path | None = None  # where `fresh` put an unusable old file
         self.in_tx = self.in_op = self.op_owns_tx = False
         self.writes = 0  # writes of the open operation
@@ -249,7 +239,7 @@ class Store:
     # ------------------------------------------------------------------ meta
     def get_meta(self, key: str):
         row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return None if row is None else json.loads(row[0])
+        return None if row is None else self.rows.meta(key, row[0])
 
     def set_meta(self, key: str, value) -> None:
         self._w("INSERT OR REPLACE INTO meta(key, value) VALUES(?, ?)", (key, json.dumps(value)))
@@ -263,9 +253,7 @@ class Store:
     def jobs(self) -> list[Job]:
         out = []
         for row in self.db.execute(f"SELECT {', '.join(JOB_FIELDS)} FROM jobs ORDER BY seq"):
-            d = dict(zip(JOB_FIELDS, row))
-            d["clusters"], d["spec"] = json.loads(d["clusters"]), json.loads(d["spec"])
-            out.append(Job(**d))
+            out.append(Job(**self.rows.job(dict(zip(JOB_FIELDS, row)))))
         return out
 
     # ------------------------------------------------------------------ requests
@@ -277,7 +265,8 @@ class Store:
         self._w("DELETE FROM requests WHERE id=?", (rid,))
 
     def requests(self) -> list[tuple[Request, float]]:
-        return [(request_from_json(b), a) for b, a in self.db.execute("SELECT body, asked FROM requests ORDER BY id")]
+        return [(self.rows.request("requests", f"id={i}", "body", b), a)
+                for i, b, a in self.db.execute("SELECT id, body, asked FROM requests ORDER BY id")]
 
     # ------------------------------------------------------------------ leases
     def put_lease(self, s: Span, request: Request | None, yield_at: float | None) -> None:
@@ -295,8 +284,7 @@ class Store:
 
     def _spans(self, where: str, args=()) -> list[tuple[Span, Request | None, float | None]]:
         q = f"SELECT id, job, phase, cluster, devices, mem, start, end, reason, yield_at, request FROM leases {where}"
-        return [(Span(r[0], r[1], r[2], r[3], tuple(json.loads(r[4])), tuple(json.loads(r[5])), r[6], r[7], r[8]),
-                 request_from_json(r[10]), r[9]) for r in self.db.execute(q, args)]
+        return [self.rows.span(r) for r in self.db.execute(q, args)]
 
     def lease(self, lease_id: int) -> Span | None:
         rows = self._spans("WHERE id=?", (lease_id,))
