@@ -61,15 +61,19 @@ def _config(tmp_path: Path) -> None:
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(cfg))
 
 
-def test_killed_torchrun_ends_its_ranks(tmp_path):
-    _config(tmp_path)
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "RLCU_DIST_HEARTBEAT_S": "60"}
+def _env(**kw) -> dict:
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "RLCU_DIST_HEARTBEAT_S": "60", **kw}
     env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _kill_launcher(tmp_path: Path, argv: list[str], env: dict, n_ranks: int) -> None:
+    """Start argv (the launcher) in tmp_path, let its ranks train a few steps, SIGKILL the
+    launcher alone and check that every rank ends within seconds, with its line, and that
+    nothing is written after."""
     run, log = tmp_path / "run", tmp_path / "out.txt"
     with open(log, "w") as out:
-        pr = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               "2", "-m", "rlcu", "sft", "sft.yaml"], stdout=out, stderr=subprocess.STDOUT,
-                              env=env, cwd=tmp_path)
+        pr = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     ranks: dict[int, str] = {}
     try:
         end = time.monotonic() + 120
@@ -77,7 +81,7 @@ def test_killed_torchrun_ends_its_ranks(tmp_path):
             time.sleep(0.1)  # training is under way, a few steps written
         assert pr.poll() is None and _written(run)[0].count("\n") >= 3, log.read_text()[-3000:]
         ranks = _children(pr.pid)
-        assert len(ranks) == 2, ranks
+        assert len(ranks) == n_ranks, ranks
         pr.kill()
         pr.wait()
         t0 = time.monotonic()
@@ -89,7 +93,7 @@ def test_killed_torchrun_ends_its_ranks(tmp_path):
         time.sleep(1.0)
         assert _written(run) == seen  # nothing more written (no orphan left behind)
         text = log.read_text()
-        for r in (0, 1):
+        for r in range(n_ranks):
             assert f"rank {r} stops: its launcher" in text, text[-3000:]
     finally:
         for p, s in ranks.items():
@@ -98,6 +102,22 @@ def test_killed_torchrun_ends_its_ranks(tmp_path):
         if pr.poll() is None:
             pr.kill()
             pr.wait()
+
+
+def test_killed_torchrun_ends_its_ranks(tmp_path):
+    _config(tmp_path)
+    _kill_launcher(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "-m", "rlcu", "sft", "sft.yaml"], _env(), 2)
+
+
+def test_killed_launcher_ends_its_one_rank(tmp_path):
+    """torchrun with one rank makes no process group (no watchdog): a stand-in for it (a
+    session of its own for the rank, torchrun's variables) killed ends its rank all the same."""
+    _config(tmp_path)
+    launcher = ("import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-m', 'rlcu', 'sft', "
+                "'sft.yaml'], start_new_session=True))")
+    env = _env(TORCHELASTIC_RUN_ID="test", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    _kill_launcher(tmp_path, [sys.executable, "-c", launcher], env, 1)
 
 
 def test_check_parent_ends_a_rank_whose_launcher_is_gone(monkeypatch, capsys):

@@ -29,6 +29,7 @@ def ranked(entry, argv: list[str] | None = None) -> int:
         print(f"rlcu: torchrun environment: {e}", file=sys.stderr)
         return 2
     if not w.distributed:
+        W.watch_launcher()  # torchrun with one rank: its launcher may die too
         return entry(argv)
     W.init_from_env()
     try:

@@ -142,6 +142,16 @@ def report_failure(exc: BaseException) -> None:
     _WATCHDOG.report(msg)
 
 
+def watch_launcher() -> None:
+    """Under torchrun with one rank (no process group, so no watchdog): end the process within
+    a second of its launcher's death all the same (watchdog.watch_launcher). Without torchrun
+    (TORCHELASTIC_RUN_ID unset: a shell, a scheduler's worker) nothing happens."""
+    if _WATCHDOG is None and "TORCHELASTIC_RUN_ID" in os.environ:
+        from rlcu.dist.watchdog import watch_launcher as watch
+
+        watch()
+
+
 def check_launcher() -> None:
     """End this rank at once if its launcher (torchrun) is gone (watchdog.py); a no-op in
     one process."""

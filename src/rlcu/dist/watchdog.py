@@ -22,7 +22,8 @@ parent pid changed: it was reparented) ends at the next tick through os._exit, w
 more: no checkpoint of the step in flight (that is SIGTERM's graceful stop, for a launcher that
 is still there), and a sharded checkpoint checks once more before it commits. Polling, not
 prctl(PR_SET_PDEATHSIG): a signal reaches the main thread only between two collectives, and
-the trainer reads SIGTERM as "finish the step and checkpoint".
+the trainer reads SIGTERM as "finish the step and checkpoint". torchrun with one rank makes no
+process group (so no Watchdog): `watch_launcher` runs the same check alone.
 """
 
 from __future__ import annotations
@@ -41,6 +42,35 @@ def at_die(fn):
     return within a few seconds. Returns a function that removes it again."""
     _AT_DIE.append(fn)
     return lambda: fn in _AT_DIE and _AT_DIE.remove(fn)
+
+
+def _end(rank: int, msg: str) -> None:
+    print(f"rlcu: rank {rank} stops: {msg}", file=sys.stderr, flush=True)
+    for fn in list(_AT_DIE):
+        try:
+            fn(msg)
+        except Exception as e:  # the process ends anyway
+            print(f"rlcu: rank {rank}: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_CODE)
+
+
+def _launcher_gone(pid: int) -> str:
+    return (f"its launcher (pid {pid}, e.g. torchrun) is gone: stopping at once, without checkpointing "
+            f"the step in flight (resume from the last checkpoint)")
+
+
+def watch_launcher(interval_s: float = 1.0) -> None:
+    """The launcher check alone, in a daemon thread: for torchrun with one rank, which makes no
+    process group and so no Watchdog, but whose launcher may die all the same."""
+    parent = os.getppid()
+
+    def run():
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        _end(0, _launcher_gone(parent))
+
+    threading.Thread(target=run, name="rlcu-launcher-watch", daemon=True).start()
 
 
 class Watchdog:
@@ -100,19 +130,11 @@ class Watchdog:
         """End this process now if its launcher is gone (the thread calls it every tick; a
         checkpoint calls it before it commits, so none is written after the launcher died)."""
         if os.getppid() != self.parent:
-            self._die(f"its launcher (pid {self.parent}, e.g. torchrun) is gone: stopping at once, without "
-                      f"checkpointing the step in flight (resume from the last checkpoint)")
+            self._die(_launcher_gone(self.parent))
 
     # ---------------------------------------------------------------- the thread
     def _die(self, msg: str) -> None:
-        print(f"rlcu: rank {self.rank} stops: {msg}", file=sys.stderr, flush=True)
-        for fn in list(_AT_DIE):
-            try:
-                fn(msg)
-            except Exception as e:  # the process ends anyway
-                print(f"rlcu: rank {self.rank}: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(EXIT_CODE)
+        _end(self.rank, msg)
 
     def _other_error(self) -> str | None:
         if self.store.add("nerr", 0) <= 0:
