@@ -140,6 +140,8 @@ def main(argv: list[str]) -> int:
     except SchedError as e:
         print(f"rlcu sched {a.cmd}: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the output's reader went away (`| head`): rlcu.cli ends quietly
+        raise
     except (ValueError, OSError) as e:
         print(f"rlcu sched {a.cmd}: {e}", file=sys.stderr)
         return 2
@@ -149,8 +151,6 @@ def main(argv: list[str]) -> int:
 def _pool(a) -> tuple[list[float], list[str]]:
     if a.cpu_slots is not None:
         if a.gpus is not None:
-    except BrokenPipeError:  # the output's reader went away (`| head`): rlcu.cli ends quietly
-        raise
             raise ValueError("give --gpus or --cpu-slots, not both")
         if a.cpu_slots < 1:
             raise ValueError(f"--cpu-slots must be >= 1, got {a.cpu_slots}")
