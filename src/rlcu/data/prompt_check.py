@@ -21,6 +21,12 @@ POLICIES = ("drop", "error")
 _SHOW = 10  # rows named in a message
 
 
+def shown_rows(rows: list[str]) -> str:
+    """The first rows of a message's list (locations, with what is said of each), then how many more."""
+    more = f" and {len(rows) - _SHOW} more" if len(rows) > _SHOW else ""
+    return ", ".join(rows[:_SHOW]) + more
+
+
 @dataclasses.dataclass
 class PromptLimit:
     max_tokens: int  # the most prompt tokens allowed
@@ -56,9 +62,7 @@ class PromptReport:
         return len(self.dropped)
 
     def rows_text(self) -> str:
-        shown = ", ".join(f"{w} ({n} tokens)" for w, n in self.dropped[:_SHOW])
-        more = f" and {self.n_dropped - _SHOW} more" if self.n_dropped > _SHOW else ""
-        return shown + more
+        return shown_rows([f"{w} ({n} tokens)" for w, n in self.dropped])
 
     def message(self) -> str | None:
         """The log line for the dropped prompts (None: none dropped)."""
@@ -70,8 +74,11 @@ class PromptReport:
 
 def check_prompts(items: list[tuple[str, dict]], prompt_len: Callable[[dict], int], limit: PromptLimit,
                   source: str) -> tuple[list[dict], PromptReport]:
-    """Keep the rows whose prompt fits `limit` -> (kept rows, report). With policy 'error'
-    any row over the limit, and with 'drop' a data set left empty, raise ValueError."""
+    """Keep the rows whose prompt fits `limit` -> (kept rows, report). An empty data set, with
+    policy 'error' any row over the limit, and with 'drop' a data set left empty, raise
+    ValueError naming `source`."""
+    if not items:
+        raise ValueError(f"{source}: no rows (an empty data set); a prompt data set needs at least one")
     kept: list[dict] = []
     rep = PromptReport(source, len(items), limit)
     for where, row in items:
@@ -88,7 +95,7 @@ def check_prompts(items: list[tuple[str, dict]], prompt_len: Callable[[dict], in
         raise ValueError(f"{source}: {rep.n_dropped} of {rep.total} prompts are longer than {limit.max_tokens} "
                          f"tokens ({limit.why}): {rep.rows_text()}; shorten them, raise the limit, or set "
                          f"data.overlong_prompts=drop to drop them")
-    if items and not kept:
+    if not kept:
         raise ValueError(f"{source}: every one of its {rep.total} prompts is longer than {limit.max_tokens} tokens "
                          f"({limit.why}), e.g. {rep.rows_text()}")
     return kept, rep

@@ -156,7 +156,13 @@ class RLTrainer(Trainer):
         return rows, eval_rows, sum(r.n_dropped for r in self.prompt_reports)
 
     def _prompt_len(self, row) -> int:
-        return len(self._encode(row)[0])
+        """The prompt's tokens, checked at load (a pre-tokenised id outside the vocabulary is
+        named with its row there, not refused by the engine at the first rollout)."""
+        ids, V = self._encode(row)[0], self.model.cfg.vocab_size
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} outside the model's vocabulary [0, {V})")
+        return len(ids)
 
     def _encode(self, row):
         if "prompt_token_ids" in row:  # pre-tokenised

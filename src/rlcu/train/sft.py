@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from rlcu.config import SFTConfig
-from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_rows
+from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_items
+from rlcu.data.prompt_check import shown_rows
 from rlcu.dist import batch as dp
 from rlcu.dist.comm import all_sum, world
 from rlcu.dist.zero import make_optimizer
@@ -102,24 +103,25 @@ class SFTTrainer(Trainer):
             if d.path is None:
                 raise ValueError("SFT needs data: pass dataset= or set data.path")
             dataset = d.path
+        # rows with their locations ('file:line', 'dataset[i]'), which the messages name
         if isinstance(dataset, (str, Path)):
             src = str(dataset)
-            rows = load_sft_rows(dataset, **fields, split=d.split, subset=d.subset,
-                                 field="data.path" if dataset is d.path else None)
+            rows = load_sft_items(dataset, **fields, split=d.split, subset=d.subset,
+                                  field="data.path" if dataset is d.path else None)
         else:
             src = "dataset"
-            rows = list(dataset)
-            for i, r in enumerate(rows):
+            rows = [(f"dataset[{i}]", r) for i, r in enumerate(dataset)]
+            for where, r in rows:
                 if not isinstance(r, dict):
-                    raise ValueError(f"dataset[{i}]: a row must be a dict, got {type(r).__name__}")
-                check_sft_row(r, f"dataset[{i}]", **fields)
+                    raise ValueError(f"{where}: a row must be a dict, got {type(r).__name__}")
+                check_sft_row(r, where, **fields)
         if d.eval_path is not None:
-            eval_rows = load_sft_rows(d.eval_path, **fields, split=d.eval_split, subset=d.subset,
-                                      field="data.eval_path")
+            eval_rows = load_sft_items(d.eval_path, **fields, split=d.eval_split, subset=d.subset,
+                                       field="data.eval_path")
         else:
             rows, eval_rows = split_eval(rows, d.eval_size, d.seed, src)
         self.tokenizer = tokenizer
-        if self.tokenizer is None and any("prompt_token_ids" not in r for r in rows + eval_rows):
+        if self.tokenizer is None and any("prompt_token_ids" not in r for _, r in rows + eval_rows):
             self.tokenizer = load_tokenizer(cfg.model, "text SFT rows")
         self.examples = self._encode(rows, src, fields)
         self.eval_examples = self._encode(eval_rows, d.eval_path or f"{src} (held out)", fields) if eval_rows else []
@@ -141,36 +143,42 @@ class SFTTrainer(Trainer):
         limit = min(self.cfg.max_seq_len, self.model.cfg.max_position_embeddings)
         return StepGraph(self.model, self.optimizer, budget=self.cfg.batch_tokens, max_seqlen=limit)
 
-    def _encode(self, rows: list[dict], src: str, fields: dict) -> list[tuple[list[int], list[int]]]:
-        """Tokenise rows to (ids, mask), dropping (and counting) too long or empty ones."""
+    def _encode(self, rows: list[tuple[str, dict]], src: str, fields: dict) -> list[tuple[list[int], list[int]]]:
+        """Tokenise (location, row) pairs to (ids, mask), dropping too long or empty ones: counted,
+        and named by row in the log (as GRPO's dropped prompts are)."""
         cfg, V = self.cfg, self.model.cfg.vocab_size
-        out = []
-        n_long = n_empty = 0
+        if not rows:
+            raise ValueError(f"{src}: no rows (an empty data set); SFT needs at least one example")
+        out, long, empty = [], [], []
         limit = min(cfg.max_seq_len, self.model.cfg.max_position_embeddings)  # never past the context
-        for i, r in enumerate(rows):
+        for where, r in rows:
             try:
                 ids, mask = encode_sft_row(r, self.tokenizer, **fields, **cfg.data.chat_template_kwargs)
             except ValueError as e:
-                raise ValueError(f"{src} row {i + 1}: {e}") from None
-            if ids and (min(ids) < 0 or max(ids) >= V):
-                raise ValueError(f"{src} row {i + 1}: token id {max(ids)} outside the model's vocabulary [0, {V})")
+                raise ValueError(f"{where}: {e}") from None
+            bad = next((t for t in ids if not 0 <= t < V), None)
+            if bad is not None:
+                raise ValueError(f"{where}: token id {bad} outside the model's vocabulary [0, {V})")
             if len(ids) > limit:
-                n_long += 1
+                long.append(f"{where} ({len(ids)} tokens)")
                 continue
             if ids:
                 mask[0] = 0  # a sequence's first token has no prediction
             if not any(mask):
-                n_empty += 1
+                empty.append(where)
                 continue
             out.append((ids, mask))
-        if n_long:
+        if long:
             why = (f"max_seq_len={cfg.max_seq_len}" if limit == cfg.max_seq_len else
                    f"the model's context ({limit}; max_seq_len={cfg.max_seq_len})")
-            self._notes.append(f"{src}: dropped {n_long} of {len(rows)} examples longer than {why} tokens")
-        if n_empty:
-            self._notes.append(f"{src}: dropped {n_empty} examples with no completion token to train on")
+            self._notes.append(f"{src}: dropped {len(long)} of {len(rows)} examples longer than {why} tokens: "
+                               f"{shown_rows(long)}")
+        if empty:
+            self._notes.append(f"{src}: dropped {len(empty)} examples with no completion token to train on: "
+                               f"{shown_rows(empty)}")
         if not out:
-            raise ValueError(f"no SFT examples left from {src} ({len(rows)} rows; {n_long} too long, {n_empty} empty)")
+            raise ValueError(f"no SFT examples left from {src} ({len(rows)} rows; {len(long)} too long, "
+                             f"{len(empty)} empty)")
         return out
 
     # ---------------------------------------------------------------- batches
