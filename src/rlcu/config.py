@@ -311,6 +311,9 @@ class DataConfig(Section):
                                               "(rows may instead hold chat `messages`)")
     messages_field: str = opt("messages", "row field holding a chat conversation for SFT; the "
                                           "assistant turns are the completion")
+    chat_template_kwargs: dict = opt({}, "variables of the chat template where chat messages are rendered (SFT "
+                                         "and RL prompts, evaluation), as TRL's and `rlcu generate "
+                                         "--chat-template-kwargs`: e.g. {enable_thinking: false} for Qwen3")
     max_prompt_tokens: int | None = opt(None, "GRPO/PPO: the most tokens a prompt may have; null: what the model's "
                                               "context leaves after max_new_tokens (checked at load either way)",
                                         gt=0)
@@ -346,9 +349,6 @@ class OptimConfig(Section):
     grad_dtype: str = opt("float32", "the gradient buffer of bf16 weights: float32, or bfloat16 (half the bytes; "
                                      "each micro-batch's gradient is rounded once into the sum, as torch autograd "
                                      "does for bf16 parameters); fp32 weights keep fp32 gradients",
-    chat_template_kwargs: dict = opt({}, "variables of the chat template where chat messages are rendered (SFT "
-                                         "and RL prompts, evaluation), as TRL's and `rlcu generate "
-                                         "--chat-template-kwargs`: e.g. {enable_thinking: false} for Qwen3")
                           choices=("float32", "bfloat16"))
     release_grads: bool = opt(True, "RL trainers: free the gradient buffer after each step's updates, so "
                                     "that the rollout phase does not hold it (the next backward reallocates it)")
