@@ -111,7 +111,7 @@ def _fsync_file(p: Path) -> None:
 
 def save_sharded(root, step: int, model, optimizer, state: dict, keep_last: int, **kw) -> Path:
     """save_checkpoint for a ShardedAdamW: called on every rank (see the module docstring)."""
-    from rlcu.train.checkpoint import save_checkpoint
+    from rlcu.train.checkpoint import no_space, not_written, save_checkpoint, write_file
 
     w = optimizer.world
     root = Path(root)
@@ -131,8 +131,18 @@ def save_sharded(root, step: int, model, optimizer, state: dict, keep_last: int,
     for k, obj in sharded.items():
         f = shards / k / f"rank-{w.rank:05d}-of-{w.size:05d}.pt"
         tmpf = f.parent / f".{f.name}.tmp"
-        torch.save(obj.state_dict(), tmpf)
-        _fsync_file(tmpf)
+
+        def write(p, obj=obj):  # a full disk says so with the file (torch.save's error hides it)
+            torch.save(obj.state_dict(), p)
+            _fsync_file(p)
+
+        try:
+            write_file(tmpf, write)
+        except BaseException as e:
+            tmpf.unlink(missing_ok=True)  # the shards folder itself: the next save clears it, at any ranks
+            if not no_space(e):
+                raise
+            raise not_written(e, root, name) from e
         os.replace(tmpf, f)
     W.barrier()
     out = root / name

@@ -15,12 +15,15 @@ is fsynced, then the folder is renamed to its final name (a rename within one fi
 atomic) and the root is fsynced. A kill at any moment leaves either no new folder or a
 complete one, so the previous checkpoint stays loadable; stale temp folders (and the rank
 shard folders of a killed sharded save, rlcu.dist.ckpt) are removed by the next save, at any
-number of ranks. Set RLCU_CHECKPOINT_TEST_SLEEP=<seconds> to sleep between files (tests kill
-a save midway with it).
+number of ranks. A full disk (or quota) fails the save with OSError(ENOSPC) naming the file
+and the checkpoint that is still intact (torch.save's own error, "unexpected pos", hides it),
+nothing of the new step left behind. Set RLCU_CHECKPOINT_TEST_SLEEP=<seconds> to sleep
+between files (tests kill a save midway with it).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -130,13 +133,13 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
         if hasattr(optimizer, "write_into"):  # the ranks' optimizer shards (rlcu.dist.ckpt)
             optimizer.write_into(tmp)
         elif optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optim.pt")
+            write_file(tmp / "optim.pt", lambda p: torch.save(optimizer.state_dict(), p))
             _test_sleep()
         for k, obj in (extra or {}).items():
-            torch.save(obj.state_dict(), tmp / f"{k}.pt")
-        torch.save(rng_state(generators), tmp / "rng.pt")
+            write_file(tmp / f"{k}.pt", lambda p, obj=obj: torch.save(obj.state_dict(), p))
+        write_file(tmp / "rng.pt", lambda p: torch.save(rng_state(generators), p))
         _test_sleep()
-        (tmp / "trainer_state.json").write_text(state_json)
+        write_file(tmp / "trainer_state.json", lambda p: p.write_text(state_json))
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step (e.g. an abort right after a periodic save)
             old = root / f".tmp-old-{name}-{os.getpid()}"
@@ -146,14 +149,42 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
         else:
             tmp.rename(final)
         io.fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except BaseException as e:
+        err = io.disk_error(e, tmp) if isinstance(e, (OSError, RuntimeError)) and not no_space(e) else e
+        shutil.rmtree(tmp, ignore_errors=True)  # after disk_error: a full disk is told by its free space
+        if no_space(err):
+            err = not_written(err, root, name)
+        if err is e:
+            raise
+        raise err from e
     if keep_last > 0:  # the newest keep_last - 1 of the earlier steps stay beside this one
         older = [p for s, p in _step_dirs(root) if s < int(step)]
         for p in older[: max(len(older) - (keep_last - 1), 0)]:
             shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def no_space(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def not_written(e: OSError, root: Path, name: str) -> OSError:
+    """A full disk's error during the save of checkpoint `name`, with the one still there."""
+    prev = latest_checkpoint(root)
+    return OSError(e.errno, f"{e.strerror}: checkpoint {name} not written; "
+                            + (f"the last checkpoint, {prev}, is intact" if prev else "no earlier checkpoint"))
+
+
+def write_file(path: Path, write) -> None:
+    """write(path), its errors as io.disk_error tells them: a full disk says so with the path
+    (torch.save reports ENOSPC as a RuntimeError 'unexpected pos ...')."""
+    try:
+        write(path)
+    except (OSError, RuntimeError) as e:
+        err = io.disk_error(e, path)
+        if err is e:
+            raise
+        raise err from e
 
 
 def _clear_killed_saves(root: Path, keep: Path | None = None) -> None:

@@ -5,8 +5,10 @@ The YAML file and the overrides build the run's config (rlcu.config.SFTConfig,
 rlcu.train.rl_config.GRPOConfig / PPOConfig); `--help` lists every option with its
 default. Exit status: 0 done; 1 aborted after too many non-finite steps; 2 a run that cannot
 start as asked, with one line naming why (a bad option with its dotted name and where it came
-from, a log.out_dir that holds another run, a checkpoint that does not fit); 128 + N stopped
-by signal N (SIGTERM: 143, SIGINT: 130) after checkpointing the step in flight.
+from, a log.out_dir that holds another run or cannot be written, a checkpoint that does not
+fit, a device this machine lacks); 74 (rlcu.train.core.NO_SPACE_STATUS) the disk filled up
+mid-run, one line naming the file (the last checkpoint intact); 128 + N stopped by signal N
+(SIGTERM: 143, SIGINT: 130) after checkpointing the step in flight.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ class SetupError(Exception):
     one line for the user; the command line exits with status 2."""
 
 
+NO_SPACE_STATUS = 74  # sysexits.h's EX_IOERR: the disk (or quota) filled up mid-run
+
+
 class TrainingInterrupted(Exception):
     """The run stopped on a signal after checkpointing; `signum`, `checkpoint` (a Path)."""
 
@@ -335,7 +338,10 @@ def exit_status(prog: str, fn, *args, **kw) -> int:
     """fn(*args, **kw) for a command line, its end as an exit status with the reason on one
     line of stderr: fn's own status when it returns an int, else 0; 1 a run stopped by failing
     rewards or by non-finite steps (after its checkpoint); 2 a run that cannot start as asked;
-    128 + N stopped by signal N (after its checkpoint). Anything else propagates."""
+    NO_SPACE_STATUS a write of the run failed for want of disk space (the last checkpoint
+    intact); 128 + N stopped by signal N (after its checkpoint). Anything else propagates."""
+    import errno
+
     from rlcu.rewards import RewardsFailed
     from rlcu.train.optimizer import NonFiniteError
 
@@ -343,6 +349,10 @@ def exit_status(prog: str, fn, *args, **kw) -> int:
         rc = fn(*args, **kw)
     except SetupError as e:
         status, why = 2, e
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        status, why = NO_SPACE_STATUS, e.strerror + (f": {e.filename}" if e.filename else "")
     except TrainingInterrupted as e:
         status, why = 128 + e.signum, e
     except RewardsFailed as e:

@@ -71,6 +71,28 @@ def _bar_columns() -> list:
             TimeRemainingColumn(table_column=fixed()), Metrics(table_column=Column(no_wrap=False))]
 
 
+def _append(fh, text: str) -> None:
+    """text to an open file, flushed; a full disk says so with the file's path (one line,
+    exit status rlcu.train.core.NO_SPACE_STATUS on the command line)."""
+    try:
+        fh.write(text)
+        fh.flush()
+    except OSError as e:
+        from rlcu.model.io import disk_error
+
+        err = disk_error(e, fh.name)
+        if err is e:
+            raise
+        raise err from e
+
+
+def _close(fh) -> None:
+    try:
+        fh.close()
+    except OSError:
+        pass  # a flush that failed already raised when the text was written (_append)
+
+
 class RunLogger:
     """`run_config` (the run's whole config as plain data) goes to W&B as the run's config.
     `console`: a rich Console for the messages and the bar (default: stderr's)."""
@@ -125,8 +147,7 @@ class RunLogger:
 
     # ---------------------------------------------------------------- messages
     def _write_txt(self, level: str, msg: str) -> None:
-        self._log_txt.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {level} {msg}\n")
-        self._log_txt.flush()
+        _append(self._log_txt, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {level} {msg}\n")
 
     def info(self, msg: str) -> None:
         self._write_txt("INFO", msg)
@@ -149,8 +170,7 @@ class RunLogger:
             n = _num(v)
             row[k] = n if n is not None else v
         self.history.append(row)
-        self._jsonl.write(json.dumps(row) + "\n")
-        self._jsonl.flush()
+        _append(self._jsonl, json.dumps(row) + "\n")
         scalars = {k: float(v) for k, v in row.items()
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         now = time.time()
@@ -238,10 +258,10 @@ class RunLogger:
             self._progress.stop()
         for t in getattr(self, "trackers", []):
             t.close()
-        self._jsonl.close()
+        _close(self._jsonl)
         if plot and self.cfg.plot:
             self.plot()
-        self._log_txt.close()
+        _close(self._log_txt)
 
     def __enter__(self):
         return self
