@@ -53,7 +53,7 @@ def differences(a: dict, b: dict) -> dict:
 @pytest.mark.parametrize("seed", range(3))
 def test_the_tally_equals_summarize_over_the_history(tmp_path, seed):
     rng, clock = random.Random(seed), Clock()
-    core = Core([80.0, 40.0], state=tmp_path / "s.db", clock=clock)
+    core = Core([80.0, 40.0], state=tmp_path / "s.db", clock=clock, mono=clock)
     for j in "abc":
         ok(core, op="register", job=j, clusters=SPEC)
         clock.t += 1.0
@@ -63,7 +63,7 @@ def test_the_tally_equals_summarize_over_the_history(tmp_path, seed):
     clock.t += 5.0
     assert not differences(core.op_metrics(), summarized(core))
     core.close()
-    again = Core(None, state=tmp_path / "s.db", clock=clock)  # the tally survives a restart
+    again = Core(None, state=tmp_path / "s.db", clock=clock, mono=clock)  # the tally survives a restart
     clock.t += 1.0
     assert not differences(again.op_metrics(), summarized(again))
     again.close()
@@ -71,7 +71,7 @@ def test_the_tally_equals_summarize_over_the_history(tmp_path, seed):
 
 def test_status_and_metrics_read_no_history(tmp_path):
     clock = Clock()
-    core = Core([80.0] * 4, state=tmp_path / "s.db", clock=clock)
+    core = Core([80.0] * 4, state=tmp_path / "s.db", clock=clock, mono=clock)
     for j in "abc":
         ok(core, op="register", job=j, clusters=SPEC)
     churn(core, clock, random.Random(0), 300)
@@ -90,7 +90,7 @@ def test_status_and_metrics_read_no_history(tmp_path):
 
 def test_history_is_pruned_and_the_metrics_keep_it(tmp_path):
     clock = Clock()
-    core = Core([80.0], state=tmp_path / "s.db", clock=clock, keep_spans=20, history_s=50.0,
+    core = Core([80.0], state=tmp_path / "s.db", clock=clock, mono=clock, keep_spans=20, history_s=50.0,
                 history_rows=30)
     ok(core, op="register", job="a", clusters=SPEC)
     for _ in range(100):
@@ -112,7 +112,7 @@ def test_history_is_pruned_and_the_metrics_keep_it(tmp_path):
 
 def test_a_database_without_a_tally_gets_one_at_start(tmp_path):
     clock = Clock()
-    core = Core([80.0, 80.0], state=tmp_path / "s.db", clock=clock)
+    core = Core([80.0, 80.0], state=tmp_path / "s.db", clock=clock, mono=clock)
     for j in "abc":
         ok(core, op="register", job=j, clusters=SPEC)
     churn(core, clock, random.Random(1), 150)
@@ -123,7 +123,7 @@ def test_a_database_without_a_tally_gets_one_at_start(tmp_path):
     con.execute("DELETE FROM meta WHERE key='live'")  # as a database of the previous version
     con.commit()
     con.close()
-    again = Core(None, state=tmp_path / "s.db", clock=clock)
+    again = Core(None, state=tmp_path / "s.db", clock=clock, mono=clock)
     assert not differences(again.op_metrics(), want)
     again.close()
 

@@ -198,6 +198,11 @@ class Core(Operations):
                 self._tally_from_history()
         except (TypeError, ValueError) as e:
             raise self.store.rows.bad("meta", "key='live'", "value.tally", f"not a metrics tally ({e})") from None
+        if recovering:  # the metrics clock goes on from the saved tally's time (see mtime)
+            self._m0, self._mbase = seen, max(self.tally.t, live.get("mtime") or 0.0, now)
+        mnow = self.mtime()
+        for j in self.jobs.values():  # (a restart: its age so far on the wall clock)
+            j.born = old[j.name].born if j.name in old and not recovering else mnow - max(0.0, now - j.submitted)
         for s, _req, y in self.store.recent_leases(self.keep_spans):
             self.ended[s.id] = s
             if y is not None:
@@ -212,7 +217,7 @@ class Core(Operations):
                     self.yields.append((y, s.id, s.job))
             else:  # its job ended while the service was down (or the row outlived it)
                 s.end, s.reason = now, "reclaimed"
-                self.tally.remove(s, now)
+                self.tally.remove(s, mnow)
                 self.store.end_lease(s)
                 self._remember(s)
         for r, asked in self.store.requests():
@@ -225,6 +230,13 @@ class Core(Operations):
                                                               live.get("next_id", 1)))
         for name in self.jobs:
             self._bump(name)
+
+    def mtime(self) -> float:
+        """The metrics clock: the monotonic clock, going on across restarts from the saved
+        tally's last time (or the wall clock at the start, if later). Metrics (the tally's
+        integrals, uptime, jobs per hour, latencies) run on it, so a wall clock stepped back
+        counts no time; the wall clock stays for what is shown (lease and job times)."""
+        return self._mbase + (self.mono() - self._m0)
 
     def _reconcile_tally(self) -> None:
         """The tally's present (memory and phase leases per device) from the held leases, when
@@ -265,9 +277,10 @@ class Core(Operations):
         return tally
 
     def _meta(self) -> dict:
-        """What every commit writes beside the operations' rows: the metrics tally, and the next
-        id (so that ids stay unique when the history they were seen in has been pruned)."""
-        return {"live": {"tally": self.tally.to_dict(), "next_id": self.pol.next_id}}
+        """What every commit writes beside the operations' rows: the metrics tally, the next id
+        (so that ids stay unique when the history they were seen in has been pruned) and the
+        metrics clock (a restart goes on from it)."""
+        return {"live": {"tally": self.tally.to_dict(), "next_id": self.pol.next_id, "mtime": self.mtime()}}
 
     def close(self) -> None:
         """Wake every waiter, close the database (the state stays on disk) and free the state folder."""

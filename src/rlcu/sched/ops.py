@@ -12,7 +12,7 @@ import time
 from rlcu.sched import metrics as mx
 from rlcu.sched.pool import RESIDENT, Lease
 from rlcu.sched.store import Job
-from rlcu.sched.views import LIVE, job_view, metrics_of, status_of
+from rlcu.sched.views import LIVE, job_view, metrics_of, status_of, wall_t0
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_WAIT_S = 60.0
@@ -54,7 +54,7 @@ class Operations:
     def _close_lease(self, le: Lease, now: float, reason: str) -> mx.Span:
         s = self.held.pop(le.id)
         s.end, s.reason = now, reason
-        self.tally.remove(s, now)
+        self.tally.remove(s, self.mtime())
         self.yield_at.pop(le.id, None)
         self.store.end_lease(s)
         self._remember(s)
@@ -77,7 +77,7 @@ class Operations:
             self._close_lease(le, now, reason)
         j.state, j.finished, j.rollout_since = state, now, None
         if state == "done":
-            self.tally.job_done(j.submitted, now)
+            self.tally.job_done(j.born, self.mtime())
         self.store.put_job(j)
         self._bump(job)
         self._schedule()
@@ -90,13 +90,13 @@ class Operations:
         for le in dec.grants:
             s = mx.Span(le.id, le.job, le.phase, le.cluster, le.devices, le.mem, now)
             self.held[le.id] = s
-            self.tally.add(s, now)
+            self.tally.add(s, self.mtime())
             self.store.put_lease(s, le.request, None)
             if le.request is not None:
                 if le.request.id not in self._unsaved:
                     self.store.drop_request(le.request.id)
                 j = self.jobs[le.job]
-                waited = now - self.asked.pop(le.request.id, now)
+                waited = max(0.0, now - self.asked.pop(le.request.id, now))  # (a wall clock stepped back)
                 j.wait_s += waited
                 if waited > 1e-3 or j.started is None:  # (a grant at once is not worth a write)
                     j.started = now if j.started is None else j.started
@@ -141,9 +141,9 @@ class Operations:
         else:
             self.pol.add_job(job, clusters)
             if not self.jobs:  # the metrics' span begins with the first job (as summarize's t0)
-                self.tally.restart(now)
+                self.tally.restart(self.mtime())
             j = Job(job, clusters, spec or {}, "queued" if queued else "running", now, len(self.jobs),
-                    pid=pid, host=host, last_seen=self.mono())
+                    pid=pid, host=host, last_seen=self.mono(), born=self.mtime())
             self.jobs[job] = j
         self.store.put_job(j)
         self._bump(job)
@@ -261,5 +261,5 @@ class Operations:
     def op_trace(self) -> dict:
         """The Chrome trace of the held leases and the remembered ended ones (the last keep_spans)."""
         spans = sorted((*self.ended.values(), *self.held.values()), key=lambda s: s.id)
-        return {"trace": mx.chrome_trace(spans, len(self.pool["capacity"]), self.tally.t0,
+        return {"trace": mx.chrome_trace(spans, len(self.pool["capacity"]), wall_t0(self),
                                          sorted(self.yields), self.clock())}

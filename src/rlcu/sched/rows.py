@@ -56,7 +56,7 @@ class Rows:
         if key == "pool":
             self._pool(value)
         elif key == "live" and (not isinstance(value, dict) or not isinstance(value.get("tally", {}), dict)
-                                or not _num(value.get("next_id", 1))):
+                                or not _num(value.get("next_id", 1)) or not _num(value.get("mtime", 0.0))):
             raise self.bad("meta", "key='live'", "value", "the metrics tally and next id are expected, "
                                                           f"got {text!r:.80}")
         return value

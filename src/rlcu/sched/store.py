@@ -50,7 +50,8 @@ AUTO_CHECKPOINT_PAGES = 20_000  # the backstop: ~80 MB of WAL
 @dataclasses.dataclass
 class Job:
     """One job's record. `last_seen` is the service's monotonic clock (memory only: heartbeats
-    are not written); every other field is persisted."""
+    are not written) and `born` its submission on the metrics clock (memory only, see
+    Core.mtime); every other field is persisted."""
 
     name: str
     clusters: dict
@@ -65,6 +66,7 @@ class Job:
     wait_s: float = 0.0
     rollout_since: float | None = None  # the first request time of its yielded rollout (its age survives)
     last_seen: float = 0.0
+    born: float = 0.0
 
 
 JOB_FIELDS = ("name", "clusters", "spec", "state", "submitted", "started", "finished", "pid", "host", "wait_s",
@@ -143,10 +145,13 @@ class Store:
         return None
 
     def close(self, meta: dict | None = None) -> None:
-        """Commit what the operations kept (and `meta`), and close (also when that fails)."""
+        """Commit what the operations kept, and `meta` (even with nothing else to commit), and
+        close (also when that fails)."""
         try:
             self.rollback_op()
-            self.commit(meta)
+            for k, v in (meta or {}).items():
+                self.set_meta(k, v)
+            self.commit()
         finally:
             self.db.close()
         with self._ckpt_lock:

@@ -53,13 +53,19 @@ def job_view(core, job: str) -> dict:
     return {"job": job, "state": j.state, "version": core.versions.get(job, 0), "leases": leases, "pending": pending}
 
 
+def wall_t0(core) -> float:
+    """When the metrics began on the wall clock, for display (a trace's origin): the wall clock
+    now less the uptime, so that a trace's times and `uptime_s` agree after a clock step."""
+    return core.clock() - (core.mtime() - core.tally.t0)
+
+
 def metrics_of(core) -> dict:
-    now = core.clock()
+    now = core.mtime()  # the metrics clock (monotonic): a wall clock stepped back counts no time
     t = core.tally
     out = t.result(now)
     free = [c - u for c, u in zip(core.pool["capacity"], core.pol.used)]
     tot = sum(max(f, 0.0) for f in free)
-    out.update(t0=t.t0, uptime_s=now - t.t0, mem_in_use=list(core.pol.used),
+    out.update(t0=core.clock() - (now - t.t0), uptime_s=now - t.t0, mem_in_use=list(core.pol.used),
                frag_now=1.0 - max(free) / tot if tot > 1e-12 else 0.0,
                jobs_live=sum(j.state in LIVE for j in core.jobs.values()), yields=t.yields)
     return out
@@ -90,7 +96,7 @@ def status_of(core) -> dict:
                        if le.phase != RESIDENT],
             "devices": sorted({names[d] for le in held for d in le.devices}),
             "mem": sum(sum(le.mem) for le in held),
-            "waiting": [{"phase": r.phase, "for_s": now - core.asked.get(r.id, now)} for r in pend],
-            "wait_s": j.wait_s + sum(now - core.asked.get(r.id, now) for r in pend),
-            "age_s": (j.finished or now) - j.submitted})
+            "waiting": [{"phase": r.phase, "for_s": max(0.0, now - core.asked.get(r.id, now))} for r in pend],
+            "wait_s": j.wait_s + sum(max(0.0, now - core.asked.get(r.id, now)) for r in pend),
+            "age_s": max(0.0, (j.finished or now) - j.submitted)})  # (wall clock: display; never < 0)
     return {"now": now, "policy": core.pool["policy"], "devices": devs, "jobs": rows, "metrics": metrics_of(core)}
