@@ -138,6 +138,16 @@ def load_sft_rows(path, prompt_field: str = "prompt", completion_field: str = "c
     return rows
 
 
+def load_sft_items(path, prompt_field: str = "prompt", completion_field: str = "completion",
+                   messages_field: str = "messages", **source) -> list[tuple[str, dict]]:
+    """load_sft_rows with each row's location: [('file:line' or 'file:row N', row)]."""
+    items = []
+    for where, row in _read(path, **source):
+        check_sft_row(row, where, prompt_field, completion_field, messages_field)
+        items.append((where, row))
+    return items
+
+
 def check_sft_row(row: dict, where: str, prompt_field="prompt", completion_field="completion",
                   messages_field="messages") -> None:
     if "prompt_token_ids" in row or "completion_token_ids" in row:
@@ -149,16 +159,6 @@ def check_sft_row(row: dict, where: str, prompt_field="prompt", completion_field
     if messages_field in row:
         _check_messages(row[messages_field], where, messages_field)
         if not any(m["role"] == "assistant" for m in row[messages_field]):
-def load_sft_items(path, prompt_field: str = "prompt", completion_field: str = "completion",
-                   messages_field: str = "messages", **source) -> list[tuple[str, dict]]:
-    """load_sft_rows with each row's location: [('file:line' or 'file:row N', row)]."""
-    items = []
-    for where, row in _read(path, **source):
-        check_sft_row(row, where, prompt_field, completion_field, messages_field)
-        items.append((where, row))
-    return items
-
-
             raise ValueError(f"{where}: {messages_field!r} has no assistant turn to train on")
         return
     if prompt_field in row and completion_field in row:
