@@ -33,7 +33,16 @@ def add_import_dir(path) -> None:
 
 
 def _search_dirs() -> list[str]:
-    return [*_DIRS, os.getcwd()]
+    return list(dict.fromkeys([*_DIRS, os.getcwd()]))  # a config in the working directory: once
+
+
+def _where_looked() -> str:
+    """The folders searched, each once with why (a config's folder, the working directory)."""
+    why: dict[str, list[str]] = {}
+    for d in _DIRS:
+        why.setdefault(d, []).append("beside the config")
+    why.setdefault(os.getcwd(), []).append("the working directory")
+    return ", ".join(f"{d} ({' and '.join(w)})" for d, w in why.items()) + " and sys.path"
 
 
 def _make_findable(mod_name: str) -> None:
@@ -57,10 +66,9 @@ def load_reward(spec: str) -> Callable:
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
-        where = ", ".join(_search_dirs())
         if e.name and mod_name.startswith(e.name):
-            raise ValueError(f"reward {spec!r}: cannot import module {mod_name!r}: {e} (looked beside the config, "
-                             f"in the working directory and on sys.path: {where})") from None
+            raise ValueError(f"reward {spec!r}: cannot import module {mod_name!r}: {e} (looked in "
+                             f"{_where_looked()})") from None
         raise ValueError(f"reward {spec!r}: cannot import module {mod_name!r}: {describe(e)}") from None
     except Exception as e:  # noqa: BLE001 - a syntax error or an exception in the user's module
         raise ValueError(f"reward {spec!r}: importing module {mod_name!r} raised {describe(e)}") from None

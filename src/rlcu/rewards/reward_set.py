@@ -55,6 +55,13 @@ def _as_float(x) -> float | None:
         return None
 
 
+def _a_list_of(n: int) -> str:
+    """What a call must return (None is a sample's value, not the call's: a bare None reads as
+    allowed when the message says "floats or None")."""
+    return (f"a list of {n} value{'s' if n != 1 else ''}, one per sample: a float, or None for a sample the "
+            f"function does not score")
+
+
 def _short(x, n: int = 200) -> str:
     s = repr(x)
     return s if len(s) <= n else s[:n] + "..."
@@ -220,7 +227,7 @@ class RewardSet:
         if isinstance(out, torch.Tensor):
             out = out.tolist()
         if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != n:
-            why = f"returned {_short(out, 80)}, expected a list of {n} floats or None"
+            why = f"returned {_short(out, 80)}, expected {_a_list_of(n)}"
             return vals, {i: why for i in range(n)}, "", logs
         fails = {}
         for i, v in enumerate(out):
@@ -251,7 +258,7 @@ class RewardSet:
             if isinstance(out, torch.Tensor):
                 out = out.tolist()
             if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != 1:
-                fails[i] = f"returned {_short(out, 80)} for one sample, expected a list of 1 float or None"
+                fails[i] = f"returned {_short(out, 80)} for one sample, expected {_a_list_of(1)}"
                 continue
             r = self._value(out[0])
             if isinstance(r, str):
