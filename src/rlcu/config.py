@@ -254,11 +254,14 @@ CHECKPOINTING_MODES = ("full", "attention", "none", "auto")
 
 @dataclasses.dataclass
 class ModelConfig(Section):
-    path: str | None = opt(None, "HF folder of a Qwen3 checkpoint (config.json + safetensors); "
-                                 "null with `tiny` for a model made from scratch")
+    path: str | None = opt(None, "HF folder of a Qwen3 checkpoint (config.json + safetensors), or its Hugging Face "
+                                 "Hub id (e.g. Qwen/Qwen3-0.6B, fetched into the Hub's cache; ID@revision pins "
+                                 "one); null with `tiny` for a model made from scratch")
+    revision: str | None = opt(None, "the Hub revision (branch, tag or commit) of a model.path that is a Hub id "
+                                     "(and of its tokenizer); null: main")
     tiny: dict | None = opt(None, "Qwen3Config fields of a model initialised from scratch "
                                   "(e.g. {vocab_size: 64, hidden_size: 64, ...}); used when path is null")
-    tokenizer: str | None = opt(None, "tokenizer folder or tokenizer.json; null: the model folder")
+    tokenizer: str | None = opt(None, "tokenizer folder, tokenizer.json or Hub id; null: the model's")
     dtype: str = opt("auto", "working precision of the weights; auto: bfloat16 on CUDA, float32 on the CPU",
                      choices=("auto", "float32", "bfloat16"))
     device: str = opt("auto", "where the model runs; auto: cuda when available, else cpu",
@@ -305,7 +308,14 @@ class ModelConfig(Section):
 
 @dataclasses.dataclass
 class DataConfig(Section):
-    path: str | None = opt(None, "training data: a .jsonl, .json or .parquet file, one example per row")
+    path: str | None = opt(None, "training data: a .jsonl, .json or .parquet file (one example per row), a dataset "
+                                 "folder, or a Hugging Face Hub dataset id (e.g. trl-lib/Capybara; ID@revision "
+                                 "pins one); folders and Hub ids are read by `datasets` (pip install "
+                                 "'rlcu[datasets]')")
+    split: str = opt("train", "the split of data.path when it is a dataset folder or Hub id (datasets' syntax, "
+                              "e.g. train or train[:1000])")
+    subset: str | None = opt(None, "the configuration of a Hub dataset with several (load_dataset's name, e.g. "
+                                   "main for openai/gsm8k); null: its only or default one")
     prompt_field: str = opt("prompt", "row field holding the prompt (a string or chat messages)")
     completion_field: str = opt("completion", "row field holding the SFT target completion "
                                               "(rows may instead hold chat `messages`)")
@@ -322,7 +332,9 @@ class DataConfig(Section):
                                         "(stop before training, naming them)", choices=("drop", "error"))
     shuffle: bool = opt(True, "shuffle the rows every epoch (seeded, so resumable)")
     seed: int = opt(0, "seed of the data order", ge=0)
-    eval_path: str | None = opt(None, "held-out data file; null: split eval_size rows off the training data")
+    eval_path: str | None = opt(None, "held-out data: a file, dataset folder or Hub dataset id as for path; null: "
+                                      "split eval_size rows off the training data")
+    eval_split: str = opt("test", "the split of eval_path when it is a dataset folder or Hub id")
     eval_size: int = opt(0, "rows held out for evaluation when eval_path is null (0: none)", ge=0)
 
 

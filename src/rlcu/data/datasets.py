@@ -1,5 +1,7 @@
 """Prompt and SFT data sets: JSONL / JSON / parquet rows, validated with file:line errors,
-and their tokenisation.
+and their tokenisation. A source that is not a data file (a dataset folder, or a Hugging Face
+Hub dataset id such as trl-lib/Capybara) is read by `datasets` (rlcu.hub), with its split and
+subset; its rows are named 'NAME[split]:row N'.
 
 A row is a dict; every field is kept (the reward functions see them). A prompt is a string
 or chat messages ([{"role", "content"}, ...]). SFT rows are either prompt + completion
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from rlcu.hub import MissingPackage, dataset_rows, is_dataset_name
 
 
 # ---------------------------------------------------------------- reading rows
@@ -45,18 +49,24 @@ def jsonl_rows(lines, name) -> list[tuple[int, dict]]:
     return out
 
 
-def _read(path) -> list[tuple[str, dict]]:
-    """[(location 'file:line' or 'file:row N', row)]."""
+def _read(path, split: str = "train", subset: str | None = None, field: str | None = None
+          ) -> list[tuple[str, dict]]:
+    """[(location 'file:line' or 'file:row N', row)]. `split` and `subset` choose the rows of a
+    dataset folder or Hub id; `field` (data.path, ...) is named in the errors about `path`."""
+    if is_dataset_name(path):
+        return dataset_rows(path, split, subset, field)
+    where = f"{field}: {path}" if field else str(path)
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"data file {path} not found")
+        raise FileNotFoundError(f"{where}: no such data file; give a .jsonl, .json or .parquet file, a dataset "
+                                "folder, or a Hugging Face Hub dataset id such as trl-lib/Capybara")
     suf = path.suffix.lower()
     out: list[tuple[str, dict]] = []
     if suf == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ImportError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
+            raise MissingPackage(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
                               "or convert the file to JSONL") from None
         for i, row in enumerate(pq.read_table(path).to_pylist()):
             out.append((f"{path}:row {i + 1}", row))
@@ -106,21 +116,22 @@ def _check_prompt(p, where: str, field: str) -> None:
     raise ValueError(f"{where}: field {field!r} must be a string or a list of chat messages, got {type(p).__name__}")
 
 
-def load_rows(path) -> list[dict]:
-    """Every row of a .jsonl / .json / .parquet file, unvalidated."""
-    return [r for _, r in _read(path)]
+def load_rows(path, **source) -> list[dict]:
+    """Every row of a .jsonl / .json / .parquet file, dataset folder or Hub dataset,
+    unvalidated. `source`: split, subset, field (see _read)."""
+    return [r for _, r in _read(path, **source)]
 
 
-def load_prompts(path, prompt_field: str = "prompt") -> list[dict]:
+def load_prompts(path, prompt_field: str = "prompt", **source) -> list[dict]:
     """Rows with a prompt (string or chat messages) in `prompt_field`; other fields kept.
     A malformed line or a missing / ill-typed prompt raises ValueError('file:line: ...')."""
-    return [r for _, r in load_prompt_items(path, prompt_field)]
+    return [r for _, r in load_prompt_items(path, prompt_field, **source)]
 
 
-def load_prompt_items(path, prompt_field: str = "prompt") -> list[tuple[str, dict]]:
+def load_prompt_items(path, prompt_field: str = "prompt", **source) -> list[tuple[str, dict]]:
     """load_prompts with each row's location: [('file:line' or 'file:row N', row)]."""
     items = []
-    for where, row in _read(path):
+    for where, row in _read(path, **source):
         if prompt_field not in row:
             raise ValueError(f"{where}: missing field {prompt_field!r} (fields: {', '.join(row) or 'none'})")
         _check_prompt(row[prompt_field], where, prompt_field)
@@ -129,10 +140,10 @@ def load_prompt_items(path, prompt_field: str = "prompt") -> list[tuple[str, dic
 
 
 def load_sft_rows(path, prompt_field: str = "prompt", completion_field: str = "completion",
-                  messages_field: str = "messages") -> list[dict]:
+                  messages_field: str = "messages", **source) -> list[dict]:
     """Rows usable for SFT (see the module docstring), with file:line errors."""
     rows = []
-    for where, row in _read(path):
+    for where, row in _read(path, **source):
         check_sft_row(row, where, prompt_field, completion_field, messages_field)
         rows.append(row)
     return rows

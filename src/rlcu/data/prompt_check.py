@@ -102,11 +102,12 @@ def check_prompts(items: list[tuple[str, dict]], prompt_len: Callable[[dict], in
 
 
 def checked_prompts(dataset, prompt_field: str, prompt_len: Callable[[dict], int], limit: PromptLimit,
-                    name: str = "dataset") -> tuple[list[dict], PromptReport]:
-    """Load (a path) or take (a list of row dicts) prompt rows and check them: see check_prompts.
-    Rows of a list are named `name[i]`; rows of a file by file and line."""
+                    name: str = "dataset", **source) -> tuple[list[dict], PromptReport]:
+    """Load (a path or Hub id; `source`: split, subset, field, as datasets.load_prompt_items takes)
+    or take (a list of row dicts) prompt rows and check them: see check_prompts. Rows of a list
+    are named `name[i]`; rows of a file by file and line."""
     if isinstance(dataset, (str, Path)):
-        items = load_prompt_items(dataset, prompt_field)
+        items = load_prompt_items(dataset, prompt_field, **source)
         source = str(dataset)
     else:
         items = [(f"{name}[{i}]", dict(r)) for i, r in enumerate(dataset)]

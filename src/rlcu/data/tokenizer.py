@@ -107,11 +107,16 @@ class Tokenizer:
     # --- files
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path) -> Tokenizer:
+    def from_pretrained(cls, folder: str | Path, revision: str | None = None) -> Tokenizer:
         """Read tokenizer.json, tokenizer_config.json (optional) and chat_template.jinja /
         chat_templates/*.jinja (optional; they win over the config's template). `folder` may also
-        be the path of a tokenizer .json file; the other files are then looked for beside it."""
-        folder = Path(folder)
+        be the path of a tokenizer .json file; the other files are then looked for beside it; or a
+        Hugging Face Hub id (at `revision`, or 'ID@revision'), whose tokenizer files are fetched."""
+        from rlcu.hub import TOKENIZER_FILES, hub_id, model_folder
+
+        name, folder = folder, Path(folder)
+        if not folder.exists() and hub_id(name) is not None:
+            folder = model_folder(name, revision, files=TOKENIZER_FILES)
         tok_file = folder / "tokenizer.json"
         if folder.is_file() and folder.suffix == ".json":
             folder, tok_file = folder.parent, folder

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 _TINY_WORDS = ("the a an and or but if then else of to in on at for with from by is are was were be been "
                "it this that these those i you he she we they me him her us them my your his its our their "
@@ -91,7 +90,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlcu generate", description="Prompts JSONL in, completions JSONL out.",
                                 formatter_class=_HelpFormatter)
-    p.add_argument("--model", default="tiny", help="model folder, or 'tiny' for a random smoke-test model")
+    p.add_argument("--model", default="tiny", help="model folder or Hugging Face Hub id (e.g. Qwen/Qwen3-0.6B, "
+                                                   "ID@revision), or 'tiny' for a random smoke-test model")
     p.add_argument("--input", help="prompts JSONL ('-' for stdin); unset with --model tiny: three built-in prompts")
     p.add_argument("--output", default="-", help="completions JSONL ('-': stdout)")
     s = p.add_argument_group("sampling")
@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             model, tok = tiny_model_and_tokenizer(args.device)
             llm = LLM(model, tokenizer=tok, **engine)
         else:
-            if not Path(args.model).is_dir():
-                return _fail(f"--model {args.model}: not a folder")
-            llm = LLM(args.model, device=args.device, dtype=args.dtype, **engine)
+            from rlcu.hub import model_folder
+
+            llm = LLM(model_folder(args.model, field="--model"), device=args.device, dtype=args.dtype, **engine)
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
 

@@ -106,8 +106,9 @@ class _Progress:
 
 
 class LLM:
-    """model: a `Qwen3` (shared, not copied; device and dtype are the model's) or a folder
-    with config.json and safetensors. device: default the model's, else "cuda" when there is
+    """model: a `Qwen3` (shared, not copied; device and dtype are the model's), a folder
+    with config.json and safetensors, or a Hugging Face Hub id ("Qwen/Qwen3-0.6B", fetched into
+    the Hub's cache; at `revision`, or "ID@revision"). device: default the model's, else "cuda" when there is
     one. dtype: default bfloat16 on CUDA, float32 on the CPU. max_num_seqs: sequences in one
     step (also the largest CUDA-graph batch). max_num_batched_tokens: tokens per step (the
     chunked-prefill budget). gpu_memory_utilization: the fraction of the device's total memory
@@ -134,7 +135,8 @@ class LLM:
                  gpu_memory_utilization: float | None = None, block_size: int | None = None,
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, enable_prefix_caching: bool = True, async_scheduling: bool = True,
-                 tokenizer: Any = None, warmup: bool | None = None, prefill_graphs: bool = True):
+                 tokenizer: Any = None, warmup: bool | None = None, prefill_graphs: bool = True,
+                 revision: str | None = None):
         from rlcu.config import GPU_MEMORY_UTILIZATION
         from rlcu.ops.paged_attention import DEFAULT_BLOCK_SIZE
 
@@ -167,9 +169,9 @@ class LLM:
             dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
             if want_dtype is None:
                 want_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-            self.model = Qwen3.from_pretrained(model, device=dev, dtype=want_dtype)
+            self.model = Qwen3.from_pretrained(model, device=dev, dtype=want_dtype, revision=revision)
         else:
-            raise TypeError(f"LLM(model) takes an rlcu.Qwen3 or a model folder, got {type(model).__name__}")
+            raise TypeError(f"LLM(model) takes an rlcu.Qwen3, a model folder or a Hub id, got {type(model).__name__}")
         cfg = self.model.cfg
         self.source: Path | None = Path(self.model.source) if self.model.source is not None else None
         self._tokenizer = tokenizer

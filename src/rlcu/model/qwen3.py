@@ -87,8 +87,12 @@ class Qwen3:
         return self.w["embed"] if self.cfg.tie_word_embeddings else self.w["lm_head"]
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> Qwen3:
-        path = Path(path)
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, revision: str | None = None) -> Qwen3:
+        """A model folder here, or a Hugging Face Hub id ('Qwen/Qwen3-0.6B', 'ID@revision'), fetched
+        into the Hub's cache (rlcu.hub)."""
+        from rlcu.hub import model_folder
+
+        path = model_folder(path, revision)
         cfg = io.read_config(path)
         layout = ParamLayout(cfg)
         flat = layout.empty(device, dtype)

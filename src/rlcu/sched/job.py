@@ -68,7 +68,9 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: i
     if m.tiny is not None:
         qc = Qwen3Config(**m.tiny)
     elif m.path is not None:
-        qc = Qwen3Config.from_file(Path(m.path) / "config.json")
+        from rlcu.hub import model_folder
+
+        qc = Qwen3Config.from_file(model_folder(m.path, m.revision, "model.path", ("config.json",)) / "config.json")
     else:
         qc = Qwen3Config()
     P = ParamLayout(qc).numel
@@ -246,7 +248,12 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
 
     cfg = grpo_config(config, overrides)
     w = world()
-    clusters, mem = job_memory(cfg, mem, devices=w.size)
+    from rlcu.train.core import SetupError
+
+    try:  # the estimate reads model.path's config: a name neither here nor on the Hub is one line, exit 2
+        clusters, mem = job_memory(cfg, mem, devices=w.size)
+    except (ValueError, FileNotFoundError) as e:
+        raise SetupError(str(e)) from None
 
     def register():
         c = client or SchedClient(addr, token)

@@ -269,7 +269,9 @@ def build_model(cfg, device: str | None = None, dtype: torch.dtype | None = None
     device = device or cfg.resolve_device()
     dtype = dtype or cfg.resolve_dtype()
     if cfg.path is not None:
-        model = Qwen3.from_pretrained(cfg.path, device=device, dtype=dtype)
+        from rlcu.hub import model_folder
+
+        model = Qwen3.from_pretrained(model_folder(cfg.path, cfg.revision, "model.path"), device=device, dtype=dtype)
     elif cfg.tiny is not None:
         names = set(Qwen3Config.__dataclass_fields__)
         bad = [k for k in cfg.tiny if k not in names]

@@ -63,13 +63,18 @@ def coerce_config(cls, config):
 
 def load_tokenizer(model_cfg, need: str):
     """The tokenizer of a run: model.tokenizer (a folder, or a tokenizer.json whose
-    tokenizer_config.json and chat template beside it are read too), else model.path."""
+    tokenizer_config.json and chat template beside it are read too), else model.path; either
+    may be a Hugging Face Hub id (model.revision applies to model.path's)."""
     from rlcu.data.tokenizer import Tokenizer
+    from rlcu.hub import TOKENIZER_FILES, model_folder
 
     src = model_cfg.tokenizer or model_cfg.path
     if src is None:
         raise ValueError(f"{need} need a tokenizer: pass tokenizer= to the trainer, or set model.tokenizer "
                          f"(a folder or a tokenizer.json) or model.path")
+    if not Path(src).expanduser().exists():  # a Hub id: fetched here, so that an error names the field
+        field, rev = ("model.tokenizer", None) if model_cfg.tokenizer else ("model.path", model_cfg.revision)
+        src = model_folder(src, rev, field, TOKENIZER_FILES)
     return Tokenizer.from_pretrained(src)
 
 

@@ -41,7 +41,10 @@ class PPOTrainer(RLTrainer):
         cc = self.cfg.critic
         if critic is None:
             if cc.path is not None:
-                critic = Critic.from_pretrained(cc.path, device=self.device, dtype=self.model.dtype,
+                from rlcu.hub import model_folder
+
+                critic = Critic.from_pretrained(model_folder(cc.path, None, "critic.path"), device=self.device,
+                                                dtype=self.model.dtype,
                                                 head_init_std=cc.head_init_std, seed=self.cfg.seed)
             else:
                 critic = Critic.from_trunk(self.model, cc.head_init_std, seed=self.cfg.seed)

@@ -23,7 +23,7 @@ import yaml
 from rlcu.train.core import SetupError
 
 # dotted keys (or prefixes ending in '.') whose change leaves the remaining steps exact
-SAFE = ("log.", "checkpoint.", "engine.", "eval_every", "eval_max_prompts", "data.eval_path",
+SAFE = ("log.", "checkpoint.", "engine.", "eval_every", "eval_max_prompts", "data.eval_path", "data.eval_split",
         "optim.max_nonfinite_in_row", "critic.optim.max_nonfinite_in_row", "model.gradient_checkpointing",
         "model.tokenizer")
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

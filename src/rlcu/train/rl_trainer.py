@@ -143,12 +143,16 @@ class RLTrainer(Trainer):
         # every prompt against the context (and max_prompt_tokens): dropped (logged by row) or an error now
         limit = prompt_limit(self.model.cfg.max_position_embeddings, self.cfg.max_new_tokens, d.max_prompt_tokens,
                              d.overlong_prompts)
-        rows, rep = checked_prompts(dataset, d.prompt_field, self._prompt_len, limit)
+        src = dict(split=d.split, subset=d.subset, field="data.path" if dataset is d.path else None)
+        rows, rep = checked_prompts(dataset, d.prompt_field, self._prompt_len, limit, **src)
         self.prompt_reports = [rep]
         if eval_dataset is None and d.eval_path is not None:
             eval_dataset = d.eval_path
         if eval_dataset is not None:
-            eval_rows, rep = checked_prompts(eval_dataset, d.prompt_field, self._prompt_len, limit, "eval_dataset")
+            src = dict(split=d.eval_split, subset=d.subset,
+                       field="data.eval_path" if eval_dataset is d.eval_path else None)
+            eval_rows, rep = checked_prompts(eval_dataset, d.prompt_field, self._prompt_len, limit, "eval_dataset",
+                                             **src)
             self.prompt_reports.append(rep)
         else:
             rows, eval_rows = split_eval(rows, d.eval_size, d.seed, str(dataset) if isinstance(dataset, (str, Path))
