@@ -99,3 +99,67 @@ def test_the_check_finds_each_kind_of_problem(tmp_path):
     found = problems(f, SFTConfig)
     assert "model.path: missing (the file says every option is listed)" in found
     assert not any(p.startswith("line ") for p in found)  # steps: marked, and rightly
+
+
+# ---------------------------------------------------------------- each example runs as shipped
+# The Hub repositories the examples name, as the Hub holds them (the real data sets' splits and
+# columns; the model is a tiny stand-in); the test builds them in a Hub cache of its own and runs
+# offline. An example naming a repository not listed here fails: add the repository's real layout.
+HUB_MODELS = ("Qwen/Qwen3-0.6B",)
+HUB_DATASETS = {
+    "trl-lib/DeepMath-103K": ("train", "test", "math"),  # prompt (chat messages), solution
+    "trl-lib/Capybara": ("train", "test", "chat"),  # source, messages
+}
+# what makes a run of each example one short step of a tiny model on the CPU
+TINY_RUN = {
+    "sft": ["steps=1", "batch_tokens=256", "grad_accum=1", "optim.warmup_steps=0"],
+    "grpo": ["steps=1", "prompts_per_step=2", "group_size=2", "max_new_tokens=4", "overlong_buffer=2",
+             "eval_every=0", "eval_max_prompts=2", "micro_batch_tokens=256", "dynamic_sampling_max_rounds=1"],
+    "ppo": ["steps=1", "prompts_per_step=2", "max_new_tokens=4", "eval_every=0", "eval_max_prompts=2",
+            "micro_batch_tokens=256"],
+    "demo": ["sft_steps=1", "grpo_steps=1", "task.n_train=32", "task.n_eval=4", "prompts_per_step=2",
+             "group_size=2"],
+}
+_COMMON = ["log.tensorboard=false", "log.plot=false", "log.progress=false", "checkpoint.save_at_end=false",
+           "checkpoint.every=0", "model.device=cpu"]
+
+
+def _hub_for(cfg, hub):
+    from hub_util import CHAT_ROWS, MATH_ROWS, add_dataset, add_model
+
+    critic = getattr(getattr(cfg, "critic", None), "path", None)
+    for name in filter(None, [cfg.model.path, cfg.model.tokenizer, critic]):
+        assert name in HUB_MODELS or Path(name).exists(), f"names model {name!r}: add it to HUB_MODELS"
+        if name in HUB_MODELS:
+            add_model(hub, name)
+    for name in {cfg.data.path, cfg.data.eval_path} - {None}:
+        assert name in HUB_DATASETS or Path(name).exists(), f"names data {name!r}: add its layout to HUB_DATASETS"
+        if name in HUB_DATASETS:
+            *splits, kind = HUB_DATASETS[name]
+            add_dataset(hub, name, dict.fromkeys(splits, MATH_ROWS if kind == "math" else CHAT_ROWS))
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_runs_as_shipped(path, tmp_path, monkeypatch):
+    """Each example, with only TINY_RUN's size overrides, takes a step: the Hub ids, splits, columns
+    and reward options it names fit the repositories it names."""
+    from hub_util import hub_env
+
+    cmd = path.stem
+    assert cmd in TINY_RUN, f"examples/{path.name}: add its short-run overrides to TINY_RUN"
+    sets = TINY_RUN[cmd]
+    if cmd == "demo":
+        from rlcu.train.demo import main
+
+        argv = ["demo", str(path), "--out", str(tmp_path / "run"), "--no-progress", "--set", "device=cpu"]
+    else:
+        pytest.importorskip("datasets")
+        from rlcu.train.cli import main
+
+        hub = hub_env(monkeypatch, tmp_path / "hf")
+        _hub_for(load_config(_config_class(cmd), path), hub)
+        sets = sets + _COMMON + [f"log.out_dir={tmp_path / 'run'}"]
+        argv = [cmd, str(path)]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 0
