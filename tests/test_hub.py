@@ -114,6 +114,8 @@ def test_hub_dataset_by_id_with_split(hub):
         load_prompt_items("org/math", "question")
     add_dataset(hub, "org/chat", {"train": CHAT_ROWS})
     assert load_sft_rows("org/chat") == CHAT_ROWS
+    add_dataset(hub, "org/chat", {"train": CHAT_ROWS[:1]}, revision="v1")
+    assert load_sft_rows("org/chat@v1") == CHAT_ROWS[:1]
     with pytest.raises(FileNotFoundError, match="^data.path: org/none: is not a local path, and the dataset "
                                                 "org/none is not in the Hugging Face cache"):
         load_prompt_items("org/none", field="data.path")
