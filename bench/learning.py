@@ -188,6 +188,7 @@ def summarize(sfts, runs, tasks, modes, tail: int) -> dict:
 def _args(argv):
     from bench.learning_tasks import TASKS
     from bench.learning_worker import DTYPES
+    from rlcu.config import ConfigError, check_device
 
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -206,6 +207,11 @@ def _args(argv):
     p.add_argument("--replot", default=None, metavar="JSON", help="only the summary and figure of a learning.json")
     p.add_argument("--keep", action="store_true", help="keep the runs' folders (models, logs, metrics)")
     a = p.parse_args(argv)
+    try:  # one line, not torch's traceback, for a device this machine lacks
+        check_device(a.device, "--device")
+    except ConfigError as e:
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        sys.exit(2)
     a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     a.steps = a.steps or (2 if a.quick else 40)
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")

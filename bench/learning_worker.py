@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import learning_tasks  # noqa: E402
+from rlcu.config import ConfigError, check_device  # noqa: E402
 
 # rlcu's GRPO options per mode; every other option is the same in all of them
 MODES = {
@@ -218,6 +219,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-engine-eval", action="store_true", help="skip rlcu's own-engine accuracy cross-check")
     p.add_argument("--scale", default="{}", help="JSON of Task fields to override (--quick's smaller warm-up)")
     a = p.parse_args(argv)
+    try:  # one line, not torch's traceback, for a device this machine lacks
+        check_device(a.device, "--device")
+    except ConfigError as e:
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        sys.exit(2)
     if a.mode == "exact":
         from rlcu.ops.exact import set_exact
 

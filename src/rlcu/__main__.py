@@ -31,7 +31,11 @@ def ranked(entry, argv: list[str] | None = None) -> int:
     if not w.distributed:
         W.watch_launcher()  # torchrun with one rank: its launcher may die too
         return entry(argv)
-    W.init_from_env()
+    try:
+        W.init_from_env()
+    except ValueError as e:  # a setup that cannot work (more ranks than GPUs, no MASTER_ADDR): one line
+        print(f"rlcu: {e}", file=sys.stderr)
+        return 2
     try:
         rc = entry(argv)
     except BaseException as e:

@@ -293,7 +293,7 @@ class ModelConfig(Section):
 
     def resolve_device(self) -> str:
         if self.device != "auto":
-            return self.device
+            return check_device(self.device, "model.device")
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -304,6 +304,25 @@ class ModelConfig(Section):
         if self.dtype == "auto":
             return torch.bfloat16 if self.resolve_device() == "cuda" else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+
+def check_device(device, field: str) -> str:
+    """`device` (cpu, cuda or cuda:N) when this machine has it, else a ConfigError naming
+    `field` (torch's own error is a long traceback ending in 'Torch not compiled with CUDA')."""
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise ConfigError(field, f"must be cpu, cuda or cuda:N, got {device!r}")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(field, f"is {device!r}, but {why} (torch {torch.__version__}): use cpu")
+    if d.type == "cuda" and d.index is not None and d.index >= (n := torch.cuda.device_count()):
+        raise ConfigError(field, f"is {device!r}, but this machine has {n} CUDA device(s): cuda:0 to cuda:{n - 1}")
+    return str(device)
 
 
 @dataclasses.dataclass

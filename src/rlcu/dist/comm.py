@@ -108,7 +108,7 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None,
     if backend == "nccl":
         n_dev = torch.cuda.device_count()
         if w.local_rank >= n_dev:
-            raise RuntimeError(f"rank {w.rank}: LOCAL_RANK={w.local_rank} but this node has {n_dev} GPUs "
+            raise ValueError(f"rank {w.rank}: LOCAL_RANK={w.local_rank} but this node has {n_dev} GPUs "
                                f"(torchrun --nproc-per-node must not exceed them)")
         torch.cuda.set_device(w.local_rank)
         kw["device_id"] = torch.device("cuda", w.local_rank)

@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             lines = read_prompts(args.input)
         stop = [int(t) for t in args.stop_token_ids.split(",") if t.strip()]
         kw = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+        if args.device is not None:  # one line, not torch's traceback, for a device this machine lacks
+            from rlcu.config import check_device
+
+            check_device(args.device, "--device")
     except ValueError as e:
         return _fail(str(e))
 

@@ -347,12 +347,13 @@ def exit_status(prog: str, fn, *args, **kw) -> int:
     intact); 128 + N stopped by signal N (after its checkpoint). Anything else propagates."""
     import errno
 
+    from rlcu.config import ConfigError
     from rlcu.rewards import RewardsFailed
     from rlcu.train.optimizer import NonFiniteError
 
     try:
         rc = fn(*args, **kw)
-    except SetupError as e:
+    except (SetupError, ConfigError) as e:
         status, why = 2, e
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):

@@ -160,9 +160,12 @@ def run(cfg: DemoConfig) -> dict:
     from rlcu.train.rl_config import GRPOConfig
     from rlcu.train.sft import SFTTrainer
 
+    from rlcu.config import check_device
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    check_device(device, "device")  # one line, not torch's traceback, on a machine without it
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     t = cfg.task
     task = dict(min_len=t.min_len, max_len=t.max_len, distinct=t.distinct, sloppy=t.sloppy,
