@@ -89,7 +89,9 @@ class RLConfig(Section):
     exact: bool = opt(False, "exact on-policy mode (rlcu.set_exact): the engine's sampling logprobs equal the "
                              "trainer's forward bit for bit, through batch-invariant kernels (RLCU_EXACT=1 too)")
     eval_every: int = opt(0, "evaluate the held-out prompts (greedy) every N steps and after the last (0: only "
-                             "after the last; none without held-out prompts)", ge=0)
+                             "after the last; none without held-out prompts): eval/reward, the mean total reward; "
+                             "eval/reward/NAME, each function's mean; eval/accuracy, the fraction whose total "
+                             "reward is > 0 (with a shaped reward or several, read each function's mean)", ge=0)
     eval_max_prompts: int = opt(256, "held-out prompts used per evaluation", ge=1)
 
     def check(self):

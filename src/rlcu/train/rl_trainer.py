@@ -253,8 +253,9 @@ class RLTrainer(Trainer):
         h = self.hooks
         return dict(yield_check=h.yield_check, on_yield=h.on_yield) if h.preemptible else {}
 
-    def score(self, samples: list[ro.Sample]) -> dict:
-        """Fill sample.reward (nan = masked); returns reward metrics."""
+    def score(self, samples: list[ro.Sample], per_function: bool = False) -> dict:
+        """Fill sample.reward (nan = masked); returns reward metrics: `reward/NAME`, each
+        function's mean, when there are several functions or `per_function`."""
         pf = self.cfg.data.prompt_field
         prompts = [s.row.get(pf) for s in samples]
         comps = [s.completion_text for s in samples]
@@ -268,7 +269,7 @@ class RLTrainer(Trainer):
             s.reward = r
         for e in errors[:3]:
             self._warn(e)  # names the function, the error and its first sample
-        m = {f"reward/{k}": nanmean(v) for k, v in breakdown.items()} if len(breakdown) > 1 else {}
+        m = {f"reward/{k}": nanmean(v) for k, v in breakdown.items()} if per_function or len(breakdown) > 1 else {}
         m["errors/reward"] = len(errors)
         m.update(self.rewards.last_metrics)
         return m
@@ -309,20 +310,24 @@ class RLTrainer(Trainer):
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, rows: list[dict] | None = None) -> dict:
-        """Greedy completions of the held-out prompts: mean reward, and the fraction with a
-        positive reward (accuracy for 0/1 rewards)."""
+        """Greedy completions of the held-out prompts: `eval/reward`, the mean total reward (the
+        weighted sum); `eval/reward/NAME`, each function's mean; `eval/accuracy`, the fraction
+        of prompts whose total reward is > 0 (a masked one counts as 0). For one 0/1 reward that
+        is its accuracy; with a shaped reward or several (a format bonus beside exact match) any
+        positive total counts, so each function's own mean is the figure to read."""
         rows = (self.eval_rows if rows is None else rows)[: self.cfg.eval_max_prompts]
         if not rows:
             return {}
         t0 = time.perf_counter()
         samples = self._engine_phase(lambda: self.rollout(rows, 1, seed=0, temperature=0.0),
                                      work=float(len(rows) * self.cfg.max_new_tokens))
-        self.score(samples)
+        per = self.score(samples, per_function=True)
         r = torch.tensor([s.reward for s in samples])
         ok = ~torch.isnan(r)
         out = {"eval/reward": float(r[ok].mean()) if ok.any() else math.nan,
                "eval/accuracy": float((r[ok] > 0).float().sum() / max(len(samples), 1)),
                "eval/len": sum(len(s.completion_ids) for s in samples) / len(samples),
+               **{f"eval/{k}": v for k, v in per.items() if k.startswith("reward/")},
                "time/eval": time.perf_counter() - t0}
         self.last_eval = out
         return out
