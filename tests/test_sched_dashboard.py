@@ -158,6 +158,7 @@ def test_page_in_chromium(live):
     _browse(exe, tmp, dash.url + f"?token={TOKEN}", f"--screenshot={shot}")
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert "CPU slots idle (window)" in dom and "GPU idle" not in dom  # a pool of CPU slots has no GPU
     print(f"dashboard screenshot: {shot}")
 
 

@@ -40,6 +40,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SUBCOMMANDS = ("serve", "submit", "status", "cancel", "drain", "simulate", "trace", "metrics")
@@ -333,7 +334,7 @@ def _metrics(a) -> int:
         print(json.dumps(m, indent=2))
     else:
         for k, v in m.items():
-            print(f"{k:<16} {v if not isinstance(v, float) else f'{v:.4f}'}")
+            print(f"{k:<16} {_metric_text(k, v)}")
     return 0
 
 
@@ -343,6 +344,20 @@ def _trace(a) -> int:
     p = write_trace(a.out, _client(a).trace())
     print(f"wrote {p} (open in ui.perfetto.dev or chrome://tracing)")
     return 0
+def _metric_text(key: str, v) -> str:
+    """A metric as a person reads it: the service's start (t0, an epoch in --json) as a local
+    date and time, durations as 42s / 3.5m / 2.1h, fractions as percentages."""
+    if key == "t0" and isinstance(v, (int, float)):
+        return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(v))
+    if key.endswith("_s") and isinstance(v, (int, float)):
+        return _fmt_s(v)
+    if key.endswith("_frac") and isinstance(v, (int, float)):
+        return f"{v:.1%}"
+    if isinstance(v, list):
+        return ", ".join(f"{x:.2f}" if isinstance(x, float) else str(x) for x in v)
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
 
 
 def _simulate(a) -> int:
