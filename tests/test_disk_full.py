@@ -156,6 +156,12 @@ class _FullFile:
     def __getattr__(self, k):
         return getattr(self._fh, k)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._fh.close()
+
 
 @pytest.mark.parametrize("which", ["_jsonl", "_log_txt"])
 def test_cli_metrics_and_log_on_a_full_disk_exit_with_its_status(tmp_path, monkeypatch, capsys, which):
@@ -189,3 +195,19 @@ def test_cli_a_disk_full_at_the_start_is_refused_at_once(tmp_path, monkeypatch, 
     line = the_error(capsys)
     assert "no space left on device" in line and str(tmp_path / "out") in line
     assert not (tmp_path / "out").exists()  # nothing made, nothing left
+
+
+def test_generate_output_on_a_full_disk_or_in_no_folder(tmp_path, monkeypatch, capsys):
+    """rlcu generate's --output: a path it cannot write is refused before the model loads
+    (exit 2); a full disk while writing is one line and the same status as the trainers'."""
+    import rlcu.engine.cli as gen
+    from rlcu.train.core import NO_SPACE_STATUS
+
+    for out, why in ((tmp_path / "none" / "o.jsonl", "is not a folder"), (tmp_path, "is a folder")):
+        assert gen.main(["generate", "--max-tokens", "2", "--no-progress", "--output", str(out)]) == 2
+        assert why in capsys.readouterr().err
+    monkeypatch.setattr(gen, "open", lambda *a, **kw: _FullFile(open(*a, **kw), ok=1), raising=False)
+    out = tmp_path / "o.jsonl"
+    assert gen.main(["generate", "--max-tokens", "2", "--no-progress", "--output", str(out)]) == NO_SPACE_STATUS
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1] == f"rlcu generate: --output {out}: no space left on device"

@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             from rlcu.config import check_device
 
             check_device(args.device, "--device")
+        if args.output != "-":
+            _check_output(args.output)  # before the model loads and generates
     except ValueError as e:
         return _fail(str(e))
 
@@ -200,8 +202,41 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return _fail(str(e))
 
+    try:
+        n_err = _write_outputs(args.output, lines, outs, chat_errors, src)
+    except OSError as e:  # a full disk: one line and the trainers' status for it, not a traceback
+        import errno
+
+        from rlcu.train.core import NO_SPACE_STATUS
+
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        return _fail(f"--output {args.output}: {'no space left on device' if full else e.strerror or e}",
+                     NO_SPACE_STATUS if full else 2)
+    st = llm.stats
+    print(f"rlcu generate: {len(outs) - n_err} requests, {st.get('output_tokens', 0)} tokens in "
+          f"{st.get('wall', 0.0):.2f} s ({st.get('output_tokens', 0) / max(st.get('wall', 0.0), 1e-9):,.0f} tok/s)",
+          file=sys.stderr)
+    return 1 if n_err else 0
+
+
+def _check_output(path: str) -> None:
+    """--output names a file this process may write, in a folder that exists (ValueError)."""
+    import os
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--output {path} is a folder: give a file, or - for stdout")
+    if not p.parent.is_dir():
+        raise ValueError(f"--output {path}: {p.parent} is not a folder")
+    if not os.access(p if p.exists() else p.parent, os.W_OK):
+        raise ValueError(f"--output {path}: permission denied")
+
+
+def _write_outputs(output: str, lines, outs, chat_errors: dict, src: str) -> int:
+    """One JSON line per request into `output` (- for stdout); returns the requests in error."""
     n_err = 0
-    out_fh = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    out_fh = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")
     with out_fh if out_fh is not sys.stdout else _nullcontext():
         for i, ((no, p), o) in enumerate(zip(lines, outs)):
             err = chat_errors.get(i, o.error)
@@ -215,11 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                    "outputs": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
                                 **({"logprobs": c.logprobs} if c.logprobs is not None else {})} for c in o.outputs]}
             out_fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    st = llm.stats
-    print(f"rlcu generate: {len(outs) - n_err} requests, {st.get('output_tokens', 0)} tokens in "
-          f"{st.get('wall', 0.0):.2f} s ({st.get('output_tokens', 0) / max(st.get('wall', 0.0), 1e-9):,.0f} tok/s)",
-          file=sys.stderr)
-    return 1 if n_err else 0
+    return n_err
 
 
 class _nullcontext:
