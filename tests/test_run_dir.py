@@ -8,6 +8,7 @@ checkpoint.dir is elsewhere) and nothing else; the start refuses an out_dir it c
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -172,3 +173,21 @@ def test_an_out_dir_that_is_a_file_is_refused_at_the_start(tmp_path, capsys):
         assert main(["sft", y, "--set", f"log.out_dir={out}"]) == 2
         one_line_refusal(capsys, str(out), f"{tmp_path / 'afile'} is a file, not a folder")
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_check_writable_names_the_folder_and_why(tmp_path, monkeypatch):
+    import errno
+
+    from rlcu.train import run_dir
+    from rlcu.train.core import SetupError
+
+    run_dir.check_writable(tmp_path / "new" / "deeper")  # a folder to be made: its parent is probed
+    assert not (tmp_path / "new").exists() and not list(tmp_path.iterdir())  # nothing made, no probe left
+    for code, why in ((errno.EACCES, "permission denied"), (errno.EROFS, "read-only file system"),
+                      (errno.ENOSPC, "no space left on device")):
+        def refuse(*a, code=code, **kw):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(run_dir, "open", refuse, raising=False)
+        with pytest.raises(SetupError, match=f"^{tmp_path / 'out'}: cannot write the run's files there: {why}"):
+            run_dir.check_writable(tmp_path / "out")
