@@ -151,7 +151,7 @@ def run(cfg: DemoConfig) -> dict:
 
     if cfg.threads or not torch.cuda.is_available():
         torch.set_num_threads(cfg.threads or 1)
-    from rlcu.config import CheckpointConfig, LogConfig, SFTConfig, _build
+    from rlcu.config import CheckpointConfig, LogConfig, SFTConfig, _build, check_device
     from rlcu.data import synthetic as syn
     from rlcu.model.config import Qwen3Config
     from rlcu.model.qwen3 import Qwen3
@@ -159,8 +159,6 @@ def run(cfg: DemoConfig) -> dict:
     from rlcu.train.grpo import GRPOTrainer
     from rlcu.train.rl_config import GRPOConfig
     from rlcu.train.sft import SFTTrainer
-
-    from rlcu.config import check_device
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     check_device(device, "device")  # one line, not torch's traceback, on a machine without it
