@@ -115,3 +115,49 @@ def test_resume_truncates(tmp_path):
     with RunLogger(tmp_path, cfg, total_steps=6):  # a fresh run starts a fresh file
         pass
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_plot_draws_eval_beside_train_and_the_legend_off_the_lines(tmp_path, monkeypatch):
+    """The held-out curve is drawn with its training curve (same colour), and the legend sits
+    outside the axes, where it covers no line."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    seen = {}
+    save = Figure.savefig
+
+    def recording_savefig(fig, *a, **kw):
+        fig.canvas.draw()
+        (ax,) = fig.axes
+        legends = fig.legends + ([ax.get_legend()] if ax.get_legend() else [])
+        seen["labels"] = [t.get_text() for lg in legends for t in lg.get_texts()]
+        box = ax.get_window_extent()
+        seen["overlap"] = [lg.get_window_extent().overlaps(box) for lg in legends]
+        seen["colours"] = {ln.get_label(): ln.get_color() for ln in ax.get_lines()}
+        return save(fig, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    cfg = LogConfig(progress=False, plot=True, tensorboard=False)
+    with RunLogger(tmp_path, cfg, total_steps=4) as log:
+        log.log(0, {"eval/reward": 0.1, "eval/reward/exact": 0.0, "eval/accuracy": 1.0})
+        for s in range(1, 5):
+            m = {"reward/exact": 0.1 * s, "reward/format": 0.2, "reward": 0.2 + 0.1 * s, "reward_std": 0.1,
+                 "reward_failed/exact": 1.0}
+            if s % 2 == 0:
+                m.update({"eval/reward": 0.1 * s, "eval/reward/exact": 0.05 * s})
+            log.log(s, m)
+        assert log._plot_keys() == ["reward", "reward/exact", "reward/format", "eval/reward", "eval/reward/exact"]
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+    assert seen["labels"] == ["reward", "reward/exact", "reward/format", "eval/reward (held out)",
+                              "eval/reward/exact (held out)"]
+    assert seen["overlap"] == [False]
+    c = seen["colours"]
+    assert c["reward"] == c["eval/reward (held out)"] and c["reward/exact"] == c["eval/reward/exact (held out)"]
+    assert c["reward"] != c["reward/exact"]
+    sft = RunLogger(tmp_path / "sft", cfg, total_steps=2)
+    sft.log(0, {"eval/loss": 3.0})
+    sft.log(1, {"loss": 2.0})
+    sft.log(2, {"loss": 1.0, "eval/loss": 1.5})
+    assert sft._plot_keys() == ["loss", "eval/loss"]
+    sft.close()
+    assert seen["labels"] == ["loss", "eval/loss (held out)"] and (tmp_path / "sft" / "loss_curve.png").exists()

@@ -411,7 +411,8 @@ class LogConfig(Section):
                            "there is no reward (needs matplotlib)")
     progress: bool = opt(True, "show a progress bar on a terminal (else, and when not a terminal: one line "
                                "per logged step)")
-    plot_keys: list[str] | None = opt(None, "metrics drawn in the PNG; null: the reward/* means, else loss")
+    plot_keys: list[str] | None = opt(None, "metrics drawn in the PNG; null: the reward (the total and each "
+                                            "function's), else the loss, each with its held-out curve (eval/...)")
     wandb: bool = opt(False, "log to Weights & Biases (pip install 'rlcu[wandb]'; WANDB_MODE=offline needs no "
                              "account); a resumed run continues the W&B run whose id is in out_dir/wandb_run_id")
     wandb_project: str = opt("rlcu", "W&B project")

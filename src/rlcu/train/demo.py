@@ -100,7 +100,7 @@ def _plot(out: Path, sft_hist: list[dict], grpo_hist: list[dict], before: float,
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
     a.plot([r["step"] for r in sft_hist], [r["loss"] for r in sft_hist], color="tab:gray")
     a.set_title("SFT warm-up (sloppy teacher)")
     a.set_xlabel("step")
@@ -115,8 +115,7 @@ def _plot(out: Path, sft_hist: list[dict], grpo_hist: list[dict], before: float,
     b.set_title("GRPO (exact-match reward)")
     b.set_xlabel("step")
     b.grid(alpha=0.3)
-    b.legend(loc="lower right")
-    fig.tight_layout()
+    b.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below the axes: it covers no line
     path = out / "demo.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

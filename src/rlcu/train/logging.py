@@ -1,6 +1,7 @@
 """Run logging: metrics.jsonl, log.txt, the console (a live progress bar on a terminal, one
 line per logged step elsewhere), the trackers (TensorBoard, W&B: rlcu.train.trackers) and, at
-the end, a PNG of the main curve.
+the end, a PNG of the main curves (the reward, else the loss), each held-out curve beside its
+training curve in the same colour, the legend outside the axes.
 
 Every `cfg.every` steps (and at the last step) one JSON object per line goes to
 metrics.jsonl ({"step": s, **metrics}, floats written with full precision so runs can be
@@ -201,16 +202,14 @@ class RunLogger:
 
     # ---------------------------------------------------------------- end
     def _plot_keys(self) -> list[str]:
+        """log.plot_keys, else the training reward (the total and each function's), else the
+        loss; then each one's held-out counterpart (eval/...) where the run evaluated."""
         if self.cfg.plot_keys:
             return list(self.cfg.plot_keys)
-        keys = []
-        for row in self.history:
-            for k in row:
-                if k not in keys and k.startswith("reward") and "std" not in k:
-                    keys.append(k)
-        if not keys and any("loss" in r for r in self.history):
-            keys = ["loss"]
-        return keys
+        seen = list(dict.fromkeys(k for row in self.history for k in row))
+        train = ([k for k in ("reward",) if k in seen] + [k for k in seen if k.startswith("reward/")]
+                 or [k for k in ("loss",) if k in seen])
+        return train + [f"eval/{k}" for k in train if f"eval/{k}" in seen]
 
     @staticmethod
     def plot_name(keys: list[str]) -> str:
@@ -223,9 +222,13 @@ class RunLogger:
         return "curves.png"
 
     def plot(self, path=None) -> Path | None:
-        """Write the reward curve (or the loss when there is no reward) to a PNG."""
+        """Write the reward curves (or the loss when there is no reward) to a PNG: each training
+        curve with its held-out one beside it in the same colour (dashed, a dot per evaluation),
+        the legend outside the axes so that it never hides a line."""
         keys = self._plot_keys()
-        if not keys or not self.history:
+        curves = {k: pts for k in keys if (pts := [(r["step"], r[k]) for r in self.history
+                                                   if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])])}
+        if not curves:
             return None
         path = Path(path) if path else self.out_dir / self.plot_name(keys)
         try:
@@ -236,16 +239,17 @@ class RunLogger:
         except ImportError:
             self.info(f"matplotlib is not installed: skipping {path.name} (pip install matplotlib)")
             return None
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for k in keys:
-            pts = [(r["step"], r[k]) for r in self.history
-                   if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=k)
+        fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
+        colour = {}
+        for k, pts in curves.items():
+            base = k.removeprefix("eval/")
+            c = colour.setdefault(base, f"C{len(colour) % 10}")
+            held = k.startswith("eval/")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o--" if held else "-", color=c, markersize=4,
+                    label=f"{k} (held out)" if held else k)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
+        fig.legend(loc="outside right upper", fontsize=8)
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
