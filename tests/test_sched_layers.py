@@ -8,7 +8,8 @@ from pathlib import Path
 import rlcu.sched
 
 SCHED = Path(rlcu.sched.__file__).parent
-LOGIC = {"core", "ops", "views", "policy", "pool", "store", "metrics", "simulator"}  # the transport-free service logic
+LOGIC = {"core", "ops", "views", "policy", "pool", "store", "metrics", "simulator", "rows", "audit", "load",
+         "journal"}  # the transport-free service logic
 ALLOWED = {  # module -> the rlcu.sched modules it may import
     "protocol": set(),
     "transport": {"protocol"},
