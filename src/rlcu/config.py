@@ -273,8 +273,14 @@ class ModelConfig(Section):
               "keep everything of the others; 'auto': the fewest checkpointed layers whose estimated peak fits "
               "the GPU (decided at the first update)")
     init_seed: int = opt(0, "seed of the random initialisation of a `tiny` model", ge=0)
+    threads: int | str = opt("auto", "torch CPU threads of each process; auto: $OMP_NUM_THREADS when set, else the "
+                                     "cores this process may use (CPU affinity, cgroup quota, a scheduled job's CPU "
+                                     "slots), at most those idle at the start, divided among the node's ranks. A CPU "
+                                     "run records the count it used and resumes on it under auto", ge=1)
 
     def check(self):
+        if isinstance(self.threads, str) and self.threads != "auto":
+            raise ConfigError("threads", f"must be 'auto' or a number of threads >= 1, got {self.threads!r}")
         gc = self.gradient_checkpointing
         if isinstance(gc, str) and gc not in CHECKPOINTING_MODES:
             raise ConfigError("gradient_checkpointing", f"must be true, false, a number of layers or one of "

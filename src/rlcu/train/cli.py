@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     from rlcu.rewards import add_import_dir
 
     add_import_dir(args.config)  # a reward module beside the config imports without PYTHONPATH
+    from rlcu.threads import apply
+
+    apply(cfg.model.threads)  # before any work: torch's default counts every core of the machine
     if getattr(args, "scheduler", None):  # under torchrun: one job, its leases span the ranks' devices
         from rlcu.sched.job import run_grpo_exit_code
 

@@ -138,6 +138,11 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def train_step(self, step: int) -> dict:
         """One step (0-based `step`); returns its metrics."""
+        self._threads_setting = cfg.model.threads
+        if cfg.model.threads != "auto":  # (auto: the command line chose; a library caller owns its threads)
+            from rlcu.threads import apply
+
+            apply(cfg.model.threads)
 
     def eval_metrics(self) -> dict:
         """Metrics of one evaluation ({} when there is nothing to evaluate)."""
@@ -216,6 +221,11 @@ class Trainer(abc.ABC):
         return self.step
 
     # ---------------------------------------------------------------- the loop
+        from rlcu.threads import keep_on_resume
+
+        kept = keep_on_resume(self.cfg.model, self._threads_setting, state, p)  # auto: the run's own count
+        if kept:
+            self._log_info(kept)
     def _open_run(self) -> bool:
         """Resume or claim the run folder, open the log, write the config; True if resumed."""
         from rlcu.config import config_to_dict, save_config
@@ -238,6 +248,7 @@ class Trainer(abc.ABC):
                                  run_config=config_to_dict(c))
         if main and not resumed:
             save_config(c, self.out_dir / "config.yaml")  # a resumed run keeps the one it started with
+        self._record_threads()
         elif main and self._config_changes:
             save_config(c, self.out_dir / f"config.resume-step-{self.step:06d}.yaml")
         if resumed:
@@ -265,6 +276,12 @@ class Trainer(abc.ABC):
         from rlcu.train.checkpoint import latest_checkpoint
 
         self.step += 1
+    def _record_threads(self) -> None:
+        """CPU results depend on the thread count: a CPU run records it (rlcu.threads.record)."""
+        from rlcu.threads import record
+
+        self._notes.append(record(self.cfg.model, getattr(self, "device", "cpu")))
+
         self.logger.log(self.step, e.info)
         if self._state_finite():
             ck = self.save()  # the skipped steps changed nothing: this is the last good state

@@ -149,7 +149,9 @@ def run(cfg: DemoConfig) -> dict:
     import torch
 
     if cfg.threads or not torch.cuda.is_available():
-        torch.set_num_threads(cfg.threads or 1)
+        from rlcu.threads import apply
+
+        apply(cfg.threads or 1)  # (and the inter-op pool to one: rlcu runs no inter-op work)
     from rlcu.config import CheckpointConfig, LogConfig, SFTConfig, _build, check_device
     from rlcu.data import synthetic as syn
     from rlcu.model.config import Qwen3Config

@@ -30,6 +30,9 @@ MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_key_value_heads", "head_dim", "tie_word_embeddings")
 RL_KINDS = ("grpo", "ppo")
 NOT_SETTINGS = ("checkpoint.resume", "checkpoint.allow_config_change", "log.overwrite")  # how to start, not the run
+# recorded as the count a CPU run used (rlcu.threads): unknown in a checkpoint older than it,
+# and no change to what a GPU computes
+THREADS = "model.threads"
 
 
 def resolve(resume, ckpt_root) -> Path | None:
@@ -132,14 +135,16 @@ def check_config(path: Path, state: dict, cfg, note) -> dict:
     # nor does one this version no longer has
     changed = {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
                if k in new and old.get(k) != new[k] and k not in NOT_SETTINGS
-               and not (k not in old and new[k] == defaults.get(k))}
+               and not (k not in old and new[k] == defaults.get(k)) and not (k == THREADS and k not in old)}
     if not changed:
         return {}
     listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
-    breaking = [k for k in changed if not _safe(k, new)]
+    breaking = [k for k in changed if not _safe(k, new) and not (k == THREADS and cfg.model.resolve_device() != "cpu")]
     if breaking and not cfg.checkpoint.allow_config_change:
         raise SetupError(f"resuming {path} with changed settings that break an exact resume: "
                          + "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in breaking)
+                         + (f" (model.threads is the CPU thread count the run used: resume with --set model.threads="
+                            f"{changed[THREADS][0]} to go on exactly)" if THREADS in breaking else "")
                          + " (pass --allow-config-change, checkpoint.allow_config_change: true, to resume anyway)")
     note(f"settings changed since {path.name}: {listing}")
     return changed
