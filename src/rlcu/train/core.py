@@ -234,6 +234,7 @@ class Trainer(abc.ABC):
 
         c = self.cfg
         self._config_changes = {}
+        self._record_threads()
         resumed = bool(c.checkpoint.resume) and self.resume() > 0
         main = world().is_main  # across ranks, rank 0 alone owns the run folder
         if main:
@@ -248,7 +249,6 @@ class Trainer(abc.ABC):
                                  run_config=config_to_dict(c))
         if main and not resumed:
             save_config(c, self.out_dir / "config.yaml")  # a resumed run keeps the one it started with
-        self._record_threads()
         elif main and self._config_changes:
             save_config(c, self.out_dir / f"config.resume-step-{self.step:06d}.yaml")
         if resumed:
