@@ -124,6 +124,11 @@ class Trainer(abc.ABC):
     def __init__(self, config, hooks: Hooks | None = None):
         self.cfg = cfg = coerce_config(self.config_cls, config)
         self.hooks = hooks if hooks is not None else Hooks()
+        self._threads_setting = cfg.model.threads
+        if cfg.model.threads != "auto":  # (auto: the command line chose; a library caller owns its threads)
+            from rlcu.threads import apply
+
+            apply(cfg.model.threads)
         torch.manual_seed(cfg.seed)
         self.out_dir = Path(cfg.log.out_dir)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
@@ -138,11 +143,6 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def train_step(self, step: int) -> dict:
         """One step (0-based `step`); returns its metrics."""
-        self._threads_setting = cfg.model.threads
-        if cfg.model.threads != "auto":  # (auto: the command line chose; a library caller owns its threads)
-            from rlcu.threads import apply
-
-            apply(cfg.model.threads)
 
     def eval_metrics(self) -> dict:
         """Metrics of one evaluation ({} when there is nothing to evaluate)."""
@@ -207,6 +207,11 @@ class Trainer(abc.ABC):
         if p is None:
             return 0
         state = rs.read_state(p)
+        from rlcu.threads import keep_on_resume
+
+        kept = keep_on_resume(self.cfg.model, self._threads_setting, state, p)  # auto: the run's own count
+        if kept:
+            self._log_info(kept)
         model, opt, extra = self._checkpoint_objects(loading=True)
         rs.check_kind(p, state, self.kind)
         rs.check_model(p, model)
@@ -221,11 +226,6 @@ class Trainer(abc.ABC):
         return self.step
 
     # ---------------------------------------------------------------- the loop
-        from rlcu.threads import keep_on_resume
-
-        kept = keep_on_resume(self.cfg.model, self._threads_setting, state, p)  # auto: the run's own count
-        if kept:
-            self._log_info(kept)
     def _open_run(self) -> bool:
         """Resume or claim the run folder, open the log, write the config; True if resumed."""
         from rlcu.config import config_to_dict, save_config
@@ -262,6 +262,12 @@ class Trainer(abc.ABC):
         self._log_estimate()
         return resumed
 
+    def _record_threads(self) -> None:
+        """CPU results depend on the thread count: a CPU run records it (rlcu.threads.record)."""
+        from rlcu.threads import record
+
+        self._notes.append(record(self.cfg.model, getattr(self, "device", "cpu")))
+
     def _log_estimate(self) -> None:
         """Across ranks: the per-rank memory estimate (rlcu.dist.memory); nothing by default."""
         return None
@@ -276,12 +282,6 @@ class Trainer(abc.ABC):
         from rlcu.train.checkpoint import latest_checkpoint
 
         self.step += 1
-    def _record_threads(self) -> None:
-        """CPU results depend on the thread count: a CPU run records it (rlcu.threads.record)."""
-        from rlcu.threads import record
-
-        self._notes.append(record(self.cfg.model, getattr(self, "device", "cpu")))
-
         self.logger.log(self.step, e.info)
         if self._state_finite():
             ck = self.save()  # the skipped steps changed nothing: this is the last good state
