@@ -154,11 +154,11 @@ def test_page_in_chromium(live):
         assert f'data-job="{job}"' in dom, job  # its leases on the timeline
     assert 'data-phase="rollout"' in dom and 'data-phase="actor_train"' in dom
     assert 'class="yield"' in dom and ">cpu0<" in dom and ">cpu1<" in dom
+    assert "CPU slots idle (window)" in dom and "GPU idle" not in dom  # a pool of CPU slots has no GPU
     shot = tmp / "dashboard.png"
     _browse(exe, tmp, dash.url + f"?token={TOKEN}", f"--screenshot={shot}")
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    assert "CPU slots idle (window)" in dom and "GPU idle" not in dom  # a pool of CPU slots has no GPU
     print(f"dashboard screenshot: {shot}")
 
 
