@@ -338,12 +338,6 @@ def _metrics(a) -> int:
     return 0
 
 
-def _trace(a) -> int:
-    from rlcu.sched.metrics import write_trace
-
-    p = write_trace(a.out, _client(a).trace())
-    print(f"wrote {p} (open in ui.perfetto.dev or chrome://tracing)")
-    return 0
 def _metric_text(key: str, v) -> str:
     """A metric as a person reads it: the service's start (t0, an epoch in --json) as a local
     date and time, durations as 42s / 3.5m / 2.1h, fractions as percentages."""
@@ -358,6 +352,12 @@ def _metric_text(key: str, v) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
+def _trace(a) -> int:
+    from rlcu.sched.metrics import write_trace
+
+    p = write_trace(a.out, _client(a).trace())
+    print(f"wrote {p} (open in ui.perfetto.dev or chrome://tracing)")
+    return 0
 
 
 def _simulate(a) -> int:
