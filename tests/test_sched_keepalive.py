@@ -58,7 +58,7 @@ def test_the_client_reconnects_after_the_service_drops_its_connection(serve):
     c = SchedClient(srv.address, TOKEN)
     assert c.ping()["ok"]
     time.sleep(0.6)  # the service closes the idle connection
-    assert len(srv._conns) == 0
+    assert len(srv.conns) == 0
     assert c.ping()["ok"] and c.transport.connects == 2 and srv.accepted == 2
     assert c.retries == 0  # found closed before the send: nothing to resend
 
@@ -177,7 +177,7 @@ def test_a_turns_replies_leave_after_its_commit_and_reads_go_first(tmp_path):
     srv = SchedServer(Core([80.0], state=tmp_path / "s.db"), f"unix:{tmp_path / 's.sock'}", TOKEN)  # (not started)
     try:
         store = srv.core.store
-        sec = srv.front.handle({"op": "register", "job": "a", "clusters": SPEC, "token": TOKEN})["secret"]
+        assert srv.front.handle({"op": "register", "job": "a", "clusters": SPEC}, ADMIN, authenticated=True)["ok"]
         sent = []
 
         class Conn:
@@ -187,9 +187,9 @@ def test_a_turns_replies_leave_after_its_commit_and_reads_go_first(tmp_path):
         srv._answer = lambda c, reply: sent.append((c, reply, store.in_tx, store.done_tx))
         a, b = Conn("a"), Conn(ADMIN)
         commits = store.commits
-        srv._batch = [(a, {"op": "request", "job": "a", "secret": sec, "phase": "actor_train", "mem": 10, "id": "q-1"}),
-                      (a, {"op": "release", "job": "a", "secret": sec, "lease": 999, "id": "q-2"}),
-                      (b, {"op": "status", "token": TOKEN})]
+        srv._batch = [(a, {"op": "request", "job": "a", "phase": "actor_train", "mem": 10, "id": "q-1"}),
+                      (a, {"op": "release", "job": "a", "lease": 999, "id": "q-2"}),
+                      (b, {"op": "status"})]
         srv._run_batch()
         (c0, st, tx0, _), (c1, req, tx1, done1), (_, rel, tx2, _) = sent
         assert c0 is b and st["ok"] and st["devices"][0]["used"] == 0.0 and not tx0  # before the batch's changes

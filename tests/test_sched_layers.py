@@ -12,14 +12,16 @@ LOGIC = {"core", "ops", "views", "policy", "pool", "store", "metrics", "simulato
          "journal"}  # the transport-free service logic
 ALLOWED = {  # module -> the rlcu.sched modules it may import
     "protocol": set(),
-    "transport": {"protocol"},
-    "client": {"protocol", "transport"},
-    "service": {"protocol"},
-    "server": {"protocol", "service"},
-    "ray_backend": {"protocol", "transport", "client", "service"} | LOGIC,
-    "dp": {"protocol", "client", "transport"},
-    "job": {"protocol", "client", "transport", "dp"},
-    "ray_launch": {"protocol", "client", "transport", "job"},
+    "auth": {"protocol"},
+    "transport": {"protocol", "auth"},
+    "client": {"protocol", "auth", "transport"},
+    "service": {"protocol", "auth"},
+    "conns": {"protocol", "auth", "service"},
+    "server": {"protocol", "auth", "service", "conns"},
+    "ray_backend": {"protocol", "auth", "transport", "client", "service"} | LOGIC,
+    "dp": {"protocol", "auth", "client", "transport"},
+    "job": {"protocol", "auth", "client", "transport", "dp"},
+    "ray_launch": {"protocol", "auth", "client", "transport", "job"},
     **{m: LOGIC for m in LOGIC},
 }
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sched_util import hello
 
 import rlcu.sched
 from rlcu.sched.cli import main
@@ -73,7 +74,7 @@ def test_idle_and_slow_connections_are_closed(server):
     slow = connect(srv)  # a byte every 50 ms never completes its head in time
     t = time.monotonic()
     closed = False
-    for ch in b'{"op": "ping", "token": "t0ken"}':
+    for ch in encode({"op": "hello", "nonce": "ab" * 16}):
         try:
             slow.send(bytes([ch]))
         except OSError:
@@ -87,21 +88,35 @@ def test_idle_and_slow_connections_are_closed(server):
 
 
 def test_connection_cap(server):
-    srv = server(read_timeout=1.0, max_conns=4)
-    valid = connect(srv)  # an authenticated client keeps its connection
-    valid.sendall(encode({"op": "ping", "token": TOKEN}))
-    assert read_reply(valid)["ok"]
+    """At the cap a newcomer waits in the listen queue while every stranger (a connection that
+    proved no key yet) is in its grace, then takes the oldest one's place; with no stranger
+    left to close it is answered "busy" at once. An authenticated client keeps its own."""
+    srv = server(read_timeout=2.0, max_conns=4)  # (a stranger's grace: 1 s)
+
+    def authed():
+        s = connect(srv)
+        hs = hello(s, TOKEN)
+        s.sendall(encode(hs.sign({"op": "ping", "token": TOKEN})))
+        assert read_reply(s)["ok"]
+        return s, hs
+
+    valid, hs = authed()
     idle = [connect(srv) for _ in range(3)]
     time.sleep(0.2)
     extra = connect(srv)
-    r = read_reply(extra)
-    assert r is not None and r["code"] == "busy"  # beyond the cap: refused at once
-    valid.sendall(encode({"op": "ping", "token": TOKEN}))
-    assert read_reply(valid)["ok"]  # ... while the connected client is still served
     t = time.monotonic()
-    assert SchedClient(srv.address, TOKEN, retry_s=5).ping()["ok"]  # a new one once the idle ones time out
-    assert time.monotonic() - t < 4.0
-    for s in [valid, extra, *idle]:
+    hs_extra = hello(extra, TOKEN)  # answered once the oldest stranger's grace (1 s) is over, in its place
+    assert 0.5 < time.monotonic() - t < 2.5
+    extra.sendall(encode(hs_extra.sign({"op": "ping", "token": TOKEN})))
+    assert read_reply(extra)["ok"]
+    assert read_reply(idle[0])["code"] == "busy"
+    valid.sendall(encode(hs.sign({"op": "ping", "token": TOKEN})))
+    assert read_reply(valid)["ok"]  # ... while the connected client is still served
+    time.sleep(1.2)  # the other strangers time out (2 s)
+    more = [authed()[0] for _ in range(2)]  # four authenticated connections: the cap, no stranger
+    r = read_reply(connect(srv))
+    assert r is not None and r["code"] == "busy" and "each authenticated" in r["error"]
+    for s in [valid, extra, *idle, *more]:
         s.close()
 
 

@@ -7,11 +7,13 @@ import socket
 import time
 
 import pytest
+from sched_util import hello
 
 from rlcu.sched.client import JobEnded, LeaseLost, SchedClient, SchedError
 from rlcu.sched.core import Core
 from rlcu.sched.protocol import MAX_HEAD, encode, validate
 from rlcu.sched.server import SchedServer
+from rlcu.sched.service import ADMIN, Front
 
 TOKEN = "t0ken"
 
@@ -33,12 +35,14 @@ def service(tmp_path):
 
 
 class Raw:
-    """One connection speaking raw frames (several messages may go over it)."""
+    """One connection speaking raw frames (several messages may go over it), past its
+    handshake with the token (`shake=False`: before it)."""
 
-    def __init__(self, srv):
+    def __init__(self, srv, shake: bool = True):
         self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.s.settimeout(5)
         self.s.connect(srv.address[len("unix:"):])
+        self.hs = hello(self.s, TOKEN) if shake else None
         self.f = self.s.makefile("rb")
 
     def send(self, data: bytes) -> dict:
@@ -47,7 +51,7 @@ class Raw:
         return json.loads(line) if line else None
 
     def call(self, **msg) -> dict:
-        return self.send(encode(msg))
+        return self.send(encode(self.hs.sign(msg)))
 
     def close(self):
         self.f.close()
@@ -72,7 +76,7 @@ def test_unstorable_register_is_an_error_reply_and_changes_nothing(service, fiel
     reply, memory and database apart, and the ticker dead (no dead job reclaimed again)."""
     srv, c = service(capacity=(1.0,), hb=0.3)
     args = {"job": "bad", "clusters": {"c": 1}, "pid": 123, "host": "h", field: value}
-    r = srv.front.handle({"op": "register", "token": TOKEN, **args})  # (json cannot carry NaN: ask the front)
+    r = srv.front.handle({"op": "register", **args}, ADMIN, authenticated=True)  # (json cannot carry NaN)
     assert not r["ok"] and r["code"] == "invalid" and msg in r["error"], r
     if field in ("pid", "host"):  # and over the socket, which used to drop the connection
         raw = Raw(srv)
@@ -93,20 +97,21 @@ def test_unstorable_register_is_an_error_reply_and_changes_nothing(service, fiel
 
 def test_deep_nesting_is_an_error_reply(service):
     srv, c = service()
-    raw = Raw(srv)
+    raw = Raw(srv, shake=False)
     r = raw.send(b"[" * 200_000 + b"\n")  # as a head: refused at MAX_HEAD bytes, never parsed
     assert not r["ok"] and r["code"] == "protocol" and str(MAX_HEAD) in r["error"]
     raw.close()
     raw = Raw(srv)  # as the body of an authenticated message: parsed, and refused
     body = b"[" * 200_000
-    head = json.dumps({"op": "register", "token": TOKEN, "job": "a", "body": len(body)}).encode()
+    head = json.dumps(raw.hs.sign({"op": "register", "token": TOKEN, "job": "a", "body": len(body)})).encode()
     r = raw.send(head + b"\n" + body)
     assert not r["ok"] and r["code"] == "protocol" and "nested too deeply" in r["error"]
     raw.close()
     deep = []
     for _ in range(200_000):  # the Ray actor's path: a Python object, checked without recursion
         deep = [deep]
-    r = srv.front.handle({"op": "register", "token": TOKEN, "job": "a", "clusters": {"c": 1}, "spec": {"x": deep}})
+    r = srv.front.handle({"op": "register", "job": "a", "clusters": {"c": 1}, "spec": {"x": deep}}, ADMIN,
+                         authenticated=True)
     assert not r["ok"] and "nested deeper" in r["error"]
     assert c.ping()["ok"] and c.status()["jobs"] == []
 
@@ -127,19 +132,32 @@ def test_a_handler_error_is_an_error_reply(service, monkeypatch):
 
 
 def test_ray_actor_has_the_same_guards():
-    """The Ray actor's class, run here without Ray: the same Front answers it."""
+    """The Ray actor's class, run here without Ray: the same Front answers it, and its callers
+    prove their keys over a session made by a hello, as a socket's connection does."""
+    from rlcu.sched.auth import Handshake
     from rlcu.sched.ray_backend import _CoreActor
 
     actor = _CoreActor([1.0], ["cpu0"], "phase", 60.0, 30.0, None, 0.05, "tok")
     try:
-        r = actor.handle({"op": "register", "token": "tok", "job": "a", "clusters": {"c": 1}, "pid": {"x": 1}})
+        hs = Handshake({}, "tok")
+        hs.accept(actor.hello(hs.hello), "the actor")
+
+        def call(**msg):
+            return actor.handle({**hs.sign(msg), "session": hs.snonce})
+
+        r = call(op="register", token="tok", job="a", clusters={"c": 1}, pid={"x": 1})
         assert not r["ok"] and "pid must be" in r["error"]
-        assert actor.handle({"op": "ping"})["code"] == "auth"
-        assert actor.handle("not a dict")["code"] in ("auth", "protocol")
-        v = actor.handle({"op": "register", "token": "tok", "job": "a", "clusters": {"c": 1}})
+        assert call(op="ping")["code"] == "auth"
+        assert actor.handle({"op": "ping", "token": "tok", "session": hs.snonce})["code"] == "auth"  # in clear
+        assert actor.handle({**hs.sign({"op": "ping", "token": "tok"})})["code"] == "hello"  # no session named
+        assert actor.handle("not a dict")["code"] in ("auth", "protocol", "hello")
+        v = call(op="register", token="tok", job="a", clusters={"c": 1})
         assert v["ok"] and v["secret"]
-        assert actor.handle({"op": "heartbeat", "token": "tok", "job": "a"})["code"] == "auth"
-        assert actor.handle({"op": "heartbeat", "job": "a", "secret": v["secret"]})["ok"]
+        assert call(op="heartbeat", token="tok", job="a")["code"] == "auth"
+        assert call(op="heartbeat", job="a", secret=v["secret"])["ok"]
+        other = Handshake({}, "tok")
+        other.accept(actor.hello(other.hello), "the actor")
+        assert actor.handle({**hs.sign({"op": "ping", "token": "tok"}), "session": other.snonce})["code"] == "auth"
     finally:
         actor.stop()
 
@@ -163,6 +181,16 @@ def test_a_large_message_goes_as_head_and_body(service):
 
 
 # ---------------------------------------------------------------------- item 3: authority
+def refused(tr, msg: dict) -> dict:
+    """The answer to a message with a key the service does not take: an error reply, or (on a
+    connection it opens, whose handshake the service cannot answer for that key) the error the
+    transport raises, as a reply."""
+    try:
+        return tr.call(msg)
+    except SchedError as e:
+        return {"ok": False, "error": str(e), "code": e.code}
+
+
 def test_a_job_acts_only_for_itself(service):
     srv, admin = service(capacity=(1.0,))
     a = SchedClient(srv.address, TOKEN).job("a", {"c": 1}, heartbeat_s=10)
@@ -172,7 +200,7 @@ def test_a_job_acts_only_for_itself(service):
     tr = b_client.transport
     for op, args in [("release", {"lease": la.id}), ("heartbeat", {}), ("finish", {}), ("cancel", {}),
                      ("register", {"clusters": {}, "attach": True}), ("request", {"phase": "rollout"})]:
-        r = tr.call({"op": op, "job": "a", "secret": b.secret, **args})  # b's secret, a's name
+        r = refused(tr, {"op": op, "job": "a", "secret": b.secret, **args})  # b's secret, a's name
         assert r["code"] == "auth", (op, r)
         if op == "cancel":
             continue  # (the admin may cancel any job: below)
@@ -182,7 +210,7 @@ def test_a_job_acts_only_for_itself(service):
         else:
             assert r["code"] == "auth" and "needs the job's secret" in r["error"], (op, r)
     assert tr.call({"op": "heartbeat", "job": "a", "secret": a.secret})["ok"]
-    assert tr.call({"op": "drain", "token": "wrong"})["code"] == "auth"
+    assert refused(tr, {"op": "drain", "token": "wrong"})["code"] == "auth"
     r = tr.call({"op": "drain", "job": "b", "secret": b.secret})
     assert r["code"] == "auth" and "needs the service token" in r["error"]
     # the admin cancels a; a learns it at its next call
@@ -270,17 +298,14 @@ def test_a_committed_op_whose_reply_is_lost_is_not_done_twice(service, monkeypat
 def test_a_view_version_from_before_a_restart_is_not_current(tmp_path):
     """Versions used to restart at 0 with the service: a job waiting on the version it saw
     before the restart slept through the change that gave it the same number again."""
-    from rlcu.sched.service import Front
-
     core = Core([1.0], state=tmp_path / "s.db")
-    v = Front(core, "t").handle({"op": "register", "token": "t", "job": "a", "clusters": {"c": 1}})
+    v = Front(core, "t").handle({"op": "register", "job": "a", "clusters": {"c": 1}}, ADMIN, authenticated=True)
     core.close()
     core = Core(None, state=tmp_path / "s.db")  # the restarted service
     front = Front(core, "t")
-    auth = {"job": "a", "secret": v["secret"]}
-    assert front.handle({"op": "request", "phase": "actor_train", **auth})["ok"]  # granted: the view changes
+    assert front.handle({"op": "request", "job": "a", "phase": "actor_train"}, "a", authenticated=True)["ok"]
     t = time.monotonic()
-    r = front.handle({"op": "wait", "version": v["version"], "timeout": 3.0, **auth})
+    r = front.handle({"op": "wait", "job": "a", "version": v["version"], "timeout": 3.0}, "a", authenticated=True)
     assert r["ok"] and r["leases"] and time.monotonic() - t < 1.0
     core.close()
 

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from sched_util import hello
 
 from rlcu.sched.cli import main
 from rlcu.sched.client import JobEnded, SchedClient, SchedError
@@ -123,9 +124,11 @@ def test_cancel_reaches_the_job(service, capsys):
     a.close()
 
 
-def raw(srv, msg: bytes) -> dict:
+def raw(srv, msg: bytes, shake: bool = True) -> dict:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(srv.address[len("unix:"):])
+    if shake:
+        hello(s)
     s.sendall(msg)
     buf = b""
     while not buf.endswith(b"\n"):
@@ -182,16 +185,18 @@ def test_protocol_errors(service):
     srv, _ = service()
     assert raw(srv, b"not json\n")["code"] == "protocol"
     assert raw(srv, b"[1, 2]\n")["code"] == "protocol"
-    r = raw(srv, b'{"op": "ping", "token": "wrong"}\n')
+    r = raw(srv, b'{"op": "ping", "token_proof": "%s"}\n' % (b"0" * 64))
     assert not r["ok"] and r["code"] == "auth" and "token" in r["error"]
     assert raw(srv, b'{"op": "ping"}\n')["code"] == "auth"
-    assert raw(srv, json.dumps({"op": "ping", "token": TOKEN}).encode() + b"\n")["ok"]
+    r = raw(srv, b'{"op": "ping", "token": "t0ken"}\n')  # a client of protocol 1: the token in clear
+    assert r["code"] == "auth" and "never takes" in r["error"] and "upgrade rlcu on the client" in r["error"], r
+    assert raw(srv, b'{"op": "ping"}\n', shake=False)["code"] == "hello"  # no handshake
 
 
 def test_tcp_loopback_with_token(service, tmp_path):
     srv, c = service(addr="127.0.0.1:0", state=None)
     assert srv.address.startswith("127.0.0.1:") and c.ping()["ok"]
-    with pytest.raises(SchedError, match="bad or missing token"):
+    with pytest.raises(SchedError, match="did not prove it knows the key: the token differs"):
         SchedClient(srv.address, "nope").ping()
     with pytest.raises(ValueError, match="loopback only"):
         SchedServer(Core([1.0]), "0.0.0.0:0", TOKEN)
@@ -234,13 +239,19 @@ def test_cli_submit_launches_a_command_job(service, tmp_path, capsys):
     srv, c = service(capacity=(1.0,))
     worker = tmp_path / "worker.py"
     worker.write_text(  # speaks the wire protocol itself (importing rlcu would import torch: slow here)
-        "import json, os, socket, sys\n"
+        "import hashlib, hmac, json, os, secrets, socket, sys\n"
         "assert 'RLCU_SCHED_TOKEN' not in os.environ\n"  # the worker acts with its job's secret alone
+        "key, job = os.environ['RLCU_SCHED_JOB_SECRET'].encode(), os.environ['RLCU_SCHED_JOB']\n"
+        "def proof(role, s, c):\n"  # protocol 2's handshake (rlcu.sched.auth): the secret never travels
+        "    return hmac.new(key, f'rlcu-sched/2 {role}\\n{s}\\n{c}'.encode(), hashlib.sha256).hexdigest()\n"
         "def call(**m):\n"
-        "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1][len('unix:'):])\n"
-        "    s.sendall((json.dumps({**m, 'secret': os.environ['RLCU_SCHED_JOB_SECRET']}) + '\\n').encode())\n"
-        "    r = json.loads(s.makefile().readline()); s.close(); assert r['ok'], r; return r\n"
-        "job = os.environ['RLCU_SCHED_JOB']\n"
+        "    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1][len('unix:'):]); f = s.makefile()\n"
+        "    c = secrets.token_hex(16)\n"
+        "    s.sendall((json.dumps({'op': 'hello', 'nonce': c, 'job': job}) + '\\n').encode())\n"
+        "    h = json.loads(f.readline())\n"
+        "    assert hmac.compare_digest(h['proof'], proof('service', h['nonce'], c)), h\n"
+        "    s.sendall((json.dumps({**m, 'secret_proof': proof('client', h['nonce'], c)}) + '\\n').encode())\n"
+        "    r = json.loads(f.readline()); s.close(); assert r['ok'], r; return r\n"
         "assert job == sys.argv[2]\n"
         "call(op='register', job=job, clusters={}, attach=True)\n"
         "rid = call(op='request', job=job, phase='actor_train')['request']\n"
@@ -300,6 +311,7 @@ def test_client_rides_out_a_full_listen_backlog(tmp_path):
     """Many jobs connecting at once can fill the service's listen backlog; a Unix socket then
     refuses at once with EAGAIN. The client retries until the service accepts (within its
     retry_s), and the service listens with room for a pool's worth of jobs."""
+    from rlcu.sched.auth import nonce, proof
     from rlcu.sched.client import SocketTransport
 
     path = str(tmp_path / "s.sock")
@@ -319,8 +331,14 @@ def test_client_rides_out_a_full_listen_backlog(tmp_path):
     else:
         pytest.skip("this kernel never reported a full Unix-socket backlog")
 
-    def reply(conn):
+    def reply(conn):  # a service that knows the token "tok": the handshake, then one reply
         with conn, conn.makefile("rb") as f:
+            line = f.readline()
+            if line:
+                s = nonce()
+                conn.sendall(json.dumps({"ok": True, "nonce": s,
+                                         "proof": proof("tok", "service", s, json.loads(line)["nonce"])}).encode()
+                             + b"\n")
             if f.readline():
                 conn.sendall(b'{"ok": true}\n')
 

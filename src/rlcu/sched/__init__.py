@@ -15,10 +15,12 @@ a scheduler that knows each job's phase overlaps them across jobs. The pieces:
 and, in one-way layers (each imports only those above it):
 
     protocol.py    messages, errors, addresses, frames, every op's field schema
+    auth.py        the handshake: challenge-response proofs of the token and job secrets
     transport.py   the client's socket transport: kept connections, one per thread
     client.py      the Python API jobs use (on the socket transport, or Ray's)
     service.py     the services' front door: authority (token, job secrets), op ids
-    server.py      Unix-socket / loopback-TCP service;  ray_backend.py: the Ray actor service
+    server.py      Unix-socket / loopback-TCP service (conns.py: its connections, their
+                   admission and replies);  ray_backend.py: the Ray actor service
     job.py         a GRPO job under the scheduler;  ray_launch.py: one started on a Ray cluster
     cli.py         `rlcu sched serve|submit|status|cancel|drain|simulate|trace|metrics`
 

@@ -14,8 +14,10 @@
 Messages are framed by protocol.py; each thread keeps one connection to the service and
 reuses it for all its calls (reconnecting when the service closed it). Authority: the
 service token registers jobs and runs admin ops; `register` returns the job's secret,
-which the client keeps and sends with every op of that job (a worker
-started by `rlcu sched submit` gets it in $RLCU_SCHED_JOB_SECRET).
+which the client keeps and proves with every op of that job (a worker
+started by `rlcu sched submit` gets it in $RLCU_SCHED_JOB_SECRET). Neither the token nor a
+secret is ever sent: each connection (Ray session) opens with a handshake in which the
+service proves it knows the key first, and the client then sends proofs bound to it (auth.py).
 
 Faults. Every call carries an operation id; a call that finds no service (refused, reset,
 closed without a reply, "busy", "unavailable") is sent again with the same id, marked as a
@@ -45,6 +47,7 @@ import threading
 import time
 from pathlib import Path
 
+from rlcu.sched.auth import Handshake
 from rlcu.sched.protocol import (
     MUTATING,
     JobEnded,
@@ -96,24 +99,44 @@ def _nonempty(text: str, path) -> str:
 
 class RayTransport:
     """SchedClient transport to the scheduler's Ray actor: RayTransport("ray:NAME") or
-    RayTransport(handle). Ray itself is imported only here, on first use."""
+    RayTransport(handle). Ray itself is imported only here, on first use. The actor has no
+    connections, so the handshake (auth.py) makes a session, named by the service's nonce in
+    every message; a session the actor forgot (restarted) is made again at once."""
 
     def __init__(self, target, token: str | None = None):
         self.token = token
+        self.where = target if isinstance(target, str) else "the scheduler's Ray actor"
         if isinstance(target, str):
             ray = import_ray()
             self.actor = ray.get_actor(parse_address(target)[1], namespace=RAY_NAMESPACE)
         else:
             self.actor = target
+        self._auth: Handshake | None = None
+        self._lock = threading.Lock()
 
     def call(self, msg: dict, retry_s: float | None = None) -> dict:
         ray = import_ray()
         if "token" not in msg and "secret" not in msg and self.token is not None:
             msg = {**msg, "token": self.token}
         try:
-            return ray.get(self.actor.handle.remote(msg))
+            for _ in range(2):
+                auth = self._session(ray, msg)
+                reply = ray.get(self.actor.handle.remote({**auth.sign(msg), "session": auth.snonce}))
+                if reply.get("code") != "hello":
+                    return reply
+                with self._lock:  # (forgotten by the actor: a new handshake, once)
+                    self._auth = None if self._auth is auth else self._auth
+            return reply
         except ray.exceptions.RayActorError as e:
             raise SchedError(f"the scheduler actor is gone: {e}", "unavailable") from None
+
+    def _session(self, ray, msg: dict) -> Handshake:
+        with self._lock:
+            if self._auth is None:
+                auth = Handshake(msg, self.token)
+                auth.accept(ray.get(self.actor.hello.remote(auth.hello)), self.where)
+                self._auth = auth
+            return self._auth
 
 
 def import_ray():

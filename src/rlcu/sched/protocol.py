@@ -7,16 +7,20 @@ all read the same definitions.
 A message is a JSON object `{"op": ..., <auth>, <fields>}`. On a socket it travels as a
 *head* line of at most `MAX_HEAD` bytes, optionally followed by a *body*:
 
-    {"op": "register", "token": "...", "job": "a", "id": "c1f0-7", "body": 1234}\\n <1234 bytes of JSON>
+    {"op": "register", "token_proof": "9f2c...", "job": "a", "id": "c1f0-7", "body": 1234}\\n <1234 bytes of JSON>
 
-The head carries everything the service needs to authenticate (the service `token`, or the
-`job` and its `secret`), so a service reads at most `MAX_HEAD` bytes from a stranger; the
-body (the op's other fields, at most `MAX_BODY` bytes) is read only after. A message that
-fits in one head line needs no body. Replies are one JSON line each.
+The head carries everything the service needs to authenticate (the proof of the service
+token, or the `job` and the proof of its secret), so a service reads at most `MAX_HEAD` bytes
+from a stranger; the body (the op's other fields, at most `MAX_BODY` bytes) is read only
+after. A message that fits in one head line needs no body. Replies are one JSON line each.
 
-Auth and bookkeeping fields: `token` (the service's: admin authority), `secret` (a job's,
-returned by `register`: authority over that job), `id` (an operation id the client makes
-per call; a retried call with the same id gets the first call's reply), `retry` (true on a
+Authentication (protocol 2, auth.py): a connection (a Ray session) opens with a `hello`, whose
+answer proves that the service knows the key, and the messages after it carry proofs bound to
+that handshake's nonces; the token and the job secrets themselves never travel. Auth and
+bookkeeping fields: `token_proof` (of the service's token: admin authority), `secret_proof`
+(of a job's secret, which `register` returns: authority over that job), `session` (the Ray
+transport's handshake: the service's nonce), `id` (an operation id the client makes per
+call; a retried call with the same id gets the first call's reply), `retry` (true on a
 resend after a lost reply: the service reconciles with what it already did).
 
 `validate(msg)` checks every field of every op for its type and range, so that nothing a
@@ -43,12 +47,17 @@ MAX_PID = 1 << 22  # Linux's pid_max limit
 MAX_ID = 1 << 62  # lease and request ids (SQLite's INTEGER is 64-bit signed)
 MAX_MEM = 1e12  # memory numbers (any unit the pool uses)
 MAX_WAIT = 3600.0
+PROTOCOL = 2  # the handshake's version (auth.py)
 
-CODES = ("invalid", "protocol", "auth", "unknown_job", "ended", "unavailable", "busy", "draining", "internal")
-AUTH_FIELDS = ("token", "secret", "id", "retry")
+# hello: the service knows no handshake of this caller (a Ray session it forgot, a restart): say hello again
+CODES = ("invalid", "protocol", "auth", "hello", "unknown_job", "ended", "unavailable", "busy", "draining",
+         "internal")
+AUTH_FIELDS = ("token_proof", "secret_proof", "session", "id", "retry")
 HEAD_FIELDS = ("op", "job", *AUTH_FIELDS, "body")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 OP_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+NONCE = re.compile(r"^[0-9a-f]{32,128}$")  # a handshake's nonce: 16 random bytes or more, as hex
+PROOF = re.compile(r"^[0-9a-f]{64}$")  # an HMAC-SHA256, as hex
 
 
 class SchedError(RuntimeError):
@@ -283,6 +292,14 @@ def _op_id(v):
     return v
 
 
+def _hex(pattern: re.Pattern, what: str):
+    def check(v):
+        if not isinstance(v, str) or not pattern.match(v):
+            raise _Bad(f"must be {what}")
+        return v
+    return check
+
+
 def _opt(check):
     return lambda v: v if v is None else check(v)
 
@@ -313,12 +330,15 @@ FIELDS = {
     "devices": _opt(_DEVICES), "min_devices": _opt(_DEVICES), "mem": _opt(_MEM), "work": _num(0.0, 1e18),
     "only": _opt(_only), "request": _ID, "lease": _ID, "version": _int(-1, MAX_ID),
     "timeout": _num(0.0, MAX_WAIT), "failed": _bool, "on": _bool,
-    "token": _str(256), "secret": _str(256), "id": _op_id, "retry": _bool,
+    "nonce": _hex(NONCE, "32-128 lowercase hex digits"), "session": _hex(NONCE, "32-128 lowercase hex digits"),
+    "token_proof": _hex(PROOF, "64 lowercase hex digits (an HMAC-SHA256)"),
+    "secret_proof": _hex(PROOF, "64 lowercase hex digits (an HMAC-SHA256)"), "id": _op_id, "retry": _bool,
 }
 
 
 # op -> (required fields, optional fields); the auth fields are allowed everywhere
 OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "hello": (("nonce",), ("job",)),  # a connection's handshake (auth.py), answered by the front, not the core
     "ping": ((), ()),
     "status": ((), ()),
     "metrics": ((), ()),

@@ -2,15 +2,21 @@
 
 The actor wraps one `Core` behind the same `Front` as the socket service (service.py: the
 same authority, field validation, op ids and error replies) and answers `handle(msg)` from
-many callers at once (a threaded actor; the core has its own lock, and `wait` long-polls
-inside it). A ticker that fails ends the actor's process (fail fast). Clients reach it by
-name (the client's RayTransport):
+many callers at once (a threaded actor of `CONCURRENCY` threads; the core has its own lock,
+and `wait` long-polls inside it, holding a thread). So that waits cannot take every thread
+(and leave a grant, or any other call, unanswered), one job holds at most `JOB_WAITS` of them
+and all jobs together `CONCURRENCY - 64`; a wait beyond is answered "busy" (the client tries
+again). A ticker that fails ends the actor's process (fail fast). Clients reach it by name
+(the client's RayTransport):
 
     SchedClient("ray:rlcu-sched")              # from any process attached to the Ray cluster
 
 `serve --ray` gives the actor the state folder's token: registering jobs and the admin ops
 need it ($RLCU_SCHED_TOKEN where the file is not at hand); a job's own ops need only its
-secret, which `launch_grpo` hands to the job's actor.
+secret, which `launch_grpo` hands to the job's actor. Neither goes to the actor: a caller's
+first call is a `hello` whose answer proves the actor knows the key (an impostor that took
+the actor's name learns nothing), and its messages then carry proofs bound to that session
+(auth.py; the actor keeps the last 4096 sessions, and a caller it forgot says hello again).
 
 The pool is every GPU of every alive node (device names "NODE_ID/cuda:K"), or CPU slots.
 Jobs run as Ray actors with `num_gpus=0`: Ray places the process, the rlcu scheduler shares
@@ -28,9 +34,12 @@ import traceback
 
 from rlcu.sched.client import RAY_NAMESPACE, RayTransport, import_ray
 from rlcu.sched.core import Core
+from rlcu.sched.protocol import SchedError, error
 from rlcu.sched.service import Front
 
 NAMESPACE = RAY_NAMESPACE
+CONCURRENCY = 256  # the actor's threads
+JOB_WAITS = 16  # the waits one job may hold at once (as the socket service's connections per job)
 __all__ = ["NAMESPACE", "RayTransport", "get_actor", "ray_gpu_pool", "serve_ray", "start_actor"]
 
 
@@ -42,6 +51,8 @@ class _CoreActor:
         self.core = Core(capacity, state=state, policy=policy, aging_s=aging_s, heartbeat_timeout=heartbeat_timeout,
                          device_names=names)
         self.front = Front(self.core, token)
+        self._waits: dict[str, int] = {}  # job -> its waits in progress (each holds a thread)
+        self._waits_lock = threading.Lock()
         self._stop = threading.Event()
         tick = tick_s if tick_s is not None else max(0.05, min(1.0, heartbeat_timeout / 4))
         self._ticker = threading.Thread(target=self._tick, args=(tick,), daemon=True)
@@ -56,8 +67,30 @@ class _CoreActor:
                 sys.stderr.flush()
                 os._exit(70)
 
+    def hello(self, msg) -> dict:
+        """A caller's handshake (auth.py): the session its messages then name."""
+        return self.front.hello(msg, keep=True)[0]
+
     def handle(self, msg) -> dict:
-        return self.front.handle(msg)
+        if not isinstance(msg, dict) or msg.get("op") != "wait":
+            return self.front.handle(msg)
+        try:  # (whose wait it is, known before it may hold a thread)
+            job = self.front.authenticate(msg, self.front.session(msg))
+        except SchedError:
+            return self.front.handle(msg)  # its error reply
+        with self._waits_lock:
+            mine, held = self._waits.get(job, 0), sum(self._waits.values())
+            if mine >= JOB_WAITS or held >= CONCURRENCY - 64:
+                return error(f"too many waits in progress ({mine} of job {job!r}, at most {JOB_WAITS}; {held} in "
+                             f"all, at most {CONCURRENCY - 64}): try again", "busy")
+            self._waits[job] = mine + 1
+        try:
+            return self.front.handle(msg)
+        finally:
+            with self._waits_lock:
+                self._waits[job] -= 1
+                if not self._waits[job]:
+                    del self._waits[job]
 
     def pool(self) -> dict:
         return dict(self.core.pool)
@@ -75,7 +108,7 @@ def start_actor(capacity, names=None, *, name: str = "rlcu-sched", policy: str =
     the admin token callers must give (None: anyone on the Ray cluster is admin; jobs still
     act only with their secrets)."""
     ray = import_ray()
-    cls = ray.remote(num_cpus=0, max_concurrency=256)(_CoreActor)
+    cls = ray.remote(num_cpus=0, max_concurrency=CONCURRENCY)(_CoreActor)
     opts = {"name": name, "namespace": NAMESPACE}
     if detached:
         opts["lifetime"] = "detached"

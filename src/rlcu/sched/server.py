@@ -1,19 +1,26 @@
 """`rlcu sched serve`: the scheduler service on a Unix socket or on loopback TCP.
 
-One event-loop thread accepts connections and reads every frame without blocking. The
-messages that became whole in one turn of the loop are run there, one after the other,
-through the `Front` (service.py: authority, validation, op ids) and the `Core` (core.py),
+One event-loop thread accepts connections, reads every frame and writes every reply without
+blocking. The messages that became whole in one turn of the loop are run there, one after the
+other, through the `Front` (service.py: authority, validation, op ids) and the `Core` (core.py),
 under one group commit (`Core.deferred`): their replies are sent once the commit holding
 their state is done, and a connection stays open for its next message (clients keep theirs).
-Only a `wait`, which blocks, goes to a worker thread (and a reply too long for the socket's
-buffer: a worker finishes sending it), so an idle or slow connection costs a file
-descriptor and no thread, and a stranger is read for at most `MAX_HEAD` bytes (the head,
-which carries the token or job secret) before the service knows who it is:
+A `wait` does not block either: it is answered at once or *held* (state in the loop, no
+thread) until its job's view moves (after a batch or a tick) or its time is up. A reply longer
+than the socket's buffer goes out as the socket takes it. So an idle, slow or waiting
+connection costs a file descriptor and no thread, and a stranger is read for at most
+`MAX_HEAD` bytes (a hello, then a head, which carries the proof of a key) before the service
+knows who it is. Each connection opens with a handshake (auth.py) in which the service
+proves it knows the token (or the job's secret), and whose nonces every later proof is bound
+to: the token and secrets never travel.
 
     read_timeout   a head (and its body) must arrive within this many seconds of the
                    connection or of the last reply, else the connection is closed
     idle_timeout   an authenticated connection with no message for this long is closed
-    max_conns      connections beyond this are answered "busy" and closed at once
+    max_conns      at the cap, the connection open longest without proving a key (a
+                   *stranger*) is closed to make room: strangers cannot keep out a job
+                   that holds its secret (conns.py)
+    max_job_conns  the connections one job's secret may hold, and so its held waits
     accept errors  (EMFILE: out of file descriptors) pause accepting with a growing back-off
                    instead of spinning, while the open connections are still served
 
@@ -23,15 +30,13 @@ in `<state>/token` (0600) beside `<state>/sched.db` and the socket `<state>/sche
 a state folder of mode 0700, so a client of the same user finds all three.
 
 A ticker thread calls `core.tick()` every `tick_s` (reclaiming the leases of jobs that stopped
-heartbeating, and letting waits age).
+heartbeating, and letting waits age), and wakes the loop after each (held waits).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
-import queue
 import secrets
 import selectors
 import socket
@@ -40,21 +45,13 @@ import threading
 import time
 from pathlib import Path
 
-from rlcu.sched.protocol import (
-    MAX_HEAD,
-    SchedError,
-    body_length,
-    decode,
-    error,
-    is_loopback,
-    merge,
-    parse_address,
-)
+from rlcu.sched.conns import Conn, Conns
+from rlcu.sched.protocol import is_loopback, parse_address
 from rlcu.sched.service import Front
 
 _ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-_TO_WORKER = frozenset({"wait"})  # ops that may block: run by a worker thread, not the loop
-_READS_FIRST = frozenset({"ping", "status", "metrics", "heartbeat"})  # change nothing kept: run ahead of a batch
+# run ahead of a batch: reads (they change nothing kept) and waits (answered, or held: never a thread)
+_FIRST = frozenset({"ping", "status", "metrics", "heartbeat", "wait"})
 
 
 def secure_state_dir(state_dir: Path) -> Path:
@@ -130,13 +127,21 @@ def _read_saved_token(p: Path) -> str:
     return token
 
 
-class _Conn:
-    __slots__ = ("authed", "broken", "buf", "busy", "caller", "deadline", "head", "need", "sock")
+class _Ticks:
+    """The ticker's stop event, which also wakes the loop before each pause: the tick just run
+    may have granted a held wait's phase (or reclaimed a dead job's leases)."""
 
-    def __init__(self, sock: socket.socket, deadline: float):
-        self.sock, self.buf, self.deadline = sock, bytearray(), deadline
-        self.head, self.need, self.caller, self.authed = None, 0, None, False
-        self.busy = self.broken = False  # busy: a worker has it (no deadline); broken: its reply failed
+    __slots__ = ("stop", "wake")
+
+    def __init__(self, stop: threading.Event, wake):
+        self.stop, self.wake = stop, wake
+
+    def wait(self, timeout: float) -> bool:
+        self.wake()
+        return self.stop.wait(timeout)
+
+    def is_set(self) -> bool:
+        return self.stop.is_set()
 
 
 class SchedServer:
@@ -144,11 +149,9 @@ class SchedServer:
 
     def __init__(self, core, addr: str, token: str | None, tick_s: float | None = None, *,
                  read_timeout: float = 10.0, idle_timeout: float = 300.0, max_conns: int = 1024,
-                 max_workers: int = 512):
+                 max_job_conns: int = 16):
         self.core, self.token = core, token
         self.front = Front(core, token)
-        self.read_timeout, self.idle_timeout, self.max_conns = read_timeout, idle_timeout, max_conns
-        self.max_workers = max_workers
         self.kind, where = parse_address(addr)
         if self.kind == "unix":
             path = Path(where)
@@ -174,20 +177,19 @@ class SchedServer:
         self.tick_s = tick_s if tick_s is not None else max(0.05, min(1.0, core.heartbeat_timeout / 4))
         self.accept_errors = 0  # accept() calls that failed for lack of descriptors (tests, metrics)
         self.accepted = 0  # connections accepted (tests, benches: clients keep theirs)
-        self._accept_failed = False
+        self._backoff = 0.01  # the next pause after accept() ran out of descriptors
         self.failed: BaseException | None = None  # what stopped the loop or the ticker (serve_forever raises it)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._conns: dict[int, _Conn] = {}  # by fd: every open connection, in the loop or in a worker
-        self._back: queue.SimpleQueue = queue.SimpleQueue()  # connections a worker hands back to the loop
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel = selectors.DefaultSelector()
-        self._pool_lock = threading.Lock()
-        self._workers = self._idle = 0
-        self._batch: list[tuple[_Conn, dict]] = []  # messages read in this turn of the loop, run at its end
+        self._batch: list[tuple[Conn, dict]] = []  # messages read in this turn of the loop, run at its end
+        self.conns = Conns(self._sel, self.front, lambda c, msg: self._batch.append((c, msg)),
+                           read_timeout=read_timeout, idle_timeout=idle_timeout, max_conns=max_conns,
+                           max_job_conns=max_job_conns)
+        self._moved = False  # something ran that may have moved a held wait's job (a batch, a tick)
         self.batches = self.batched = 0  # group commits of the loop and the messages in them (benches, tests)
 
     # ------------------------------------------------------------------ the loop
@@ -203,63 +205,68 @@ class SchedServer:
                 raise
 
     def _loop(self) -> None:
-        sel = self._sel
+        sel, conns = self._sel, self.conns
         sel.register(self.lsn, selectors.EVENT_READ, "accept")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        paused_until, backoff, swept = None, 0.01, 0.0
+        paused_until, paused_at, swept, polled = None, 0, 0.0, 0.0
         while not self._stop.is_set():
             now = time.monotonic()
-            if paused_until is not None and now >= paused_until:
+            if paused_until is not None and (now >= paused_until or len(conns) < paused_at):  # (or one closed)
                 sel.register(self.lsn, selectors.EVENT_READ, "accept")
                 paused_until = None
-            for key, _ in sel.select(timeout=0.1):
+            timeout = 0.05 if conns.held else 0.1
+            for key, mask in sel.select(timeout if paused_until is None else min(timeout, paused_until - now)):
                 if key.data == "accept":
-                    if self._accept():
-                        backoff = 0.01
-                    elif self._accept_failed:
-                        sel.unregister(self.lsn)  # out of descriptors: stop accepting for a while
-                        paused_until = time.monotonic() + backoff
-                        backoff = min(1.0, backoff * 2)
+                    pause = self._accept()
+                    if pause is not None:  # stop accepting for a while (the newcomers wait in the listen queue)
+                        sel.unregister(self.lsn)
+                        paused_until, paused_at = time.monotonic() + pause, len(conns)
                 elif key.data == "wake":
                     self._drain_wake()
+                elif mask & selectors.EVENT_WRITE:
+                    conns.flush(key.data)
                 else:
-                    self._read(key.data)
+                    conns.read(key.data)
             self._run_batch()
             now = time.monotonic()
+            if conns.held and (self._moved or now - polled >= 0.05):
+                self._moved, polled = False, now
+                self._poll_held(now)
+                self._run_batch()  # (what clients sent behind the waits just answered)
             if now - swept >= 0.02:
                 swept = now
-                for c in [c for c in self._conns.values() if c.deadline < now and not c.busy]:
-                    self._close(c, error(f"no complete message within {self.read_timeout:g} s", "protocol")
-                                if c.buf or not c.authed else None)
+                conns.sweep(now)
 
-    def _accept(self) -> bool:
-        """Accept what is waiting; False when nothing was (or accept failed: see _accept_failed)."""
-        self._accept_failed = False
-        got = False
+    def _accept(self) -> float | None:
+        """Accept what is waiting; how long to stop accepting for (None: go on): at the cap
+        with every stranger in its grace, until the oldest one's is over; out of descriptors,
+        a back-off growing to 1 s (the listening socket stays readable: it would spin)."""
         for _ in range(64):
+            pause = self.conns.room(time.monotonic())
+            if pause > 0:
+                return pause
             try:
                 sock, _ = self.lsn.accept()
             except (BlockingIOError, InterruptedError):
-                return got
+                return None
             except OSError as e:
                 if e.errno in _ACCEPT_ERRORS:
                     self.accept_errors += 1
-                    self._accept_failed = True
-                    return False
+                    pause, self._backoff = self._backoff, min(1.0, self._backoff * 2)
+                    return pause
                 if self._stop.is_set():
-                    return got
+                    return None
                 continue  # ECONNABORTED and the like: that one connection is gone
-            got = True
+            self._backoff = 0.01
             self.accepted += 1
-            if len(self._conns) >= self.max_conns:
-                _send_now(sock, error(f"the scheduler is at its {self.max_conns} connections: try again", "busy"))
-                sock.close()
-                continue
-            sock.setblocking(False)
-            c = _Conn(sock, time.monotonic() + self.read_timeout)
-            self._conns[sock.fileno()] = c
-            self._sel.register(sock, selectors.EVENT_READ, c)
-        return got
+            self.conns.admit(sock)
+        return None
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # (full: a wake is pending anyway; closed: stopping)
+            pass
 
     def _drain_wake(self) -> None:
         try:
@@ -267,158 +274,59 @@ class SchedServer:
                 pass
         except (BlockingIOError, InterruptedError):
             pass
-        while True:
-            try:
-                c = self._back.get_nowait()
-            except queue.Empty:
-                return
-            c.busy = False
-            if c.sock.fileno() < 0:
-                continue
-            if c.broken:
-                self._close(c)
-                continue
-            c.deadline = time.monotonic() + self.idle_timeout
-            self._sel.register(c.sock, selectors.EVENT_READ, c)
-            if c.buf:  # a client that sent its next message before this reply
-                self._parse(c)
-
-    def _read(self, c: _Conn) -> None:
-        try:
-            data = c.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._close(c)
-            return
-        if not c.buf and c.head is None:
-            c.deadline = min(c.deadline, time.monotonic() + self.read_timeout)  # a message has begun
-        c.buf += data
-        if not c.busy:  # (busy: its message of this turn is not answered yet; the next waits for it)
-            self._parse(c)
-
-    def _parse(self, c: _Conn) -> None:
-        if c.head is None:
-            i = c.buf.find(b"\n", 0, MAX_HEAD)
-            if i < 0:
-                if len(c.buf) >= MAX_HEAD:
-                    self._close(c, error(f"the head line (the auth part of a message) is longer than {MAX_HEAD} "
-                                         "bytes", "protocol"))
-                return
-            line, c.buf = bytes(c.buf[:i]), c.buf[i + 1:]
-            try:
-                head = decode(line, "head")
-                c.caller, c.authed = self.front.authenticate(head), True
-                c.need = body_length(head)
-            except SchedError as e:
-                self._close(c, error(str(e), e.code))
-                return
-            c.head = head
-        if len(c.buf) < c.need:
-            return
-        body, c.buf = bytes(c.buf[:c.need]), c.buf[c.need:]
-        head, c.head, need, c.need = c.head, None, c.need, 0
-        try:
-            msg = merge(head, decode(body, "body") if need else {})
-        except SchedError as e:
-            self._close(c, error(str(e), e.code))
-            return
-        c.busy = True
-        if msg.get("op") in _TO_WORKER:
-            self._sel.unregister(c.sock)
-            self._submit(c, msg)
-        else:
-            self._batch.append((c, msg))
+        self._moved = True
 
     def _run_batch(self) -> None:
         """Run the messages read in this turn under one group commit, then send their replies
-        (and run what their connections sent meanwhile, in a batch of its own)."""
+        (and run what their connections sent meanwhile, in a batch of its own). Reads and
+        waits go first: they show what is committed, and leave (or are held) at once."""
         while self._batch:
             batch, self._batch = self._batch, []
-            reads = [(c, msg) for c, msg in batch if msg.get("op") in _READS_FIRST]
-            if reads:  # before the batch's changes: they show what is committed, and leave at once
-                batch = [(c, msg) for c, msg in batch if msg.get("op") not in _READS_FIRST]
-                for c, msg in reads:
-                    self._answer(c, self.front.handle(msg, c.caller, authenticated=True))
+            first = [(c, msg) for c, msg in batch if msg.get("op") in _FIRST]
+            if first:
+                batch = [(c, msg) for c, msg in batch if msg.get("op") not in _FIRST]
+                for c, msg in first:
+                    if msg.get("op") == "wait":
+                        self._hold(c, msg)
+                    else:
+                        self._answer(c, self.front.handle(msg, c.caller, authenticated=True))
             with self.core.deferred() as done:
                 replies = [self.front.handle(msg, c.caller, authenticated=True) for c, msg in batch]
             self.batches += 1
             self.batched += len(batch)
+            self._moved = self._moved or bool(batch)
             for (c, _), reply in zip(batch, replies):
                 self._answer(c, reply if done.failure is None else done.failure)
 
-    def _answer(self, c: _Conn, reply: dict) -> None:
-        """Send a reply from the loop without blocking; a worker sends what the socket's buffer
-        does not take."""
-        data = (json.dumps(reply) + "\n").encode()
-        try:
-            n = c.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError:
-            self._close(c)
+    def _answer(self, c: Conn, reply: dict) -> None:
+        self.conns.answer(c, reply)
+
+    def _close(self, c: Conn, reply: dict | None = None) -> None:
+        self.conns.close(c, reply)
+
+    # ------------------------------------------------------------------ held waits
+    def _hold(self, c: Conn, msg: dict) -> None:
+        """A wait: answered now, or held in the loop (its connection, no thread) until its
+        job's view moves or its time is up."""
+        reply, left = self.front.wait_now(msg, c.caller)
+        if left <= 0:
+            self._answer(c, reply)
             return
-        if n < len(data):
-            self._sel.unregister(c.sock)
-            self._submit(c, None, data[n:])
-            return
-        c.busy = False
-        c.deadline = time.monotonic() + self.idle_timeout
-        if c.buf:  # a client that sent its next message before this reply
-            self._parse(c)
+        until = time.monotonic() + left
+        c.held, c.deadline = (msg, reply["version"], until), until
+        self.conns.held.add(c)
 
-    def _close(self, c: _Conn, reply: dict | None = None) -> None:
-        if reply is not None:
-            _send_now(c.sock, reply)
-        self._conns.pop(c.sock.fileno(), None)
-        try:
-            self._sel.unregister(c.sock)
-        except (KeyError, ValueError):
-            pass
-        c.sock.close()
-
-    # ------------------------------------------------------------------ workers
-    def _submit(self, c: _Conn, msg: dict | None, data: bytes | None = None) -> None:
-        """To a worker: run `msg` and send its reply, or (msg None) send the rest of one, `data`."""
-        with self._pool_lock:
-            spawn = self._idle == 0 and self._workers < self.max_workers
-            if spawn:
-                self._workers += 1
-        if spawn:
-            t = threading.Thread(target=self._work, name="sched-worker", daemon=True)
-            t.start()
-        self._tasks.put((c, msg, data))
-
-    def _work(self) -> None:
-        while True:
-            with self._pool_lock:
-                self._idle += 1
-            task = self._tasks.get()
-            with self._pool_lock:
-                self._idle -= 1
-            if task is None:
-                with self._pool_lock:
-                    self._workers -= 1
-                return
-            c, msg, data = task
-            if msg is not None:
-                data = (json.dumps(self.front.handle(msg, c.caller, authenticated=True)) + "\n").encode()
-            try:
-                c.sock.settimeout(self.read_timeout)
-                c.sock.sendall(data)
-                c.sock.setblocking(False)
-            except OSError:
-                c.broken = True  # the loop closes it
-            self._back.put(c)
-            try:
-                self._wake_w.send(b"x")
-            except (BlockingIOError, OSError):
-                pass
+    def _poll_held(self, now: float) -> None:
+        for c in [c for c in self.conns.held if c.held[2] <= now or self.front.settled(c.held[0]["job"], c.held[1])]:
+            reply, left = self.front.wait_now(c.held[0], c.caller)
+            if left > 0 and now < c.held[2]:
+                continue  # (the hint was early: the view is where it was)
+            self.conns.held.discard(c)
+            c.held = None
+            self._answer(c, reply)
 
     def _tick(self) -> None:
-        self.core.run_ticks(self._stop, self.tick_s)  # never dies silently; a fatal state ends it
+        self.core.run_ticks(_Ticks(self._stop, self._wake), self.tick_s)  # never dies silently; fatal ends it
 
     # ------------------------------------------------------------------ life
     def start(self) -> SchedServer:
@@ -443,12 +351,8 @@ class SchedServer:
         for t in self._threads:
             t.join(timeout=5)
         self._threads = []
-        with self._pool_lock:
-            n = self._workers
-        for _ in range(n):
-            self._tasks.put(None)
-        for c in list(self._conns.values()):
-            self._close(c)
+        for c in list(self.conns.all.values()):
+            self.conns.close(c)
         self._sel.close()
         self.lsn.close()
         self._wake_r.close()
@@ -463,15 +367,6 @@ class SchedServer:
 
     def __exit__(self, *exc):
         self.stop()
-
-
-def _send_now(sock: socket.socket, reply: dict) -> None:
-    """A short reply to a connection about to be closed, without waiting on a slow reader."""
-    try:
-        sock.setblocking(False)
-        sock.send((json.dumps(reply) + "\n").encode())
-    except OSError:
-        pass
 
 
 def _clear_stale_socket(path: Path) -> None:

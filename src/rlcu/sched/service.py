@@ -4,8 +4,9 @@ The socket server (server.py) and the Ray actor (ray_backend.py) both put a `Fro
 their `Core`, so both answer every message the same way:
 
     front = Front(core, token)
-    caller = front.authenticate(head)            # from the head alone (before any body is read)
-    reply = front.handle(msg, caller)            # never raises
+    reply, session = front.hello(msg)           # a connection's handshake (auth.py): the service proves first
+    caller = front.authenticate(head, session)  # from the head alone (before any body is read)
+    reply = front.handle(msg, caller)           # never raises
 
 Authority. The service `token` is admin authority: register a job, cancel any job, drain,
 read status. A job's own operations (request, withdraw, release, work, heartbeat, wait,
@@ -13,7 +14,15 @@ finish, cancelling itself, attaching to it) need that job's *secret*, which `reg
 returns: the token alone does not act for a job, so one job's process cannot release,
 heartbeat or attach to another's. A job's secret is HMAC(key, name), the key derived from
 the token (a restarted service on the same state knows every job's secret; a new token
-revokes them all).
+revokes them all). Neither the token nor a secret travels (protocol 2, auth.py): a message
+carries the proof of one, an HMAC over its connection's handshake nonces, and a message that
+carries a token or secret in clear is refused (from a client too old to know better). The Ray
+actor has no connections: its callers' handshakes are kept as sessions (the last
+`keep_sessions`; a caller whose session was forgotten is told to say hello again, code "hello").
+
+Waits. The socket server does not block on a `wait`: `wait_now` answers it at once, or says
+how long it may still be held, and the server keeps it (a connection, no thread) until
+`settled` says the job's view moved or its time is up.
 
 Operation ids. A mutating op may carry an `id` made by the client; the reply to the first
 call with that id is kept (per job, the last `keep_ops`, without the view, for `keep_s` after
@@ -33,10 +42,12 @@ import secrets
 import threading
 import time
 
+from rlcu.sched.auth import nonce, proof, same
 from rlcu.sched.protocol import (
     ADMIN_OPS,
     JOB_OPS,
     MUTATING,
+    PROTOCOL,
     SchedError,
     error,
     short,
@@ -46,10 +57,12 @@ from rlcu.sched.protocol import (
 LIVE = ("queued", "running")
 _VIEW = ("job", "state", "version", "leases", "pending")  # a reply's view of its job
 ADMIN = None  # the caller who gave the service token
+HOLD_S = 60.0  # the longest a wait is held (as the core's own wait): the client asks again after
 
 
 class Front:
-    def __init__(self, core, token: str | None, keep_ops: int = 8, keep_s: float = 300.0):
+    def __init__(self, core, token: str | None, keep_ops: int = 8, keep_s: float = 300.0,
+                 keep_sessions: int = 4096):
         """token None: no service token (a Ray actor reached only from its cluster): every
         caller who gives no job secret has admin authority."""
         if token is not None and not token.strip():  # "" would be anyone's, and so every job's secret
@@ -67,6 +80,8 @@ class Front:
         self._stripes = [threading.RLock() for _ in range(64)]  # one job's mutating ops, one at a time
         self._lock = threading.Lock()
         self._swept = time.monotonic()
+        self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()  # Ray's: S -> C
+        self.keep_sessions = keep_sessions
 
     # ------------------------------------------------------------------ authority
     def secret(self, job: str) -> str:
@@ -77,15 +92,53 @@ class Front:
             sec = self._secrets[job] = hmac.new(self._key, job.encode(), hashlib.sha256).hexdigest()[:32]
         return sec
 
-    def authenticate(self, head: dict):
-        """ADMIN (the service token) or the job name (its secret); SchedError code "auth"."""
-        sec, tok, job = head.get("secret"), head.get("token"), head.get("job")
-        if sec is not None:
-            if isinstance(sec, str) and isinstance(job, str) and hmac.compare_digest(sec.encode(),
-                                                                                     self.secret(job).encode()):
+    def hello(self, msg, keep: bool = False) -> tuple[dict, tuple[str, str] | None]:
+        """Answer a handshake (auth.py): the reply, proving the service knows the key the hello
+        names, and the session (service nonce, client nonce) the caller's proofs will be
+        checked against (None after an error reply). keep: remember the session (the Ray
+        actor, whose callers have no connection to hold it)."""
+        try:
+            if not isinstance(msg, dict) or msg.get("op") != "hello":
+                raise SchedError("a connection opens with a hello (protocol 2: the token and secrets are never "
+                                 "sent; upgrade rlcu on the client)", "hello")
+            _, args = validate(msg)
+        except SchedError as e:
+            return error(str(e), e.code), None
+        s, c = nonce(), args["nonce"]
+        job = args.get("job")
+        key = self.secret(job) if job is not None else self.token
+        if keep:
+            with self._lock:
+                self._sessions[s] = c
+                while len(self._sessions) > self.keep_sessions:
+                    self._sessions.popitem(last=False)
+        return {"ok": True, "protocol": PROTOCOL, "nonce": s,
+                "proof": proof(key, "service", s, c) if key is not None else None}, (s, c)
+
+    def session(self, msg) -> tuple[str, str] | None:
+        """The kept session a Ray caller's message names (None: unknown)."""
+        s = msg.get("session") if isinstance(msg, dict) else None
+        with self._lock:
+            c = self._sessions.get(s) if isinstance(s, str) else None
+        return (s, c) if c is not None else None
+
+    def authenticate(self, head: dict, session: tuple[str, str] | None):
+        """ADMIN (the proof of the service token) or the job name (the proof of its secret),
+        checked against the caller's handshake; SchedError code "auth" (code "hello": no
+        handshake)."""
+        if "token" in head or "secret" in head:
+            raise SchedError("this message carries a token or secret in clear, which the scheduler never takes "
+                             f"(protocol {PROTOCOL} proves them by challenge-response): upgrade rlcu on the client, "
+                             "and change the token if the old one went to another process", "auth")
+        if session is None:
+            raise SchedError("no handshake for this message (the service restarted, or forgot the session): "
+                             "say hello first", "hello")
+        sp, tp, job = head.get("secret_proof"), head.get("token_proof"), head.get("job")
+        if sp is not None:
+            if isinstance(job, str) and same(sp, proof(self.secret(job), "client", *session)):
                 return job
             raise SchedError("bad job secret (the one `register` returned for this job)", "auth")
-        if self.token is None or (isinstance(tok, str) and hmac.compare_digest(tok.encode(), self.token.encode())):
+        if self.token is None or (tp is not None and same(tp, proof(self.token, "client", *session))):
             return ADMIN
         raise SchedError("bad or missing token (see <state>/token, --token-file or $RLCU_SCHED_TOKEN)", "auth")
 
@@ -102,10 +155,12 @@ class Front:
     # ------------------------------------------------------------------ dispatch
     def handle(self, msg, caller=ADMIN, authenticated: bool = False) -> dict:
         """One message -> one reply; never raises. Without `authenticated` the message's own
-        token/secret is checked first (the Ray actor's path)."""
+        proof is checked first, against the session it names (the Ray actor's path)."""
         try:
             if not authenticated:
-                caller = self.authenticate(msg if isinstance(msg, dict) else {})
+                caller = self.authenticate(msg if isinstance(msg, dict) else {}, self.session(msg))
+            if msg.get("op") == "hello":
+                raise SchedError("a hello opens a connection (or a Ray session), once", "protocol")
             if msg.get("op") in ADMIN_OPS and caller is not ADMIN:
                 raise SchedError(f"op {msg['op']!r} needs the service token", "auth")
             op, args = validate(msg)
@@ -118,6 +173,27 @@ class Front:
         except Exception as e:  # noqa: BLE001  (a defect: the caller gets a reply, not a dead connection)
             op = msg.get("op") if isinstance(msg, dict) else None
             return error(f"op {short(op)} failed inside the service: {type(e).__name__}: {e}", "internal")
+
+    def wait_now(self, msg: dict, caller) -> tuple[dict, float]:
+        """A `wait` answered without blocking: its reply as things are, and how long it may still
+        be held (0: the reply is final). The socket server holds a wait whose time is > 0 and
+        asks again once `settled` says so."""
+        try:
+            _, args = validate(msg)
+        except SchedError as e:
+            return error(str(e), e.code), 0.0
+        reply = self.handle({**msg, "timeout": 0.0}, caller, authenticated=True)
+        held = reply.get("ok") and reply.get("state") in LIVE and reply.get("version") == args.get("version")
+        return reply, min(float(args.get("timeout", 10.0)), HOLD_S) if held else 0.0
+
+    def settled(self, job: str, version: int) -> bool:
+        """Whether a wait of `job` held at `version` may have its answer now: its view moved,
+        the job ended, the core stopped. Read without the core's lock (a hint the server polls;
+        the answer itself comes from `wait_now`)."""
+        core = self.core
+        j = core.jobs.get(job)
+        return (j is None or j.state not in LIVE or core.versions.get(job, 0) + self._base != version
+                or core.closed or core.fatal is not None)
 
     def _job_lock(self, job: str):
         return self._stripes[hash(job) % len(self._stripes)]

@@ -1,6 +1,12 @@
 """The client's socket transport: persistent connections to `rlcu sched serve` (a Unix socket
 or loopback TCP), one per thread, with the framing of protocol.py. `SchedClient` (client.py)
-uses it for every address that is not a Ray one."""
+uses it for every address that is not a Ray one.
+
+Each new connection opens with the handshake of auth.py: the transport sends a hello, checks
+that the service proved it knows the token (or the job's secret) and only then sends the
+message, whose token or secret goes as a proof bound to that connection, never itself. So a
+process that took the service's port (it was down) gets a hello and nothing else, and the
+call fails with an "auth" error naming the address."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import threading
 import time
 import weakref
 
+from rlcu.sched.auth import Handshake
 from rlcu.sched.protocol import MAX_REPLY, SchedError, encode, parse_address
 
 __all__ = ["SocketTransport"]
@@ -21,8 +28,8 @@ __all__ = ["SocketTransport"]
 class SocketTransport:
     """Persistent connections: each thread keeps one connection to the service and sends all
     its calls on it (connecting on its first call, retrying a refused or full socket within
-    retry_s; a service never reached yet: within first_s). Every message still carries its
-    token or secret (the service authenticates each head). A kept connection the service
+    retry_s; a service never reached yet: within first_s). Every message carries the proof
+    of its token or secret (the service authenticates each head). A kept connection the service
     closed while it sat idle (its idle timeout, a restart) is seen before the next send and
     replaced; one that breaks mid-call is replaced and the message sent once more at once,
     marked as a retry with its operation id, so nothing is done twice. `connects` counts the
@@ -71,21 +78,39 @@ class SocketTransport:
                                      "start one with `rlcu sched serve`", "unavailable") from None
                 time.sleep(0.05)
 
-    def _kept(self) -> socket.socket | None:
+    def _kept(self) -> _Kept | None:
         """This thread's kept connection, if it is still good: not inherited through a fork, and
         with nothing to read between two calls (an end of file or a closing notice: the service
         closed it)."""
         k = getattr(self._local, "kept", None)
         if k is None:
             return None
-        s = k.sock
         if k.pid == os.getpid():
             p = select.poll()
-            p.register(s, select.POLLIN | select.POLLERR | select.POLLHUP)
+            p.register(k.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
             if not p.poll(0):
-                return s
+                return k
         self.close()
         return None
+
+    def _open(self, msg: dict, timeout: float, end: float) -> _Kept:
+        """A new connection, past its handshake: the service proved it knows the key `msg`
+        carries (or the transport's token) before anything else is sent."""
+        s = self._connect(timeout, end)
+        self.reached = True  # something listens: a refusal from now on is a restart
+        k = _Kept(s, Handshake(msg, self.token))
+        try:
+            k.auth.accept(json.loads(_line(self._exchange(s, encode(k.auth.hello)))), f"{self.kind}:{self.where}")
+        except (OSError, _Closed, ValueError, SchedError) as e:
+            k.close()
+            if isinstance(e, SchedError):
+                raise
+            if isinstance(e, ValueError):
+                raise SchedError(f"the scheduler at {self.kind}:{self.where} answered the hello with something "
+                                 f"that is not JSON: {e}", "protocol") from None
+            raise SchedError(f"lost the scheduler at {self.kind}:{self.where} during the handshake: "
+                             f"{e or type(e).__name__}", "unavailable") from None
+        return k
 
     def close(self) -> None:
         """Close this thread's kept connection (the next call opens a new one)."""
@@ -98,20 +123,19 @@ class SocketTransport:
             msg = {**msg, "token": self.token}
         wait = float(msg.get("timeout", 0)) if msg.get("op") == "wait" else 0.0
         end = time.monotonic() + (self.retry_s if retry_s is None else retry_s)
-        data = encode(msg)
         while True:
-            s = self._kept() if self.keep_alive else None
-            kept = s is not None
-            if s is None:
-                s = self._connect(self.timeout + wait, end)
+            k = self._kept() if self.keep_alive else None
+            kept = k is not None
+            if k is None:
+                k = self._open(msg, self.timeout + wait, end)
                 if self.keep_alive:
-                    self._local.kept = _Kept(s)
-                    self._all.add(self._local.kept)
+                    self._local.kept = k
+                    self._all.add(k)
             else:
-                s.settimeout(self.timeout + wait)
-            self.reached = True  # something listens: a refusal from now on is a restart
+                k.sock.settimeout(self.timeout + wait)
+            s = k.sock
             try:
-                buf = self._exchange(s, data)
+                buf = self._exchange(s, encode(k.auth.sign(msg)))
             except (ConnectionResetError, BrokenPipeError, _Closed) as e:
                 self._drop(s)
                 if kept:  # the service dropped a kept connection under this call: once more, on a new one
@@ -119,7 +143,6 @@ class SocketTransport:
                         self.resent += 1
                     if "id" in msg and not msg.get("retry"):
                         msg = {**msg, "retry": True}
-                        data = encode(msg)
                     continue
                 if isinstance(e, _Closed):
                     raise SchedError("the scheduler closed the connection without a reply", "unavailable") from None
@@ -131,11 +154,10 @@ class SocketTransport:
                 self._drop(s)
                 raise
             break
-        i = buf.index(b"\n")
-        if i != len(buf) - 1 or not self.keep_alive:  # more than the one reply: not a connection to reuse
+        if buf.index(b"\n") != len(buf) - 1 or not self.keep_alive:  # more than one reply: not to reuse
             self._drop(s)
         try:
-            return json.loads(buf[:i])
+            return json.loads(_line(buf))
         except ValueError as e:
             raise SchedError(f"the scheduler's reply is not JSON: {e}", "protocol") from None
 
@@ -171,13 +193,18 @@ class SocketTransport:
         return buf
 
 
+def _line(buf: bytearray) -> bytes:
+    return bytes(buf[:buf.index(b"\n")])
+
+
 class _Kept:
-    """A thread's kept connection; closed when dropped (its thread ended, its transport went)."""
+    """A thread's kept connection and its handshake; closed when dropped (its thread ended,
+    its transport went)."""
 
-    __slots__ = ("__weakref__", "pid", "sock")
+    __slots__ = ("__weakref__", "auth", "pid", "sock")
 
-    def __init__(self, sock: socket.socket):
-        self.sock, self.pid = sock, os.getpid()
+    def __init__(self, sock: socket.socket, auth: Handshake):
+        self.sock, self.pid, self.auth = sock, os.getpid(), auth
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
