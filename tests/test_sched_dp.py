@@ -156,6 +156,8 @@ def test_a_failed_rank_ends_the_job_as_failed(tmp_path, service):
 class _Handle:
     """Rank 0's JobHandle stand-in: grants at once, logs, asks a yield (or ends the job) at a tick."""
 
+    stopping = False  # a graceful cancel (rlcu sched cancel) sets it
+
     def __init__(self, yield_at=None, end_at=None, slow_s=0.0):
         self.n, self.log, self.yield_at, self.end_at, self.slow_s = 0, [], yield_at, end_at, slow_s
 
@@ -221,6 +223,13 @@ def _protocol(rank):
         hooks.close()
         out[case] = dict(ticks=hooks.ticks, yield_ticks=hooks.yield_ticks, yields=hooks.yields,
                          sleeps=llm.sleeps, after=after, log=h.log if h else None)
+    h = _Handle() if rank == 0 else None
+    hooks = DistJobHooks(h, "actor", {})
+    out["stop"] = [hooks.stop_reason()]  # every rank asks before each step; rank 0's view answers
+    if h is not None:
+        h.stopping = True
+    out["stop"].append(hooks.stop_reason())
+    hooks.close()
     return out
 
 
@@ -240,6 +249,8 @@ def test_tick_protocol_yields_every_rank_even_one_done(tmp_path):
     # the scheduler ends the job at tick 3: every rank raises JobEnded, with rank 0's message
     e0, e1 = r0["end"], r1["end"]
     assert e0["after"] == e1["after"] == "ended: job 'x' is cancelled"
+    # a graceful cancel, seen by rank 0, stops every rank after the same step
+    assert r0["stop"] == r1["stop"] == [None, "cancelled by the scheduler (rlcu sched cancel)"]
 
 
 def test_memory_per_rank_estimate_shards_the_optimizer():

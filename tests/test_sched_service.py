@@ -116,7 +116,8 @@ def test_cancel_reaches_the_job(service, capsys):
     srv, c = service(capacity=(1.0,))
     a = c.job("a", {"c": 1}, heartbeat_s=0.1, poll_s=0.0)
     la = a.acquire("rollout")
-    assert main(["sched", "cancel", "a", "--addr", srv.address, "--token", TOKEN]) == 0
+    # --now ends it at once (a plain cancel's graceful stop: tests/test_sched_cancel.py)
+    assert main(["sched", "cancel", "a", "--now", "--addr", srv.address, "--token", TOKEN]) == 0
     with pytest.raises(JobEnded, match="cancelled"):
         a.should_yield(la)
     assert main(["sched", "cancel", "a", "--addr", srv.address, "--token", TOKEN]) == 1

@@ -150,6 +150,30 @@ def test_a_failing_trl_job_is_marked_failed_and_frees_its_slot(tmp_path, service
     assert t.sched.events[-1] == (pytest.approx(time.time(), abs=30), "finish", {"failed": True})
 
 
+@pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+def test_a_cancelled_trl_job_stops_after_the_step_with_a_checkpoint(tmp_path, service):
+    """`rlcu sched cancel` (graceful) during step 2 of 6: training ends after step 2 with a
+    checkpoint of it, and the job is cancelled."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    from rlcu.sched.integrations.trl import scheduled
+
+    srv, c = service
+    calls = []
+
+    def reward(completions, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            assert c.cancel("x", graceful=True)["state"] == "stopping"
+        return [float(len(set(x.split()))) for x in completions]
+
+    t = scheduled(_trainer(tmp_path, "x", 6, reward=reward), srv.address, "x", token=TOKEN, mem=MEM, poll_s=0.0)
+    t.train()
+    assert t.state.global_step == 2 and len(calls) == 2
+    assert (tmp_path / "x" / "checkpoint-2").is_dir()
+    assert c.status()["jobs"][0]["state"] == "cancelled"
+
+
 def test_scheduled_refuses_what_it_cannot_drive(tmp_path):
     pytest.importorskip("trl")
     from rlcu.sched.integrations.trl import SchedRun, scheduled

@@ -3,7 +3,7 @@
     rlcu sched serve --gpus all                      # or --cpu-slots 2 [--mem 64]; --addr 127.0.0.1:7777
     rlcu sched submit job.yaml                       # a job file, or a GRPO config itself
     rlcu sched status                                # jobs, phases, devices, memory, waits
-    rlcu sched cancel JOB
+    rlcu sched cancel JOB [--now]                    # stop after the step in flight and a checkpoint
     rlcu sched drain [--off]                         # take no new job (the live ones go on)
     rlcu sched simulate TRACE.json --policy fifo|phase [--json] [--trace-out chrome.json]
     rlcu sched trace OUT.json                        # Chrome/Perfetto trace of every lease
@@ -111,9 +111,13 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="jobs, phases, devices, memory and waits")
     _addr_args(s)
     s.add_argument("--json", action="store_true")
-    s = sub.add_parser("cancel", help="cancel a job (its leases are released; its worker stops)")
+    s = sub.add_parser("cancel", help="cancel a job: its worker finishes the step in flight, checkpoints and "
+                                      "exits (as on SIGTERM); --now ends it at once")
     _addr_args(s)
     s.add_argument("job")
+    s.add_argument("--now", action="store_true", help="end the job at once: its leases are released and its "
+                                                      "worker stops at its next call, losing the steps since "
+                                                      "its last checkpoint")
     s = sub.add_parser("drain", help="take no new job (the live ones go on); --off takes them again")
     _addr_args(s)
     s.add_argument("--off", action="store_true")
@@ -208,7 +212,7 @@ def _serve(a) -> int:
     pool = ", ".join(f"{n} ({c:.1f})" for n, c in zip(core.pool["names"], core.pool["capacity"]))
     print(f"rlcu sched: {core.pool['policy']} policy over {pool} on {srv.address}; state {state}", flush=True)
     if not fresh:
-        live = [j for j in core.jobs.values() if j.state in ("queued", "running")]
+        live = [j for j in core.jobs.values() if j.state in ("queued", "running", "stopping")]
         print(f"rlcu sched: recovered {len(live)} live jobs and {len(core.pol.leases)} leases", flush=True)
     try:
         srv.serve_forever()
@@ -316,8 +320,10 @@ def _status(a) -> int:
 
 
 def _cancel(a) -> int:
-    v = _client(a).cancel(a.job)
-    print(f"{a.job}: {v['state']}")
+    v = _client(a).cancel(a.job, graceful=not a.now)
+    more = (": it stops after the step in flight and a checkpoint (`rlcu sched cancel --now` ends it at once)"
+            if v["state"] == "stopping" else "")
+    print(f"{a.job}: {v['state']}{more}")
     return 0
 
 

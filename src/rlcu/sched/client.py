@@ -239,8 +239,9 @@ class SchedClient:
     def trace(self) -> dict:
         return self.call("trace")["trace"]
 
-    def cancel(self, job: str) -> dict:
-        return self.call("cancel", job=job)
+    def cancel(self, job: str, graceful: bool = False) -> dict:
+        """End `job` now, or (graceful) ask it to stop after the step in flight and a checkpoint."""
+        return self.call("cancel", job=job, graceful=graceful or None)
 
     def drain(self, on: bool = True) -> dict:
         """Stop (on) or go on (off) taking new jobs; the live ones go on."""
@@ -309,9 +310,15 @@ class JobHandle:
     def state(self) -> str:
         return self.view["state"]
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the service asked this job to stop (a graceful cancel): finish the step in
+        flight, checkpoint, then `finish`; its phases are still granted until then."""
+        return self.view["state"] == "stopping"
+
     def _check_live(self, lease_id: int | None = None) -> None:
         v = self.view
-        if v["state"] not in ("queued", "running"):
+        if v["state"] not in ("queued", "running", "stopping"):
             raise JobEnded(f"job {self.name!r} is {v['state']}", "ended")
         if lease_id is not None and all(le["id"] != lease_id for le in v["leases"]):
             raise LeaseLost(f"lease {lease_id} of job {self.name!r} is no longer held by the scheduler", "lease_lost")

@@ -21,6 +21,9 @@ work, and all wait for the re-grant together. A rank whose generate has finished
 ticking (and yields with its engine asleep) until every rank's has, so that the collectives
 after the generate (gathering the samples) pair up. Ticks happen only in the rollout phase.
 
+Cancel. Before each step every rank asks `stop_reason`, answered by rank 0 from its view of
+the job: after a graceful cancel all ranks stop after the same step and checkpoint together.
+
 Failure. A rank that raises or dies ends every rank through the dist watchdog; rank 0's
 watchdog finishes the job as failed before it ends its process (`rlcu.dist.watchdog.at_die`),
 and an exception on rank 0 itself finishes it in run_grpo.
@@ -236,6 +239,12 @@ class DistJobHooks(Hooks):
 
     def metrics(self) -> dict:
         return {"sched/yields": self.yields}
+
+    def stop_reason(self) -> str | None:
+        """Rank 0's answer on every rank (all ask at the same step), so all stop together."""
+        from rlcu.sched.job import STOP_REASON
+
+        return STOP_REASON if on_main(lambda: self.sched.stopping) else None
 
     # ---------------------------------------------------------------- yields
     def _preempting(self) -> bool:

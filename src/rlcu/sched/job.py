@@ -25,6 +25,14 @@ never take more than they were leased.
 
 Across the ranks of a data-parallel run (torchrun) the job is one, with leases of WORLD_SIZE
 devices held by rank 0, and every phase and yield taken by all ranks together: rlcu.sched.dp.
+
+Cancel. `rlcu sched cancel JOB` makes the job `stopping`: it learns so from its next call to
+the service (a phase, a heartbeat), finishes the step in flight, checkpoints and logs as on
+SIGTERM (`Hooks.stop_reason`), finishes (the service marks it cancelled) and exits with status
+3; `--now` ends it at once, losing the steps since its last checkpoint.
+
+Threads. From a command line (`threads=True`) a job on CPU slots takes its slots' share of the
+machine's cores (rlcu.threads; its `init` lease says which slots, `status` how many there are).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import sys
 from pathlib import Path
 
 from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError
-from rlcu.train.core import Hooks, coerce_config, exit_status
+from rlcu.train.core import Hooks, TrainingStopped, coerce_config, exit_status
 from rlcu.train.grpo import GRPOTrainer
 from rlcu.train.rl_config import GRPOConfig
 
@@ -149,6 +157,30 @@ class JobHooks(Hooks):
     def metrics(self) -> dict:
         return {"sched/yields": self.yields}
 
+    def stop_reason(self) -> str | None:
+        return STOP_REASON if self.sched.stopping else None
+
+
+STOP_REASON = "cancelled by the scheduler (rlcu sched cancel)"
+
+
+def slot_share(sched: JobHandle, lease) -> float | None:
+    """The part of this machine's cores a lease of CPU slots gives: its slots over the pool's
+    slots on its host; None for GPUs, or when the pool cannot be read (`status` needs the
+    service token, which a worker holding only its job's secret lacks)."""
+    names = list(lease.names)
+    if not names or not all(n.rsplit("/", 1)[-1].startswith("cpu") for n in names):
+        return None
+    host = names[0].rpartition("/")[0]
+    try:
+        pool = [d["name"] for d in sched.client.status()["devices"]]
+    except SchedError as e:
+        if e.code != "auth":
+            raise
+        return None
+    here = [n for n in pool if n.rpartition("/")[0] == host and n.rsplit("/", 1)[-1].startswith("cpu")]
+    return min(1.0, len(names) / len(here)) if here else None
+
 
 def _use_device(lease) -> None:
     from rlcu.dist.comm import world
@@ -171,7 +203,7 @@ class ScheduledGRPO(GRPOTrainer):
     at the same address replays them, so they are captured once, not every step."""
 
     def __init__(self, config, dataset=None, reward_fns=None, *, sched: JobHandle, mem: dict | None = None,
-                 cluster: str = CLUSTER, **kw):
+                 cluster: str = CLUSTER, threads: bool = False, **kw):
         from rlcu.dist.comm import world
 
         cfg = coerce_config(GRPOConfig, config)
@@ -183,6 +215,8 @@ class ScheduledGRPO(GRPOTrainer):
             hooks = JobHooks(sched, cluster, mem)
         with hooks.phase("init") as lease:
             self._use_device(lease)
+            if threads:  # a command line's process: its CPU slots' share of the cores
+                _set_threads(cfg, hooks, lease)
             if cfg.engine.num_kv_blocks is None and hooks.mem.get("rollout") and _on_cuda(cfg):
                 kvb = estimate_memory(cfg)["kv_bytes_per_token"] * cfg.engine.block_size
                 cfg.engine.num_kv_blocks = max(16, int(hooks.mem["rollout"] * GiB * 0.8 // kvb))
@@ -215,6 +249,19 @@ class ScheduledGRPO(GRPOTrainer):
         self.hooks.on_engine_step = fn
 
 
+def _set_threads(cfg: GRPOConfig, hooks, lease) -> None:
+    from rlcu.dist.comm import world
+    from rlcu.threads import apply
+
+    if world().distributed:  # rank 0 reads the pool; every rank takes its slot's share
+        from rlcu.sched.dp import on_main
+
+        share = on_main(lambda: slot_share(hooks.sched, lease))
+    else:
+        share = slot_share(hooks.sched, lease)
+    apply(cfg.model.threads, share=share or 1.0)
+
+
 def _on_cuda(cfg) -> bool:
     return cfg.model.resolve_device() == "cuda"
 
@@ -239,11 +286,15 @@ def grpo_config(config, overrides=()) -> GRPOConfig:
 
 def run_grpo(config, addr: str | None = None, name: str | None = None, *, overrides=(), attach: bool = False,
              mem: dict | None = None, token: str | None = None, client: SchedClient | None = None,
-             heartbeat_s: float = 2.0, poll_s: float = 0.1, trainer_cls=None, **trainer_kw) -> list[dict]:
+             heartbeat_s: float = 2.0, poll_s: float = 0.1, trainer_cls=None, threads: bool = False,
+             **trainer_kw) -> list[dict]:
     """Register (or attach to) a job, train under the scheduler, finish; returns the metrics.
     trainer_kw (dataset, reward_fns, tokenizer, ...) go to the trainer, a ScheduledGRPO
-    (or trainer_cls). Under torchrun (rlcu.dist) every rank calls this: rank 0 registers the job
-    with one lease of WORLD_SIZE devices and talks to the scheduler; see rlcu.sched.dp."""
+    (or trainer_cls). threads: choose torch's CPU threads from the job's slots (a command
+    line's process; a library caller owns its threads). A job the service asked to stop (a
+    graceful cancel) raises TrainingStopped after its checkpoint, and finishes as cancelled.
+    Under torchrun (rlcu.dist) every rank calls this: rank 0 registers the job with one lease
+    of WORLD_SIZE devices and talks to the scheduler; see rlcu.sched.dp."""
     from rlcu.dist.comm import world
 
     cfg = grpo_config(config, overrides)
@@ -268,8 +319,13 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
         handle = register()
     ok, trainer = False, None
     try:
-        trainer = (trainer_cls or ScheduledGRPO)(cfg, sched=handle, mem=mem, **trainer_kw)
-        hist = trainer.train()
+        trainer = (trainer_cls or ScheduledGRPO)(cfg, sched=handle, mem=mem, **trainer_kw,
+                                                 **({"threads": True} if threads else {}))
+        try:
+            hist = trainer.train()
+        except TrainingStopped:
+            ok = True  # it stopped as asked, checkpoint written: the service makes it cancelled
+            raise
         ok = True
         return hist
     finally:
@@ -285,12 +341,16 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
 
 def run_grpo_exit_code(prog: str, *args, **kw) -> int:
     """run_grpo for a command line: 0 when the job finished, 3 when the scheduler ended it
-    (cancelled, or its leases reclaimed), 2 on a scheduler error, and the trainer's statuses
-    otherwise (train.core.exit_status: 1, 2, 128 + N); the reason goes to stderr."""
+    (cancelled: after the step in flight and a checkpoint, or at once with --now; or its
+    leases reclaimed), 2 on a scheduler error, and the trainer's statuses otherwise
+    (train.core.exit_status: 1, 2, 128 + N); the reason goes to stderr."""
 
     def run() -> int:
         try:
             run_grpo(*args, **kw)
+        except TrainingStopped as e:
+            print(f"{prog}: {e}", file=sys.stderr)
+            return 3
         except JobEnded as e:
             print(f"{prog}: the scheduler ended the job: {e}", file=sys.stderr)
             return 3
@@ -323,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             p.error(f"--mem takes PHASE=GIB, got {kv!r}")
     return run_grpo_exit_code("rlcu sched job", a.config, a.addr, a.name, overrides=a.overrides,
-                              attach=a.attach, mem=mem)
+                              attach=a.attach, mem=mem, threads=True)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ class Operations:
             if not attach or j.state not in LIVE:
                 raise SchedRequestError(f"job {job!r} already exists ({j.state})"
                                         + ("" if j.state in LIVE else ": choose another name"))
-            j.state, j.pid, j.host, j.last_seen = "running", pid, host, self.mono()
+            j.state = "stopping" if j.state == "stopping" else "running"  # (a cancel asked before stands)
+            j.pid, j.host, j.last_seen = pid, host, self.mono()
         else:
             self.pol.add_job(job, clusters)
             if not self.jobs:  # the metrics' span begins with the first job (as summarize's t0)
@@ -240,16 +241,28 @@ class Operations:
         return self.view(job)
 
     def op_finish(self, job, failed: bool = False) -> dict:
-        """The job ended (failed: with an error); its leases are released."""
-        self._job(job)
-        self._end_job(job, "failed" if failed else "done", "finished")
+        """The job ended (failed: with an error; a job asked to stop: cancelled); its leases
+        are released."""
+        j = self._job(job)
+        self._end_job(job, "failed" if failed else "cancelled" if j.state == "stopping" else "done", "finished")
         return self.view(job)
 
-    def op_cancel(self, job) -> dict:
+    def op_cancel(self, job, graceful: bool = False) -> dict:
+        """End the job now: its leases are released and its worker learns it at its next call
+        (JobEnded). graceful: ask a running job to stop instead; it is `stopping` (live: its
+        requests are still granted) while it finishes the step in flight and checkpoints, and
+        its `finish` makes it cancelled. A queued job (no worker attached yet) ends at once."""
         j = self._job(job, live=False)
         if j.state not in LIVE:
             raise SchedRequestError(f"job {job!r} is already {j.state}", "ended")
-        self._end_job(job, "cancelled", "cancelled")
+        if graceful and j.state != "queued":
+            if j.state != "stopping":
+                j.state = "stopping"
+                self.store.put_job(j)
+                self._bump(job)
+        else:
+            self._end_job(job, "cancelled", "cancelled")
+        self.cond.notify_all()  # a job waiting for a grant sees it now, not at its wait's timeout
         return self.view(job)
 
     def op_status(self) -> dict:

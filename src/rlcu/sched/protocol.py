@@ -329,7 +329,7 @@ FIELDS = {
     "host": _opt(_str(255)), "queued": _bool, "attach": _bool, "phase": _name, "cluster": _opt(_name),
     "devices": _opt(_DEVICES), "min_devices": _opt(_DEVICES), "mem": _opt(_MEM), "work": _num(0.0, 1e18),
     "only": _opt(_only), "request": _ID, "lease": _ID, "version": _int(-1, MAX_ID),
-    "timeout": _num(0.0, MAX_WAIT), "failed": _bool, "on": _bool,
+    "timeout": _num(0.0, MAX_WAIT), "failed": _bool, "on": _bool, "graceful": _bool,
     "nonce": _hex(NONCE, "32-128 lowercase hex digits"), "session": _hex(NONCE, "32-128 lowercase hex digits"),
     "token_proof": _hex(PROOF, "64 lowercase hex digits (an HMAC-SHA256)"),
     "secret_proof": _hex(PROOF, "64 lowercase hex digits (an HMAC-SHA256)"), "id": _op_id, "retry": _bool,
@@ -352,7 +352,7 @@ OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "heartbeat": (("job",), ()),
     "wait": (("job",), ("version", "timeout")),
     "finish": (("job",), ("failed",)),
-    "cancel": (("job",), ()),
+    "cancel": (("job",), ("graceful",)),
 }
 READ_OPS = ("ping", "status", "metrics", "trace")  # any authenticated caller
 ADMIN_OPS = ("drain",)  # the service token only

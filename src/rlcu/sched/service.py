@@ -54,7 +54,7 @@ from rlcu.sched.protocol import (
     validate,
 )
 
-LIVE = ("queued", "running")
+LIVE = ("queued", "running", "stopping")
 _VIEW = ("job", "state", "version", "leases", "pending")  # a reply's view of its job
 ADMIN = None  # the caller who gave the service token
 HOLD_S = 60.0  # the longest a wait is held (as the core's own wait): the client asks again after
@@ -292,5 +292,6 @@ class Front:
         if op == "withdraw":
             gone = all(p["id"] != args["request"] for p in v["pending"])
             return {**v, "reconciled": True} if gone and v["state"] in LIVE else None
-        ended = v["state"] in ("done", "failed") if op == "finish" else v["state"] == "cancelled"
+        ended = v["state"] in ("done", "failed") if op == "finish" else \
+            v["state"] == "cancelled" or (args.get("graceful") and v["state"] == "stopping")
         return {**v, "reconciled": True} if ended else None

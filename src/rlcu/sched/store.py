@@ -56,7 +56,8 @@ class Job:
     name: str
     clusters: dict
     spec: dict
-    state: str  # queued (submitted, its worker not attached yet), running, done, failed, cancelled, dead
+    state: str  # queued (submitted, its worker not attached yet), running, stopping (asked to), done, failed,
+    #             cancelled, dead
     submitted: float
     seq: int
     started: float | None = None

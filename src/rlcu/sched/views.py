@@ -14,7 +14,7 @@ from rlcu.sched import metrics as mx
 from rlcu.sched.pool import RESIDENT, Request
 from rlcu.sched.store import Job
 
-LIVE = ("queued", "running")
+LIVE = ("queued", "running", "stopping")  # stopping: asked to stop (a graceful cancel), not yet finished
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "scheduler", None):  # under torchrun: one job, its leases span the ranks' devices
         from rlcu.sched.job import run_grpo_exit_code
 
-        return run_grpo_exit_code(f"rlcu {cmd}", cfg, args.scheduler, args.job_name)
+        return run_grpo_exit_code(f"rlcu {cmd}", cfg, args.scheduler, args.job_name, threads=True)
     import importlib
 
     trainer_cls = getattr(importlib.import_module(tmod), tcls)

@@ -46,6 +46,16 @@ class TrainingInterrupted(Exception):
         super().__init__(f"stopped by {name} after step {step}; checkpoint: {checkpoint}")
 
 
+class TrainingStopped(Exception):
+    """The run's driver asked it to stop (`hooks.stop_reason()`, e.g. the scheduler's cancel);
+    it stopped as on SIGTERM, after the step in flight and a checkpoint; `reason`,
+    `checkpoint` (a Path), `step`."""
+
+    def __init__(self, reason: str, checkpoint: Path | None, step: int):
+        self.reason, self.checkpoint, self.step = reason, checkpoint, step
+        super().__init__(f"{reason}: stopped after step {step}; checkpoint: {checkpoint}")
+
+
 def coerce_config(cls, config):
     """A `cls` from None (the defaults), a `cls`, a dict (checked as YAML is) or a YAML path."""
     from rlcu.config import config_from_dict, load_config
@@ -96,7 +106,8 @@ class Hooks:
     tokens a rollout may generate). preemptible: when true, generate calls pass
     yield_check() (asked between engine steps: give the device back now?) and
     on_yield(tokens_left) (returns when the rollout may go on) to the engine.
-    metrics(): extra metrics merged into each step's."""
+    metrics(): extra metrics merged into each step's. stop_reason(): asked before each step (on
+    every rank at the same step); a reason stops the run as SIGTERM does (TrainingStopped)."""
 
     preemptible = False
 
@@ -112,6 +123,9 @@ class Hooks:
 
     def metrics(self) -> dict:
         return {}
+
+    def stop_reason(self) -> str | None:
+        return None
 
 
 class Trainer(abc.ABC):
@@ -317,12 +331,13 @@ class Trainer(abc.ABC):
         resumed = self._open_run()
         lg = self.logger
         end = c.steps if until is None else min(until, c.steps)
-        start, saved_at = self.step, None
+        start, saved_at, stop = self.step, None, None
+        stop_reason = getattr(self.hooks, "stop_reason", lambda: None)  # (hooks written before it: none)
         try:
             with SignalGuard() as sig:
                 if not resumed and self.has_eval:
                     self._record(0, self.eval_metrics())  # the baseline, before any update
-                while self.step < end and not sig.signum:
+                while self.step < end and not (stop := stop_reason()) and not sig.signum:
                     try:
                         m = self.train_step(self.step)
                     except NonFiniteError as e:
@@ -342,10 +357,13 @@ class Trainer(abc.ABC):
                     if c.checkpoint.every and self.step % c.checkpoint.every == 0:
                         self._save_if_finite()
                         saved_at = self.step
-                if sig.signum and self.step < end:
-                    lg.warn(f"received {sig.name} during step {self.step}: the step finished; checkpointing")
+                if (sig.signum or stop) and self.step < end:
+                    why = f"received {sig.name}" if sig.signum else stop
+                    lg.warn(f"{why} during step {self.step}: the step finished; checkpointing")
                     ck = self.last_checkpoint if saved_at == self.step else self._save_if_finite()
-                    raise TrainingInterrupted(sig.signum, ck, self.step)
+                    if sig.signum:
+                        raise TrainingInterrupted(sig.signum, ck, self.step)
+                    raise TrainingStopped(stop, ck, self.step)
             if self.step > start and saved_at != self.step and (c.checkpoint.save_at_end or self.step < c.steps):
                 self._save_if_finite()
         finally:

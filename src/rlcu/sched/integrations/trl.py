@@ -27,6 +27,10 @@ the finest boundary. With vLLM in colocate mode, pass `vllm_enable_sleep_mode=Tr
 then wakes the engine's KV cache inside `_generate` and sleeps it after, so the engine's
 memory lives inside the rollout lease (a yield is honoured between generation batches).
 
+Cancel. After `rlcu sched cancel JOB` the callback ends training at the end of the step in
+flight with a checkpoint (TRL's own, in `output_dir`), and the job finishes as cancelled;
+`--now` ends it at its next call to the service (`JobEnded`).
+
 Memory (GiB per device). `mem={"resident": R, "rollout": X, "actor_train": Y}` declares
 the footprint; what is not declared is estimated from the model and the config (weights,
 gradients and AdamW moments; the KV cache of one generation batch; one micro-batch's
@@ -254,10 +258,23 @@ def _callback(run: SchedRun):
     from transformers import TrainerCallback
 
     class SchedCallback(TrainerCallback):
-        """Registers the job when training begins, finishes it when training ends."""
+        """Registers the job when training begins, finishes it when training ends; a graceful
+        cancel (`rlcu sched cancel`) ends training after the step in flight, with a checkpoint."""
 
         def on_train_begin(self, args, state, control, **kw):
             run.start()
+
+        def on_step_end(self, args, state, control, **kw):
+            if run.job is None:
+                return
+            try:
+                run.job._call("heartbeat")  # the job's view now: a step may hold one lease throughout
+            except JobEnded:
+                raise
+            except SchedError:
+                pass  # the service is away for now: its last view stands
+            if run.job.stopping:
+                control.should_save = control.should_training_stop = True
 
         def on_train_end(self, args, state, control, **kw):
             run.finish()
