@@ -29,14 +29,16 @@ def _sets(tmp_path, thinking: bool | None) -> list[str]:
     tiny = dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id)
     out = [f"log.out_dir={tmp_path / 'run'}", "log.progress=false", "log.plot=false", "log.tensorboard=false",
            f"model.tiny={tiny}", "steps=1"]
-    return out + ([] if thinking is None else [f"data.chat_template_kwargs={{enable_thinking: {str(thinking).lower()}}}"])
+    kw = [] if thinking is None else [f"data.chat_template_kwargs={{enable_thinking: {str(thinking).lower()}}}"]
+    return out + kw
 
 
 @pytest.mark.parametrize("kind", ["grpo", "ppo"])
 def test_rl_prompts_and_rollouts_take_the_template_kwargs(tmp_path, kind):
     from rlcu.train import grpo, ppo, rl_config
 
-    cls, trainer = {"grpo": (rl_config.GRPOConfig, grpo.GRPOTrainer), "ppo": (rl_config.PPOConfig, ppo.PPOTrainer)}[kind]
+    cls, trainer = {"grpo": (rl_config.GRPOConfig, grpo.GRPOTrainer),
+                    "ppo": (rl_config.PPOConfig, ppo.PPOTrainer)}[kind]
     rows = [{"prompt": CHAT}]
     texts = {}
     for thinking in (None, False):

@@ -103,7 +103,8 @@ def test_reward_module_beside_the_config(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(work))])
     monkeypatch.setattr(reward_loader, "_DIRS", [])
     try:
-        with pytest.raises(ValueError, match=r"cannot import module 'beside_cfg_rewards'.*looked in .*work \(the working directory\)"):
+        with pytest.raises(ValueError, match=r"cannot import module 'beside_cfg_rewards'.*looked in .*work "
+                                             r"\(the working directory\)"):
             load_reward("beside_cfg_rewards:r")
         add_import_dir(cfg_dir / "grpo.yaml")
         assert load_reward("beside_cfg_rewards:r")(completions=["a"]) == [1.0]

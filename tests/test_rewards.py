@@ -124,7 +124,7 @@ def test_reward_errors_are_masked(user_mod):
     assert len(errors) == 3 and seen == errors
     assert "reward 'boom' failed on 2 of 2 samples" in errors[0] and "ZeroDivisionError: no luck" in errors[0]
     assert "prompt='the prompt'" in errors[0] and "completion='the completion'" in errors[0]
-    assert "expected a list of 2 floats" in errors[1] and "'high'" in errors[2]
+    assert "expected a list of 2 values" in errors[1] and "'high'" in errors[2]
     assert rs.last_metrics["reward_failed/boom"] == 2.0
     # the next batch goes on normally
     total, _, errors = RewardSet(["my_rewards:length"])(["a"], ["bb"], [{}])
