@@ -2,19 +2,25 @@
 only; its JSON carries the jobs, the per-device lease timeline and the yields; the page,
 loaded in headless Chromium, shows them (and refuses without the token), and a screenshot
 is written under the test's folder. The Chromium tests skip, with the reason, only where no
-Chromium is installed (.ci/run installs Debian's `chromium`)."""
+Chromium is installed (.ci/run installs Debian's `chromium`). Under hostile connections
+(issue 14, item 6): a bounded number of them, strangers closed first, a back-off when out of
+descriptors, and a cookie that is not the token."""
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
+import rlcu.sched
 from rlcu.sched.client import SchedClient
 from rlcu.sched.core import Core
 from rlcu.sched.dashboard import Dashboard
@@ -170,8 +176,6 @@ def test_page_refused_without_token_in_chromium(live):
 
 def test_serve_dashboard_flag(tmp_path):
     """`rlcu sched serve --dashboard 127.0.0.1:PORT` serves the page beside the service."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -201,3 +205,104 @@ def test_serve_refuses_a_dashboard_off_loopback(tmp_path, capsys):
     assert main(["sched", "serve", "--cpu-slots", "1", "--state", str(state), "--dashboard", "0.0.0.0:8080"]) == 2
     assert "loopback only" in capsys.readouterr().err
     assert not (state / "sched.sock").exists()  # the service it had opened is closed again
+
+
+# ---------------------------------------------------------------------- hostile connections (issue 14, item 6)
+def test_strangers_cannot_keep_the_page_from_its_user(live):
+    """Connections that never send an authorized request used to take a thread each, without
+    bound. Now at most `max_conns` (64) are open, strangers the first to go: with 100 of them
+    idle, the page's own request is still answered."""
+    dash, _, _ = live
+    base = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", dash.srv.server_address[1]), timeout=5) for _ in range(100)]
+    try:
+        time.sleep(1.2)  # past a stranger's grace
+        assert threading.active_count() - base <= 64, threading.active_count() - base
+        t = time.monotonic()
+        code, _, _ = _get(dash.url + "api/state", {"Authorization": f"Bearer {TOKEN}"})
+        assert code == 200 and time.monotonic() - t < 3.0
+        assert dash.srv.evicted >= 100 + 1 - 64
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_the_cookie_is_not_the_token(live):
+    """A page left polling sends its cookie to whoever holds the port once the dashboard is
+    down: it must not be the token (nor good at another start of the dashboard)."""
+    dash, c, _ = live
+    _, h, _ = _get(dash.url + f"?token={TOKEN}")
+    cookie = h["Set-Cookie"].split(";")[0]
+    assert TOKEN not in cookie
+    assert _get(dash.url + "api/state", {"Cookie": cookie})[0] == 200
+    other = Dashboard(c, "127.0.0.1:0", TOKEN).start()
+    try:
+        assert _get(other.url + "api/state", {"Cookie": cookie})[0] == 401
+    finally:
+        other.stop()
+
+
+SRC = str(Path(rlcu.sched.__file__).resolve().parents[1])
+# a child that imports the scheduler without rlcu/__init__ (which imports torch: seconds here)
+LIGHT = f"import sys, types; _p = types.ModuleType('rlcu'); _p.__path__ = [{SRC!r}]; sys.modules['rlcu'] = _p\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_out_of_descriptors_the_dashboard_backs_off(tmp_path):
+    """Out of descriptors, the dashboard's accept loop used to spin at 100% of a core (the
+    listening socket stays readable), in the service's own process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = tmp_path / "state"
+    child = subprocess.Popen([sys.executable, "-c", LIGHT + (
+        "import resource\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "from rlcu.sched.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"), "sched", "serve", "--cpu-slots", "1", "--state", str(state),
+        "--dashboard", f"127.0.0.1:{port}"], env={**os.environ, "RLCU_SCHED_TOKEN": TOKEN},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    held = []
+    try:
+        end = time.monotonic() + 30
+        while "dashboard on" not in child.stdout.readline():
+            assert time.monotonic() < end and child.poll() is None
+        c = SchedClient(f"unix:{state / 'sched.sock'}", TOKEN, retry_s=5)
+        assert c.ping()["ok"]  # (its connection kept: it is served through the flood)
+        for _ in range(80):  # more than the child has descriptors for (one at a time: none refused)
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            held.append(s)
+            time.sleep(0.003)
+        end = time.monotonic() + 5
+        while len(os.listdir(f"/proc/{child.pid}/fd")) < 46:  # (the limit is 48)
+            assert time.monotonic() < end, "the dashboard never took the descriptors"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def cpu() -> float:
+            f = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / tick
+
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(1.5)
+        used = (cpu() - c0) / (time.monotonic() - t0)
+        assert used < 0.3, f"the service's process used {used:.0%} of a core while out of descriptors"
+        assert c.ping()["ok"]
+        for s in held:
+            s.close()
+        held = []
+        t = time.monotonic()
+        c.job("after", {"c": 1}, heartbeat_s=30).finish()  # a new job gets in at once
+        assert time.monotonic() - t < 3.0
+        end = time.monotonic() + 10
+        while _get(f"http://127.0.0.1:{port}/api/state", {"Authorization": f"Bearer {TOKEN}"})[0] != 200:
+            assert time.monotonic() < end, "the dashboard never served again"
+            time.sleep(0.2)
+    finally:
+        for s in held:
+            s.close()
+        child.kill()
+        child.wait()

@@ -15,19 +15,34 @@ call a second. Standard library only (`http.server`).
 Security. Loopback only (anything else is refused, as the service's TCP is); GET and HEAD
 only; every request needs the service's token: `Authorization: Bearer TOKEN`, the
 `rlcu_sched_token` cookie (HttpOnly, SameSite=Strict), or `?token=` on the page, which sets
-that cookie and redirects. Without it: 401 and no data. A Host header other than the
-loopback address is refused (DNS rebinding); the page's one inline script is allowed by its
-hash in a Content-Security-Policy that allows nothing else from anywhere.
+that cookie and redirects. Without it: 401 and no data. The cookie is not the token but an
+HMAC of it keyed per start of the dashboard: a page left polling while the dashboard is down
+sends it to whoever took the port, who can use it nowhere (not at the service, not at the
+next dashboard); the page then asks for the link again. (Bearer sends the token itself, as
+any HTTP client does: for scripts.) A Host header other than the loopback address is refused
+(DNS rebinding); the page's one inline script is allowed by its hash in a
+Content-Security-Policy that allows nothing else from anywhere.
+
+Connections. A thread per connection (the standard library's), at most `max_conns` of them:
+at the cap the connection open longest without an authorized request (a *stranger*) is
+closed to make room once it is a second old, and until then newcomers wait in the listen
+queue, first come first served: strangers cannot keep the page from its user. Out of
+descriptors (EMFILE), accepting pauses with a growing back-off (up to 1 s) instead of
+spinning on a listening socket that stays readable: the dashboard runs in the service's
+process, whose loop it would otherwise starve.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
+import errno
 import hashlib
 import hmac
 import http.server
 import json
 import re
+import secrets
 import socket
 import threading
 import time
@@ -40,6 +55,7 @@ from rlcu.sched.protocol import is_loopback, parse_address
 
 COOKIE = "rlcu_sched_token"
 PAGE = Path(__file__).with_name("dashboard.html")
+_ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 def _csp(page: str) -> str:
@@ -85,7 +101,7 @@ class Dashboard:
     """Dashboard(client, "127.0.0.1:8080", token).start() ... .stop(); `.url` is its address."""
 
     def __init__(self, client: SchedClient, addr: str, token: str, *, window_s: float = 300.0,
-                 refresh_s: float = 1.0):
+                 refresh_s: float = 1.0, max_conns: int = 64):
         kind, where = parse_address(addr)
         if kind != "tcp":
             raise ValueError(f"--dashboard takes a loopback HOST:PORT, e.g. 127.0.0.1:8080, got {addr!r}")
@@ -95,29 +111,30 @@ class Dashboard:
         if not token:
             raise ValueError("the dashboard needs the service's token")
         self.client, self.token, self.window_s, self.refresh_s = client, token, float(window_s), float(refresh_s)
+        self.cookie = hmac.new(token.encode(), b"rlcu-sched dashboard cookie\0" + secrets.token_bytes(16),
+                               hashlib.sha256).hexdigest()  # (a new one each start: one taken is good for no other)
         self.page = PAGE.read_text()
         self.csp = _csp(self.page)
         self._lock = threading.Lock()
         self._cache: tuple[float, bytes] | None = None
-        cls = type("_HTTP", (http.server.ThreadingHTTPServer,),
-                   {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET, "daemon_threads": True})
+        cls = type("_HTTP", (_Server,), {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
         self.srv = cls((host, port), _Handler)
-        self.srv.dash = self
+        self.srv.dash, self.srv.max_conns = self, max_conns
         h, p = self.srv.server_address[:2]
         self.hosts = {f"{h}:{p}", f"[{h}]:{p}", f"localhost:{p}"}
         self.url = f"http://{f'[{h}]' if ':' in h else h}:{p}/"
         self._thread: threading.Thread | None = None
 
     def authorized(self, headers) -> bool:
-        given = []
         auth = headers.get("Authorization", "")
-        if auth.startswith("Bearer "):
-            given.append(auth[len("Bearer "):].strip())
+        if auth.startswith("Bearer ") and hmac.compare_digest(auth[len("Bearer "):].strip().encode(),
+                                                                self.token.encode()):
+            return True
         for part in headers.get("Cookie", "").split(";"):
             k, _, v = part.strip().partition("=")
-            if k == COOKIE:
-                given.append(urllib.parse.unquote(v))
-        return any(hmac.compare_digest(g.encode(), self.token.encode()) for g in given)
+            if k == COOKIE and hmac.compare_digest(urllib.parse.unquote(v).encode(), self.cookie.encode()):
+                return True
+        return False
 
     def state(self) -> bytes:
         """The page's JSON, rebuilt at most every refresh_s."""
@@ -148,6 +165,7 @@ class Dashboard:
         return self
 
     def stop(self) -> None:
+        self.srv.quit.set()  # (ends a back-off pause at once)
         if self._thread is not None:
             self.srv.shutdown()
             self._thread.join(timeout=5)
@@ -159,6 +177,72 @@ class Dashboard:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    """The standard library's threaded server, with a connection cap that closes strangers
+    first (and otherwise leaves newcomers in the listen queue, first come first served, rather
+    than refusing them), and a back-off when accept() runs out of descriptors."""
+
+    daemon_threads = True
+    request_queue_size = 128  # (the listen queue newcomers wait in at the cap)
+    max_conns = 64
+    grace = 1.0  # a stranger this young keeps its chance (it may be the page's own request)
+
+    def __init__(self, *a, **kw):
+        self.quit = threading.Event()
+        self.accept_errors, self.evicted, self._backoff = 0, 0, 0.01
+        self._open: collections.OrderedDict[socket.socket, list] = collections.OrderedDict()  # -> [born, known]
+        self._room = threading.Condition()
+        super().__init__(*a, **kw)
+        self.socket.setblocking(False)  # (a newcomer that left while we waited for room: no accept blocks)
+
+    def get_request(self):
+        with self._room:  # at the cap: wait for a slot, or for the oldest stranger to be past its grace
+            while not self.quit.is_set() and len(self._open) >= self.max_conns:
+                oldest = next((born for born, known in self._open.values() if not known), None)
+                left = 0.1 if oldest is None else oldest + self.grace - time.monotonic()
+                if left <= 0:
+                    break
+                self._room.wait(min(left, 0.1))
+        try:
+            got = super().get_request()
+        except OSError as e:
+            if e.errno in _ACCEPT_ERRORS:  # the listening socket stays readable: pause, or spin on it
+                self.accept_errors += 1
+                self.quit.wait(self._backoff)
+                self._backoff = min(1.0, self._backoff * 2)
+            raise
+        self._backoff = 0.01
+        return got
+
+    def process_request(self, request, client_address):
+        victim = None
+        with self._room:
+            if len(self._open) >= self.max_conns:  # (past its grace: get_request waited for that)
+                victim = next((s for s, (_, known) in self._open.items() if not known), None)
+                if victim is not None:
+                    del self._open[victim]
+                    self.evicted += 1
+            self._open[request] = [time.monotonic(), False]
+        if victim is not None:  # its thread reads an end of file and ends
+            try:
+                victim.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        super().process_request(request, client_address)
+
+    def known(self, request) -> None:
+        """The connection sent an authorized request: no longer a stranger."""
+        with self._room:
+            if request in self._open:
+                self._open[request][1] = True
+
+    def shutdown_request(self, request):
+        with self._room:
+            self._open.pop(request, None)
+            self._room.notify()
+        super().shutdown_request(request)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -195,11 +279,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             tok = q["token"][0]
             if not hmac.compare_digest(tok.encode(), d.token.encode()):
                 return self._refuse(401, "wrong token")
-            cookie = f"{COOKIE}={urllib.parse.quote(tok)}; HttpOnly; SameSite=Strict; Path=/"
+            self.server.known(self.connection)
+            cookie = f"{COOKIE}={d.cookie}; HttpOnly; SameSite=Strict; Path=/"
             return self._send(303, b"", "text/plain", {"Location": "/", "Set-Cookie": cookie})
         if not d.authorized(self.headers):
             return self._refuse(401, "token required: open the link with ?token=TOKEN (the service's token, "
                                      "in &lt;state&gt;/token)")
+        self.server.known(self.connection)
         if url.path == "/":
             return self._send(200, d.page.encode(), "text/html; charset=utf-8")
         if url.path == "/api/state":
