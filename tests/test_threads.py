@@ -162,3 +162,15 @@ def test_resume_keeps_the_thread_count_and_refuses_another(tmp_path, monkeypatch
     assert json.loads((ck / "trainer_state.json").read_text())["config"]["model"]["threads"] == 1
     assert cli.main(["grpo", str(y), "--resume", "auto", "--set", "model.threads=1"]) == 0  # given: the same
     assert len(list((out / "checkpoints").glob("step-*"))) == 3
+
+
+def test_generate_chooses_its_threads(tmp_path, monkeypatch, capsys):
+    """`rlcu generate` too: --threads N, or auto as the trainers choose."""
+    from rlcu.engine import cli as gen
+
+    assert gen.main(["--threads", "0"]) == 2
+    assert capsys.readouterr().err == "rlcu generate: --threads must be 'auto' or a number of threads >= 1, got '0'\n"
+    monkeypatch.setattr(th, "available_cores", lambda: 1)
+    torch.set_num_threads(2)
+    assert gen.main(["--max-tokens", "2", "--output", str(tmp_path / "o.jsonl"), "--no-progress"]) == 0
+    assert torch.get_num_threads() == 1

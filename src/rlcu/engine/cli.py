@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 
+from rlcu.threads import apply, parse_setting
+
 _TINY_WORDS = ("the a an and or but if then else of to in on at for with from by is are was were be been "
                "it this that these those i you he she we they me him her us them my your his its our their "
                "what which who when where why how all any some no not yes one two three four five six seven "
@@ -133,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-warmup", action="store_true", help="compile kernels and capture graphs on first use, not "
                                                             "at the engine's start")
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    e.add_argument("--threads", default="auto", help="torch CPU threads: a number, or auto (OMP_NUM_THREADS when "
+                                                     "set, else the cores this process may use, at most those idle "
+                                                     "at the start; rlcu.threads)")
     return p
 
 
@@ -162,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             check_device(args.device, "--device")
         if args.output != "-":
             _check_output(args.output)  # before the model loads and generates
+        threads = parse_setting(args.threads, "--threads")
     except ValueError as e:
         return _fail(str(e))
+    apply(threads)  # before any work: torch's default counts every core of the machine
 
     from rlcu.engine import LLM, SamplingParams
 

@@ -19,7 +19,8 @@ class _GRPOJobActor:
 
         client = SchedClient(addr)
         client.set_secret(name, secret)
-        hist = run_grpo(config, addr, name, overrides=overrides, attach=True, mem=mem, client=client, **trainer_kw)
+        hist = run_grpo(config, addr, name, overrides=overrides, attach=True, mem=mem, client=client, threads=True,
+                        **trainer_kw)  # (threads: the actor's process is the job's own)
         return hist[-1] if hist else {}
 
 
