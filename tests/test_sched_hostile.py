@@ -111,7 +111,7 @@ def test_the_ray_actor_bounds_the_threads_one_jobs_waits_hold():
         time.sleep(0.2)
         assert [r["code"] for r in replies] == ["busy"]
         assert call(op="ping", token=TOKEN)["ok"]
-        assert call(op="finish", job="hog", secret=sec)["ok"]  # the job's view moves: its waits return
+        assert call(op="request", job="hog", secret=sec, phase="actor_train")["ok"]  # granted: its waits return
         for t in waits:
             t.join(5)
         assert len(replies) == 17 and sum(r["ok"] for r in replies) == 16
