@@ -266,6 +266,7 @@ class SchedClient:
 
 
 _VIEW = ("job", "state", "version", "leases", "pending")
+STOP_REASON = "cancelled by the scheduler (rlcu sched cancel)"  # a stopping job's, in its log and exit
 
 
 class JobHandle:

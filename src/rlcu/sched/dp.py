@@ -41,7 +41,7 @@ import time
 import torch
 
 from rlcu.dist import comm as W
-from rlcu.sched.client import JobHandle, SchedError
+from rlcu.sched.client import STOP_REASON, JobHandle, SchedError
 from rlcu.train.core import Hooks
 
 _ERROR_FLAG = 1e6  # rank 0's tick value when asking the scheduler failed
@@ -242,8 +242,6 @@ class DistJobHooks(Hooks):
 
     def stop_reason(self) -> str | None:
         """Rank 0's answer on every rank (all ask at the same step), so all stop together."""
-        from rlcu.sched.job import STOP_REASON
-
         return STOP_REASON if on_main(lambda: self.sched.stopping) else None
 
     # ---------------------------------------------------------------- yields

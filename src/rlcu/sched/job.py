@@ -44,7 +44,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError
+from rlcu.sched.client import STOP_REASON, JobEnded, JobHandle, SchedClient, SchedError
 from rlcu.train.core import Hooks, TrainingStopped, coerce_config, exit_status
 from rlcu.train.grpo import GRPOTrainer
 from rlcu.train.rl_config import GRPOConfig
@@ -159,9 +159,6 @@ class JobHooks(Hooks):
 
     def stop_reason(self) -> str | None:
         return STOP_REASON if self.sched.stopping else None
-
-
-STOP_REASON = "cancelled by the scheduler (rlcu sched cancel)"
 
 
 def slot_share(sched: JobHandle, lease) -> float | None:
