@@ -233,8 +233,9 @@ class Conns:
 
     def close(self, c: Conn, reply: dict | None = None) -> None:
         fd = c.sock.fileno()
-        if fd < 0:
-            return  # (closed already)
+        if fd < 0:  # (closed already: its peer left while its message was in a batch)
+            self.held.discard(c)
+            return
         if reply is not None:
             _send_now(c.sock, reply)
         self.all.pop(fd, None)

@@ -309,7 +309,7 @@ class SchedServer:
         """A wait: answered now, or held in the loop (its connection, no thread) until its
         job's view moves or its time is up."""
         reply, left = self.front.wait_now(msg, c.caller)
-        if left <= 0:
+        if left <= 0 or c.sock.fileno() < 0:  # (final, or its client left meanwhile)
             self._answer(c, reply)
             return
         until = time.monotonic() + left
