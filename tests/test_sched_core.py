@@ -12,6 +12,7 @@ from sched_util import SPEC, Clock, ok
 
 from rlcu.sched.cli import main
 from rlcu.sched.core import Core, StateLocked, StoreError
+from rlcu.sched.pool import InvariantError
 from rlcu.sched.store import Job
 
 
@@ -250,7 +251,7 @@ def test_a_waiting_job_is_told_when_the_service_stops_on_a_broken_invariant(tmp_
     t = threading.Thread(target=lambda: got.append(core.handle({"op": "wait", "job": "b", "version": v["version"],
                                                                  "timeout": 10})))
     t.start()
-    monkeypatch.setattr(core, "_audit", lambda: (_ for _ in ()).throw(AssertionError("books broken")))
+    monkeypatch.setattr(core, "_audit", lambda: (_ for _ in ()).throw(InvariantError("books broken")))
     r = core.handle({"op": "finish", "job": "a"})
     t.join(5)
     assert r["code"] == "fatal" and got and got[0]["code"] == "fatal" and "books broken" in got[0]["error"]
@@ -272,12 +273,13 @@ def test_the_service_exits_non_zero_on_a_broken_invariant(tmp_path):
     hook.mkdir()
     flag = tmp_path / "break"
     (hook / "sitecustomize.py").write_text(
-        "import os, rlcu.sched.core as c\n"
-        "_real = c.check_invariants\n"
+        "import os, rlcu.sched.audit as a\n"
+        "_real = a.check_invariants\n"
         "def _check(p):\n"
-        f"    assert not os.path.exists({str(flag)!r}), 'injected: books broken'\n"
+        f"    if os.path.exists({str(flag)!r}):\n"
+        "        raise a.InvariantError('injected: books broken')\n"
         "    _real(p)\n"
-        "c.check_invariants = _check\n")
+        "a.check_invariants = _check\n")
     src = Path(__file__).resolve().parents[1] / "src"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), str(src)]))
     state = tmp_path / "state"

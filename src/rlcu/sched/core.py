@@ -8,10 +8,11 @@ Every message is one operation under one lock and one SQLite transaction. An ope
 fails, for whatever reason, gets {"ok": False, "error": ...} and leaves no trace: its
 transaction is rolled back and, if it had changed anything, the state in memory is reloaded
 from the database. After every operation that changes the state (and every tick) the
-policy's books are audited (`check_invariants` plus the core's own: every held lease has its
-open span, the metrics tally agrees with the leases; the operations of a group-commit batch,
-`deferred`: once for the batch, before the commit that holds them, so before any of their
-replies leaves); a violation is fatal: the transaction
+policy's books are audited (audit.py: the pool's invariants plus the core's own: every held
+lease has its open span, the metrics tally agrees with the leases; over what changed, so
+O(1) amortised; the operations of a group-commit batch, `deferred`: once for the batch,
+before the commit that holds them, so before any of their replies leaves); a violation
+(InvariantError, never an `assert`: `python -O` keeps it) is fatal: the transaction
 is not committed, every later message is refused with code "fatal", and `on_fatal` is called
 (`rlcu sched serve` exits non-zero) rather than serve a wrong state. The state folder is
 locked (`<db>.lock`) for the life of the core: a second service on it is refused.
@@ -44,9 +45,11 @@ import traceback
 from pathlib import Path
 
 from rlcu.sched import metrics as mx
+from rlcu.sched.audit import Audit
+from rlcu.sched.journal import Journal
 from rlcu.sched.ops import MAX_WAIT_S, Operations, SchedRequestError
 from rlcu.sched.policy import make_policy
-from rlcu.sched.pool import RESIDENT, Lease, PolicyError, Request, check_invariants
+from rlcu.sched.pool import RESIDENT, InvariantError, Lease, PolicyError, Request
 from rlcu.sched.store import Job, Store, StoreError
 from rlcu.sched.views import LIVE, Snapshot, metrics_of
 
@@ -114,7 +117,8 @@ class Core(Operations):
             self.cond = threading.Condition(threading.RLock())
             self._unaudited = False  # ops kept without their audit (a deferred batch): audit before commit
             self._deferring = threading.local()  # .tx: inside `deferred()` on this thread, the last op's
-            self.versions: dict[str, int] = {}
+            self.versions: Journal[str, int] = Journal()  # job -> its view's version (the audit reads who changed)
+            self._auditor = Audit()
             self.closed = False
             self._ops = {}
             for name in dir(self):
@@ -131,7 +135,7 @@ class Core(Operations):
             self._reconcile_tally()
             try:
                 self._audit()
-            except AssertionError as e:
+            except InvariantError as e:
                 raise StoreError(f"the state in {state} fails the scheduler's invariants ({e}); refusing to serve "
                                  "it (start with --fresh to move it aside and begin anew)") from None
             self.store.commit(self._meta())
@@ -178,6 +182,7 @@ class Core(Operations):
         now, seen = self.clock(), self.mono()
         old = getattr(self, "jobs", {})
         self.pol = make_policy(self.pool["policy"], self.pool["capacity"], self.pool["aging_s"])
+        self._auditor.reset()  # new books: the next audit walks them all
         self.jobs: dict[str, Job] = {}
         self.held: dict[int, mx.Span] = {}
         self.ended: collections.OrderedDict[int, mx.Span] = collections.OrderedDict()
@@ -292,7 +297,7 @@ class Core(Operations):
             if self._unaudited and self.fatal is None:
                 try:
                     self._audit()
-                except AssertionError as e:
+                except InvariantError as e:
                     self._fail(f"{e} (found at close)")
             if self.fatal is not None:  # the database keeps the last good state: nothing more is written
                 with contextlib.suppress(Exception):
@@ -390,7 +395,7 @@ class Core(Operations):
             if self._unaudited:  # a batch's ops (deferred): audited here, before anything of them is committed
                 try:
                     self._audit()
-                except AssertionError as e:
+                except InvariantError as e:
                     self._fail(f"{e} (after a batch of operations)")
                     return False
             try:
@@ -447,29 +452,18 @@ class Core(Operations):
         else:
             try:
                 self._audit()
-            except AssertionError as e:
+            except InvariantError as e:
                 self._fail(str(e))
                 return False
         self.store.end_op()
         return True
 
     def _audit(self) -> None:
-        """The books balance (pool.check_invariants) and the core agrees with the policy: held
-        leases and open spans match, pending requests have their ask time, the tally's memory
-        per device is the leases'. O(leases + requests + devices): it runs after every change."""
-        p = self.pol
-        check_invariants(p)
-        held, jobs = self.held, self.jobs
-        assert len(held) == len(p.leases), f"{len(held)} held spans, {len(p.leases)} leases in the policy's books"
-        for lid, le in p.leases.items():
-            s = held.get(lid)
-            assert s is not None and s.end is None and s.devices == le.devices and s.mem == le.mem \
-                and s.job == le.job, f"lease {lid}: span {s} does not match the policy's {le}"
-            assert jobs[le.job].state in LIVE, f"lease {lid} held by job {le.job!r}, which is not live"
-        assert len(self.asked) == len(p.pending) and all(r in self.asked for r in p.pending), \
-            "pending requests and their ask times differ"
-        for d, (a, b) in enumerate(zip(self.tally.used, p.used)):
-            assert abs(a - b) <= 1e-6, f"device {d}: the metrics tally has {a:g} in use, the books {b:g}"
+        """The books balance and the core agrees with the policy (audit.py): held leases and
+        open spans match, pending requests have their ask time, the tally's memory per device
+        is the leases'. Raises InvariantError. It runs after every change, over what changed
+        (O(changes + devices); everything now and then: amortised O(1) a change)."""
+        self._auditor.check(self)
         self._unaudited = False
 
     def _fail(self, why: str) -> None:

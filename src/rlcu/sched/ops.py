@@ -70,7 +70,7 @@ class Operations:
     def _end_job(self, job: str, state: str, reason: str) -> None:
         now = self.clock()
         j = self.jobs[job]
-        for r in [r for r in self.pol.pending.values() if r.job == job]:
+        for r in list(self.pol.job_pending.get(job, {}).values()):
             self.store.drop_request(r.id)
             self.asked.pop(r.id, None)
         for le in self.pol.remove_job(job):
@@ -148,7 +148,8 @@ class Operations:
             self.jobs[job] = j
         self.store.put_job(j)
         self._bump(job)
-        self._schedule()
+        if self.pol.grants_on_arrival:  # (else a job without requests changes no decision: O(1))
+            self._schedule()
         return self.view(job)
 
     def op_request(self, job, phase, cluster=None, devices=None, mem=None, min_devices=None, work: float = 1.0,
@@ -211,9 +212,8 @@ class Operations:
         if not isinstance(work, (int, float)) or isinstance(work, bool) or not 0 <= work < float("inf"):
             raise SchedRequestError(f"work must be a finite number >= 0, got {work!r}"[:300])
         self.pol.set_work(job, float(work))
-        for r in self.pol.pending.values():
-            if r.job == job:
-                self.store.put_request(r, self.asked.get(r.id, self.clock()))
+        for r in self.pol.job_pending.get(job, {}).values():
+            self.store.put_request(r, self.asked.get(r.id, self.clock()))
         return {}
 
     def op_heartbeat(self, job) -> dict:

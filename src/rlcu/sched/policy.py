@@ -53,6 +53,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from rlcu.sched.audit import check_invariants
+from rlcu.sched.load import COMPUTE_WEIGHT, DeviceLoad
 from rlcu.sched.pool import (
     EPS,
     PHASES,
@@ -64,31 +66,48 @@ from rlcu.sched.pool import (
     PolicyError,
     Request,
     _Base,
-    check_invariants,
     parse_clusters,
 )
 
-COMPUTE_WEIGHT = {"rollout": 0.5}  # a phase's share of a device's compute in placement (others: 1)
-
-__all__ = ["PHASES", "RANK", "RESIDENT", "Cluster", "Decision", "Lease", "PolicyError", "Request", "PhasePolicy",
-           "FifoPolicy", "make_policy", "check_invariants", "parse_clusters"]
+__all__ = ["COMPUTE_WEIGHT", "PHASES", "RANK", "RESIDENT", "Cluster", "Decision", "Lease", "PolicyError", "Request",
+           "PhasePolicy", "FifoPolicy", "make_policy", "check_invariants", "parse_clusters"]
 
 
 class PhasePolicy(_Base):
     """Phase-aware sharing (see the module docstring)."""
 
     name = "phase"
+    grants_on_arrival = False  # a job's first request places it; its arrival changes no decision
 
     def __init__(self, capacity: list[float], aging_s: float = 60.0):
         super().__init__(capacity, aging_s)
         self.targets: dict[int, dict[int, float]] = {}  # blocked request -> {device: memory} it reserves (sticky)
         self.last_used: dict[tuple[str, str], tuple[int, ...]] = {}  # soft affinity of floating clusters
         self._closed: set[int] = set()  # devices closed to new placements in this pass
+        self.agg = DeviceLoad(len(capacity))  # running per-device aggregates (load.py)
+
+    # the aggregates follow every lease and home (the books' writers in pool.py call these)
+    def _lease_in(self, le: Lease) -> None:
+        c = self.jobs[le.job].get(le.cluster) if le.phase == RESIDENT else None
+        self.agg.lease_in(le, c.peak if c is not None else 0.0)
+
+    def _lease_out(self, le: Lease) -> None:
+        self.agg.lease_out(le)
+
+    def _home_in(self, key: tuple[str, str], devices: tuple[int, ...]) -> None:
+        self.agg.home_in(key[0], devices, self._needs(key[0]))
+
+    def _home_out(self, key: tuple[str, str], devices: tuple[int, ...]) -> None:
+        self.agg.home_out(key[0], devices, self._needs(key[0]))
+
+    def _needs(self, job: str) -> list[tuple[float, int]]:
+        """(peak, devices) of the job's floating clusters that declare a peak."""
+        return [(c.peak, c.devices) for c in self.jobs[job].values() if c.resident == 0 and c.peak > 0]
 
     def add_job(self, job: str, clusters: dict) -> None:
         super().add_job(job, clusters)
         n = len(self.capacity)
-        if self._plan_residents(job, list(self.capacity), [0.0] * n, [0.0] * n) is None:
+        if self._plan_residents(job, list(self.capacity), [0.0] * n, [0.0] * n, alone=True) is None:
             del self.jobs[job]
             raise PolicyError(f"the resident clusters of job {job!r} (resident + peak memory per device) do not "
                               f"fit together on the pool of {n} devices of {max(self.capacity):g}")
@@ -101,51 +120,34 @@ class PhasePolicy(_Base):
     # leases drain, and placement can neither deadlock nor strand a job (given declared peaks).
     def _tally(self) -> tuple[list[float], list[float]]:
         """Per device: resident memory held, and the largest peak of the clusters placed there."""
-        n = len(self.capacity)
-        res, peak = [0.0] * n, [0.0] * n
-        for le in self.leases.values():
-            if le.phase == RESIDENT:
-                c = self.jobs[le.job].get(le.cluster)
-                for d, m in zip(le.devices, le.mem):
-                    res[d] += m
-                    peak[d] = max(peak[d], c.peak if c is not None else 0.0)
-        return res, peak
+        return self.agg.tally()
 
     def _compute_load(self, job: str) -> list[float]:
         """Per device, the compute load of other jobs: one per job homed there, plus each
         transient phase of a job not homed there (rollout 0.5, others 1)."""
-        n = len(self.capacity)
-        homed: list[set[str]] = [set() for _ in range(n)]
-        for (j, _c), hs in self.homes.items():
-            for d in hs:
-                homed[d].add(j)
-        load = [float(len(h - {job})) for h in homed]
-        for le in self.leases.values():
-            if le.phase != RESIDENT and le.job != job:
-                for d in le.devices:
-                    if le.job not in homed[d]:
-                        load[d] += COMPUTE_WEIGHT.get(le.phase, 1.0)
-        return load
+        return self.agg.load(job)
 
     def _placing(self, job: str) -> bool:
         """Whether the job's next grant places its resident clusters."""
         cls = self.jobs[job]
         return any(c.resident > 0 for c in cls.values()) and not any((job, c) in self.homes for c in cls)
 
-    def _plan_residents(self, job, av, res, peak, r: Request | None = None) -> dict[str, list[int]] | None:
+    def _plan_residents(self, job, av, res, peak, r: Request | None = None,
+                        alone: bool = False) -> dict[str, list[int]] | None:
         """Homes for all of the job's resident clusters given free memory `av` (updated in
         place), or None; with r, r's phase must fit too (on its cluster's new home, or, if
         that floats, anywhere it may run). A small depth-first search, the emptiest devices
         first (jobs spread), so that a placement is found whenever one exists (within a
-        budget of tries)."""
+        budget of tries). alone: whether the job fits an empty pool by itself (other jobs
+        neither load devices nor need room)."""
         cls = self.jobs[job]
         names = sorted((c for c in cls if cls[c].resident > 0), key=lambda c: (-cls[c].resident, c))
-        load = self._compute_load(job)
+        load = [0.0] * len(av) if alone else self._compute_load(job)
         budget = [4096]
         homes: dict[str, list[int]] = {}
 
         def leaf() -> bool:
-            if not self._floating_fit(job, res):
+            if not self._floating_fit(job, res, alone):
                 return False
             if r is None:
                 return True
@@ -182,40 +184,42 @@ class PhasePolicy(_Base):
 
         return dict(homes) if place(0) else None
 
-    def _floating_fit(self, job: str, res: list[float]) -> bool:
+    def _floating_fit(self, job: str, res: list[float], alone: bool = False) -> bool:
         """Whether, beside the residents `res`, every placed job's (and `job`'s) floating
         clusters still have enough devices for their declared peak: placing residents must not
-        strand a placed job's other phases."""
-        for j in sorted({jj for jj, _ in self.homes} | {job}):
-            for c in self.jobs[j].values():
-                if c.resident == 0 and c.peak > 0:
-                    room = sum(cap - x + EPS >= c.peak for cap, x in zip(self.capacity, res))
-                    if room < c.devices:
-                        return False
+        strand a placed job's other phases. (One check per distinct (peak, devices).)"""
+        needs = set(self._needs(job)) if alone or job not in self.agg.placed else set()
+        most: dict[float, int] = {}  # peak -> the most devices a cluster of that peak needs
+        for pk, n in needs | (set() if alone else set(self.agg.needs)):
+            most[pk] = max(most.get(pk, 0), n)
+        for pk, n in most.items():
+            if sum(cap - x + EPS >= pk for cap, x in zip(self.capacity, res)) < n:
+                return False
         return True
 
     def _plan(self, r: Request, avail: list[float], ideal: bool = False):
         """What granting r now takes: (homes to place, r's devices, {device: memory}), or None.
         ideal: as if every transient lease had ended (residents and closures stay): can r fit
         by waiting for transient leases alone?"""
-        res, peak = self._tally()
-        av = [c - x for c, x in zip(self.capacity, res)] if ideal else list(avail)
-        homes = {}
-        if self._placing(r.job):  # closed devices take no new residents (see _reserve)
+        placing = self._placing(r.job)
+        av, homes = avail, {}  # (read only, unless placing: then a copy)
+        if ideal or placing:
+            res, peak = self._tally()
+            av = [c - x for c, x in zip(self.capacity, res)] if ideal else list(avail)
+        if placing:  # closed devices take no new residents (see _reserve)
             av = [-1.0 if d in self._closed else a for d, a in enumerate(av)]
             homes = self._plan_residents(r.job, av, res, peak, r)
             if homes is None:
                 return None
         home = homes.get(r.cluster) or self.homes.get((r.job, r.cluster))
-        devs = list(home) if home else list(range(len(self.capacity)))
-        if r.only is not None:
-            devs = [d for d in devs if d in r.only]
+        devs = home or range(len(self.capacity))
         m = lambda d: self.capacity[d] if r.mem is None else r.mem  # noqa: E731
+        ok = [d for d in devs if (r.only is None or d in r.only) and av[d] + EPS >= m(d)]
+        if len(ok) < r.min_devices:  # (a blocked request costs O(devices), before the load is read)
+            return None
         fav = set(self.last_used.get((r.job, r.cluster), ()))
         load = self._compute_load(r.job)
-        ok = sorted((d for d in devs if av[d] + EPS >= m(d)), key=lambda d: (load[d], d not in fav, -av[d], d))
-        if len(ok) < r.min_devices:
-            return None
+        ok.sort(key=lambda d: (load[d], d not in fav, -av[d], d))
         mine = sorted(ok[: r.min_devices])
         need = {d: m(d) for d in mine}
         for name, hs in homes.items():
@@ -227,13 +231,13 @@ class PhasePolicy(_Base):
         homes, mine, need = plan
         for name, hs in sorted(homes.items()):
             c = self.jobs[r.job][name]
+            self._set_home((r.job, name), tuple(hs))
             dec.grants.append(self._grant(r.job, RESIDENT, name, hs, dict.fromkeys(hs, c.resident), now))
-            self.homes[(r.job, name)] = tuple(hs)
         lease = self._grant(r.job, r.phase, r.cluster, mine,
                             {d: self.capacity[d] if r.mem is None else r.mem for d in mine}, now, r)
         for d, x in need.items():
             avail[d] -= x
-        del self.pending[r.id]
+        self._pop_request(r.id)
         self.targets.pop(r.id, None)
         if not self.jobs[r.job][r.cluster].resident:
             self.last_used[(r.job, r.cluster)] = lease.devices
@@ -268,8 +272,8 @@ class PhasePolicy(_Base):
         """The devices r would use on a pool with no other job's memory on it."""
         n = len(self.capacity)
         av, res, peak = list(self.capacity), [0.0] * n, [0.0] * n
-        for le in self.leases.values():  # the job's own residents stay
-            if le.phase == RESIDENT and le.job == r.job:
+        for le in self.job_leases.get(r.job, {}).values():  # the job's own residents stay
+            if le.phase == RESIDENT:
                 for d, m in zip(le.devices, le.mem):
                     av[d] -= m
                     res[d] += m
@@ -286,9 +290,9 @@ class PhasePolicy(_Base):
         s = self.score(r, now)
         for d, need in sorted(tgt.items()):
             short = need - avail[d]
-            on_d = [le for le in self.leases.values() if d in le.devices]
+            on_d = self.agg.rollouts[d].values()  # (only rollouts are ever asked to yield)
             short -= sum(le.mem[le.devices.index(d)] for le in on_d if le.id in self.yielding)
-            cands = [le for le in on_d if le.phase == "rollout" and le.id not in self.yielding
+            cands = [le for le in on_d if le.id not in self.yielding
                      and le.request is not None and self.score(le.request, now) > s]
             cands.sort(key=lambda le: (-le.start, -le.id))  # the newest first
             for le in cands:
@@ -346,7 +350,8 @@ class PhasePolicy(_Base):
             grown = dataclasses.replace(le, devices=devs, mem=tuple(mem[x] for x in devs))
             self.used[d] += m
             avail[d] -= m
-            self.leases[le.id] = rollouts[i] = grown
+            self._put_lease(grown)
+            rollouts[i] = grown
             dec.grants[next(j for j, g in enumerate(dec.grants) if g.id == le.id)] = grown
             if not self.jobs[le.job][le.cluster].resident:
                 self.last_used[(le.job, le.cluster)] = devs
@@ -359,7 +364,7 @@ class FifoPolicy(_Base):
 
     def __init__(self, capacity: list[float], aging_s: float = 60.0):
         super().__init__(capacity, aging_s)
-        self.queue: list[str] = []  # jobs waiting for an allotment, in arrival order
+        self.queue: dict[str, None] = {}  # jobs waiting for an allotment, in arrival order (an ordered set)
 
     def add_job(self, job: str, clusters: dict) -> None:
         super().add_job(job, clusters)
@@ -367,39 +372,38 @@ class FifoPolicy(_Base):
             del self.jobs[job]
             raise PolicyError(f"job {job!r} needs {sum(c.devices for c in parse_clusters(clusters).values())} "
                               f"devices for its clusters; the pool has {len(self.capacity)}")
-        self.queue.append(job)
+        self.queue[job] = None
 
     def remove_job(self, job: str) -> list[Lease]:
-        if job in self.queue:
-            self.queue.remove(job)
+        self.queue.pop(job, None)
         return super().remove_job(job)
 
     def adopt(self, lease: Lease) -> None:
         super().adopt(lease)
-        if lease.phase == RESIDENT and lease.job in self.queue:
-            self.queue.remove(lease.job)
+        if lease.phase == RESIDENT:
+            self.queue.pop(lease.job, None)
 
     def schedule(self, now: float) -> Decision:
         dec = Decision()
         while self.queue:  # strict FIFO: the head waits for whole free devices, nobody passes it
-            job = self.queue[0]
+            job = next(iter(self.queue))
             idle = [d for d in range(len(self.capacity)) if self.used[d] < EPS]
             need = sum(c.devices for c in self.jobs[job].values())
             if len(idle) < need:
                 break
-            self.queue.pop(0)
+            del self.queue[job]
             for name in sorted(self.jobs[job]):
                 devs, idle = idle[: self.jobs[job][name].devices], idle[self.jobs[job][name].devices:]
                 dec.grants.append(self._grant(job, RESIDENT, name, devs, {d: self.capacity[d] for d in devs}, now))
-                self.homes[(job, name)] = tuple(devs)
+                self._set_home((job, name), tuple(devs))
         for r in sorted(self.pending.values(), key=lambda r: self._key(r, now)):
             home = self.homes.get((r.job, r.cluster))
             if home is None:
                 continue
-            busy = {d for le in self.leases.values() if le.job == r.job and le.phase != RESIDENT for d in le.devices}
+            busy = {d for le in self.job_leases.get(r.job, {}).values() if le.phase != RESIDENT for d in le.devices}
             if busy & set(home):
                 continue  # the job's own earlier phase on these devices has not ended
-            del self.pending[r.id]
+            self._pop_request(r.id)
             dec.grants.append(self._grant(r.job, r.phase, r.cluster, home, {d: 0.0 for d in home}, now, r))
         return dec
 

@@ -10,7 +10,14 @@ phases takes, which lets the policy refuse placements that could deadlock.
 
 `_Base` validates requests (a request the pool can never satisfy is refused with a
 `PolicyError` that says why), keeps the per-device memory books, and restores state after
-a service restart; the policies in policy.py decide. `check_invariants` audits the books.
+a service restart; the policies in policy.py decide; audit.py audits the books.
+
+Cost. The books are `Journal`s (dicts that note the keys each change touched, for the
+audit of what changed) with per-job indexes beside them (`job_leases`, `job_pending`), kept
+by the few methods that add or remove a lease, a request or a home (`_put_lease`,
+`_pop_lease`, `_put_request`, `_pop_request`, `_set_home`, `_del_home`), which also call the
+subclass's hooks for its own running aggregates. So nothing here scans every job, lease or
+request of the pool: a job's operations cost what that job holds.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+
+from rlcu.sched.journal import Journal
 
 PHASES = ("init", "actor_train", "critic_train", "old_logprobs", "ref_logprobs", "values", "rollout")
 RANK = {p: i for i, p in enumerate(PHASES)}
@@ -27,6 +36,11 @@ EPS = 1e-9
 
 class PolicyError(ValueError):
     """A request the pool can never satisfy or that refers to nothing known."""
+
+
+class InvariantError(RuntimeError):
+    """The books do not balance (audit.py). Raised by code, never by `assert`, so that
+    `python -O` cannot switch the audit off: the service stops rather than serve it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +109,7 @@ class _Base(abc.ABC):
     """Pool and job bookkeeping shared by both policies."""
 
     name = "base"
+    grants_on_arrival = True  # whether adding a job may grant by itself (FIFO: its allotment)
 
     def __init__(self, capacity: list[float], aging_s: float = 60.0):
         if not capacity:
@@ -106,12 +121,67 @@ class _Base(abc.ABC):
         self.capacity = [float(c) for c in capacity]
         self.aging_s = float(aging_s)
         self.used = [0.0] * len(capacity)
-        self.leases: dict[int, Lease] = {}
-        self.pending: dict[int, Request] = {}
-        self.jobs: dict[str, dict[str, Cluster]] = {}
-        self.homes: dict[tuple[str, str], tuple[int, ...]] = {}  # (job, cluster) -> its devices
-        self.yielding: dict[int, float] = {}  # lease id -> when told to yield
+        self.leases: Journal[int, Lease] = Journal()
+        self.pending: Journal[int, Request] = Journal()
+        self.jobs: Journal[str, dict[str, Cluster]] = Journal()
+        self.homes: Journal[tuple[str, str], tuple[int, ...]] = Journal()  # (job, cluster) -> its devices
+        self.yielding: Journal[int, float] = Journal()  # lease id -> when told to yield
+        self.job_leases: dict[str, dict[int, Lease]] = {}  # job -> its leases (id order)
+        self.job_pending: dict[str, dict[int, Request]] = {}  # job -> its pending requests (id order)
         self._next = 1
+
+    # ------------------------------------------------------------------ the books' only writers
+    def _put_lease(self, le: Lease) -> None:
+        """Add a lease, or replace the one of its id (a rollout grown)."""
+        old = self.leases.get(le.id)
+        if old is not None:
+            self._lease_out(old)
+        self.leases[le.id] = le
+        self.job_leases.setdefault(le.job, {})[le.id] = le
+        self._lease_in(le)
+
+    def _pop_lease(self, lease_id: int) -> Lease:
+        le = self.leases.pop(lease_id)
+        mine = self.job_leases[le.job]
+        del mine[lease_id]
+        if not mine:
+            del self.job_leases[le.job]
+        self._lease_out(le)
+        return le
+
+    def _put_request(self, r: Request) -> None:
+        self.pending[r.id] = r
+        self.job_pending.setdefault(r.job, {})[r.id] = r
+
+    def _pop_request(self, req_id: int) -> Request:
+        r = self.pending.pop(req_id)
+        mine = self.job_pending[r.job]
+        del mine[req_id]
+        if not mine:
+            del self.job_pending[r.job]
+        return r
+
+    def _set_home(self, key: tuple[str, str], devices: tuple[int, ...]) -> None:
+        if key in self.homes:
+            self._del_home(key)
+        self.homes[key] = devices
+        self._home_in(key, devices)
+
+    def _del_home(self, key: tuple[str, str]) -> None:
+        self._home_out(key, self.homes.pop(key))
+
+    # hooks for the subclass's running aggregates (PhasePolicy's); FIFO keeps none
+    def _lease_in(self, le: Lease) -> None:  # noqa: B027
+        pass
+
+    def _lease_out(self, le: Lease) -> None:  # noqa: B027
+        pass
+
+    def _home_in(self, key: tuple[str, str], devices: tuple[int, ...]) -> None:  # noqa: B027
+        pass
+
+    def _home_out(self, key: tuple[str, str], devices: tuple[int, ...]) -> None:  # noqa: B027
+        pass
 
     # ------------------------------------------------------------------ ids, jobs
     def _id(self) -> int:
@@ -134,12 +204,12 @@ class _Base(abc.ABC):
 
     def remove_job(self, job: str) -> list[Lease]:
         """Forget a job: its requests are dropped, its leases (resident too) released."""
-        self._job(job)
-        for r in [r for r in self.pending.values() if r.job == job]:
-            del self.pending[r.id]
-        out = [self.release(lid) for lid in sorted(le.id for le in self.leases.values() if le.job == job)]
-        for k in [k for k in self.homes if k[0] == job]:
-            del self.homes[k]
+        cls = self._job(job)
+        for rid in list(self.job_pending.get(job, ())):
+            self._pop_request(rid)
+        out = [self.release(lid) for lid in sorted(self.job_leases.get(job, ()))]
+        for k in [(job, c) for c in cls if (job, c) in self.homes]:
+            self._del_home(k)
         del self.jobs[job]
         return out
 
@@ -166,8 +236,8 @@ class _Base(abc.ABC):
             cluster = next(iter(cls))
         if cluster not in cls:
             raise PolicyError(f"job {job!r} has no cluster {cluster!r} (clusters: {', '.join(sorted(cls))})")
-        if any(r.job == job and r.phase == phase for r in self.pending.values()) or \
-                any(le.job == job and le.phase == phase for le in self.leases.values()):
+        if any(r.phase == phase for r in self.job_pending.get(job, {}).values()) or \
+                any(le.phase == phase for le in self.job_leases.get(job, {}).values()):
             raise PolicyError(f"job {job!r} already holds or awaits phase {phase!r}: release it first")
         c = cls[cluster]
         home = self.homes.get((job, cluster))
@@ -213,8 +283,8 @@ class _Base(abc.ABC):
             raise PolicyError(f"work must be a finite number >= 0, got {work!r}")
         extra = 0.0 if home else c.resident
         own = [0.0] * len(self.capacity)  # the job's own residents never leave while it waits
-        for le in self.leases.values():
-            if le.job == job and le.phase == RESIDENT and le.cluster != cluster:
+        for le in self.job_leases.get(job, {}).values():
+            if le.phase == RESIDENT and le.cluster != cluster:
                 for d, m in zip(le.devices, le.mem):
                     own[d] += m
         fit = [d for d in pool if mem is None or mem + extra + own[d] <= self.capacity[d] + EPS]
@@ -224,24 +294,24 @@ class _Base(abc.ABC):
                               f"only {len(fit)} devices have that much (largest free capacity {most:g})")
         r = Request(self._id(), job, phase, cluster, devices, mem, min_devices, float(work),
                     now if since is None else since, only)
-        self.pending[r.id] = r
+        self._put_request(r)
         return r
 
     def cancel_request(self, req_id: int) -> Request:
         if req_id not in self.pending:
             raise PolicyError(f"no pending request {req_id}")
-        return self.pending.pop(req_id)
+        return self._pop_request(req_id)
 
     def set_work(self, job: str, work: float) -> None:
         """Update the remaining work of the job's pending rollout request (if any)."""
-        for r in list(self.pending.values()):
-            if r.job == job and r.phase == "rollout":
-                self.pending[r.id] = dataclasses.replace(r, work=float(work))
+        for r in list(self.job_pending.get(job, {}).values()):
+            if r.phase == "rollout":
+                self._put_request(dataclasses.replace(r, work=float(work)))
 
     def release(self, lease_id: int) -> Lease:
         if lease_id not in self.leases:
             raise PolicyError(f"no lease {lease_id} is held (unknown, or already released)")
-        lease = self.leases.pop(lease_id)
+        lease = self._pop_lease(lease_id)
         for d, m in zip(lease.devices, lease.mem):
             self.used[d] = max(0.0, self.used[d] - m)
             if self.used[d] < EPS:
@@ -254,7 +324,7 @@ class _Base(abc.ABC):
         lease = Lease(self._id(), job, phase, cluster, devices, tuple(mem[d] for d in devices), now, request)
         for d, m in zip(lease.devices, lease.mem):
             self.used[d] += m
-        self.leases[lease.id] = lease
+        self._put_lease(lease)
         return lease
 
     # ------------------------------------------------------------------ restore (service restart)
@@ -265,14 +335,14 @@ class _Base(abc.ABC):
             if not 0 <= d < len(self.capacity):
                 raise PolicyError(f"lease {lease.id} names device {d} outside the pool")
             self.used[d] += m
-        self.leases[lease.id] = lease
-        if lease.phase == RESIDENT:
-            self.homes[(lease.job, lease.cluster)] = lease.devices
+        if lease.phase == RESIDENT:  # (its home first: the aggregates count the lease as homed)
+            self._set_home((lease.job, lease.cluster), lease.devices)
+        self._put_lease(lease)
         self._next = max(self._next, lease.id + 1)
 
     def adopt_request(self, r: Request) -> None:
         self._known(r.job, r.phase, r.cluster, f"request {r.id}")
-        self.pending[r.id] = r
+        self._put_request(r)
         self._next = max(self._next, r.id + 1)
 
     def _known(self, job: str, phase: str, cluster: str, what: str) -> None:
@@ -317,38 +387,3 @@ class _Base(abc.ABC):
     def schedule(self, now: float) -> Decision:
         """The subclass's decision for this instant."""
 
-
-def check_invariants(p: _Base) -> None:
-    """Raise AssertionError when the pool's books do not balance: a device or its memory
-    double-booked, a lease outside the pool, a phase held twice, a request for a lease held,
-    a home without its resident lease (or the other way), an id at or past the next one.
-    One pass over the leases and one over the requests: the service runs it after every change."""
-    n, nxt, homes = len(p.capacity), p._next, p.homes
-    used = [0.0] * n
-    seen = set()
-    for le in p.leases.values():
-        job, devs = le.job, le.devices
-        assert job in p.jobs, f"lease {le.id} of unknown job {job!r}"
-        assert len(set(devs)) == len(devs) == len(le.mem), f"lease {le.id} repeats a device: {devs}"
-        res = le.phase == RESIDENT
-        key = (job, le.phase, le.cluster if res else "")
-        assert key not in seen, f"job {job!r} holds phase {le.phase!r} twice"
-        seen.add(key)
-        assert le.id < nxt, f"lease {le.id} at or past the next id {nxt}"
-        if res:
-            assert homes.get((job, le.cluster)) == devs, \
-                f"resident lease {le.id} is on {devs}, its cluster's home is {homes.get((job, le.cluster))}"
-        for d, m in zip(devs, le.mem):
-            assert 0 <= d < n and m >= 0, f"lease {le.id}: device {d} outside the pool of {n}, or memory {m} < 0"
-            used[d] += m
-    for d, (u, cap, book) in enumerate(zip(used, p.capacity, p.used)):
-        assert u <= cap + 1e-6, f"device {d} memory double-booked: {u:g} > {cap:g}"
-        assert abs(u - book) <= 1e-6, f"device {d}: books say {book:g} used, leases sum to {u:g}"
-    for r in p.pending.values():
-        assert r.job in p.jobs, f"request {r.id} of unknown job {r.job!r}"
-        assert (r.job, r.phase, "") not in seen, f"job {r.job!r} awaits phase {r.phase!r} it already holds"
-        assert r.id < nxt, f"request {r.id} at or past the next id {nxt}"
-    for lid in p.yielding:
-        assert lid in p.leases and p.leases[lid].phase == "rollout", f"yield asked of lease {lid}, not a held rollout"
-    for job, cluster in homes:
-        assert (job, RESIDENT, cluster) in seen, f"cluster {cluster!r} of job {job!r} has a home but no resident lease"

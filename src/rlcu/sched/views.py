@@ -2,8 +2,9 @@
 page, the metrics, and `Snapshot`, an immutable copy of the whole state for benches and
 tests (so that nothing outside the core reads or holds its live structures).
 
-Every function here reads the core under its lock and costs O(live leases + requests + jobs
-+ devices): the lease history is summed up in the core's `Tally`, never scanned.
+Every function here reads the core under its lock. A job's view costs what that job holds
+(the policy's per-job indexes), the metrics O(devices), the status page O(leases + requests +
+jobs): the lease history is summed up in the core's `Tally`, never scanned.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ def _lease_view(core, le) -> dict:
 
 def job_view(core, job: str) -> dict:
     j = core.jobs[job]
-    # (the policy's dicts are in id order: ids grow, and restore() puts them back sorted)
-    leases = [_lease_view(core, le) for le in core.pol.leases.values() if le.job == job]
+    # (the policy's per-job indexes are in id order: ids grow, and restore() puts them back sorted)
+    leases = [_lease_view(core, le) for le in core.pol.job_leases.get(job, {}).values()]
     pending = [{"id": r.id, "phase": r.phase, "cluster": r.cluster, "since": r.since, "asked": core.asked.get(r.id)}
-               for r in core.pol.pending.values() if r.job == job]
+               for r in core.pol.job_pending.get(job, {}).values()]
     return {"job": job, "state": j.state, "version": core.versions.get(job, 0), "leases": leases, "pending": pending}
 
 
@@ -67,36 +68,36 @@ def metrics_of(core) -> dict:
     tot = sum(max(f, 0.0) for f in free)
     out.update(t0=core.clock() - (now - t.t0), uptime_s=now - t.t0, mem_in_use=list(core.pol.used),
                frag_now=1.0 - max(free) / tot if tot > 1e-12 else 0.0,
-               jobs_live=sum(j.state in LIVE for j in core.jobs.values()), yields=t.yields)
+               jobs_live=len(core.pol.jobs), yields=t.yields)  # (the policy's books hold the live jobs)
     return out
 
 
 def status_of(core) -> dict:
-    now = core.clock()
-    names = core.pool["names"]
-    by_dev: dict[int, list] = {}
-    by_job: dict[str, list] = {}
-    for lid in sorted(core.pol.leases):
-        le = core.pol.leases[lid]
-        by_job.setdefault(le.job, []).append(le)
+    """Every device and every job: O(leases + requests + jobs), a few dicts a job."""
+    now, names, pol = core.clock(), core.pool["names"], core.pol
+    by_dev: list[list[str]] = [[] for _ in names]
+    for le in pol.leases.values():  # (id order: ids grow, and restore() puts them back sorted)
+        tag = f"{le.job}:{le.phase}"
         for d in le.devices:
-            by_dev.setdefault(d, []).append(le)
-    waits: dict[str, list] = {}
-    for r in core.pol.pending.values():
-        waits.setdefault(r.job, []).append(r)
-    devs = [{"index": d, "name": names[d], "capacity": cap, "used": core.pol.used[d],
-             "leases": [f"{le.job}:{le.phase}" for le in by_dev.get(d, [])]}
+            by_dev[d].append(tag)
+    devs = [{"index": d, "name": names[d], "capacity": cap, "used": pol.used[d], "leases": by_dev[d]}
             for d, cap in enumerate(core.pool["capacity"])]
-    rows = []
-    for j in sorted(core.jobs.values(), key=lambda j: j.seq):
-        held, pend = by_job.get(j.name, []), waits.get(j.name, [])
-        rows.append({
-            "job": j.name, "state": j.state, "pid": j.pid,
-            "phases": [le.phase + ("(yield)" if le.id in core.pol.yielding else "") for le in held
-                       if le.phase != RESIDENT],
-            "devices": sorted({names[d] for le in held for d in le.devices}),
-            "mem": sum(sum(le.mem) for le in held),
-            "waiting": [{"phase": r.phase, "for_s": max(0.0, now - core.asked.get(r.id, now))} for r in pend],
-            "wait_s": j.wait_s + sum(max(0.0, now - core.asked.get(r.id, now)) for r in pend),
-            "age_s": max(0.0, (j.finished or now) - j.submitted)})  # (wall clock: display; never < 0)
+    rows = [_status_row(core, j, now) for j in sorted(core.jobs.values(), key=lambda j: j.seq)]
     return {"now": now, "policy": core.pool["policy"], "devices": devs, "jobs": rows, "metrics": metrics_of(core)}
+
+
+def _status_row(core, j: Job, now: float) -> dict:
+    held, pend = core.pol.job_leases.get(j.name), core.pol.job_pending.get(j.name)
+    row = {"job": j.name, "state": j.state, "pid": j.pid, "phases": [], "devices": [], "mem": 0, "waiting": [],
+           "wait_s": j.wait_s, "age_s": max(0.0, (j.finished or now) - j.submitted)}  # (wall clock: display)
+    if held:
+        names, yielding = core.pool["names"], core.pol.yielding
+        row["phases"] = [le.phase + ("(yield)" if le.id in yielding else "") for le in held.values()
+                         if le.phase != RESIDENT]
+        row["devices"] = sorted({names[d] for le in held.values() for d in le.devices})
+        row["mem"] = sum(sum(le.mem) for le in held.values())
+    if pend:
+        waits = [max(0.0, now - core.asked.get(r.id, now)) for r in pend.values()]
+        row["waiting"] = [{"phase": r.phase, "for_s": w} for r, w in zip(pend.values(), waits)]
+        row["wait_s"] = j.wait_s + sum(waits)
+    return row
