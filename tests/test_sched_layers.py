@@ -9,7 +9,7 @@ import rlcu.sched
 
 SCHED = Path(rlcu.sched.__file__).parent
 LOGIC = {"core", "ops", "views", "policy", "pool", "store", "metrics", "simulator", "rows", "audit", "load",
-         "journal"}  # the transport-free service logic
+         "journal", "recovery"}  # the transport-free service logic
 ALLOWED = {  # module -> the rlcu.sched modules it may import
     "protocol": set(),
     "auth": {"protocol"},
