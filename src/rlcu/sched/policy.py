@@ -44,6 +44,10 @@ instead, so the residents there can only leave. Closures hold up no job they wai
 transient leases, which always end: no cycle of waits (tests/test_sched_policy.py replays
 random memory-tight job mixes against all of this).
 
+Cost. Placement reads running per-device aggregates (load.py) and the books' per-job
+indexes, never a scan of every lease or job: planning a request costs O(devices) (a small
+search when it places residents), and a pass O(waiting requests x devices).
+
 `FifoPolicy` is the baseline: each job takes all its clusters' devices, whole, for its life,
 one job after another in arrival order, and runs its phases inside that allotment.
 """
