@@ -161,3 +161,25 @@ def test_eviction_prefers_least_recently_freed():
     bm.reserve(t, 3)  # takes the never-used block, then the freed tail
     again = Sequence(2, [1, 2, 3, 4, 5], sp, seed=0)
     assert len(bm.match_prefix(again)) == 2
+
+
+def test_books_checked_under_python_O(tmp_path):
+    """The KV books' checks and the engine's contracts hold under `python -O` (they were
+    asserts, which -O drops): a broken ref count, a reset with a live sequence."""
+    import subprocess
+    import sys
+
+    code = (
+        "from rlcu.engine.block_manager import BlockManager\n"
+        "bm = BlockManager(4, 2)\n"
+        "bm.blocks[1].ref = 1\n"
+        "for call in (lambda: bm.check([]), bm.reset):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as e:\n"
+        "        print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("refused:") == 2, out.stdout
+    assert "block 1: ref 1, referenced 0 times" in out.stdout

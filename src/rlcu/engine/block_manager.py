@@ -114,7 +114,8 @@ class BlockManager:
         return max(_cdiv(num_tokens, self.block_size) - len(hits), 0) + sum(self.blocks[b].ref == 0 for b in hits)
 
     def use_prefix(self, seq: Sequence, hits: list[int]) -> None:
-        assert not seq.block_table, "use_prefix needs a sequence with no blocks"
+        if seq.block_table:
+            raise RuntimeError(f"use_prefix needs a sequence with no blocks, {seq} has {len(seq.block_table)}")
         for b in hits:
             self._ref(b)
         seq.block_table = list(hits)
@@ -191,20 +192,27 @@ class BlockManager:
 
     def reset(self) -> None:
         """Forget every block (the device pool was released): all sequences must be gone."""
-        assert all(b.ref == 0 for b in self.blocks), "reset with live sequences"
+        if any(b.ref for b in self.blocks):
+            raise RuntimeError("BlockManager.reset with live sequences: preempt or finish them first")
         self.__init__(self.num_blocks, self.block_size, self.enable_prefix_caching)
 
     # ------------------------------------------------------------------ checking
     def check(self, seqs) -> None:
-        """Assert the invariants against the live sequences (for tests)."""
+        """Check the invariants against the live sequences (tests, and whoever suspects the
+        books): raises RuntimeError naming the first broken one (not an assert, which -O drops)."""
         count = [0] * self.num_blocks
         for s in seqs:
-            assert len(set(s.block_table)) == len(s.block_table), f"block repeated in {s}"
-            assert len(s.block_table) == _cdiv(s.num_computed_tokens, self.block_size), f"table size of {s}"
+            _require(len(set(s.block_table)) == len(s.block_table), f"block repeated in {s}")
+            _require(len(s.block_table) == _cdiv(s.num_computed_tokens, self.block_size), f"table size of {s}")
             for b in s.block_table:
                 count[b] += 1
         for blk in self.blocks:
-            assert blk.ref == count[blk.id], f"block {blk.id}: ref {blk.ref}, referenced {count[blk.id]} times"
-            assert (blk.ref == 0) == (blk.id in self.free_blocks), f"block {blk.id}: ref {blk.ref} vs free list"
+            _require(blk.ref == count[blk.id], f"block {blk.id}: ref {blk.ref}, referenced {count[blk.id]} times")
+            _require((blk.ref == 0) == (blk.id in self.free_blocks), f"block {blk.id}: ref {blk.ref} vs free list")
         for h, b in self.cached.items():
-            assert self.blocks[b].hash == h, f"cache entry of block {b} is stale"
+            _require(self.blocks[b].hash == h, f"cache entry of block {b} is stale")
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"KV block books broken: {what}")

@@ -103,8 +103,8 @@ class Scheduler:
         becomes the running sequences, oldest first, then those that were waiting. Every
         sampled token must be known: call it with no step in flight. Returns the live
         sequences, in queue order. (Not counted in `num_preemptions`.)"""
-        assert not self.unresolved and not any(s.num_pending for s in self.running), \
-            "preempt_all with a step in flight: read its tokens back first"
+        if self.unresolved or any(s.num_pending for s in self.running):
+            raise RuntimeError("preempt_all with a step in flight: read its tokens back first")
         for seq in reversed(self.running):
             self._requeue(seq)
         self.running = []

@@ -366,13 +366,15 @@ def attention_bwd_triton(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, scale
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                do.stride(0), do.stride(1))
     BN, BM, num_warps, num_stages = _config("dkdv", BD, q.dtype)
-    assert BN % BM == 0
+    if BN % BM:  # the dk/dv kernel walks its key tile in whole query tiles
+        raise ValueError(f"attention dkdv config: BN={BN} is not a multiple of BM={BM}")
     _attn_bwd_dkdv_kernel[(Hk, S + 1, triton.cdiv(T, BN))](
         q, k, v, do, lse, delta, dk, dv, cu, N, S, scale * LOG2E, scale, *strides,
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), G=G, D=D, BN=BN, BM=BM, BD=BD,
         num_warps=num_warps, num_stages=num_stages)
     BM, BN, num_warps, num_stages = _config("dq", BD, q.dtype)
-    assert BM % BN == 0
+    if BM % BN:  # the dq kernel walks its query tile in whole key tiles
+        raise ValueError(f"attention dq config: BM={BM} is not a multiple of BN={BN}")
     _attn_bwd_dq_kernel[(Hq, S + 1, triton.cdiv(T, BM))](
         q, k, v, do, lse, delta, dq, cu, N, S, scale * LOG2E, scale, *strides,
         dq.stride(0), dq.stride(1), G=G, D=D, BM=BM, BN=BN, BD=BD,
