@@ -9,21 +9,14 @@ from __future__ import annotations
 
 import collections
 import errno
-import json
 import os
 
 import pytest
 import torch
-import yaml
-
-from rlcu.data import synthetic as syn
+from run_util import TINY, sft_yaml
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-TOK = syn.make_tokenizer()
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=16, max_position_embeddings=32, tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=None,
-            vocab_size=TOK.vocab_size, eos_token_id=TOK.eos_token_id)
 TORCH_SAVE = torch.save
 
 
@@ -102,20 +95,6 @@ def test_a_rank_shard_on_a_full_disk_fails_the_same_way(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- the command line
-def sft_yaml(tmp_path, **kw) -> str:
-    TOK.save_pretrained(tmp_path / "tok")
-    with open(tmp_path / "train.jsonl", "w") as f:
-        for r in syn.sort_rows(12, "train", min_len=2, max_len=3):
-            f.write(json.dumps(r) + "\n")
-    cfg = {"model": {"tiny": dict(TINY), "tokenizer": str(tmp_path / "tok")},
-           "data": {"path": str(tmp_path / "train.jsonl")}, "steps": 2, "batch_tokens": 64,
-           "checkpoint": {"every": 1, "keep_last": 1},
-           "log": {"out_dir": str(tmp_path / "out"), "progress": False, "plot": False, "tensorboard": False}}
-    cfg.update(kw)
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    return str(tmp_path / "run.yaml")
-
-
 def the_error(capsys) -> str:
     """The one line the command printed about its end (stderr also has the run's progress)."""
     err = capsys.readouterr().err
@@ -130,7 +109,7 @@ def test_cli_checkpoint_on_a_full_disk_exits_with_its_status(tmp_path, monkeypat
     from rlcu.train.cli import main
     from rlcu.train.core import NO_SPACE_STATUS
 
-    y = sft_yaml(tmp_path)
+    y = sft_yaml(tmp_path, checkpoint={"every": 1, "keep_last": 1})
     monkeypatch.setattr(torch, "save", full_at("step-000002"))
     assert main(["sft", y]) == NO_SPACE_STATUS
     line = the_error(capsys)
@@ -176,7 +155,7 @@ def test_cli_metrics_and_log_on_a_full_disk_exit_with_its_status(tmp_path, monke
         setattr(self, which, _FullFile(getattr(self, which), ok=1 if which == "_jsonl" else 4))  # mid-run
 
     monkeypatch.setattr(RunLogger, "__init__", init_full)
-    assert main(["sft", sft_yaml(tmp_path)]) == NO_SPACE_STATUS
+    assert main(["sft", sft_yaml(tmp_path, checkpoint={"every": 1, "keep_last": 1})]) == NO_SPACE_STATUS
     line = the_error(capsys)
     name = {"_jsonl": "metrics.jsonl", "_log_txt": "log.txt"}[which]
     assert "no space left on device" in line and str(tmp_path / "out" / name) in line
@@ -185,7 +164,7 @@ def test_cli_metrics_and_log_on_a_full_disk_exit_with_its_status(tmp_path, monke
 def test_cli_a_disk_full_at_the_start_is_refused_at_once(tmp_path, monkeypatch, capsys):
     from rlcu.train.cli import main
 
-    y = sft_yaml(tmp_path)
+    y = sft_yaml(tmp_path, checkpoint={"every": 1, "keep_last": 1})
 
     def fsync(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
