@@ -236,3 +236,18 @@ def test_resumable_generate_matches_generate():
         for ca, cb in zip(a.outputs, b.outputs):
             assert torch.allclose(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), atol=1e-5)
             assert ca.finish_reason == cb.finish_reason
+
+
+def test_missing_data_file_is_one_line_exit_2(tmp_path, service, capsys):
+    """A scheduled job whose data.path does not exist ends as a plain run does, one line and
+    exit 2 (it was a FileNotFoundError traceback), and the service marks it failed."""
+    from rlcu.sched.job import run_grpo_exit_code
+
+    core, client = service
+    cfg = config(tmp_path / "nodata", steps=1)
+    cfg["data"] = {"path": str(tmp_path / "nope.jsonl")}
+    rc = run_grpo_exit_code("rlcu grpo", cfg, client=client, name="nodata", mem=MEM, tokenizer=TOK)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "data.path" in err and "nope.jsonl" in err and len(err.strip().splitlines()) == 1, err
+    assert core.snapshot().jobs["nodata"].state == "failed" and core.snapshot().used == (0.0,)

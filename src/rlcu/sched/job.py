@@ -316,8 +316,11 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
         handle = register()
     ok, trainer = False, None
     try:
-        trainer = (trainer_cls or ScheduledGRPO)(cfg, sched=handle, mem=mem, **trainer_kw,
-                                                 **({"threads": True} if threads else {}))
+        try:  # as a plain run's setup: a missing data file or a bad row is one line, exit 2
+            trainer = (trainer_cls or ScheduledGRPO)(cfg, sched=handle, mem=mem, **trainer_kw,
+                                                     **({"threads": True} if threads else {}))
+        except (ValueError, FileNotFoundError) as e:
+            raise SetupError(str(e)) from None
         try:
             hist = trainer.train()
         except TrainingStopped:
