@@ -16,7 +16,9 @@ the same run. Every candidate is checked against an fp32 reference before it is 
 
 Also the input norm (and gate_up's SwiGLU) inside the streaming kernel, with x loaded by the
 compiler's order or one K step ahead by hand (XNEXT), against the engine's unfused ops
-(rmsnorm, cuBLAS, swiglu). The README's generation section says what the runs found.
+(rmsnorm, cuBLAS, swiglu). What the runs found is in bench/results (stream_gemm.json,
+stream_gemm_fused.json) and in the experiment journal that README.md kept until it moved to
+docs/ (`git show 903f823:README.md`, "Why the fused projections lost").
 
     python bench/stream_gemm.py [--shapes 0.6b 8b] [--rows 1 64 128 256] [--quick] [--fused-only]
 """
