@@ -42,3 +42,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def keep_threads(monkeypatch):
+    """For tests of rlcu.threads: whatever a test sets, the process gets its count back; no
+    torchrun or OMP variable leaks in, and the machine's idle cores are the test's to say."""
+    from rlcu import threads as th
+
+    n = torch.get_num_threads()
+    for k in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(th, "idle_cores", lambda: None)
+    yield
+    torch.set_num_threads(n)

@@ -5,24 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from run_util import TINY, TOK
 
 from rlcu import threads as th
 from rlcu.data import synthetic as syn
 
-TOK = syn.make_tokenizer()
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=16, max_position_embeddings=32, tie_word_embeddings=True, bos_token_id=None,
-            vocab_size=TOK.vocab_size, eos_token_id=TOK.eos_token_id)
-
-
-@pytest.fixture(autouse=True)
-def _keep_threads(monkeypatch):
-    n = torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(th, "idle_cores", lambda: None)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("keep_threads")  # tests/conftest.py
 
 
 def test_a_scheduled_job_takes_its_slots_share(tmp_path, monkeypatch):

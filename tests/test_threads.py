@@ -10,26 +10,12 @@ import json
 import pytest
 import torch
 import yaml
+from run_util import TINY, TOK
 
 from rlcu import threads as th
 from rlcu.data import synthetic as syn
 
-TOK = syn.make_tokenizer()
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=16, max_position_embeddings=32, tie_word_embeddings=True, bos_token_id=None,
-            vocab_size=TOK.vocab_size, eos_token_id=TOK.eos_token_id)
-
-
-@pytest.fixture(autouse=True)
-def _keep_threads(monkeypatch):
-    """Whatever a test sets, the process gets its count back (and no torchrun or OMP variable
-    leaks in; the machine's idle cores are the test's to say)."""
-    n = torch.get_num_threads()
-    for k in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(th, "idle_cores", lambda: None)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("keep_threads")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------- the choice

@@ -141,11 +141,7 @@ class _Base(abc.ABC):
         self._lease_in(le)
 
     def _pop_lease(self, lease_id: int) -> Lease:
-        le = self.leases.pop(lease_id)
-        mine = self.job_leases[le.job]
-        del mine[lease_id]
-        if not mine:
-            del self.job_leases[le.job]
+        le = _pop_indexed(self.leases, self.job_leases, lease_id)
         self._lease_out(le)
         return le
 
@@ -154,12 +150,7 @@ class _Base(abc.ABC):
         self.job_pending.setdefault(r.job, {})[r.id] = r
 
     def _pop_request(self, req_id: int) -> Request:
-        r = self.pending.pop(req_id)
-        mine = self.job_pending[r.job]
-        del mine[req_id]
-        if not mine:
-            del self.job_pending[r.job]
-        return r
+        return _pop_indexed(self.pending, self.job_pending, req_id)
 
     def _set_home(self, key: tuple[str, str], devices: tuple[int, ...]) -> None:
         if key in self.homes:
@@ -387,3 +378,12 @@ class _Base(abc.ABC):
     def schedule(self, now: float) -> Decision:
         """The subclass's decision for this instant."""
 
+
+def _pop_indexed(items: dict, by_job: dict, key):
+    """Remove items[key] and its entry in the per-job index (the job's entry too once empty)."""
+    x = items.pop(key)
+    mine = by_job[x.job]
+    del mine[key]
+    if not mine:
+        del by_job[x.job]
+    return x
