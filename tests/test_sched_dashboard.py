@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from sched_util import cpu_share
 
 import rlcu.sched
 from rlcu.sched.client import SchedClient
@@ -280,15 +281,7 @@ def test_out_of_descriptors_the_dashboard_backs_off(tmp_path):
             assert time.monotonic() < end, "the dashboard never took the descriptors"
             time.sleep(0.05)
         time.sleep(0.2)
-        tick = os.sysconf("SC_CLK_TCK")
-
-        def cpu() -> float:
-            f = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(f[11]) + int(f[12])) / tick
-
-        c0, t0 = cpu(), time.monotonic()
-        time.sleep(1.5)
-        used = (cpu() - c0) / (time.monotonic() - t0)
+        used = cpu_share(child.pid)
         assert used < 0.3, f"the service's process used {used:.0%} of a core while out of descriptors"
         assert c.ping()["ok"]
         for s in held:

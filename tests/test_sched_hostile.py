@@ -10,10 +10,10 @@ import threading
 import time
 
 import pytest
+from sched_util import servers
 
 from rlcu.sched.client import SchedClient, SchedError
 from rlcu.sched.core import Core
-from rlcu.sched.server import SchedServer
 
 TOKEN = "h0stile-t0ken"
 SPEC = {"c": 1}
@@ -21,18 +21,7 @@ SPEC = {"c": 1}
 
 @pytest.fixture
 def serve(tmp_path):
-    started = []
-
-    def start(core=None, addr=None, **kw):
-        srv = SchedServer(core or Core([1.0], state=tmp_path / "s.db"), addr or f"unix:{tmp_path / 's.sock'}",
-                          TOKEN, tick_s=0.05, **kw).start()
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        if not srv._stop.is_set():
-            srv.stop()
+    yield from servers(tmp_path, TOKEN, [1.0])
 
 
 # ---------------------------------------------------------------------- item 3: waits

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from sched_util import servers
 
 from rlcu.sched.client import SchedClient
 from rlcu.sched.core import Core
@@ -18,18 +19,7 @@ SPEC = {"c": {"devices": 1}}
 
 @pytest.fixture
 def serve(tmp_path):
-    started = []
-
-    def start(core=None, **kw):
-        srv = SchedServer(core or Core([80.0], state=tmp_path / "s.db"), f"unix:{tmp_path / 's.sock'}", TOKEN,
-                          tick_s=0.05, **kw).start()
-        started.append(srv)
-        return srv
-
-    yield start
-    for srv in started:
-        if not srv._stop.is_set():
-            srv.stop()
+    yield from servers(tmp_path, TOKEN, [80.0])
 
 
 def test_the_client_reuses_one_connection_for_many_calls(serve):

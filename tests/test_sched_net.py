@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sched_util import hello
+from sched_util import cpu_share, hello
 
 import rlcu.sched
 from rlcu.sched.cli import main
@@ -180,15 +180,7 @@ def test_out_of_descriptors_backs_off(tmp_path):
                 break
             held.append(s)
         time.sleep(0.3)
-        tick = os.sysconf("SC_CLK_TCK")
-
-        def cpu() -> float:
-            f = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(f[11]) + int(f[12])) / tick
-
-        c0, t0 = cpu(), time.monotonic()
-        time.sleep(1.5)
-        used = (cpu() - c0) / (time.monotonic() - t0)
+        used = cpu_share(child.pid)
         assert used < 0.3, f"the service used {used:.0%} of a core while out of descriptors"
         for s in held:
             s.close()
