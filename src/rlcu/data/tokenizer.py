@@ -146,7 +146,7 @@ class Tokenizer:
     def save_pretrained(self, folder: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (chat template inside, the form every
         transformers version reads). Template files that would override it on load are removed."""
-        from rlcu.model.io import atomic_write
+        from rlcu.files import atomic_write
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from rlcu import files
 from rlcu.model import io
 from rlcu.model.config import Qwen3Config, checkpointed_layers
 from rlcu.model.layout import ParamLayout
@@ -127,7 +128,7 @@ class Qwen3:
             for name in _SIDE_FILES:
                 src, dst = Path(self.source) / name, Path(path) / name
                 if src.is_file() and not dst.exists():
-                    io.atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))
+                    files.atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))
 
     def num_params(self) -> int:
         return sum(v.numel() for v in self.params.values())

@@ -45,6 +45,7 @@ import threading
 import time
 from pathlib import Path
 
+from rlcu.files import atomic_write
 from rlcu.sched.conns import Conn, Conns
 from rlcu.sched.protocol import is_loopback, parse_address
 from rlcu.sched.service import Front
@@ -82,22 +83,11 @@ def load_token(state_dir: Path, token: str | None = None) -> str:
     if token is not None:
         _check_token(token, "the token given")
     token = token or secrets.token_hex(16)
-    tmp = p.with_name(f".token.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
+    def write(tmp: Path) -> None:  # created 0600: the token is never readable by others, not even briefly
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             f.write(token + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dfd = os.open(state_dir, os.O_RDONLY)
-    try:
-        os.fsync(dfd)  # the rename itself survives a crash
-    finally:
-        os.close(dfd)
+
+    atomic_write(p, write, mode=0o600)
     return token
 
 

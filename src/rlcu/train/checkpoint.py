@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from rlcu import files
 from rlcu.model import io
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -52,7 +53,7 @@ def _fsync_tree(path: Path) -> None:
             with open(p, "rb") as fh:
                 os.fsync(fh.fileno())
     for d in [p for p in path.rglob("*") if p.is_dir()] + [path]:
-        io.fsync_dir(d)
+        files.fsync_dir(d)
 
 
 # ---------------------------------------------------------------- RNG states
@@ -148,9 +149,9 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        io.fsync_dir(root)
+        files.fsync_dir(root)
     except BaseException as e:
-        err = io.disk_error(e, tmp) if isinstance(e, (OSError, RuntimeError)) and not no_space(e) else e
+        err = files.disk_error(e, tmp) if isinstance(e, (OSError, RuntimeError)) and not no_space(e) else e
         shutil.rmtree(tmp, ignore_errors=True)  # after disk_error: a full disk is told by its free space
         if no_space(err):
             err = not_written(err, root, name)
@@ -176,12 +177,12 @@ def not_written(e: OSError, root: Path, name: str) -> OSError:
 
 
 def write_file(path: Path, write) -> None:
-    """write(path), its errors as io.disk_error tells them: a full disk says so with the path
+    """write(path), its errors as files.disk_error tells them: a full disk says so with the path
     (torch.save reports ENOSPC as a RuntimeError 'unexpected pos ...')."""
     try:
         write(path)
     except (OSError, RuntimeError) as e:
-        err = io.disk_error(e, path)
+        err = files.disk_error(e, path)
         if err is e:
             raise
         raise err from e

@@ -79,7 +79,7 @@ def _append(fh, text: str) -> None:
         fh.write(text)
         fh.flush()
     except OSError as e:
-        from rlcu.model.io import disk_error
+        from rlcu.files import disk_error
 
         err = disk_error(e, fh.name)
         if err is e:
