@@ -2,8 +2,8 @@
 # The optional pieces the tests exercise, installed only when missing:
 # - TRL and the wheels it needs beyond what `.[test]` brings (transformers, ray's requests,
 #   matplotlib's dateutil), pinned and with --no-deps, so that they never replace torch or
-#   transformers (tests/test_sched_trl.py; tested with trl 1.16.0);
-# - Debian's chromium for the dashboard's browser test (tests/test_sched_dashboard.py).
+#   transformers (tests/integration/test_sched_trl.py; tested with trl 1.16.0);
+# - Debian's chromium for the dashboard's browser test (tests/integration/test_sched_dashboard.py).
 # A failure here only makes those tests skip (they say why).
 set -uo pipefail
 PY=${PY:-python3}

@@ -63,8 +63,8 @@ def _bus_bandwidth(sizes: list[int], reps: int) -> dict:
     """busbw GB/s of reduce-scatter and all-gather at each size (bytes, bf16), rank 0's timing."""
     import torch.distributed as dist
 
-    from rlcu.dist.buckets import all_gather, reduce_scatter
-    from rlcu.dist.comm import world
+    from rlcu.parallel.buckets import all_gather, reduce_scatter
+    from rlcu.parallel.comm import world
 
     w = world()
     dev = torch.device("cuda", torch.cuda.current_device()) if w.backend == "nccl" else torch.device("cpu")
@@ -90,7 +90,7 @@ def _bus_bandwidth(sizes: list[int], reps: int) -> dict:
 
 
 def _peak_GiB() -> float:
-    from rlcu.dist.comm import all_max
+    from rlcu.parallel.comm import all_max
 
     return all_max(torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0)
 
@@ -98,9 +98,9 @@ def _peak_GiB() -> float:
 def _train_step(a, cfg) -> dict:
     """The SFT-style step on this rank's share of the global batch (--batch x --seqlen)."""
     from rlcu.config import OptimConfig
-    from rlcu.dist.comm import all_sum, world
-    from rlcu.dist.zero import make_optimizer
     from rlcu.model.qwen3 import Qwen3
+    from rlcu.parallel.comm import all_sum, world
+    from rlcu.parallel.zero import make_optimizer
 
     w = world()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,7 +109,7 @@ def _train_step(a, cfg) -> dict:
     opt = make_optimizer(model, OptimConfig(lr=1e-5, **MEMORY_MODES[a.memory_mode]))
     model.gradient_checkpointing = _ckpt(a.ckpt)
     if model.gradient_checkpointing == "auto":
-        from rlcu.dist.memory import resolve_auto
+        from rlcu.parallel.memory import resolve_auto
 
         print(resolve_auto(model, opt, a.micro_batch_tokens), file=sys.stderr)
     B, T = a.batch, a.seqlen
@@ -147,8 +147,8 @@ def _check_one_process(a, cfg, flat: torch.Tensor, per_mb: int) -> float:
     """||w_N - w_1|| / ||w_1 - w_0||: rank 0 replays the steps on the whole batch with FlatAdamW
     (no collectives) and compares its weights with the N-rank run's (the same on every rank)."""
     from rlcu.config import OptimConfig
-    from rlcu.dist.comm import all_max, world
     from rlcu.model.qwen3 import Qwen3
+    from rlcu.parallel.comm import all_max, world
     from rlcu.train.optimizer import FlatAdamW
 
     out = 0.0
@@ -218,7 +218,7 @@ def _grpo_step(a, cfg) -> dict:
 
 
 def worker(a) -> None:
-    from rlcu.dist import comm
+    from rlcu.parallel import comm
 
     w = comm.init_from_env()
     try:
@@ -227,8 +227,8 @@ def worker(a) -> None:
         if w.distributed:
             import types
 
-            from rlcu.dist.buckets import Buckets, bucket_bounds
             from rlcu.model.layout import ParamLayout
+            from rlcu.parallel.buckets import Buckets, bucket_bounds
 
             lay = ParamLayout(cfg)
             bk = Buckets(bucket_bounds(types.SimpleNamespace(layout=lay, cfg=cfg)), 0, w.size)

@@ -1,6 +1,6 @@
 """Which of exact mode's choices keeps the engine's logprobs equal to the trainer's at a shape?
 
-A diagnostic beside tests/test_exact_gpu.py: at the given model shape (default: the learning
+A diagnostic beside tests/integration/test_exact_gpu.py: at the given model shape (default: the learning
 bench's tiny model, head_dim 24), random bf16 weights, n = 8 samples of 32 prompts, the share of
 sampled tokens whose engine logprob equals Qwen3.forward's (and forward_backward's fused head's)
 bit for bit, with the current choices and with each one swapped for its older form:

@@ -5,7 +5,7 @@ larger published shapes, e.g. 8 x 2048 in the bf16 memory mode).
 rlcu: bf16 weights, rlcu's FlatAdamW (fp32 master + moments, or the bf16 memory mode), the
 fused logprob head, Triton kernels; three sides by gradient checkpointing: full, keeping the
 attention outputs, and auto (the fewest checkpointed layers whose estimated peak fits the GPU,
-rlcu.dist.memory). Peer (same run): HF transformers Qwen3ForCausalLM in bf16, SDPA attention,
+rlcu.parallel.memory). Peer (same run): HF transformers Qwen3ForCausalLM in bf16, SDPA attention,
 torch.optim.AdamW(fused=True), without checkpointing (gradient accumulation if the batch does
 not fit) and with it (hf_ckpt); speedups are against the faster of the two.
 MFU = 3 x forward FLOPs x tokens / time / 989e12 (recomputation is not counted as work).
@@ -75,7 +75,7 @@ def kernel_profile(step, top: int = 20) -> dict:
 def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="default", profile=False):
     import rlcu
     from rlcu.config import OptimConfig
-    from rlcu.dist.memory import resolve_auto
+    from rlcu.parallel.memory import resolve_auto
     from rlcu.train.optimizer import FlatAdamW
 
     torch.cuda.reset_peak_memory_stats()

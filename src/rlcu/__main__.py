@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 8 -m rlcu grpo CONFIG.yaml [--set ...]
 
-Under torchrun with more than one rank the process group is set up first (rlcu.dist: NCCL with
+Under torchrun with more than one rank the process group is set up first (rlcu.parallel: NCCL with
 one GPU a rank, gloo on the CPU) and torn down at the end; a rank that raises tells the others,
 whose watchdogs end them with the rank's error. Otherwise this is exactly `rlcu`.
 """
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
 def ranked(entry, argv: list[str] | None = None) -> int:
     """entry(argv) -> exit status, with the process group around it under torchrun (also
     `python -m rlcu.sched.job`, the worker of a submitted job of several ranks)."""
-    from rlcu.dist import comm as W
+    from rlcu.parallel import comm as W
 
     try:
         w = W.env_world()

@@ -62,7 +62,7 @@ class Qwen3:
         self.grad_dtype = torch.float32  # bf16 halves the buffer (optim.grad_dtype)
         self.grads: dict[str, torch.Tensor] = {}
         self._g: dict[str, torch.Tensor] = {}
-        # data parallel (rlcu.dist.zero.GradSink): gradients go into the sink's per-layer buckets,
+        # data parallel (rlcu.parallel.zero.GradSink): gradients go into the sink's per-layer buckets,
         # which it reduce-scatters as each layer's backward ends; None: one flat gradient buffer
         self.grad_sink = None
         # True / "full": keep each layer's input, recompute the layer in backward;
@@ -284,7 +284,7 @@ class Qwen3:
         gc, L = self.gradient_checkpointing, self.cfg.num_hidden_layers
         if gc == "auto":
             raise ValueError("gradient_checkpointing 'auto' is decided by the trainers at the first update "
-                             "(rlcu.dist.memory.resolve_auto); a bare model needs a mode or a number of layers")
+                             "(rlcu.parallel.memory.resolve_auto); a bare model needs a mode or a number of layers")
         if checkpointed_layers(gc) is not None:
             if not 0 <= gc <= L:
                 raise ValueError(f"gradient_checkpointing as a number of checkpointed layers must be in "

@@ -1,4 +1,4 @@
-"""A scheduled GRPO job across the ranks of a data-parallel run (torchrun, rlcu.dist).
+"""A scheduled GRPO job across the ranks of a data-parallel run (torchrun, rlcu.parallel).
 
     torchrun --nproc-per-node N -m rlcu grpo CONFIG --scheduler ADDR
 
@@ -24,8 +24,8 @@ after the generate (gathering the samples) pair up. Ticks happen only in the rol
 Cancel. Before each step every rank asks `stop_reason`, answered by rank 0 from its view of
 the job: after a graceful cancel all ranks stop after the same step and checkpoint together.
 
-Failure. A rank that raises or dies ends every rank through the dist watchdog; rank 0's
-watchdog finishes the job as failed before it ends its process (`rlcu.dist.watchdog.at_die`),
+Failure. A rank that raises or dies ends every rank through the parallel watchdog; rank 0's
+watchdog finishes the job as failed before it ends its process (`rlcu.parallel.watchdog.at_die`),
 and an exception on rank 0 itself finishes it in run_grpo.
 """
 
@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from rlcu.dist import comm as W
+from rlcu.parallel import comm as W
 from rlcu.sched.client import STOP_REASON, JobHandle, SchedError
 from rlcu.train.core import Hooks
 
@@ -168,7 +168,7 @@ class DistJobHooks(Hooks):
         self.only = on_main(lambda: pin_devices(sched, ranks))
         self._undo_at_die = None
         if self.main:
-            from rlcu.dist.watchdog import at_die
+            from rlcu.parallel.watchdog import at_die
 
             self._undo_at_die = at_die(self._fail_job)
 

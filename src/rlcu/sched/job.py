@@ -60,13 +60,13 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: i
     sequences + logits), ref_logprobs and actor_train (the activations one micro-batch keeps
     under model.gradient_checkpointing + one layer's recompute + the chunked LM head). Override with measurements.
     world_size N > 1 (data parallel, one device a rank): the master, m, v and the gradient are
-    1/N shards (rlcu.dist.zero), actor_train adds the reduce-scattered gradient buckets
-    (rlcu.dist.memory), and a rank's rollout holds its block of the step's prompts."""
+    1/N shards (rlcu.parallel.zero), actor_train adds the reduce-scattered gradient buckets
+    (rlcu.parallel.memory), and a rank's rollout holds its block of the step's prompts."""
     from rlcu.config import ConfigError
-    from rlcu.dist.memory import checkpointing_name, kept_activation_bytes
     from rlcu.model.config import Qwen3Config
     from rlcu.model.layout import ParamLayout
     from rlcu.ops.logprob import chunk_rows
+    from rlcu.parallel.memory import checkpointing_name, kept_activation_bytes
 
     m = cfg.model
     if m.gradient_checkpointing == "auto":
@@ -102,7 +102,7 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: i
     kept = kept_activation_bytes(qc, T, w, checkpointing_name(m.gradient_checkpointing))  # per the mode
     train = (kept + layer * 2 + head) * 1.25 + (grads if o.release_grads else 0)
     if N > 1:
-        from rlcu.dist.memory import estimate
+        from rlcu.parallel.memory import estimate
 
         train += estimate(qc, N, weight_bytes=w, grad_bytes=gb, micro_batch_tokens=T)["gradient_buckets"]
     ref = (layer + head) * 1.25
@@ -180,7 +180,7 @@ def slot_share(sched: JobHandle, lease) -> float | None:
 
 
 def _use_device(lease) -> None:
-    from rlcu.dist.comm import world
+    from rlcu.parallel.comm import world
 
     if world().distributed:
         return  # each rank keeps its LOCAL_RANK device (its process group's); DistJobHooks checks the lease
@@ -201,7 +201,7 @@ class ScheduledGRPO(GRPOTrainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, sched: JobHandle, mem: dict | None = None,
                  cluster: str = CLUSTER, threads: bool = False, **kw):
-        from rlcu.dist.comm import world
+        from rlcu.parallel.comm import world
 
         cfg = coerce_config(GRPOConfig, config)
         if world().distributed:  # rank 0 holds the leases; every rank enters each phase (sched/dp.py)
@@ -247,7 +247,7 @@ class ScheduledGRPO(GRPOTrainer):
 
 
 def _set_threads(cfg: GRPOConfig, hooks, lease) -> None:
-    from rlcu.dist.comm import world
+    from rlcu.parallel.comm import world
     from rlcu.threads import apply
 
     if world().distributed:  # rank 0 reads the pool; every rank takes its slot's share
@@ -290,9 +290,9 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
     (or trainer_cls). threads: choose torch's CPU threads from the job's slots (a command
     line's process; a library caller owns its threads). A job the service asked to stop (a
     graceful cancel) raises TrainingStopped after its checkpoint, and finishes as cancelled.
-    Under torchrun (rlcu.dist) every rank calls this: rank 0 registers the job with one lease
+    Under torchrun (rlcu.parallel) every rank calls this: rank 0 registers the job with one lease
     of WORLD_SIZE devices and talks to the scheduler; see rlcu.sched.dp."""
-    from rlcu.dist.comm import world
+    from rlcu.parallel.comm import world
 
     cfg = grpo_config(config, overrides)
     w = world()

@@ -41,7 +41,7 @@ request that could fit only after some resident leaves reserves no memory (that 
 up the jobs whose end it waits for); it *closes* the devices it waits for to new placements
 instead, so the residents there can only leave. Closures hold up no job they wait for
 (those are placed, and placed jobs never place again), reservations wait only for
-transient leases, which always end: no cycle of waits (tests/test_sched_policy.py replays
+transient leases, which always end: no cycle of waits (tests/unit/test_sched_policy.py replays
 random memory-tight job mixes against all of this).
 
 Cost. Placement reads running per-device aggregates (load.py) and the books' per-job

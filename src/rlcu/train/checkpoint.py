@@ -14,7 +14,7 @@ Atomicity: everything is written into `root/.tmp-step-000123-<pid>/`, every file
 is fsynced, then the folder is renamed to its final name (a rename within one file system is
 atomic) and the root is fsynced. A kill at any moment leaves either no new folder or a
 complete one, so the previous checkpoint stays loadable; stale temp folders (and the rank
-shard folders of a killed sharded save, rlcu.dist.ckpt) are removed by the next save, at any
+shard folders of a killed sharded save, rlcu.parallel.ckpt) are removed by the next save, at any
 number of ranks. A full disk (or quota) fails the save with OSError(ENOSPC) naming the file
 and the checkpoint that is still intact (torch.save's own error, "unexpected pos", hides it),
 nothing of the new step left behind. Set RLCU_CHECKPOINT_TEST_SLEEP=<seconds> to sleep
@@ -109,8 +109,8 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
     `state` must be JSON-serialisable; `extra` maps names to objects with state_dict();
     `generators` maps names to torch.Generators whose states are saved; `tokenizer` (with
     save_pretrained) is written into model/. Returns the folder."""
-    if getattr(optimizer, "sharded", False):  # data parallel: every rank writes its shard (rlcu.dist.ckpt)
-        from rlcu.dist.ckpt import save_sharded
+    if getattr(optimizer, "sharded", False):  # data parallel: every rank writes its shard (rlcu.parallel.ckpt)
+        from rlcu.parallel.ckpt import save_sharded
 
         return save_sharded(root, step, model, optimizer, state, keep_last, extra=extra, generators=generators,
                             tokenizer=tokenizer)
@@ -131,7 +131,7 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp / "model")
         _test_sleep()
-        if hasattr(optimizer, "write_into"):  # the ranks' optimizer shards (rlcu.dist.ckpt)
+        if hasattr(optimizer, "write_into"):  # the ranks' optimizer shards (rlcu.parallel.ckpt)
             optimizer.write_into(tmp)
         elif optimizer is not None:
             write_file(tmp / "optim.pt", lambda p: torch.save(optimizer.state_dict(), p))
@@ -241,12 +241,12 @@ def load_checkpoint(path, model, optimizer, *, extra: dict | None = None, genera
         raise FileNotFoundError(f"{path}: not a checkpoint (no trainer_state.json)")
     io.load_into(path / "model", model.layout, model.flat)
     if optimizer is not None:  # optim.pt, or the shards of any number of ranks
-        from rlcu.dist.ckpt import load_optimizer
+        from rlcu.parallel.ckpt import load_optimizer
 
         load_optimizer(path, optimizer)
     for k, obj in (extra or {}).items():
-        if getattr(obj, "sharded", False) or (path / k).is_dir():  # an optimizer's shards (rlcu.dist.ckpt)
-            from rlcu.dist.ckpt import load_optimizer
+        if getattr(obj, "sharded", False) or (path / k).is_dir():  # an optimizer's shards (rlcu.parallel.ckpt)
+            from rlcu.parallel.ckpt import load_optimizer
 
             load_optimizer(path, obj, k)
             continue

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser(cmd)
     args = p.parse_args(argv[1:])
     from rlcu.config import ConfigError, config_help, config_to_dict, load_config
-    from rlcu.dist.comm import print_once
+    from rlcu.parallel.comm import print_once
 
     cls, (tmod, tcls) = _load(cmd)
     if args.help:

@@ -243,7 +243,7 @@ class Trainer(abc.ABC):
     def _open_run(self) -> bool:
         """Resume or claim the run folder, open the log, write the config; True if resumed."""
         from rlcu.config import config_to_dict, save_config
-        from rlcu.dist.comm import barrier, run_logger, world
+        from rlcu.parallel.comm import barrier, run_logger, world
         from rlcu.train import run_dir
 
         c = self.cfg
@@ -283,7 +283,7 @@ class Trainer(abc.ABC):
         self._notes.append(record(self.cfg.model, getattr(self, "device", "cpu")))
 
     def _log_estimate(self) -> None:
-        """Across ranks: the per-rank memory estimate (rlcu.dist.memory); nothing by default."""
+        """Across ranks: the per-rank memory estimate (rlcu.parallel.memory); nothing by default."""
         return None
 
     def _record(self, step: int, m: dict) -> None:
@@ -404,7 +404,7 @@ def exit_status(prog: str, fn, *args, **kw) -> int:
         status, why = 1, e  # a clean abort, with its checkpoint
     else:
         return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
-    from rlcu.dist.comm import print_once
+    from rlcu.parallel.comm import print_once
 
     print_once(f"{prog}: {why}")  # under torchrun: once, not once a rank
     return status

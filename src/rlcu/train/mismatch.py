@@ -163,8 +163,8 @@ class StepCorrection:
     """
 
     def __init__(self, cfg, model, batch):
-        from rlcu.dist.batch import local_logprobs
-        from rlcu.dist.comm import all_sum
+        from rlcu.parallel.batch import local_logprobs
+        from rlcu.parallel.comm import all_sum
 
         if cfg.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {cfg.old_logprobs!r}")
@@ -214,7 +214,7 @@ class StepCorrection:
     def metrics(self) -> dict[str, float]:
         """The step's mismatch and correction metrics (none from a step whose first update did
         not run, with old_logprobs: engine)."""
-        from rlcu.dist.comm import all_sum, world
+        from rlcu.parallel.comm import all_sum, world
 
         out = dict(self._metrics)
         if self._first_lp is not None and world().distributed:

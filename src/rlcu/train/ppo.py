@@ -34,7 +34,7 @@ class PPOTrainer(RLTrainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
                  critic: Critic | None = None, hooks=None):
-        from rlcu.dist.zero import make_optimizer
+        from rlcu.parallel.zero import make_optimizer
 
         super().__init__(config, dataset, reward_fns, model=model, tokenizer=tokenizer, eval_dataset=eval_dataset,
                          hooks=hooks)
@@ -78,7 +78,7 @@ class PPOTrainer(RLTrainer):
 
     # ---------------------------------------------------------------- the step
     def _values(self, batch: ro.RolloutBatch) -> torch.Tensor:
-        from rlcu.dist import batch as dp
+        from rlcu.parallel import batch as dp
 
         out = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
         s0, s1 = dp.rank_seq_range(batch.num_seqs, self.cfg.group_size)  # this rank's sequences ...
@@ -119,7 +119,7 @@ class PPOTrainer(RLTrainer):
                 "explained_var": ev}
 
     def _critic_update(self, batch: ro.RolloutBatch, update: int, total: int) -> dict:
-        from rlcu.dist import batch as dp
+        from rlcu.parallel import batch as dp
 
         c = self.cfg
         n_tok = float(batch.mask.sum())  # of the global batch
@@ -171,8 +171,8 @@ class PPOTrainer(RLTrainer):
         batch = ro.pack(samples, keep, device=self.device)
         sc = StepCorrection(c, self.model, batch)  # old_logprobs (the KL reward reads them), correction
         if self.ref is not None:
-            from rlcu.dist.batch import local_logprobs  # each rank its sequences, then all of them
-            from rlcu.dist.comm import all_sum
+            from rlcu.parallel.batch import local_logprobs  # each rank its sequences, then all of them
+            from rlcu.parallel.comm import all_sum
 
             with self.hooks.phase("ref_logprobs"):
                 batch.fields["ref_lp"] = all_sum(local_logprobs(self.ref, batch, c.temperature,

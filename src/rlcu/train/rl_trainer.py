@@ -101,7 +101,7 @@ class RLTrainer(Trainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
                  hooks: Hooks | None = None):
-        from rlcu.dist.zero import make_optimizer
+        from rlcu.parallel.zero import make_optimizer
         from rlcu.rewards import RewardSet, reward_options
         from rlcu.train.checkpoint import build_model
 
@@ -128,7 +128,7 @@ class RLTrainer(Trainer):
 
     # ---------------------------------------------------------------- setup
     def _log_estimate(self) -> None:
-        from rlcu.dist.memory import log_estimate
+        from rlcu.parallel.memory import log_estimate
 
         log_estimate(self.logger, self.model, self.opt, self.cfg.micro_batch_tokens, self.llm, self.ref is not None)
 
@@ -202,7 +202,7 @@ class RLTrainer(Trainer):
             # and no more, so that the generation phase's peak memory stays small
             longest = max([r.longest for r in self.prompt_reports] + [1])  # over every prompt kept
             per_seq = -(-(longest + c.max_new_tokens + 1) // e.block_size)
-            from rlcu.dist.comm import world
+            from rlcu.parallel.comm import world
 
             n = world().size  # across ranks each engine rolls out its block of the prompts
             n_eval = -(-min(len(self.eval_rows), c.eval_max_prompts) // n)
@@ -235,7 +235,7 @@ class RLTrainer(Trainer):
 
     def rollout(self, rows: list[dict], n: int, seed: int, temperature: float | None = None,
                 max_tokens: int | None = None, group_offset: int = 0) -> list[ro.Sample]:
-        from rlcu.dist import batch as dp
+        from rlcu.parallel import batch as dp
 
         c = self.cfg
         lo, hi = dp.rank_block(len(rows))  # this rank's prompts; every rank gets every sample back
@@ -367,10 +367,10 @@ class RLTrainer(Trainer):
 
     def _resolve_checkpointing(self) -> None:
         """`gradient_checkpointing: auto` becomes a number of checkpointed layers at the first
-        update, when every buffer the run keeps exists (rlcu.dist.memory.resolve_auto)."""
+        update, when every buffer the run keeps exists (rlcu.parallel.memory.resolve_auto)."""
         if self.model.gradient_checkpointing != "auto":
             return
-        from rlcu.dist.memory import resolve_auto
+        from rlcu.parallel.memory import resolve_auto
 
         self._log_info(resolve_auto(self.model, self.opt, self.cfg.micro_batch_tokens, self.llm,
                                       self.ref is not None, extra_bytes=self._bytes_outside_estimate()))
@@ -383,7 +383,7 @@ class RLTrainer(Trainer):
                        kl_coef: float, record=None) -> dict:
         """One optimizer step of the policy over the whole batch, micro-batch by micro-batch;
         record(a, b, lp), when given, receives each micro-batch's logprobs (rlcu.train.mismatch)."""
-        from rlcu.dist import batch as dp
+        from rlcu.parallel import batch as dp
 
         self._resolve_checkpointing()
         c, model = self.cfg, self.model

@@ -10,7 +10,7 @@ mask over all tokens of the step and n = sum(m), the loss is
 and each micro-batch's backward starts from that dlp: the accumulated gradient equals the
 gradient of one big batch. Across N ranks the step is the same global batch: each rank
 takes a contiguous block of its examples holding about 1/N of its tokens, repacked under the
-same budget (rlcu.dist.batch.rank_micro_batches), so any grad_accum runs at any N and trains
+same budget (rlcu.parallel.batch.rank_micro_batches), so any grad_accum runs at any N and trains
 as one process does up to the order of sums. The data order is a seeded permutation per
 epoch, so the data position (epoch, cursor) is the whole data state, and resuming from a
 checkpoint replays the remaining steps bit for bit.
@@ -26,9 +26,9 @@ import torch
 from rlcu.config import SFTConfig
 from rlcu.data.datasets import check_sft_row, encode_sft_row, load_sft_items
 from rlcu.data.prompt_check import shown_rows
-from rlcu.dist import batch as dp
-from rlcu.dist.comm import all_sum, world
-from rlcu.dist.zero import make_optimizer
+from rlcu.parallel import batch as dp
+from rlcu.parallel.comm import all_sum, world
+from rlcu.parallel.zero import make_optimizer
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, split_eval
 from rlcu.train.schedule import lr_at
@@ -219,7 +219,7 @@ class SFTTrainer(Trainer):
         cfg = self.cfg
         t0 = time.perf_counter()
         if self.model.gradient_checkpointing == "auto":  # a number of layers from the memory estimate
-            from rlcu.dist.memory import resolve_auto
+            from rlcu.parallel.memory import resolve_auto
 
             self._log_info(resolve_auto(self.model, self.optimizer, cfg.batch_tokens))
         lr = lr_at(step, cfg.optim, cfg.steps)
@@ -298,7 +298,7 @@ class SFTTrainer(Trainer):
         return all_sum(total) / all_sum(n)
 
     def _log_estimate(self) -> None:
-        from rlcu.dist.memory import log_estimate
+        from rlcu.parallel.memory import log_estimate
 
         log_estimate(self.logger, self.model, self.optimizer, self.cfg.batch_tokens)  # across ranks only
 

@@ -27,7 +27,7 @@ With `graphs=False` the same code runs eagerly, op by op (on any device): the re
 replayed step must match bit for bit, and the CPU-testable half of this file. Bit for bit needs
 every kernel of the step to give the same bits whatever order its programs run in, which a
 replay and an eager launch do not share: no atomics (the embedding backward's were the one
-difference, in the fp32 master and moments; tests/test_step_graph.py runs the step with every
+difference, in the fp32 master and moments; tests/integration/test_step_graph.py runs the step with every
 launch's programs reversed).
 
 The step's loss is sum_i dlp_i lp_i over the rows (the SFT loss, whose gradient in lp is the
