@@ -175,10 +175,9 @@ def _check_one_process(a, cfg, flat: torch.Tensor, per_mb: int) -> float:
 
 def _grpo_step(a, cfg) -> dict:
     from bench.grpo import _prompts, _word_tokenizer, hash_reward
-    from rlcu.config import _build
+    from rlcu.config import GRPOConfig, _build
     from rlcu.model.qwen3 import Qwen3
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

@@ -24,18 +24,17 @@ from common import write_json
 MODELS = {
     "test": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,  # test_grpo's
                  num_key_value_heads=1, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True),
-    "demo": None,  # rlcu.train.demo.MODEL
+    "demo": None,  # rlcu.config.MODEL
 }
 PROFILED = ("matmul_invariant.py:mm_ref", "exact.py:tree_sum", "attention_exact.py:attention_exact_paged_ref",
             "paged_attention.py:paged_attention_ref", "llm.py:generate", "qwen3.py:forward_backward")
 
 
 def trainer(model: dict, exact: bool, steps: int):
-    from rlcu.config import config_from_dict
+    from rlcu.config import GRPOConfig, config_from_dict
     from rlcu.data import synthetic as syn
     from rlcu.ops.exact import set_exact
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     tok = syn.make_tokenizer()
     d = dict(model=dict(tiny=dict(model, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id), init_seed=1,
@@ -91,7 +90,7 @@ def matmuls() -> list[dict]:
 
 
 def main() -> None:
-    from rlcu.train.demo import MODEL
+    from rlcu.config import MODEL
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=6)

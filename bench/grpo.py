@@ -137,10 +137,9 @@ def _buffer_arithmetic(tr, kv_blocks: int, block: int) -> dict:
 
 def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tokens: int,
                memory_mode: str = "default") -> dict:
-    from rlcu.config import _build
+    from rlcu.config import GRPOConfig, _build
     from rlcu.model.qwen3 import Qwen3
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"

@@ -82,7 +82,7 @@ def _sort_rows(n: int, split: str, seed: int, t: Task) -> list[dict]:
 
 
 def _demo() -> Task:
-    from rlcu.train.demo import DemoConfig
+    from rlcu.config import DemoConfig
 
     c = DemoConfig()
     t = c.task
@@ -92,7 +92,7 @@ def _demo() -> Task:
 
 
 def _long() -> Task:
-    from rlcu.train.demo import MODEL
+    from rlcu.config import MODEL
 
     return Task("long", "sort 24-40 distinct numbers of 0..47; the SFT teacher drops the largest number of 30+ number "
                         "lists 70% of the time", 24, 40, 48, 0.7, 30, {**MODEL, "max_position_embeddings": 128}, 150,

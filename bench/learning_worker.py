@@ -114,8 +114,7 @@ def sft(task, seed: int, d: Path, device: str, dtype: torch.dtype) -> dict:
 
 def grpo_config(task, seed: int, mode: str, steps: int, out: Path):
     """rlcu's GRPOConfig of one mode: the shared hyper-parameters plus MODES[mode]."""
-    from rlcu.config import _build
-    from rlcu.train.rl_config import GRPOConfig
+    from rlcu.config import GRPOConfig, _build
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")

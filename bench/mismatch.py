@@ -39,9 +39,8 @@ def _sync():
 
 
 def run_mode(model, base, tok, V, old_logprobs, correction, P, G, Lp, Lc, steps):
-    from rlcu.config import _build
+    from rlcu.config import GRPOConfig, _build
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     model.flat.copy_(base)
     rows = [{"prompt_token_ids": p} for p in _prompts(V, P * steps, Lp)]

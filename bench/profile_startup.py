@@ -68,10 +68,9 @@ def main() -> int:
 
     import rlcu  # noqa: F401
     from bench.sched import job_config
-    from rlcu.config import load_config
+    from rlcu.config import GRPOConfig, load_config
     from rlcu.data.synthetic import make_tokenizer, sort_rows
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     out = {"import_s": time.perf_counter() - t0}
     cuda = not a.cpu

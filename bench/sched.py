@@ -121,9 +121,8 @@ def job_config(i: int, a, work: Path, tok_dir: Path, data: Path, eager: bool, st
 
 def job_mem(cfg_path: Path, procs: bool) -> dict:
     """Estimated GiB per phase with a margin; a process's CUDA context counts as resident."""
-    from rlcu.config import load_config
+    from rlcu.config import GRPOConfig, load_config
     from rlcu.sched.job import job_memory
-    from rlcu.train.rl_config import GRPOConfig
 
     _, mem = job_memory(load_config(GRPOConfig, cfg_path))
     mem = {k: max(1.0, 1.5 * v) for k, v in mem.items()}
@@ -151,9 +150,8 @@ def warm_up(cfg_path: str, devices: list[str]) -> None:
     loaded into the process), then everything it allocated given back."""
     import torch
 
-    from rlcu.config import load_config
+    from rlcu.config import GRPOConfig, load_config
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     for dev in devices:
         cfg = load_config(GRPOConfig, cfg_path)

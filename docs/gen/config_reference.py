@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlcu.config import Section, SFTConfig, _default_repr, _hints, _type_name
-from rlcu.train.demo import DemoConfig
-from rlcu.train.rl_config import GRPOConfig, PPOConfig
+from rlcu.config import DemoConfig, GRPOConfig, PPOConfig, Section, SFTConfig, default_text, field_types, type_name
 
 # (command, config class): the order of the page
 COMMANDS = (("rlcu sft", SFTConfig), ("rlcu grpo", GRPOConfig), ("rlcu ppo", PPOConfig), ("rlcu demo", DemoConfig))
@@ -39,8 +37,8 @@ def _allowed(md) -> str:
 
 
 def _row(prefix: str, f, tp) -> str:
-    default = _default_repr(f)
-    cells = [f"`{prefix}{f.name}`", _cell(_type_name(tp)), f"`{_cell(default)}`" if default else "",
+    default = default_text(f)
+    cells = [f"`{prefix}{f.name}`", _cell(type_name(tp)), f"`{_cell(default)}`" if default else "",
              _cell(_allowed(f.metadata)), _cell(f.metadata.get("help", ""))]
     return "| " + " | ".join(cells) + " |"
 
@@ -50,7 +48,7 @@ def _table(cls, prefix: str) -> tuple[list[str], list[tuple[str, type, str]]]:
     class, help) to render apart."""
     rows = ["| option | type | default | allowed | what it does |", "| --- | --- | --- | --- | --- |"]
     subs = []
-    hints = _hints(cls)
+    hints = field_types(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if _is_section(tp):
@@ -110,7 +108,7 @@ def render_config_reference() -> str:
 def leaf_options(cls, prefix: str = "") -> list[str]:
     """Every leaf option of `cls` as a dotted name (what the reference must show)."""
     names = []
-    hints = _hints(cls)
+    hints = field_types(cls)
     for f in dataclasses.fields(cls):
         if _is_section(hints[f.name]):
             names += leaf_options(hints[f.name], f"{prefix}{f.name}.")

@@ -35,10 +35,11 @@ def _sets(tmp_path, thinking: bool | None) -> list[str]:
 
 @pytest.mark.parametrize("kind", ["grpo", "ppo"])
 def test_rl_prompts_and_rollouts_take_the_template_kwargs(tmp_path, kind):
-    from rlcu.train import grpo, ppo, rl_config
+    from rlcu.config import GRPOConfig, PPOConfig
+    from rlcu.train import grpo, ppo
 
-    cls, trainer = {"grpo": (rl_config.GRPOConfig, grpo.GRPOTrainer),
-                    "ppo": (rl_config.PPOConfig, ppo.PPOTrainer)}[kind]
+    cls, trainer = {"grpo": (GRPOConfig, grpo.GRPOTrainer),
+                    "ppo": (PPOConfig, ppo.PPOTrainer)}[kind]
     rows = [{"prompt": CHAT}]
     texts = {}
     for thinking in (None, False):

@@ -198,9 +198,8 @@ def _log(tmp_path):
 
 
 def test_grpo_resolves_auto_at_its_first_update(tmp_path):
-    from rlcu.config import _build
+    from rlcu.config import GRPOConfig, _build
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     d, tok = _rl_dict(tmp_path)
     tr = GRPOTrainer(_build(GRPOConfig, d), syn.sort_rows(16, "train", min_len=2, max_len=3), tokenizer=tok)
@@ -213,9 +212,8 @@ def test_grpo_resolves_auto_at_its_first_update(tmp_path):
 
 
 def test_ppo_resolves_auto_for_policy_and_critic(tmp_path):
-    from rlcu.config import _build
+    from rlcu.config import PPOConfig, _build
     from rlcu.train.ppo import PPOTrainer
-    from rlcu.train.rl_config import PPOConfig
 
     d, tok = _rl_dict(tmp_path, critic=dict(optim=dict(lr=3e-3)))
     tr = PPOTrainer(_build(PPOConfig, d), syn.sort_rows(16, "train", min_len=2, max_len=3), tokenizer=tok)
@@ -251,9 +249,8 @@ def test_sft_resolves_auto_at_its_first_step(tmp_path):
 
 
 def test_a_number_of_layers_past_the_model_is_a_config_error(tmp_path):
-    from rlcu.config import _build
+    from rlcu.config import GRPOConfig, _build
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     d, tok = _rl_dict(tmp_path)
     d["model"]["gradient_checkpointing"] = RL_TINY["num_hidden_layers"] + 3

@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import importlib
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def _leaves(cls, prefix: str = "") -> list[str]:
     generator so that the test does not trust its walk."""
     from rlcu.config import Section
 
-    hints = typing.get_type_hints(cls, globalns=vars(sys.modules[cls.__module__]))
+    hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
@@ -65,8 +66,6 @@ def test_config_reference_lists_every_option():
 def test_config_reference_covers_every_config():
     """A new run config (a Section no other section holds) must be added to the reference."""
     import rlcu.config
-    import rlcu.train.demo
-    import rlcu.train.rl_config
     from rlcu.config import Section
 
     ref = _gen("config_reference")
@@ -74,14 +73,14 @@ def test_config_reference_covers_every_config():
 
     def walk(cls):
         reachable.add(cls)
-        hints = typing.get_type_hints(cls, globalns=vars(sys.modules[cls.__module__]))
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if isinstance(hints[f.name], type) and issubclass(hints[f.name], Section):
                 walk(hints[f.name])
 
     for _, cls in ref.COMMANDS:
         walk(cls)
-    mods = (rlcu.config, rlcu.train.rl_config, rlcu.train.demo)
+    mods = [importlib.import_module(f"rlcu.config.{m.name}") for m in pkgutil.iter_modules(rlcu.config.__path__)]
     configs = {c for m in mods for c in vars(m).values()
                if isinstance(c, type) and issubclass(c, Section) and c is not Section}
     bases = {b for c in reachable for b in c.__mro__[1:]}

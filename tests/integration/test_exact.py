@@ -189,10 +189,9 @@ def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
     trainer's logprob of every completion token is the engine's sampling logprob, bit for bit,
     so the PPO ratio is exactly 1; in the default mode it is not."""
     import rlcu.train.rl_trainer as rt
-    from rlcu.config import _build
+    from rlcu.config import GRPOConfig, _build
     from rlcu.data import synthetic as syn
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     tok = syn.make_tokenizer()
     tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -4,7 +4,6 @@ carries one; a file that says "Every option is listed" lists every option."""
 
 import dataclasses
 import re
-import sys
 import typing
 from pathlib import Path
 
@@ -19,7 +18,7 @@ _MARK = re.compile(r"(?:^|[(;,]\s*)default: (?P<x>.+?)\)?\s*$")
 
 def _config_class(stem: str):
     if stem == "demo":
-        from rlcu.train.demo import DemoConfig
+        from rlcu.config import DemoConfig
 
         return DemoConfig
     import importlib
@@ -35,7 +34,7 @@ def _leaves(cls, node, lines, prefix=""):
     """(dotted name, the value's YAML node or None when absent, the mark's text or None) of every
     option of `cls`, walking the YAML mapping `node` alongside."""
     items = {k.value: v for k, v in node.value} if isinstance(node, yaml.MappingNode) else {}
-    hints = typing.get_type_hints(cls, globalns=vars(sys.modules[cls.__module__]))
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp, sub = hints[f.name], items.get(f.name)
         if isinstance(tp, type) and issubclass(tp, Section):

@@ -39,8 +39,7 @@ def always_fails(prompts, completions, **_):
 
 
 def _cfg(tmp_path, **kw):
-    from rlcu.config import _build
-    from rlcu.train.rl_config import GRPOConfig
+    from rlcu.config import GRPOConfig, _build
 
     tok = syn.make_tokenizer()
     d = dict(model=dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id), init_seed=3,
@@ -305,9 +304,7 @@ def test_grpo_on_gpu_kernels(tmp_path):
 def test_example_configs_load():
     from pathlib import Path
 
-    from rlcu.config import config_to_dict, load_config
-    from rlcu.train.demo import DemoConfig
-    from rlcu.train.rl_config import GRPOConfig, PPOConfig
+    from rlcu.config import DemoConfig, GRPOConfig, PPOConfig, config_to_dict, load_config
 
     ex = Path(__file__).resolve().parents[2] / "examples"
     g = load_config(GRPOConfig, ex / "grpo.yaml")

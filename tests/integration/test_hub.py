@@ -82,8 +82,8 @@ def test_a_local_folder_never_needs_huggingface_hub(tmp_path, monkeypatch):
 
 
 def test_scheduler_jobs_read_a_hub_models_config(hub, capsys):
+    from rlcu.config import GRPOConfig
     from rlcu.sched.job import estimate_memory, run_grpo_exit_code
-    from rlcu.train.rl_config import GRPOConfig
 
     add_model(hub, "org/tiny")
     est = estimate_memory(GRPOConfig(model={"path": "org/tiny"}))

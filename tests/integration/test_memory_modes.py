@@ -205,7 +205,7 @@ def test_no_master_state_round_trip_is_exact():
 
 # ---------------------------------------------------------------- config
 def test_config_errors_name_the_field():
-    from rlcu.train.rl_config import GRPOConfig, PPOConfig
+    from rlcu.config import GRPOConfig, PPOConfig
 
     with pytest.raises(ConfigError, match=r"optim\.state_dtype must be one of 'float32', 'bfloat16'"):
         _build(GRPOConfig, {"optim": {"state_dtype": "float8"}})

@@ -97,9 +97,8 @@ def test_critic_matches_hf_autograd(tmp_path):
 
 
 def _trainer(tmp_path, **kw):
-    from rlcu.config import _build
+    from rlcu.config import PPOConfig, _build
     from rlcu.train.ppo import PPOTrainer
-    from rlcu.train.rl_config import PPOConfig
 
     tok = syn.make_tokenizer()
     model = dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id), init_seed=3)

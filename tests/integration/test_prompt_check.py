@@ -50,9 +50,8 @@ def test_limit_and_report(tmp_path):
 
 
 def _trainer(tmp_path, rows, **kw):
-    from rlcu.config import _build
+    from rlcu.config import GRPOConfig, _build
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
 
     tok = syn.make_tokenizer()
     d = dict(model=dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id), init_seed=3),

@@ -258,8 +258,8 @@ def test_memory_per_rank_estimate_shards_the_optimizer():
     not fit one H200's 139 GiB resident, but its 8-rank job does, with room for its phases."""
     from test_parallel_memory import SHAPES
 
+    from rlcu.config import GRPOConfig
     from rlcu.sched.job import estimate_memory, job_memory
-    from rlcu.train.rl_config import GRPOConfig
 
     cfg = GRPOConfig(model={"tiny": SHAPES["14b"], "dtype": "bfloat16"}, kl_coef=0.0, prompts_per_step=32,
                      group_size=8, max_new_tokens=1024, micro_batch_tokens=16384)

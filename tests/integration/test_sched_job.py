@@ -135,7 +135,7 @@ def test_failed_job_releases_its_leases(tmp_path, service):
 
 
 def test_memory_estimates():
-    from rlcu.train.rl_config import GRPOConfig
+    from rlcu.config import GRPOConfig
 
     cfg = GRPOConfig(**{k: v for k, v in config("x").items() if k not in ("model", "log", "checkpoint", "optim")})
     est = estimate_memory(cfg)  # the default (0.6B-shaped) model in bf16 or fp32
@@ -153,10 +153,9 @@ def test_memory_estimates():
 
 
 def test_memory_estimate_follows_the_checkpointing_and_refuses_auto():
-    from rlcu.config import ConfigError
+    from rlcu.config import ConfigError, GRPOConfig
     from rlcu.model.config import Qwen3Config
     from rlcu.parallel.memory import kept_activation_bytes
-    from rlcu.train.rl_config import GRPOConfig
 
     def est(mode):
         return estimate_memory(GRPOConfig(**{**config("x"), "model": {"dtype": "bfloat16",

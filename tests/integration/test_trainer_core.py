@@ -138,8 +138,8 @@ def test_resume_refusals_are_one_line(tmp_path, capsys):
     log = (tmp_path / "out" / "log.txt").read_text()
     assert "settings changed since step-000002: seed: 5 -> 6; steps: 2 -> 3" in log
     # a checkpoint written before an option existed: the option at its default is no change
+    from rlcu.config import GRPOConfig
     from rlcu.train.resume import check_config
-    from rlcu.train.rl_config import GRPOConfig
 
     ck = tmp_path / "out" / "checkpoints" / "step-000003"
     state = json.loads((ck / "trainer_state.json").read_text())
@@ -153,8 +153,7 @@ def test_resume_refusals_are_one_line(tmp_path, capsys):
 
 
 def load_config_like(d: dict):
-    from rlcu.config import config_from_dict
-    from rlcu.train.rl_config import GRPOConfig
+    from rlcu.config import GRPOConfig, config_from_dict
 
     return config_from_dict(GRPOConfig, d)
 

@@ -110,9 +110,9 @@ def test_help_lists_every_option():
     ("SFTConfig", "learning_rate", "optim.lr"),
 ])
 def test_trl_names_get_ours(tmp_path, cls_name, key, ours):
-    from rlcu.train import rl_config
+    import rlcu.config
 
-    cls = getattr(rl_config, cls_name, None) or SFTConfig
+    cls = getattr(rlcu.config, cls_name)
     f = tmp_path / "trl.yaml"
     f.write_text(f"{key}: 1\n")
     for src in ({"path": f}, {"overrides": [f"{key}=1"]}):
@@ -126,9 +126,8 @@ def test_trl_names_get_ours(tmp_path, cls_name, key, ours):
 
 def test_trl_names_point_at_real_options():
     """Every TRL name's target is an option of at least one trainer's config."""
-    from rlcu.config import _leaf_paths
+    from rlcu.config import GRPOConfig, PPOConfig, _leaf_paths
     from rlcu.config_hints import TRL_NAMES
-    from rlcu.train.rl_config import GRPOConfig, PPOConfig
 
     leaves = set().union(*(_leaf_paths(c) for c in (SFTConfig, GRPOConfig, PPOConfig)))
     assert {k: v for k, v in TRL_NAMES.items() if v not in leaves} == {}
@@ -147,16 +146,16 @@ def test_trl_names_point_at_real_options():
     ("GRPOConfig", "rewards=[{func: math}]", "rewards[0].func is not a reward option; did you mean 'rewards[0].fn'?"),
 ])
 def test_near_miss_did_you_mean(cls_name, override, needle):
-    from rlcu.train import rl_config
+    import rlcu.config
 
-    cls = getattr(rl_config, cls_name, None) or SFTConfig
+    cls = getattr(rlcu.config, cls_name)
     with pytest.raises(ConfigError) as e:
         load_config(cls, None, [override])
     assert needle in str(e.value)
 
 
 def test_nested_unknown_key_in_a_file_names_its_whole_path(tmp_path):
-    from rlcu.train.rl_config import PPOConfig
+    from rlcu.config import PPOConfig
 
     f = tmp_path / "ppo.yaml"
     f.write_text("critic:\n  optim:\n    lrr: 1\n")

@@ -336,8 +336,7 @@ def test_ppo_recompute_corrects_the_kl_reward(tmp_path):
 
 
 def test_config_fields_and_errors():
-    from rlcu.config import ConfigError, _build
-    from rlcu.train.rl_config import GRPOConfig, PPOConfig
+    from rlcu.config import ConfigError, GRPOConfig, PPOConfig, _build
 
     c = GRPOConfig()
     assert (c.old_logprobs, c.behaviour_correction, c.tis_cap, c.mis_low, c.mis_high) == ("engine", "none", 2.0,

@@ -251,9 +251,8 @@ def _submit(a) -> int:
     name = a.name or job.get("name") or path.stem
     client = _client(a)
     if "grpo" in job:
-        from rlcu.config import load_config
+        from rlcu.config import GRPOConfig, load_config
         from rlcu.sched.job import job_memory
-        from rlcu.train.rl_config import GRPOConfig
 
         n = job.get("ranks", 1)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -44,10 +44,10 @@ import secrets
 import sys
 from pathlib import Path
 
+from rlcu.config import GRPOConfig
 from rlcu.sched.client import STOP_REASON, JobEnded, JobHandle, SchedClient, SchedError
 from rlcu.train.core import Hooks, TrainingStopped, coerce_config, exit_status
 from rlcu.train.grpo import GRPOTrainer
-from rlcu.train.rl_config import GRPOConfig
 
 GiB = float(1 << 30)
 CLUSTER = "actor"

@@ -17,59 +17,25 @@ held-out accuracy), the logs and metrics of both phases (sft/, grpo/), the GRPO 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from rlcu.config import ConfigError, Section, opt
-
-MODEL = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=24, max_position_embeddings=64, tie_word_embeddings=True,
-             rope_theta=10000.0, bos_token_id=None)
-
-
-@dataclasses.dataclass
-class DemoTaskConfig(Section):
-    min_len: int = opt(4, "fewest digits in a prompt", ge=1, le=10)
-    max_len: int = opt(8, "most digits in a prompt", ge=1, le=10)
-    distinct: bool = opt(True, "the digits of a prompt are all different")
-    sloppy: float = opt(0.7, "how often the SFT teacher forgets the last digit (of long lists)", ge=0, le=1)
-    sloppy_min_len: int = opt(6, "the teacher is sloppy on lists of at least this many digits", ge=0)
-    n_train: int = opt(4000, "training prompts (SFT demonstrations and GRPO prompts)", ge=1)
-    n_eval: int = opt(200, "held-out prompts (never trained on)", ge=1)
-
-    def check(self):
-        if self.min_len > self.max_len:
-            raise ConfigError("min_len", f"must be <= max_len ({self.max_len}), got {self.min_len}")
-
-
-@dataclasses.dataclass
-class DemoConfig(Section):
-    """The demo's knobs. The defaults keep the CPU run far below 5 minutes on 2 cores, with a
-    wide margin on the accuracy gain (measured: about 40 s and +50 points)."""
-
-    out: str = opt("runs/demo", "output folder")
-    seed: int = opt(0, "seed of the data, the initial weights and the sampling", ge=0)
-    device: str = opt("auto", "where to run (auto: cuda when available)", choices=("auto", "cpu", "cuda"))
-    dtype: str = opt("float32", "working precision of the weights", choices=("float32", "bfloat16"))
-    threads: int | None = opt(None, "torch CPU threads (null: 1 on the CPU, where the tiny model's ops are too "
-                                    "small to split)", ge=1)
-    progress: bool = opt(True, "progress bars")
-    task: DemoTaskConfig = opt(DemoTaskConfig, "the sort task and its sloppy teacher")
-    model: dict = opt(MODEL, "Qwen3Config fields of the tiny model (vocab_size and eos come from the tokenizer)")
-    sft_steps: int = opt(60, "SFT warm-up steps", ge=1)
-    sft_lr: float = opt(3e-3, "SFT peak learning rate (10 warmup steps, then cosine to 10%)", gt=0)
-    sft_batch_tokens: int = opt(1024, "tokens per SFT step", ge=1)
-    grpo_steps: int = opt(40, "GRPO steps", ge=1)
-    grpo_lr: float = opt(2e-4, "GRPO learning rate (constant)", gt=0)
-    prompts_per_step: int = opt(16, "GRPO prompts per step", ge=1)
-    group_size: int = opt(8, "GRPO completions per prompt", ge=2)
-    temperature: float = opt(1.0, "GRPO sampling temperature", gt=0)
-    clip_high: float = opt(0.28, "GRPO ratio clip above (clip_low is 0.2)", ge=0)
-    eval_every: int = opt(5, "held-out greedy accuracy every N GRPO steps (0: only before and after)", ge=0)
+from rlcu.config import (
+    CheckpointConfig,
+    ConfigError,
+    DemoConfig,
+    GRPOConfig,
+    LogConfig,
+    SFTConfig,
+    check_device,
+    config_from_dict,
+    config_help,
+    config_to_dict,
+    load_config,
+)
 
 
 def _parser():
@@ -152,13 +118,11 @@ def run(cfg: DemoConfig) -> dict:
         from rlcu.threads import apply
 
         apply(cfg.threads or 1)  # (and the inter-op pool to one: rlcu runs no inter-op work)
-    from rlcu.config import CheckpointConfig, LogConfig, SFTConfig, _build, check_device
     from rlcu.data import synthetic as syn
     from rlcu.model.config import Qwen3Config
     from rlcu.model.qwen3 import Qwen3
     from rlcu.ops._backend import backend_name
     from rlcu.train.grpo import GRPOTrainer
-    from rlcu.train.rl_config import GRPOConfig
     from rlcu.train.sft import SFTTrainer
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
@@ -187,7 +151,7 @@ def run(cfg: DemoConfig) -> dict:
 
     # 1. SFT warm-up on the sloppy demonstrations
     t0 = time.perf_counter()
-    scfg = _build(SFTConfig, dict(
+    scfg = config_from_dict(SFTConfig, dict(
         steps=cfg.sft_steps, batch_tokens=cfg.sft_batch_tokens, seed=cfg.seed,
         optim=dict(lr=cfg.sft_lr, warmup_steps=min(10, cfg.sft_steps), schedule="cosine", min_lr_ratio=0.1),
         log=LogConfig(out_dir=str(out / "sft"), plot=False, **log), checkpoint=CheckpointConfig(save_at_end=False)))
@@ -197,7 +161,7 @@ def run(cfg: DemoConfig) -> dict:
     t_sft = time.perf_counter() - t0
 
     # 2. GRPO against the exact-match verifier
-    gcfg = _build(GRPOConfig, dict(
+    gcfg = config_from_dict(GRPOConfig, dict(
         steps=cfg.grpo_steps, prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
         max_new_tokens=t.max_len + 2, temperature=cfg.temperature, optim=dict(lr=cfg.grpo_lr), clip_low=0.2,
         clip_high=cfg.clip_high, loss_agg="token", eval_every=cfg.eval_every, eval_max_prompts=t.n_eval,
@@ -221,7 +185,6 @@ def run(cfg: DemoConfig) -> dict:
     tok.save_pretrained(out / "model")
     plot = _plot(out, sft_hist, hist, before, after)
     ckpt = sorted((out / "checkpoints").glob("step-*"))
-    from rlcu.config import config_to_dict
 
     summary = {
         "task": f"sort {t.min_len}-{t.max_len} {'distinct ' if t.distinct else ''}digits; SFT on a sloppy teacher "
@@ -248,7 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
         argv = argv[1:]
-    from rlcu.config import config_help, load_config
 
     p = _parser()
     a = p.parse_args(argv)

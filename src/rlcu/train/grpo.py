@@ -24,10 +24,10 @@ import time
 
 import torch
 
+from rlcu.config import GRPOConfig
 from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.mismatch import StepCorrection
-from rlcu.train.rl_config import GRPOConfig
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
 

@@ -17,12 +17,12 @@ import time
 
 import torch
 
+from rlcu.config import PPOConfig
 from rlcu.ops.rl_loss import VALUE_STATS, value_loss
 from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.critic import Critic
 from rlcu.train.mismatch import StepCorrection
-from rlcu.train.rl_config import PPOConfig
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
 

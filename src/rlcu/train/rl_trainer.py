@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
+from rlcu.config import RLConfig
 from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
 from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean, split_eval
-from rlcu.train.rl_config import RLConfig
 
 
 class PromptSampler:

@@ -1,36 +1,23 @@
-"""RL run configuration: GRPO and PPO (with its critic), built from the shared sections of
-rlcu.config (model, data, optim, checkpoint, log, engine). Every field is documented; the
-YAML keys are the field names and `--set a.b=c` reaches any of them."""
+"""RL run configuration: GRPO and PPO (with its critic), the run's sections (RunConfig: model,
+data, optim, checkpoint, log) plus the engine, the rewards, the rollout and the policy loss.
+Every field is documented; the YAML keys are the field names and `--set a.b=c` reaches any of
+them."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from rlcu.config import (
-    CheckpointConfig,
-    ConfigError,
-    DataConfig,
-    EngineConfig,
-    LogConfig,
-    ModelConfig,
-    OptimConfig,
-    Section,
-    opt,
-)
+from rlcu.config.fields import ConfigError, Section, opt
+from rlcu.config.sections import EngineConfig, OptimConfig, RunConfig
 from rlcu.config_hints import hint, hint_text
 
 _REWARD_KEYS = ("name", "fn", "weight", "kwargs")
 
 
 @dataclasses.dataclass
-class RLConfig(Section):
-    """What GRPO and PPO share: the sections, the rollout and the policy loss."""
+class RLConfig(RunConfig):
+    """What GRPO and PPO share: the run's sections, the engine, the rollout and the policy loss."""
 
-    model: ModelConfig = opt(ModelConfig, "the policy (and, for KL, its frozen reference copy)")
-    data: DataConfig = opt(DataConfig, "the prompts (fields other than the prompt reach the reward functions)")
-    optim: OptimConfig = opt(OptimConfig, "the policy's optimizer and learning-rate schedule")
-    checkpoint: CheckpointConfig = opt(CheckpointConfig, "checkpoints and resume")
-    log: LogConfig = opt(LogConfig, "logging")
     engine: EngineConfig = opt(EngineConfig, "the rollout engine (shares the policy's weights)")
     rewards: list[dict] = opt([{"name": "math", "weight": 1.0}],
                               "reward functions, summed with weights: each {name: math|format} or "
