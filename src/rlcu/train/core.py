@@ -88,18 +88,6 @@ def load_tokenizer(model_cfg, need: str):
     return Tokenizer.from_pretrained(src)
 
 
-def split_eval(rows: list, eval_size: int, seed: int, src: str = "the data") -> tuple[list, list]:
-    """(train rows, held-out rows): `eval_size` rows drawn by a seeded permutation, both in
-    their file order."""
-    if eval_size <= 0:
-        return rows, []
-    if eval_size >= len(rows):
-        raise ValueError(f"data.eval_size ({eval_size}) must be smaller than the {len(rows)} rows of {src}")
-    g = torch.Generator().manual_seed(seed + 7919)
-    held = set(torch.randperm(len(rows), generator=g)[:eval_size].tolist())
-    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
-
-
 class Hooks:
     """What a driver outside the trainer may observe and steer; every default does nothing.
     phase(name, **info): a context manager around one phase of a step (info: e.g. work, the

@@ -29,7 +29,6 @@ import abc
 import inspect
 import math
 import time
-from pathlib import Path
 
 import torch
 
@@ -37,7 +36,8 @@ from rlcu.config import RLConfig
 from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
 from rlcu.train import losses
 from rlcu.train import rollout as ro
-from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean, split_eval
+from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean
+from rlcu.train.rows import EpochOrder, load_rows
 
 
 class PromptSampler:
@@ -46,19 +46,8 @@ class PromptSampler:
     def __init__(self, rows: list[dict], seed: int, shuffle: bool = True, pos: int = 0):
         if not rows:
             raise ValueError("the prompt dataset is empty")
-        self.rows, self.seed, self.shuffle, self.pos = rows, seed, shuffle, pos
-        self._epoch, self._perm = -1, None
-
-    def _order(self, epoch: int) -> list[int]:
-        if epoch != self._epoch:
-            n = len(self.rows)
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-                self._perm = torch.randperm(n, generator=g).tolist()
-            else:
-                self._perm = list(range(n))
-            self._epoch = epoch
-        return self._perm
+        self.rows, self.pos = rows, pos
+        self._order = EpochOrder(len(rows), seed, shuffle)
 
     def next(self, k: int) -> list[dict]:
         out = []
@@ -136,27 +125,17 @@ class RLTrainer(Trainer):
         from rlcu.data.prompt_check import checked_prompts, prompt_limit
 
         d = self.cfg.data
-        if dataset is None:
-            if d.path is None:
-                raise ValueError("data.path must be set (or pass a dataset to the trainer)")
-            dataset = d.path
         # every prompt against the context (and max_prompt_tokens): dropped (logged by row) or an error now
         limit = prompt_limit(self.model.cfg.max_position_embeddings, self.cfg.max_new_tokens, d.max_prompt_tokens,
                              d.overlong_prompts)
-        src = dict(split=d.split, subset=d.subset, field="data.path" if dataset is d.path else None)
-        rows, rep = checked_prompts(dataset, d.prompt_field, self._prompt_len, limit, **src)
-        self.prompt_reports = [rep]
-        if eval_dataset is None and d.eval_path is not None:
-            eval_dataset = d.eval_path
-        if eval_dataset is not None:
-            src = dict(split=d.eval_split, subset=d.subset,
-                       field="data.eval_path" if eval_dataset is d.eval_path else None)
-            eval_rows, rep = checked_prompts(eval_dataset, d.prompt_field, self._prompt_len, limit, "eval_dataset",
-                                             **src)
+        self.prompt_reports = []  # the training prompts', then the held-out ones'
+
+        def load(source, name, **where):
+            rows, rep = checked_prompts(source, d.prompt_field, self._prompt_len, limit, name, **where)
             self.prompt_reports.append(rep)
-        else:
-            rows, eval_rows = split_eval(rows, d.eval_size, d.seed, str(dataset) if isinstance(dataset, (str, Path))
-                                         else "the dataset")
+            return rows
+
+        rows, eval_rows, _ = load_rows(d, dataset, eval_dataset, load, self.kind.upper())
         return rows, eval_rows, sum(r.n_dropped for r in self.prompt_reports)
 
     def _prompt_len(self, row) -> int:

@@ -30,7 +30,8 @@ from rlcu.parallel import batch as dp
 from rlcu.parallel.comm import all_sum, world
 from rlcu.parallel.zero import make_optimizer
 from rlcu.train.checkpoint import build_model
-from rlcu.train.core import Hooks, Trainer, load_tokenizer, split_eval
+from rlcu.train.core import Hooks, Trainer, load_tokenizer
+from rlcu.train.rows import EpochOrder, load_rows
 from rlcu.train.schedule import lr_at
 
 
@@ -42,20 +43,12 @@ class PackedStream:
     def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool, seed: int):
         if not lengths:
             raise ValueError("no training examples left to pack")
-        self.lengths, self.batch_tokens, self.shuffle, self.seed = lengths, batch_tokens, shuffle, seed
+        self.lengths, self.batch_tokens = lengths, batch_tokens
         self.epoch, self.cursor = 0, 0
-        self._order_epoch, self._order = -1, []
+        self._order = EpochOrder(len(lengths), seed, shuffle)
 
     def order(self) -> list[int]:
-        if self._order_epoch != self.epoch:
-            n = len(self.lengths)
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-                self._order = torch.randperm(n, generator=g).tolist()
-            else:
-                self._order = list(range(n))
-            self._order_epoch = self.epoch
-        return self._order
+        return self._order(self.epoch)
 
     def next_batch(self) -> list[int]:
         order = self.order()
@@ -99,27 +92,19 @@ class SFTTrainer(Trainer):
         d = cfg.data
         fields = dict(prompt_field=d.prompt_field, completion_field=d.completion_field,
                       messages_field=d.messages_field)
-        if dataset is None:
-            if d.path is None:
-                raise ValueError("SFT needs data: pass dataset= or set data.path")
-            dataset = d.path
-        # rows with their locations ('file:line', 'dataset[i]'), which the messages name
-        if isinstance(dataset, (str, Path)):
-            src = str(dataset)
-            rows = load_sft_items(dataset, **fields, split=d.split, subset=d.subset,
-                                  field="data.path" if dataset is d.path else None)
-        else:
-            src = "dataset"
-            rows = [(f"dataset[{i}]", r) for i, r in enumerate(dataset)]
-            for where, r in rows:
+
+        def load(source, name, **where):
+            """Rows with their locations ('file:line', 'dataset[i]'), which the messages name."""
+            if isinstance(source, (str, Path)):
+                return load_sft_items(source, **fields, **where)
+            items = [(f"{name}[{i}]", r) for i, r in enumerate(source)]
+            for at, r in items:
                 if not isinstance(r, dict):
-                    raise ValueError(f"{where}: a row must be a dict, got {type(r).__name__}")
-                check_sft_row(r, where, **fields)
-        if d.eval_path is not None:
-            eval_rows = load_sft_items(d.eval_path, **fields, split=d.eval_split, subset=d.subset,
-                                       field="data.eval_path")
-        else:
-            rows, eval_rows = split_eval(rows, d.eval_size, d.seed, src)
+                    raise ValueError(f"{at}: a row must be a dict, got {type(r).__name__}")
+                check_sft_row(r, at, **fields)
+            return items
+
+        rows, eval_rows, src = load_rows(d, dataset, None, load, "SFT")
         self.tokenizer = tokenizer
         if self.tokenizer is None and any("prompt_token_ids" not in r for _, r in rows + eval_rows):
             self.tokenizer = load_tokenizer(cfg.model, "text SFT rows")
