@@ -24,6 +24,7 @@ from rlcu.config.fields import (
     _leaf_paths as _leaf_paths,
 )
 from rlcu.config.load import (
+    command_config,
     config_from_dict,
     config_help,
     config_to_dict,
@@ -48,9 +49,9 @@ from rlcu.config.sections import (
 from rlcu.config.sft import SFTConfig
 
 __all__ = [
-    "CHECKPOINTING_MODES", "GPU_MEMORY_UTILIZATION", "MODEL", "CheckpointConfig", "ConfigError", "CriticConfig",
-    "DataConfig", "DemoConfig", "DemoTaskConfig", "EngineConfig", "GRPOConfig", "LogConfig", "ModelConfig",
+    "CHECKPOINTING_MODES", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig", "DemoConfig",
+    "DemoTaskConfig", "EngineConfig", "GPU_MEMORY_UTILIZATION", "GRPOConfig", "LogConfig", "MODEL", "ModelConfig",
     "OptimConfig", "PPOConfig", "RLConfig", "RunConfig", "SFTConfig", "Section", "UnknownOption", "check_device",
-    "config_from_dict", "config_help", "config_to_dict", "default_text", "field_types", "load_config", "opt",
-    "parse_override", "save_config", "type_name",
+    "command_config", "config_from_dict", "config_help", "config_to_dict", "default_text", "field_types",
+    "load_config", "opt", "parse_override", "save_config", "type_name"
 ]

@@ -1,11 +1,13 @@
 """Loading a config: a YAML file plus `--set a.b=c` overrides (values parsed as YAML) into a
 config class, errors naming the dotted key and where its value came from; back to plain data
 and YAML; `config_help`, the option list `--help` prints (the documentation site renders the
-same fields, docs/gen/config_reference.py)."""
+same fields, docs/gen/config_reference.py); `command_config`, what every command that takes
+a config does with its arguments."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -169,3 +171,24 @@ def config_help(cls) -> str:
     lines.append(f"{cls.__name__} options (YAML keys; override with --set key=value):")
     walk(cls, "")
     return "\n".join(lines)
+
+
+def command_config(cls, parser, args, overrides: list[str], say=None):
+    """A command's config from its YAML file (`args.config`) and `overrides`, or the command's
+    exit status: 0 after `--help` (the parser's help, then every option of `cls`), 2 after a
+    bad option or a missing file, said in one line `PROG: why` (say: the printer, e.g. once
+    for all ranks; default stderr)."""
+    if args.help:
+        parser.print_help()
+        print()
+        print(config_help(cls))
+        return 0
+    try:
+        return load_config(cls, args.config, overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        line = f"{parser.prog}: {e}"
+        if say is None:
+            print(line, file=sys.stderr)
+        else:
+            say(line)
+        return 2

@@ -64,15 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = argv[0]
     p = _parser(cmd)
     args = p.parse_args(argv[1:])
-    from rlcu.config import ConfigError, config_help, config_to_dict, load_config
+    from rlcu.config import ConfigError, command_config, config_to_dict
     from rlcu.parallel.comm import print_once
 
     cls, (tmod, tcls) = _load(cmd)
-    if args.help:
-        p.print_help()
-        print()
-        print(config_help(cls))
-        return 0
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={args.resume}")
@@ -80,11 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append("log.overwrite=true")
     if args.allow_config_change:
         overrides.append("checkpoint.allow_config_change=true")
-    try:
-        cfg = load_config(cls, args.config, overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print_once(f"rlcu {cmd}: {e}")  # under torchrun: once, not once a rank
-        return 2
+    cfg = command_config(cls, p, args, overrides, say=print_once)  # under torchrun: once, not once a rank
+    if isinstance(cfg, int):
+        return cfg
     if args.print_config:
         import yaml
 

@@ -31,10 +31,9 @@ from rlcu.config import (
     LogConfig,
     SFTConfig,
     check_device,
+    command_config,
     config_from_dict,
-    config_help,
     config_to_dict,
-    load_config,
 )
 
 
@@ -211,24 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
         argv = argv[1:]
-
     p = _parser()
     a = p.parse_args(argv)
-    if a.help:
-        p.print_help()
-        print()
-        print(config_help(DemoConfig))
-        return 0
     overrides = list(a.overrides)
     if a.out is not None:
         overrides.append(f"out={a.out}")
     if a.no_progress:
         overrides.append("progress=false")
-    try:
-        cfg = load_config(DemoConfig, a.config, overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"rlcu demo: {e}", file=sys.stderr)
-        return 2
+    cfg = command_config(DemoConfig, p, a, overrides)
+    if isinstance(cfg, int):
+        return cfg
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         summary = run(cfg)
