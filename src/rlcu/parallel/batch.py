@@ -122,12 +122,7 @@ def update_moments(moments, x: torch.Tensor) -> None:
         return
     bm = float(s[1]) / n
     bv = all_sum(float(((x - bm) ** 2).sum()) if x.numel() else 0.0) / n
-    tot = moments.count + n
-    d = bm - moments.mean
-    m2 = moments.var * moments.count + bv * n + d * d * moments.count * n / tot
-    moments.mean += d * n / tot
-    moments.var = m2 / tot
-    moments.count = tot
+    moments.merge(n, bm, bv)
 
 
 def gather_samples(samples: list) -> list:

@@ -71,10 +71,7 @@ class GRPOTrainer(RLTrainer):
         r_all = torch.cat(all_rewards)
         out = {k: sum(v) / len(v) for k, v in metrics.items()}
         out["errors/reward"] = sum(metrics.get("errors/reward", [0]))
-        ok = ~torch.isnan(r_all)
-        out.update({"reward": float(r_all[ok].mean()) if ok.any() else math.nan,
-                    "reward_std": float(r_all[ok].std()) if ok.sum() > 1 else 0.0,
-                    "masked_frac": float((~ok).float().mean())})
+        out.update(losses.reward_metrics(r_all, torch.isnan(r_all)))
         if c.dynamic_sampling:
             out.update(groups_kept=len(kept) // G, sampling_rounds=rounds)
         keep = torch.tensor([not math.isnan(s.reward) for s in kept], dtype=torch.bool)

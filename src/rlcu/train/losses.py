@@ -119,6 +119,15 @@ def whiten(x: torch.Tensor, w: torch.Tensor | None = None, eps: float = 1e-8) ->
     return (x - sel.mean()) / (sel.std() + eps)
 
 
+def reward_metrics(scores: torch.Tensor, masked: torch.Tensor) -> dict:
+    """A step's reward metrics: reward and reward_std over the scored samples (nan = no
+    score), masked_frac the fraction that carries no loss (`masked`, bool)."""
+    ok = ~torch.isnan(scores)
+    return {"reward": float(scores[ok].mean()) if ok.any() else math.nan,
+            "reward_std": float(scores[ok].std()) if ok.sum() > 1 else 0.0,
+            "masked_frac": float(masked.float().mean())}
+
+
 class RunningMoments:
     """Running mean and variance of the scores seen so far (Chan et al.'s parallel update),
     for PPO's reward normalisation; state_dict() goes into the checkpoint."""
@@ -131,7 +140,10 @@ class RunningMoments:
         n = x.numel()
         if n == 0:
             return
-        bm, bv = float(x.mean()), float(x.var(unbiased=False))
+        self.merge(n, float(x.mean()), float(x.var(unbiased=False)))
+
+    def merge(self, n: float, bm: float, bv: float) -> None:
+        """Take in a batch of n scores of mean bm and (population) variance bv."""
         tot = self.count + n
         d = bm - self.mean
         m2 = self.var * self.count + bv * n + d * d * self.count * n / tot

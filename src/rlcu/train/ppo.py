@@ -161,10 +161,7 @@ class PPOTrainer(RLTrainer):
         keep = ~torch.isnan(scores)
         if c.overlong == "mask":
             keep &= torch.tensor([not s.truncated for s in samples], dtype=torch.bool)
-        ok = ~torch.isnan(scores)
-        m.update({"reward": float(scores[ok].mean()) if ok.any() else math.nan,
-                  "reward_std": float(scores[ok].std()) if ok.sum() > 1 else 0.0,
-                  "masked_frac": float((~keep).float().mean())})
+        m.update(losses.reward_metrics(scores, ~keep))
         if c.reward_norm:
             self.score_stats.update(scores[keep])
             scores = self.score_stats.normalise(scores)
