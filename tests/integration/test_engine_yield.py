@@ -181,6 +181,48 @@ def test_yield_arguments_validated(model):
         llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False, yield_check=lambda: False, on_yield=3)
 
 
+def test_on_done_is_called_once_after_the_steps(model):
+    """generate(on_done=h): h() once every step is read back, the engine awake and idle, the
+    yields of the call done; not when generate raises (a data-parallel job's ranks wait for each
+    other there, rlcu.sched.dp)."""
+    llm = LLM(model, num_kv_blocks=48, block_size=4, max_num_batched_tokens=6)
+    seen, pauses = [], []
+
+    def on_done():
+        seen.append((llm.asleep, llm.scheduler.live(), llm.block_manager.num_free, len(pauses)))
+
+    def give_up(_):
+        raise KeyboardInterrupt
+
+    llm.generate(toks(PROMPTS), params(), use_tqdm=False, yield_check=lambda: decoding(llm) and len(pauses) < 2,
+                 on_yield=pauses.append, on_done=on_done)
+    assert seen == [(False, [], llm.block_manager.num_blocks, 2)]
+    llm.generate(toks(PROMPTS[:1]), params()[:1], use_tqdm=False, on_done=on_done)  # with no yield protocol too
+    assert len(seen) == 2
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(toks(PROMPTS), params(), use_tqdm=False, yield_check=lambda: True, on_yield=give_up,
+                     on_done=on_done)
+    assert len(seen) == 2
+    llm.wake()
+    with pytest.raises(TypeError, match="on_done"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False, on_done=1)
+
+
+def test_nothing_patches_generate():
+    """Whoever must act after a generate passes on_done (the engine's hook); no code of rlcu
+    replaces an engine's generate method (the data-parallel job once did, sched/dp.py)."""
+    import re
+    from pathlib import Path
+
+    import rlcu
+
+    root = Path(rlcu.__file__).parent
+    pat = re.compile(r"\.generate\s*=[^=]|setattr\([^)]*[\"']generate[\"']")
+    bad = [f"{f.relative_to(root)}:{i}" for f in sorted(root.rglob("*.py"))
+           for i, line in enumerate(f.read_text().splitlines(), 1) if pat.search(line)]
+    assert not bad, bad
+
+
 @pytest.mark.gpu
 def test_yield_on_gpu_releases_memory(model):
     """On CUDA (Triton kernels, CUDA graphs kept through the yield's sleep): the pool's memory

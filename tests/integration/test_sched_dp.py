@@ -182,7 +182,8 @@ class _Handle:
 
 
 class _Engine:
-    """An engine of `steps` steps that yields as LLM.generate does (sleep, on_yield(left), wake)."""
+    """An engine of `steps` steps that yields as LLM.generate does (sleep, on_yield(left), wake)
+    and calls on_done at its end."""
 
     def __init__(self, steps):
         self.steps, self.asleep, self.sleeps = steps, False, 0
@@ -194,12 +195,13 @@ class _Engine:
     def wake(self):
         self.asleep = False
 
-    def generate(self, prompts, sp=None, *, yield_check=None, on_yield=None, **kw):
+    def generate(self, prompts, sp=None, *, yield_check=None, on_yield=None, on_done=None, **kw):
         for left in range(self.steps, 0, -1):
             if yield_check():
                 self.sleep()
                 on_yield(left)
                 self.wake()
+        on_done()
         return [self.steps]
 
 
@@ -216,7 +218,8 @@ def _protocol(rank):
         hooks.attach(llm)
         try:
             with hooks.phase("rollout", work=100.0):
-                llm.generate([], yield_check=hooks.yield_check, on_yield=hooks.on_yield)
+                llm.generate([], yield_check=hooks.yield_check, on_yield=hooks.on_yield,
+                             on_done=hooks.on_generate_done)
                 after = all_gather_objects(rank)  # the collective after the generate pairs up
         except JobEnded as e:
             after = f"ended: {e}"

@@ -28,7 +28,10 @@ is released), g(tokens_left) runs (an estimate of the tokens still to generate; 
 when the caller may go on), the engine wakes and the sequences are recomputed from their
 tokens. Sampling is counter-based per (seed, sample, tokens generated so far), so the
 outputs are those of an uninterrupted call (logprobs up to the rounding of recomputing K/V
-in other chunks). If g raises, generate raises it with the engine left asleep.
+in other chunks). If g raises, generate raises it with the engine left asleep. With
+`on_done=h`, h() runs once the call's steps are done, before generate returns (not when it
+raises): a caller whose yield checks pair with other engines' (one per rank of a job) keeps
+answering them there until every engine is done, with this one idle.
 """
 
 from __future__ import annotations
@@ -293,12 +296,12 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise",
-                 yield_check: Callable[[], bool] | None = None,
-                 on_yield: Callable[[int], None] | None = None) -> list[RequestOutput]:
+                 yield_check: Callable[[], bool] | None = None, on_yield: Callable[[int], None] | None = None,
+                 on_done: Callable[[], None] | None = None) -> list[RequestOutput]:
         """prompts: a str, a {"prompt_token_ids": [...]} (or {"prompt": str}) dict, a list of token
         ids, or a list of those. sampling_params: one for all, or one per prompt. Returns one
         RequestOutput per prompt, in order. on_error: "raise" | "return" (see the module docstring).
-        yield_check, on_yield: preemption between engine steps (see the module docstring)."""
+        yield_check, on_yield, on_done: preemption between engine steps (see the module docstring)."""
         items = self._as_list(prompts)
         if any(isinstance(p, str) or (isinstance(p, dict) and "prompt_token_ids" not in p) for p in items):
             self.tokenizer  # noqa: B018  (text needs a tokenizer: fail now, for all requests, if there is none)
@@ -309,13 +312,13 @@ class LLM:
             except (ValueError, TypeError) as e:
                 resolved.append((p, None, f"{type(e).__name__}: {e}"))
         return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error,
-                         yield_check, on_yield)
+                         yield_check, on_yield, on_done)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise",
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             yield_check: Callable[[], bool] | None = None,
-             on_yield: Callable[[int], None] | None = None) -> list[RequestOutput]:
+             yield_check: Callable[[], bool] | None = None, on_yield: Callable[[int], None] | None = None,
+             on_done: Callable[[], None] | None = None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
         The chat template is applied with add_generation_prompt; chat_template_kwargs are
         template variables (e.g. enable_thinking=False). The rest is as in `generate`."""
@@ -330,7 +333,7 @@ class LLM:
             except (ValueError, TypeError, KeyError) as e:
                 resolved.append((conv, None, f"chat template failed: {e}"))
         return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error,
-                         yield_check, on_yield)
+                         yield_check, on_yield, on_done)
 
     # ------------------------------------------------------------------ the loop
     def _yield(self, on_yield) -> None:
@@ -345,10 +348,10 @@ class LLM:
         self.wake()
 
     def _run(self, resolved, sampling_params, show: bool, on_error: str, yield_check=None,
-             on_yield=None) -> list[RequestOutput]:
+             on_yield=None, on_done=None) -> list[RequestOutput]:
         """Validate the requests, run the step loop over the good ones, assemble the outputs."""
         requests.check_on_error(on_error)
-        for name, fn in (("yield_check", yield_check), ("on_yield", on_yield)):
+        for name, fn in (("yield_check", yield_check), ("on_yield", on_yield), ("on_done", on_done)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"generate({name}=...) must be a callable or None, got {type(fn).__name__}")
         if self.asleep:
@@ -365,4 +368,7 @@ class LLM:
             done = loop.run(bar.update)
         self.stats = loop.stats.as_dict()
         decode = self._tokenizer.decode if self._tokenizer is not None else None
-        return requests.assemble(resolved, errors, done, decode)
+        outs = requests.assemble(resolved, errors, done, decode)
+        if on_done is not None:
+            on_done()
+        return outs

@@ -19,7 +19,9 @@ reaches every rank at the same tick: each engine preempts its live sequences and
 the ranks sum their remaining tokens, rank 0 gives the lease back and asks again with that
 work, and all wait for the re-grant together. A rank whose generate has finished keeps
 ticking (and yields with its engine asleep) until every rank's has, so that the collectives
-after the generate (gathering the samples) pair up. Ticks happen only in the rollout phase.
+after the generate (gathering the samples) pair up: the engine calls the hooks'
+`on_generate_done` at the end of each generate (its `on_done`). Ticks happen only in the
+rollout phase.
 
 Cancel. Before each step every rank asks `stop_reason`, answered by rank 0 from its view of
 the job: after a graceful cancel all ranks stop after the same step and checkpoint together.
@@ -146,7 +148,8 @@ def pin_devices(handle: JobHandle | None, ranks: list[tuple[str, str]]) -> list[
 
 class DistJobHooks(Hooks):
     """rlcu.sched.job.JobHooks across ranks (see the module docstring): `sched` is the
-    JobHandle on rank 0 and None on the others. Call `attach(llm)` once the engine exists."""
+    JobHandle on rank 0 and None on the others. `attach(llm)` gives the engine that sleeps
+    through an idle yield."""
 
     preemptible = True
 
@@ -297,8 +300,9 @@ class DistJobHooks(Hooks):
         if llm is not None:
             llm.wake()
 
-    def drain(self) -> None:
-        """After this rank's generate: tick until every rank's is done, yielding with them."""
+    def on_generate_done(self) -> None:
+        """After this rank's generate (the engine's on_done): tick until every rank's is done,
+        yielding with them, so that the collectives after the generate pair up across ranks."""
         if self._pending:
             self._pending = False
             self._idle_yield()
@@ -311,17 +315,5 @@ class DistJobHooks(Hooks):
                 self._idle_yield()
 
     def attach(self, llm) -> None:
-        """Drain after each of `llm`'s generate calls that ticks (those given a yield_check in
-        a rollout): the collectives that follow a generate then pair up across ranks."""
+        """The engine that sleeps through an idle yield."""
         self._llm = llm
-        gen = llm.generate
-
-        def generate(*a, yield_check=None, on_yield=None, **kw):
-            ticking = yield_check is not None and self._preempting()
-            out = gen(*a, yield_check=yield_check, on_yield=on_yield, **kw)
-            if ticking:
-                self.drain()
-            return out
-
-        generate.__doc__ = gen.__doc__
-        llm.generate = generate

@@ -14,7 +14,8 @@ state is (`_trainer_state`, `_load_state`, `_checkpoint_objects`, `_finite_tenso
 `eval_metrics`). Whoever drives a trainer from outside (the job scheduler) does it through
 `Hooks`: the trainer calls `hooks.phase(name)` around each phase of a step ("rollout",
 "ref_logprobs", "actor_train", "critic_train", "eval") and hands `hooks.yield_check` /
-`hooks.on_yield` to the engine's generate when `hooks.preemptible`; the defaults do nothing.
+`hooks.on_yield` / `hooks.on_generate_done` to the engine's generate when `hooks.preemptible`;
+the defaults do nothing.
 """
 
 from __future__ import annotations
@@ -93,9 +94,11 @@ class Hooks:
     phase(name, **info): a context manager around one phase of a step (info: e.g. work, the
     tokens a rollout may generate). preemptible: when true, generate calls pass
     yield_check() (asked between engine steps: give the device back now?) and
-    on_yield(tokens_left) (returns when the rollout may go on) to the engine.
-    metrics(): extra metrics merged into each step's. stop_reason(): asked before each step (on
-    every rank at the same step); a reason stops the run as SIGTERM does (TrainingStopped)."""
+    on_yield(tokens_left) (returns when the rollout may go on) to the engine, and
+    on_generate_done() (once that generate's steps are done: where the ranks of a job that
+    yield together wait for each other). metrics(): extra metrics merged into each step's.
+    stop_reason(): asked before each step (on every rank at the same step); a reason stops the
+    run as SIGTERM does (TrainingStopped)."""
 
     preemptible = False
 
@@ -107,6 +110,9 @@ class Hooks:
         return False
 
     def on_yield(self, tokens_left: int) -> None:
+        pass
+
+    def on_generate_done(self) -> None:
         pass
 
     def metrics(self) -> dict:

@@ -228,9 +228,12 @@ class RLTrainer(Trainer):
                          seed_offset=lo, generate_kw=self._generate_kw()))
 
     def _generate_kw(self) -> dict:
-        """The engine's preemption callbacks when the hooks ask for them."""
+        """The engine's preemption callbacks when the hooks ask for them (on_done: hooks written
+        before it have none)."""
         h = self.hooks
-        return dict(yield_check=h.yield_check, on_yield=h.on_yield) if h.preemptible else {}
+        if not h.preemptible:
+            return {}
+        return dict(yield_check=h.yield_check, on_yield=h.on_yield, on_done=getattr(h, "on_generate_done", None))
 
     def score(self, samples: list[ro.Sample], per_function: bool = False) -> dict:
         """Fill sample.reward (nan = masked); returns reward metrics: `reward/NAME`, each
