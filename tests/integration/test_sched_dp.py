@@ -119,7 +119,7 @@ def test_two_rank_scheduled_job_equals_unscheduled_and_yields_together(tmp_path,
     assert phases[i + 1] == ("hog", "actor_train", "released") and phases[i + 2][:2] == ("dphog", "rollout")
     assert [p for j, p, _ in phases if j == "dphog"] == ["init", "rollout", "rollout", "ref_logprobs",
                                                          "actor_train", "rollout", "ref_logprobs", "actor_train"]
-    assert core.op_metrics()["mem_in_use"] == [0.0, 0.0]
+    assert core.ops.op_metrics()["mem_in_use"] == [0.0, 0.0]
 
 
 def _fails_on_rank1(prompts, completions, **kw):
@@ -149,7 +149,7 @@ def test_a_failed_rank_ends_the_job_as_failed(tmp_path, service):
     assert codes[0] == EXIT_CODE, codes  # rank 0 ended by its watchdog, after telling the scheduler
     assert time.monotonic() - t0 < 60
     assert core.snapshot().jobs["dpfail"].state == "failed"
-    assert core.op_metrics()["mem_in_use"] == [0.0, 0.0]
+    assert core.ops.op_metrics()["mem_in_use"] == [0.0, 0.0]
 
 
 # ------------------------------------------------------------------ the tick protocol, engine-free

@@ -109,7 +109,7 @@ def test_preempted_grpo_job_loses_nothing(tmp_path, service):
     # the engine is the trainer's own LLM (no proxy), and every sleep, between phases and on the
     # yield, keeps the decode graphs for the next wake: a scheduled job captures them once
     assert type(tr.llm).__name__ == "LLM" and len(sleeps) == 3 and all(sleeps), sleeps
-    assert core.op_metrics()["mem_in_use"] == [0.0]
+    assert core.ops.op_metrics()["mem_in_use"] == [0.0]
 
 
 def test_run_grpo_api(tmp_path, service):

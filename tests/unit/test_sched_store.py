@@ -61,11 +61,11 @@ def test_the_tally_equals_summarize_over_the_history(tmp_path, seed):
     clock.t += 2.0
     ok(core, op="finish", job="a")
     clock.t += 5.0
-    assert not differences(core.op_metrics(), summarized(core))
+    assert not differences(core.ops.op_metrics(), summarized(core))
     core.close()
     again = Core(None, state=tmp_path / "s.db", clock=clock, mono=clock)  # the tally survives a restart
     clock.t += 1.0
-    assert not differences(again.op_metrics(), summarized(again))
+    assert not differences(again.ops.op_metrics(), summarized(again))
     again.close()
 
 
@@ -84,7 +84,7 @@ def test_status_and_metrics_read_no_history(tmp_path):
 
     core.ended = Untouchable()  # the remembered history: any scan of it fails the test
     core.store.db = None  # and the database
-    st, m = core.op_status(), core.op_metrics()
+    st, m = core.ops.op_status(), core.ops.op_metrics()
     assert len(st["jobs"]) == 3 and m["jobs_live"] == 3
 
 
@@ -98,15 +98,15 @@ def test_history_is_pruned_and_the_metrics_keep_it(tmp_path):
         clock.t += 1.0
         ok(core, op="release", job="a", lease=r["leases"][-1]["id"])
     assert len(core.ended) == 20  # memory: the last keep_spans
-    before = core.op_metrics()
+    before = core.ops.op_metrics()
     assert core.prune() == 70  # the database: the last history_rows (within history_s)
     rows = sqlite3.connect(tmp_path / "s.db").execute("SELECT COUNT(*) FROM leases").fetchone()[0]
     assert rows == 30
-    assert core.op_metrics() == before
+    assert core.ops.op_metrics() == before
     clock.t += 40.0  # and those that ended more than history_s ago: ends 1071..1089 of 1071..1100
-    before = core.op_metrics()
+    before = core.ops.op_metrics()
     assert core.prune() == 19
-    assert core.op_metrics() == before
+    assert core.ops.op_metrics() == before
     core.close()
 
 
@@ -124,7 +124,7 @@ def test_a_database_without_a_tally_gets_one_at_start(tmp_path):
     con.commit()
     con.close()
     again = Core(None, state=tmp_path / "s.db", clock=clock, mono=clock)
-    assert not differences(again.op_metrics(), want)
+    assert not differences(again.ops.op_metrics(), want)
     again.close()
 
 

@@ -8,8 +8,9 @@ a scheduler that knows each job's phase overlaps them across jobs. The pieces:
     simulator.py   replay a job-mix trace through the policy in simulated time
     metrics.py     idle fraction, jobs/hour, latency, memory, fragmentation, Chrome trace
     store.py       the service's state in SQLite (the `Job` record, group commit, retention)
-    core.py        the service's logic (transport-free): dispatch, transactions, audits, ticks
-    ops.py         its operations (register, request, release, wait, ...)
+    core.py        the service's logic (transport-free): its books, dispatch, transactions, audits,
+                   ticks (recovery.py: loading the books)
+    ops.py         its verbs (register, request, release, wait, ...): an object holding the core
     views.py       what it shows: a job's view, status, metrics, `Snapshot`
 
 and, in one-way layers (each imports only those above it):

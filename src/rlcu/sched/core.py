@@ -1,6 +1,8 @@
 """The scheduler service's logic, free of any transport: jobs, their phase requests and
-leases, heartbeats, persistence, metrics (the operations themselves are in ops.py). The socket server (server.py)
-and the Ray actor (ray_backend.py) both wrap one `Core` and feed it messages:
+leases, heartbeats, persistence, metrics. The core owns these books and makes every change
+to them safe; what a message may do to them, the verbs, is `core.ops`, an `Operations`
+holding the core (ops.py, which says why two classes). The socket server (server.py) and the
+Ray actor (ray_backend.py) both wrap one `Core` and feed it messages:
 
     core.handle({"op": "request", "job": "a", "phase": "rollout", "mem": 30}) -> {"ok": True, ...}
 
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import inspect
 import os
 import sqlite3
@@ -49,31 +50,11 @@ from rlcu.sched.journal import Journal
 from rlcu.sched.ops import MAX_WAIT_S, Operations, SchedRequestError
 from rlcu.sched.pool import InvariantError, PolicyError, Request
 from rlcu.sched.recovery import Recovery
-from rlcu.sched.store import Job, Store, StoreError
-from rlcu.sched.views import LIVE, Snapshot, metrics_of
+from rlcu.sched.store import Job, StateLocked, Store, StoreError, lock_state
+from rlcu.sched.views import LIVE, Snapshot, job_view, metrics_of
 
 PRUNE_BATCH = 5000  # ended leases deleted per tick at most (a backlog takes the following ticks)
 MUTATING = frozenset({"register", "request", "withdraw", "release", "work", "finish", "cancel"})
-
-
-class StateLocked(StoreError):
-    """Another live service holds the state folder."""
-
-
-def _lock(db: Path):
-    """An exclusive lock on `<db>.lock` (held while the returned file is open)."""
-    p = db.with_name(db.name + ".lock")
-    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise StateLocked(f"the scheduler state {db} is in use by another service (pid {holder}, lock {p}): "
-                          "stop that one first, or give this one another state folder") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 class _Batch:
@@ -83,7 +64,7 @@ class _Batch:
         self.failure: dict | None = None
 
 
-class Core(Operations, Recovery):
+class Core(Recovery):
     def __init__(self, capacity: list[float] | None = None, *, state=None, policy: str = "phase",
                  aging_s: float = 60.0, heartbeat_timeout: float = 30.0, device_names: list[str] | None = None,
                  clock=time.time, mono=time.monotonic, fresh: bool = False, start_grace_s: float | None = None,
@@ -104,7 +85,7 @@ class Core(Operations, Recovery):
             state = Path(state)
             state.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             ran_here = state.with_name(state.name + ".lock").exists()
-            self._lock_fd = _lock(state)
+            self._lock_fd = lock_state(state)
             if ran_here and not state.exists() and not fresh:
                 os.close(self._lock_fd)
                 raise StoreError(f"{state} is gone, but a scheduler ran on this state folder (its lock file is "
@@ -119,10 +100,11 @@ class Core(Operations, Recovery):
             self.versions: Journal[str, int] = Journal()  # job -> its view's version (the audit reads who changed)
             self._auditor = Audit()
             self.closed = False
+            self.ops = Operations(self)  # the verbs (ops.py): handle dispatches to them
             self._ops = {}
-            for name in dir(self):
+            for name in dir(self.ops):
                 if name.startswith("op_"):
-                    fn = getattr(self, name)
+                    fn = getattr(self.ops, name)
                     ps = inspect.signature(fn).parameters
                     self._ops[name[3:]] = (fn, frozenset(ps), [k for k, p in ps.items()
                                                                if p.default is inspect.Parameter.empty])
@@ -150,6 +132,25 @@ class Core(Operations, Recovery):
                 raise StoreError(f"{state}: the database failed at start ({type(e).__name__}: {e}); its last "
                                  "committed state is kept") from None
             raise
+
+    # ------------------------------------------------------------------ the books
+    def bump(self, job: str) -> None:
+        """The job's view changed: its version goes up (a `wait` on the old one returns)."""
+        self.versions[job] = self.versions.get(job, 0) + 1
+
+    def remember(self, s: mx.Span) -> None:
+        """An ended lease's span, kept in memory among the last keep_spans."""
+        self.ended[s.id] = s
+        self.history_count += 1
+        while len(self.ended) > self.keep_spans:
+            self.ended.popitem(last=False)
+
+    def span(self, lease_id: int) -> mx.Span | None:
+        """The span of a held lease or of a remembered ended one."""
+        return self.held.get(lease_id) or self.ended.get(lease_id)
+
+    def view(self, job: str) -> dict:
+        return job_view(self, job)
 
     def _meta(self) -> dict:
         """What every commit writes beside the operations' rows: the metrics tally, the next id
@@ -282,7 +283,6 @@ class Core(Operations, Recovery):
         """The reply to a failed operation, after its writes are undone and, if it had changed
         anything (or failed unexpectedly), the state in memory is reloaded from the database."""
         expected = isinstance(e, (SchedRequestError, PolicyError))
-        self._unsaved.clear()
         if isinstance(e, sqlite3.Error):  # a full disk, a database gone bad: stop on the last good state
             self._fail(f"the database failed in op {op!r}: {type(e).__name__}: {e}")
             return self._fatal_reply()
@@ -365,8 +365,8 @@ class Core(Operations, Recovery):
                 dead = [n for n, j in self.jobs.items() if j.state in LIVE and now - j.last_seen >
                         (self.start_grace_s if j.state == "queued" else self.heartbeat_timeout)]
                 for n in dead:
-                    self._end_job(n, "dead", "reclaimed")
-                self._schedule()
+                    self.ops.end_job(n, "dead", "reclaimed")
+                self.ops.schedule()
                 if now >= self._prune_at:  # every minute, or every tick while a backlog is left
                     self._prune_at = now + (0.0 if self._prune() >= PRUNE_BATCH else 60.0)
             except Exception as e:  # noqa: BLE001  (put the state back, say so, and tick again next time)

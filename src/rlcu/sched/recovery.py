@@ -58,7 +58,6 @@ class Recovery:
         self.yields: collections.deque = collections.deque(maxlen=max(self.keep_spans, 1))  # (t, lease, job)
         self.asked: dict[int, float] = {}  # pending request id -> when asked
         self.history_count = self.store.history_rows()  # ended leases in the database
-        self._unsaved: set[int] = set()  # requests of the running op not written yet (granted at once: never)
         for j in self.store.jobs():
             self.jobs[j.name] = j
             j.last_seen = old[j.name].last_seen if j.name in old and not recovering else seen
@@ -92,7 +91,7 @@ class Recovery:
                 s.end, s.reason = now, "reclaimed"
                 self.tally.remove(s, mnow)
                 self.store.end_lease(s)
-                self._remember(s)
+                self.remember(s)
         for r, asked in self.store.requests():
             if self.jobs.get(r.job) is not None and self.jobs[r.job].state in LIVE:
                 reqs.append(r)
@@ -102,7 +101,7 @@ class Recovery:
         self.pol.restore(held, reqs, dict(self.yield_at), max(self.store.top_id() + 1,
                                                               live.get("next_id", 1)))
         for name in self.jobs:
-            self._bump(name)
+            self.bump(name)
 
     def mtime(self) -> float:
         """The metrics clock: the monotonic clock, going on across restarts from the saved

@@ -18,7 +18,9 @@ aside (`sched.db.corrupt-<time>`, nothing deleted) and a new one begun.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -45,6 +47,27 @@ CREATE INDEX IF NOT EXISTS leases_end ON leases(end);
 
 
 AUTO_CHECKPOINT_PAGES = 20_000  # the backstop: ~80 MB of WAL
+
+
+class StateLocked(StoreError):
+    """Another live service holds the state folder."""
+
+
+def lock_state(db: Path):
+    """An exclusive lock on `<db>.lock`, held while the returned descriptor is open (the core
+    holds it for its life: a second service on the state folder is refused)."""
+    p = db.with_name(db.name + ".lock")
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StateLocked(f"the scheduler state {db} is in use by another service (pid {holder}, lock {p}): "
+                          "stop that one first, or give this one another state folder") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 @dataclasses.dataclass
