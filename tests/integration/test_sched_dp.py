@@ -301,11 +301,10 @@ def test_a_grant_without_the_ranks_gpu_is_refused(monkeypatch):
     from rlcu.sched import dp
     from rlcu.sched.client import LeaseInfo, SchedError
 
-    h = object.__new__(dp.DistJobHooks)
-    h.rank, h.size = 1, 2
+    h = dp.RankZero(None, rank=1, size=2)
     monkeypatch.setattr(dp, "_my_device", lambda: "cuda:1")
-    h._check(LeaseInfo(7, "rollout", "actor", (0, 1), ("n/cuda:0", "n/cuda:1"), (1.0, 1.0), 0.0))
+    h.check(LeaseInfo(7, "rollout", "actor", (0, 1), ("n/cuda:0", "n/cuda:1"), (1.0, 1.0), 0.0))
     with pytest.raises(SchedError, match=r"rank 1: lease 7 \(rollout\) holds \['cuda:2', 'cuda:3'\], not this "):
-        h._check(LeaseInfo(7, "rollout", "actor", (2, 3), ("cuda:2", "cuda:3"), (1.0, 1.0), 0.0))
+        h.check(LeaseInfo(7, "rollout", "actor", (2, 3), ("cuda:2", "cuda:3"), (1.0, 1.0), 0.0))
     with pytest.raises(SchedError, match="spans 1 devices; the job has 2 ranks"):
-        h._check(LeaseInfo(8, "init", "actor", (1,), ("cuda:1",), (1.0,), 0.0))
+        h.check(LeaseInfo(8, "init", "actor", (1,), ("cuda:1",), (1.0,), 0.0))

@@ -213,7 +213,8 @@ def test_trl_job_on_cuda_measures_its_footprint(tmp_path):
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from rlcu.sched.integrations.trl import HEADROOM, scheduled
+    from rlcu.sched.integrations.trl import scheduled
+    from rlcu.sched.lease import HEADROOM
 
     core = Core([40.0, 40.0], state=tmp_path / "s.db", device_names=["cuda:1", "cuda:0"])
     with SchedServer(core, f"unix:{tmp_path / 's.sock'}", TOKEN, tick_s=0.05) as srv:

@@ -19,8 +19,10 @@ ALLOWED = {  # module -> the rlcu.sched modules it may import
     "conns": {"protocol", "auth", "service"},
     "server": {"protocol", "auth", "service", "conns"},
     "ray_backend": {"protocol", "auth", "transport", "client", "service"} | LOGIC,
-    "dp": {"protocol", "auth", "client", "transport"},
-    "job": {"protocol", "auth", "client", "transport", "dp"},
+    "lease": {"protocol", "auth", "client", "transport"},
+    "hooks": {"protocol", "auth", "client", "transport", "lease"},
+    "dp": {"protocol", "auth", "client", "transport", "lease", "hooks"},
+    "job": {"protocol", "auth", "client", "transport", "dp", "lease", "hooks"},
     "ray_launch": {"protocol", "auth", "client", "transport", "job"},
     **{m: LOGIC for m in LOGIC},
 }

@@ -265,6 +265,17 @@ class SchedClient:
         return JobHandle(self, name, view, heartbeat_s, poll_s)
 
 
+def pool_devices(client: SchedClient) -> list[dict] | None:
+    """The service's devices (`status`), or None when this client may not read them: `status`
+    needs the service token, which a worker holding only its job's secret lacks."""
+    try:
+        return client.status()["devices"]
+    except SchedError as e:
+        if e.code != "auth":
+            raise
+        return None
+
+
 _VIEW = ("job", "state", "version", "leases", "pending")
 STOP_REASON = "cancelled by the scheduler (rlcu sched cancel)"  # a stopping job's, in its log and exit
 

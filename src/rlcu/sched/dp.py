@@ -21,7 +21,7 @@ work, and all wait for the re-grant together. A rank whose generate has finished
 ticking (and yields with its engine asleep) until every rank's has, so that the collectives
 after the generate (gathering the samples) pair up: the engine calls the hooks'
 `on_generate_done` at the end of each generate (its `on_done`). Ticks happen only in the
-rollout phase.
+rollout phase. The lease moves are rlcu.sched.lease's LeaseHolder, over `RankZero`.
 
 Cancel. Before each step every rank asks `stop_reason`, answered by rank 0 from its view of
 the job: after a graceful cancel all ranks stop after the same step and checkpoint together.
@@ -43,8 +43,9 @@ import time
 import torch
 
 from rlcu.parallel import comm as W
-from rlcu.sched.client import STOP_REASON, JobHandle, SchedError
-from rlcu.train.core import Hooks
+from rlcu.sched.client import JobHandle, LeaseInfo, SchedError, pool_devices
+from rlcu.sched.hooks import JobHooks
+from rlcu.sched.lease import PREEMPTIBLE, Lessor
 
 _ERROR_FLAG = 1e6  # rank 0's tick value when asking the scheduler failed
 
@@ -126,12 +127,10 @@ def pin_devices(handle: JobHandle | None, ranks: list[tuple[str, str]]) -> list[
     when a rank's GPU is not in the pool."""
     if all(d == "cpu" for _, d in ranks):
         return None
-    try:
-        pool = {dv["name"]: int(dv["index"]) for dv in handle.client.status()["devices"]}
-    except SchedError as e:
-        if e.code != "auth":
-            raise
+    devices = pool_devices(handle.client)
+    if devices is None:
         return None
+    pool = {dv["name"]: int(dv["index"]) for dv in devices}
     if not any("cuda:" in n for n in pool):
         return None  # CPU slots: each rank keeps its device
     out, missing = [], []
@@ -146,61 +145,25 @@ def pin_devices(handle: JobHandle | None, ranks: list[tuple[str, str]]) -> list[
     return sorted(out)
 
 
-class DistJobHooks(Hooks):
-    """rlcu.sched.job.JobHooks across ranks (see the module docstring): `sched` is the
-    JobHandle on rank 0 and None on the others. `attach(llm)` gives the engine that sleeps
-    through an idle yield."""
+class RankZero(Lessor):
+    """The service as every rank sees it: rank 0 asks (its JobHandle; None on the others) and
+    broadcasts the answer, so each rank gets the same grant or raises the same error. A grant
+    spans the job's ranks (`size` devices, pinned to `only`); each rank checks that it holds
+    its own device. A lease goes back once every rank is done with it (a barrier)."""
 
-    preemptible = True
+    def __init__(self, handle: JobHandle | None, rank: int, size: int, only: list[int] | None = None):
+        super().__init__(handle)
+        self.rank, self.size, self.only = rank, size, only
 
-    def __init__(self, sched: JobHandle | None, cluster: str, mem: dict | None = None):
-        self.sched, self.cluster, self.mem = sched, cluster, dict(mem or {})
-        self.held = None
-        self.yields = 0
-        self.engine_steps = 0
-        self.on_engine_step = None  # called with the step count at each yield check (tests)
-        w = W.world()
-        self.rank, self.size, self.main = w.rank, w.size, w.is_main
-        if self.main and sched is None:
-            raise ValueError("rank 0 of a scheduled job needs the job's JobHandle")
-        self._pending = False  # yield_check said yield but the engine had nothing left to preempt
-        self._llm = None
-        self.ticks = 0  # collective ticks in rollouts (the same count on every rank)
-        self.yield_ticks: list[int] = []  # the tick of each yield (tests: equal on every rank)
-        ranks = W.all_gather_objects((socket.gethostname(), _my_device()))
-        self.only = on_main(lambda: pin_devices(sched, ranks))
-        self._undo_at_die = None
-        if self.main:
-            from rlcu.parallel.watchdog import at_die
+    def acquire(self, phase: str, cluster: str, **kw) -> LeaseInfo:
+        kw.update(devices=self.size, only=self.only)
+        if phase == PREEMPTIBLE:
+            kw["min_devices"] = self.size  # every rank rolls out its share
+        lease = on_main(lambda: self.handle.acquire(phase, cluster, **kw))
+        self.check(lease)
+        return lease
 
-            self._undo_at_die = at_die(self._fail_job)
-
-    # ---------------------------------------------------------------- leases
-    @contextlib.contextmanager
-    def phase(self, name: str, work: float | None = None, **info):
-        self.enter(name, work)
-        try:
-            yield self.held
-        except BaseException:
-            self._drop()  # no collective: the other ranks may be anywhere
-            raise
-        self.leave()
-
-    def enter(self, phase: str, work: float | None = None) -> None:
-        if self.held is not None and self.held.phase == phase:
-            return
-        self.leave()
-
-        def grant():
-            kw = dict(mem=self.mem.get(phase), work=work, devices=self.size, only=self.only)
-            if phase == "rollout":
-                kw["min_devices"] = self.size  # every rank rolls out its share
-            return self.sched.acquire(phase, self.cluster, **kw)
-
-        self.held = on_main(grant)
-        self._check(self.held)
-
-    def _check(self, lease) -> None:
+    def check(self, lease: LeaseInfo) -> None:
         if len(lease.devices) != self.size:
             raise SchedError(f"lease {lease.id} ({lease.phase}) spans {len(lease.devices)} devices; the job has "
                              f"{self.size} ranks", "invalid")
@@ -210,18 +173,47 @@ class DistJobHooks(Hooks):
             raise SchedError(f"rank {self.rank}: lease {lease.id} ({lease.phase}) holds {list(lease.names)}, "
                              f"not this rank's {mine}", "invalid")
 
-    def leave(self) -> None:
-        if self.held is None:
-            return
+    def release(self, lease: LeaseInfo) -> None:
         W.barrier()  # every rank is done with the phase before its lease goes back
-        lease, self.held = self.held, None
-        on_main(lambda: self.sched.release(lease), share=False)
+        on_main(lambda: self.handle.release(lease), share=False)
 
-    def _drop(self) -> None:
-        lease, self.held = self.held, None
-        if lease is not None and self.main:
-            with contextlib.suppress(SchedError):
-                self.sched.release(lease)
+    def drop(self, lease: LeaseInfo) -> None:
+        """No collective: after an error the other ranks may be anywhere."""
+        if self.handle is not None:
+            super().drop(lease)
+
+    @property
+    def stopping(self) -> bool:
+        """Rank 0's view on every rank (all ask at the same step), so all stop together."""
+        return on_main(lambda: self.handle.stopping)
+
+
+class DistJobHooks(JobHooks):
+    """rlcu.sched.hooks.JobHooks across ranks (see the module docstring): `sched` is the
+    JobHandle on rank 0 and None on the others; the lease moves are a LeaseHolder's over
+    `RankZero`, the yield checks collective ticks. `attach(llm)` gives the engine that sleeps
+    through an idle yield."""
+
+    def __init__(self, sched: JobHandle | None, cluster: str, mem: dict | None = None):
+        w = W.world()
+        self.rank, self.size, self.main = w.rank, w.size, w.is_main
+        if self.main and sched is None:
+            raise ValueError("rank 0 of a scheduled job needs the job's JobHandle")
+        ranks = W.all_gather_objects((socket.gethostname(), _my_device()))
+        only = on_main(lambda: pin_devices(sched, ranks))
+        super().__init__(sched, cluster, mem, lessor=RankZero(sched, self.rank, self.size, only))
+        self._pending = False  # yield_check said yield but the engine had nothing left to preempt
+        self._llm = None
+        self.ticks = 0  # collective ticks in rollouts (the same count on every rank)
+        self.yield_ticks: list[int] = []  # the tick of each yield (tests: equal on every rank)
+        self._undo_at_die = None
+        if self.main:
+            from rlcu.parallel.watchdog import at_die
+
+            self._undo_at_die = at_die(self._fail_job)
+
+    def attach(self, llm) -> None:
+        self._llm = llm
 
     def _fail_job(self, msg: str) -> None:
         """The watchdog ends rank 0 (another rank failed): finish the job as failed, bounded."""
@@ -240,23 +232,13 @@ class DistJobHooks(Hooks):
             self._undo_at_die()
             self._undo_at_die = None
 
-    def metrics(self) -> dict:
-        return {"sched/yields": self.yields}
-
-    def stop_reason(self) -> str | None:
-        """Rank 0's answer on every rank (all ask at the same step), so all stop together."""
-        return STOP_REASON if on_main(lambda: self.sched.stopping) else None
-
     # ---------------------------------------------------------------- yields
-    def _preempting(self) -> bool:
-        return self.held is not None and self.held.phase == "rollout"
-
     def _tick(self, active: bool) -> tuple[bool, bool]:
         """One collective tick: (yield now, every rank's generate done)."""
         flag, err = 0.0, None
         if self.main:
             try:
-                flag = 1.0 if self.sched.should_yield(self.held) else 0.0
+                flag = 1.0 if self.lease.yield_due() else 0.0
             except SchedError as e:
                 flag, err = _ERROR_FLAG, e
         t = W.all_sum(torch.tensor([flag, float(active)], dtype=torch.float64))
@@ -269,10 +251,8 @@ class DistJobHooks(Hooks):
         return bool(t[0] >= 1.0), bool(t[1] == 0)
 
     def yield_check(self) -> bool:
-        self.engine_steps += 1
-        if self.on_engine_step is not None:
-            self.on_engine_step(self.engine_steps)
-        if not self._preempting():
+        self._count_step()
+        if not self.lease.preemptible:
             return False
         y, _ = self._tick(active=True)
         if y:
@@ -286,10 +266,7 @@ class DistJobHooks(Hooks):
 
     def _together(self, tokens_left: int) -> None:
         """Every rank: the lease goes back, and all wait for the re-grant (the work left summed)."""
-        total = W.all_sum(float(tokens_left))
-        self.yields += 1
-        self.leave()
-        self.enter("rollout", work=total)
+        self.lease.yield_and_wait(W.all_sum(float(tokens_left)))
 
     def _idle_yield(self) -> None:
         """A yield on a rank whose generate is done: its engine sleeps through it too."""
@@ -306,14 +283,10 @@ class DistJobHooks(Hooks):
         if self._pending:
             self._pending = False
             self._idle_yield()
-        while self._preempting():
+        while self.lease.preemptible:
             y, done = self._tick(active=False)
             if done:
                 return
             if y:
                 self.yield_ticks.append(self.ticks)
                 self._idle_yield()
-
-    def attach(self, llm) -> None:
-        """The engine that sleeps through an idle yield."""
-        self._llm = llm

@@ -3,8 +3,8 @@
     python -m rlcu.sched.job --config grpo.yaml --addr unix:~/.rlcu/sched/sched.sock [--set k=v ...]
     run_grpo("grpo.yaml", addr)                                   # the Python API
 
-`ScheduledGRPO` is the GRPO trainer driven through its phase hooks (`JobHooks`, on
-rlcu.train.core.Hooks; it changes nothing in the math): building the model, engine and
+`ScheduledGRPO` is the GRPO trainer driven through its phase hooks (`JobHooks`, rlcu.sched.hooks,
+on rlcu.train.core.Hooks; it changes nothing in the math): building the model, engine and
 optimizer is `init`; sampling is `rollout`; the reference model's forward is `ref_logprobs`;
 the optimizer updates are `actor_train`. Each boundary gives back the lease of the phase
 before and asks for the next, with the memory that phase needs on the job's one cluster,
@@ -38,19 +38,18 @@ machine's cores (rlcu.threads; its `init` lease says which slots, `status` how m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import secrets
 import sys
 from pathlib import Path
 
 from rlcu.config import GRPOConfig
-from rlcu.sched.client import STOP_REASON, JobEnded, JobHandle, SchedClient, SchedError
-from rlcu.train.core import Hooks, TrainingStopped, coerce_config, exit_status
+from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError, pool_devices
+from rlcu.sched.hooks import CLUSTER, JobHooks
+from rlcu.train.core import TrainingStopped, coerce_config, exit_status
 from rlcu.train.grpo import GRPOTrainer
 
 GiB = float(1 << 30)
-CLUSTER = "actor"
 
 
 def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: int = 1) -> dict[str, float]:
@@ -110,57 +109,6 @@ def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: i
     return {k: v / GiB for k, v in out.items()} | {"kv_bytes_per_token": kv_tok}
 
 
-class JobHooks(Hooks):
-    """The trainer's phase hooks (rlcu.train.core.Hooks) on scheduler leases: each phase
-    gives back the lease of the one before and asks for its own, with the memory it needs;
-    the rollout is preemptible (yield_check / on_yield between engine steps)."""
-
-    preemptible = True
-
-    def __init__(self, sched: JobHandle, cluster: str = CLUSTER, mem: dict | None = None):
-        self.sched, self.cluster, self.mem = sched, cluster, dict(mem or {})
-        self.held = None
-        self.yields = 0
-        self.engine_steps = 0
-        self.on_engine_step = None  # called with the step count at each yield check (tests)
-
-    @contextlib.contextmanager
-    def phase(self, name: str, work: float | None = None, **info):
-        self.enter(name, work)
-        try:
-            yield self.held
-        finally:
-            self.leave()
-
-    def enter(self, phase: str, work: float | None = None) -> None:
-        if self.held is not None and self.held.phase == phase:
-            return
-        self.leave()
-        self.held = self.sched.acquire(phase, self.cluster, mem=self.mem.get(phase), work=work)
-
-    def leave(self) -> None:
-        if self.held is not None:
-            lease, self.held = self.held, None
-            self.sched.release(lease)
-
-    def yield_check(self) -> bool:
-        self.engine_steps += 1
-        if self.on_engine_step is not None:
-            self.on_engine_step(self.engine_steps)
-        return self.held is not None and self.held.phase == "rollout" and self.sched.should_yield(self.held)
-
-    def on_yield(self, tokens_left: int) -> None:
-        self.yields += 1
-        self.leave()
-        self.enter("rollout", work=float(tokens_left))
-
-    def metrics(self) -> dict:
-        return {"sched/yields": self.yields}
-
-    def stop_reason(self) -> str | None:
-        return STOP_REASON if self.sched.stopping else None
-
-
 def slot_share(sched: JobHandle, lease) -> float | None:
     """The part of this machine's cores a lease of CPU slots gives: its slots over the pool's
     slots on its host; None for GPUs, or when the pool cannot be read (`status` needs the
@@ -169,12 +117,10 @@ def slot_share(sched: JobHandle, lease) -> float | None:
     if not names or not all(n.rsplit("/", 1)[-1].startswith("cpu") for n in names):
         return None
     host = names[0].rpartition("/")[0]
-    try:
-        pool = [d["name"] for d in sched.client.status()["devices"]]
-    except SchedError as e:
-        if e.code != "auth":
-            raise
+    devices = pool_devices(sched.client)
+    if devices is None:
         return None
+    pool = [d["name"] for d in devices]
     here = [n for n in pool if n.rpartition("/")[0] == host and n.rsplit("/", 1)[-1].startswith("cpu")]
     return min(1.0, len(names) / len(here)) if here else None
 

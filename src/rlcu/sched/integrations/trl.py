@@ -34,9 +34,10 @@ flight with a checkpoint (TRL's own, in `output_dir`), and the job finishes as c
 Memory (GiB per device). `mem={"resident": R, "rollout": X, "actor_train": Y}` declares
 the footprint; what is not declared is estimated from the model and the config (weights,
 gradients and AdamW moments; the KV cache of one generation batch; one micro-batch's
-activations and logits) and, on CUDA, measured: each phase's peak above what was allocated
-when it began becomes its next request (x1.1), capped at the peak registered (the larger
-estimate doubled, at least 0.5 GiB, at most a device less the resident memory).
+activations and logits) and, on CUDA, measured (rlcu.sched.lease): each phase's peak above
+what was allocated when it began becomes its next request (x1.1), capped at the peak
+registered (the larger estimate doubled, at least 0.5 GiB, at most a device less the resident
+memory).
 
 Versions. Supported and tested: TRL 1.16.0 (with transformers 5.24, accelerate 1.15,
 datasets 5.2); the `trl` extra asks for >=1.16,<2. TRL 1.0 to 1.9 have the same two methods
@@ -56,12 +57,12 @@ import secrets
 import time
 
 from rlcu.sched.client import JobEnded, LeaseInfo, SchedClient, SchedError
+from rlcu.sched.lease import CudaMeter, LeaseHolder, Lessor
 
 GiB = float(1 << 30)
 TESTED = "1.16.0"
 WRAPPED = ("_generate", "_generate_single_turn")
 PHASES = ("resident", "rollout", "actor_train")
-HEADROOM = 1.1
 MIN_PEAK_GIB = 0.5  # the least peak registered for a measured (CUDA) job
 
 
@@ -101,9 +102,10 @@ def estimate_memory(trainer, prompt_tokens: int = 512) -> dict[str, float]:
 
 
 class SchedRun:
-    """One trainer's side of the scheduler: the job handle, the lease it holds, the phase
-    moves and yield boundaries. `events` logs (time, kind, detail) for tests and debugging:
-    kinds acquire, release, boundary, yield, finish."""
+    """One trainer's side of the scheduler: the job handle and its `LeaseHolder`
+    (rlcu.sched.lease: the phase moves, the yield, the peaks measured on CUDA), and the
+    generation boundaries. `events` logs (time, kind, detail) for tests and debugging: kinds
+    acquire, release, boundary, yield, finish."""
 
     def __init__(self, trainer, client: SchedClient, name: str, mem: dict | None = None, *, cluster: str = "actor",
                  rollout_chunk: int | None = None, heartbeat_s: float = 2.0, poll_s: float = 0.1):
@@ -119,14 +121,21 @@ class SchedRun:
         self.declared = dict(mem or {})
         self.rollout_chunk, self.heartbeat_s, self.poll_s = rollout_chunk, heartbeat_s, poll_s
         self.job = None
-        self.held: LeaseInfo | None = None
-        self.measured: dict[str, float] = {}
+        self.lease: LeaseHolder | None = None  # once the job is registered
         self.mem: dict[str, float] = {}
         self.events: list[tuple[float, str, dict]] = []
-        self.yields = 0
-        self._cuda = None  # the trainer's torch.device when it is a CUDA one
-        self._only = None
-        self._base = 0
+
+    @property
+    def held(self) -> LeaseInfo | None:
+        return self.lease.held if self.lease is not None else None
+
+    @property
+    def measured(self) -> dict[str, float]:
+        return self.lease.measured if self.lease is not None else {}
+
+    @property
+    def yields(self) -> int:
+        return self.lease.yields if self.lease is not None else 0
 
     # ------------------------------------------------------------------ register / finish
     def start(self) -> None:
@@ -135,16 +144,16 @@ class SchedRun:
         import torch
 
         dev = self.trainer.accelerator.device
-        self._cuda = dev if dev.type == "cuda" and torch.cuda.is_available() else None
+        cuda = dev if dev.type == "cuda" and torch.cuda.is_available() else None
         est = estimate_memory(self.trainer)
-        if self._cuda is not None:
+        if cuda is not None:
             opt = getattr(self.trainer, "optimizer", None)
             missing = 0 if opt is not None and opt.state else sum(
                 p.numel() * p.element_size() * 3 for p in self.trainer.model.parameters() if p.requires_grad)
             est["resident"] = max(est["resident"], (torch.cuda.memory_allocated(dev) + missing) / GiB)
         self.mem = {**est, **self.declared}
         peak = max(self.mem["rollout"], self.mem["actor_train"])
-        if self._cuda is not None and not {"rollout", "actor_train"} <= set(self.declared):
+        if cuda is not None and not {"rollout", "actor_train"} <= set(self.declared):
             # room for measured peaks above the estimates (the allocator's and cuBLAS's own), within a device
             cap = min(d["capacity"] for d in self.client.status()["devices"])
             peak = max(peak, min(cap - self.mem["resident"], max(2 * peak, MIN_PEAK_GIB)))
@@ -152,10 +161,14 @@ class SchedRun:
         clusters = {self.cluster: {"devices": 1, "resident": self.mem["resident"], "peak": peak}}
         self.job = self.client.job(self.name, clusters, spec={"kind": "trl-grpo", "mem": self.mem},
                                    heartbeat_s=self.heartbeat_s, poll_s=self.poll_s)
-        if self._cuda is not None:
-            idx = self._cuda.index if self._cuda.index is not None else torch.cuda.current_device()
+        only = None
+        if cuda is not None:
+            idx = cuda.index if cuda.index is not None else torch.cuda.current_device()
             names = {d["name"]: d["index"] for d in self.client.status()["devices"]}
-            self._only = [names[f"cuda:{idx}"]] if f"cuda:{idx}" in names else None
+            only = [names[f"cuda:{idx}"]] if f"cuda:{idx}" in names else None
+        self.lease = LeaseHolder(Lessor(self.job), self.cluster, self.mem, declared=self.declared, cap=peak,
+                                 meter=CudaMeter(cuda) if cuda is not None else None, ask={"only": only},
+                                 events=self.events)
 
     def finish(self, failed: bool = False) -> None:
         """Give back the lease and end the job (failed: with an error); safe to call twice."""
@@ -163,7 +176,7 @@ class SchedRun:
             return
         job, self.job = self.job, None
         with contextlib.suppress(SchedError):
-            self._leave(job)
+            self.lease.leave()
         self.events.append((time.time(), "finish", {"failed": failed}))
         try:
             if "failed" in inspect.signature(job.finish).parameters:
@@ -182,48 +195,14 @@ class SchedRun:
             job.close()
 
     # ------------------------------------------------------------------ leases
-    def _request_mem(self, phase: str) -> float:
-        if phase in self.declared:
-            return self.declared[phase]
-        if phase in self.measured:
-            return min(self.peak, self.measured[phase] * HEADROOM)
-        return min(self.peak, self.mem[phase])
-
     def enter(self, phase: str, work: float | None = None) -> None:
-        if self.held is not None and self.held.phase == phase:
-            return
-        self._leave()
-        self.held = self.job.acquire(phase, self.cluster, mem=self._request_mem(phase), work=work, only=self._only)
-        self.events.append((time.time(), "acquire", {"phase": phase, "lease": self.held.id}))
-        if self._cuda is not None:
-            import torch
-
-            torch.cuda.reset_peak_memory_stats(self._cuda)
-            self._base = torch.cuda.memory_allocated(self._cuda)
-
-    def _leave(self, job=None) -> None:
-        if self.held is None:
-            return
-        lease, self.held = self.held, None
-        if self._cuda is not None:
-            import torch
-
-            peak = (torch.cuda.max_memory_allocated(self._cuda) - self._base) / GiB
-            self.measured[lease.phase] = max(self.measured.get(lease.phase, 0.0), peak)
-            torch.cuda.empty_cache()  # cached blocks would stay out of every other job's reach
-        (job or self.job).release(lease)
-        self.events.append((time.time(), "release", {"phase": lease.phase, "lease": lease.id}))
+        self.lease.enter(phase, work)
 
     def boundary(self, rows_left: int) -> None:
         """Between two generation sub-batches: honour a yield notice on the rollout lease."""
-        lease = self.held
         self.events.append((time.time(), "boundary", {"rows_left": rows_left}))
-        if lease is None or lease.phase != "rollout" or not self.job.should_yield(lease):
-            return
-        self.yields += 1
-        self.events.append((time.time(), "yield", {"lease": lease.id, "rows_left": rows_left}))
-        self._leave()  # then ask again with the work left; the request keeps its age
-        self.enter("rollout", work=float(rows_left * (self.trainer.args.max_completion_length or 1)))
+        if self.lease.yield_due():  # give it back, then ask again with the work left; the request keeps its age
+            self.lease.yield_and_wait(float(rows_left * (self.trainer.args.max_completion_length or 1)))
 
     # ------------------------------------------------------------------ the wrapped methods
     def generate(self, orig, prompts):
