@@ -148,8 +148,8 @@ def _check_one_process(a, cfg, flat: torch.Tensor, per_mb: int) -> float:
     (no collectives) and compares its weights with the N-rank run's (the same on every rank)."""
     from rlcu.config import OptimConfig
     from rlcu.model.qwen3 import Qwen3
+    from rlcu.optim import FlatAdamW
     from rlcu.parallel.comm import all_max, world
-    from rlcu.train.optimizer import FlatAdamW
 
     out = 0.0
     if world().is_main:

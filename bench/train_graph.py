@@ -52,8 +52,8 @@ def bench_graph(cfg, B: int, T: int, steps: int, warmup: int, critic: bool = Fal
     import rlcu
     from rlcu.config import OptimConfig
     from rlcu.ops.rl_loss import value_loss
+    from rlcu.optim import FlatAdamW
     from rlcu.train.critic import Critic
-    from rlcu.train.optimizer import FlatAdamW
     from rlcu.train.static_batch import pack, slot_bucket
     from rlcu.train.step_graph import StepGraph
 

@@ -75,8 +75,8 @@ def kernel_profile(step, top: int = 20) -> dict:
 def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="default", profile=False):
     import rlcu
     from rlcu.config import OptimConfig
+    from rlcu.optim import FlatAdamW
     from rlcu.parallel.memory import resolve_auto
-    from rlcu.train.optimizer import FlatAdamW
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

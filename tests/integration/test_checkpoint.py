@@ -15,8 +15,8 @@ import torch
 
 import rlcu
 from rlcu.config import ModelConfig, OptimConfig
+from rlcu.optim import FlatAdamW
 from rlcu.train.checkpoint import build_model, latest_checkpoint, load_checkpoint, resolve_resume, save_checkpoint
-from rlcu.train.optimizer import FlatAdamW
 
 TINY = dict(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
@@ -117,7 +117,7 @@ _CHILD = textwrap.dedent("""
     import os, sys, torch, rlcu
     from rlcu.config import OptimConfig
     from rlcu.train.checkpoint import save_checkpoint
-    from rlcu.train.optimizer import FlatAdamW
+    from rlcu.optim import FlatAdamW
     root = sys.argv[1]
     cfg = rlcu.Qwen3Config(**{tiny})
     m = rlcu.Qwen3.from_config(cfg, seed=0)

@@ -110,7 +110,7 @@ def test_fit_checkpointing_extremes_and_an_h200():
 # ---------------------------------------------------------------- a model's estimate and auto
 def _small_model_and_opt(**optim):
     from rlcu.config import OptimConfig
-    from rlcu.train.optimizer import FlatAdamW
+    from rlcu.optim import FlatAdamW
 
     m = rlcu.Qwen3.from_config(Qwen3Config(**SMALL), dtype=torch.bfloat16)
     return m, FlatAdamW(m, OptimConfig(**optim))
@@ -280,8 +280,8 @@ def test_an_unresolved_auto_is_estimated_at_the_layers_it_will_become():
 @pytest.mark.gpu
 def test_auto_on_the_gpu_keeps_what_fits_and_gives_the_same_gradients():
     from rlcu.config import OptimConfig
+    from rlcu.optim import FlatAdamW
     from rlcu.parallel.memory import resolve_auto
-    from rlcu.train.optimizer import FlatAdamW
 
     m = rlcu.Qwen3.from_config(Qwen3Config(**SMALL), device="cuda", dtype=torch.float32, seed=1)
     o = FlatAdamW(m, OptimConfig())

@@ -2,7 +2,7 @@
 checkpoint that cannot be written fails with one OSError naming the file, "no space left on
 device" and the previous checkpoint, which stays intact and loadable; metrics.jsonl and
 log.txt writes say which file; the command line exits with its own status
-(rlcu.train.core.NO_SPACE_STATUS) and one line, not a traceback with torch's "unexpected
+(rlcu.errors.NO_SPACE_STATUS) and one line, not a traceback with torch's "unexpected
 pos"; a disk already full at the start is refused at once, exit 2."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def snapshot(folder) -> dict:
 def _model_and_opt():
     import rlcu
     from rlcu.config import OptimConfig
-    from rlcu.train.optimizer import FlatAdamW
+    from rlcu.optim import FlatAdamW
 
     m = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**TINY), seed=0)
     return m, FlatAdamW(m, OptimConfig())
@@ -105,9 +105,9 @@ def the_error(capsys) -> str:
 
 
 def test_cli_checkpoint_on_a_full_disk_exits_with_its_status(tmp_path, monkeypatch, capsys):
+    from rlcu.errors import NO_SPACE_STATUS
     from rlcu.train.checkpoint import latest_checkpoint
     from rlcu.train.cli import main
-    from rlcu.train.core import NO_SPACE_STATUS
 
     y = sft_yaml(tmp_path, checkpoint={"every": 1, "keep_last": 1})
     monkeypatch.setattr(torch, "save", full_at("step-000002"))
@@ -144,8 +144,8 @@ class _FullFile:
 
 @pytest.mark.parametrize("which", ["_jsonl", "_log_txt"])
 def test_cli_metrics_and_log_on_a_full_disk_exit_with_its_status(tmp_path, monkeypatch, capsys, which):
+    from rlcu.errors import NO_SPACE_STATUS
     from rlcu.train.cli import main
-    from rlcu.train.core import NO_SPACE_STATUS
     from rlcu.train.logging import RunLogger
 
     init = RunLogger.__init__
@@ -180,7 +180,7 @@ def test_generate_output_on_a_full_disk_or_in_no_folder(tmp_path, monkeypatch, c
     """rlcu generate's --output: a path it cannot write is refused before the model loads
     (exit 2); a full disk while writing is one line and the same status as the trainers'."""
     import rlcu.engine.cli as gen
-    from rlcu.train.core import NO_SPACE_STATUS
+    from rlcu.errors import NO_SPACE_STATUS
 
     for out, why in ((tmp_path / "none" / "o.jsonl", "is not a folder"), (tmp_path, "is a folder")):
         assert gen.main(["generate", "--max-tokens", "2", "--no-progress", "--output", str(out)]) == 2

@@ -18,7 +18,7 @@ from support.interp_util import needs_triton as needs_triton_for  # noqa: E402
 from rlcu.config import ConfigError, OptimConfig, _build  # noqa: E402
 from rlcu.ops import adamw as adamw_mod  # noqa: E402
 from rlcu.ops.adamw import adamw_step, adamw_step_ref, rounding_bits_ref, rounding_key, sround_bf16_ref  # noqa: E402
-from rlcu.train.optimizer import FlatAdamW  # noqa: E402
+from rlcu.optim import FlatAdamW  # noqa: E402
 
 needs_triton = needs_triton_for(adamw_mod._adamw_kernel)
 

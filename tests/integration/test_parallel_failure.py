@@ -55,8 +55,8 @@ def test_one_process_sets_up_nothing(tmp_path, monkeypatch):
     import torch.distributed as dist
     from test_sft import config, tiny, token_rows
 
+    from rlcu.optim import FlatAdamW
     from rlcu.parallel import comm
-    from rlcu.train.optimizer import FlatAdamW
     from rlcu.train.sft import SFTTrainer
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

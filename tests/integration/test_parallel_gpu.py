@@ -58,9 +58,9 @@ def test_one_rank_nccl_sharded_equals_flat_adamw(mode):
 
     import rlcu
     from rlcu.config import OptimConfig
+    from rlcu.optim import FlatAdamW
     from rlcu.parallel.comm import World
     from rlcu.parallel.zero import ShardedAdamW
-    from rlcu.train.optimizer import FlatAdamW
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",

@@ -104,7 +104,7 @@ def _batch_helpers(rank):
 
 
 def _one(dtype=torch.float32, cfgkw=None):
-    from rlcu.train.optimizer import FlatAdamW
+    from rlcu.optim import FlatAdamW
 
     model = _model(dtype)
     opt = FlatAdamW(model, _cfg(**(cfgkw or {})))
@@ -117,8 +117,8 @@ def _rel(a, b):
 
 
 def test_two_ranks_match_one_process(tmp_path):
+    from rlcu.optim import FlatAdamW
     from rlcu.parallel.ckpt import load_optimizer
-    from rlcu.train.optimizer import FlatAdamW
 
     m1 = _model()
     o1 = FlatAdamW(m1, _cfg())

@@ -110,8 +110,8 @@ def _killed_sharded_save(root, step: int, ranks: int = 2):
 def test_a_one_process_save_clears_a_killed_sharded_save(tmp_path):
     import rlcu
     from rlcu.config import OptimConfig
+    from rlcu.optim import FlatAdamW
     from rlcu.train.checkpoint import save_checkpoint
-    from rlcu.train.optimizer import FlatAdamW
 
     model = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**TINY), seed=0)
     opt = FlatAdamW(model, OptimConfig())
@@ -157,8 +157,8 @@ def test_an_out_dir_that_is_a_file_is_refused_at_the_start(tmp_path, capsys):
 def test_check_writable_names_the_folder_and_why(tmp_path, monkeypatch):
     import errno
 
+    from rlcu.errors import SetupError
     from rlcu.train import run_dir
-    from rlcu.train.core import SetupError
 
     run_dir.check_writable(tmp_path / "new" / "deeper")  # a folder to be made: its parent is probed
     assert not (tmp_path / "new").exists() and not list(tmp_path.iterdir())  # nothing made, no probe left

@@ -117,7 +117,7 @@ def test_eager_step_with_the_optimizer():
     """graphs=False with an optimizer: the static step then FlatAdamW.step (the reference the
     replayed update matches bit for bit on the GPU)."""
     from rlcu.config import OptimConfig
-    from rlcu.train.optimizer import FlatAdamW
+    from rlcu.optim import FlatAdamW
 
     m = tiny()
     opt = FlatAdamW(m, OptimConfig(lr=1e-3, max_grad_norm=0.5))
@@ -176,7 +176,7 @@ def test_static_step_does_not_depend_on_the_schedule(monkeypatch):
     from triton.runtime.interpreter import interpreter_builder as b
 
     from rlcu.config import OptimConfig
-    from rlcu.train.optimizer import FlatAdamW
+    from rlcu.optim import FlatAdamW
 
     monkeypatch.setenv("RLCU_BACKEND", "triton")
     lens = [70, 40, 20]  # 130 tokens of 61 ids: many repeats, over three tiles of the embedding backward

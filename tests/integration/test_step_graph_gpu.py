@@ -7,8 +7,8 @@ import torch
 
 import rlcu
 from rlcu.config import OptimConfig
+from rlcu.optim import FlatAdamW
 from rlcu.train.critic import Critic
-from rlcu.train.optimizer import FlatAdamW
 from rlcu.train.static_batch import pack, slot_bucket
 from rlcu.train.step_graph import StepGraph
 

@@ -54,8 +54,8 @@ def write_cli_run(tmp_path, name="run.yaml", **kw) -> str:
 
 # ---------------------------------------------------------------- item 1: the run folder
 def test_fresh_run_into_a_used_out_dir_is_refused(tmp_path, capsys):
+    from rlcu.errors import SetupError
     from rlcu.train.cli import main
-    from rlcu.train.core import SetupError
 
     y = write_cli_run(tmp_path, checkpoint=dict(every=1, keep_last=1))
     assert main(["grpo", y, "--set", "steps=3"]) == 0

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rlcu.config import OptimConfig
-from rlcu.train.optimizer import FlatAdamW, NonFiniteError
+from rlcu.errors import NonFiniteError
+from rlcu.optim import FlatAdamW
 from rlcu.train.schedule import lr_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -54,10 +54,10 @@ def test_eight_h200_targets():
 
 @pytest.mark.parametrize("mode", [dict(), dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16")])
 def test_estimate_counts_the_buffers_the_optimizers_allocate(mode):
+    from rlcu.optim import FlatAdamW
     from rlcu.parallel.comm import World
     from rlcu.parallel.memory import estimate_for
     from rlcu.parallel.zero import ShardedAdamW
-    from rlcu.train.optimizer import FlatAdamW
 
     cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 
+from rlcu.errors import NO_SPACE_STATUS, no_space
 from rlcu.threads import apply, parse_setting
 
 _TINY_WORDS = ("the a an and or but if then else of to in on at for with from by is are was were be been "
@@ -212,11 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         n_err = _write_outputs(args.output, lines, outs, chat_errors, src)
     except OSError as e:  # a full disk: one line and the trainers' status for it, not a traceback
-        import errno
-
-        from rlcu.train.core import NO_SPACE_STATUS
-
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = no_space(e)
         return _fail(f"--output {args.output}: {'no space left on device' if full else e.strerror or e}",
                      NO_SPACE_STATUS if full else 2)
     st = llm.stats

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from rlcu.parallel.comm import all_max, all_sum, world
+from rlcu.parallel.comm import all_gather_objects, all_max, all_sum, world
 
 
 def rank_block(n: int, w=None) -> tuple[int, int]:
@@ -96,12 +96,8 @@ def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
 
 
 def global_whiten(x: torch.Tensor, w: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
-    """losses.whiten over the whole batch: (x - mean) / (std + eps), the moments over every
-    rank's entries with w > 0 (all entries when w is None)."""
-    if not world().distributed:
-        from rlcu.train.losses import whiten
-
-        return whiten(x, w, eps)
+    """rlcu.train.losses.whiten over the whole batch: (x - mean) / (std + eps), the moments over
+    every rank's entries with w > 0 (all entries when w is None), summed in float64."""
     sel = x if w is None else x[w > 0]
     mean, std = global_mean_std(sel)
     n = all_sum(float(sel.numel()))
@@ -131,8 +127,6 @@ def gather_samples(samples: list) -> list:
     filters the same global batch, and trains on its block of it (`rank_seq_range`)."""
     if not world().distributed:
         return samples
-    from rlcu.parallel.comm import all_gather_objects
-
     return [s for part in all_gather_objects(samples) for s in part]
 
 
@@ -140,18 +134,3 @@ def rank_seq_range(n_seqs: int, group_size: int) -> tuple[int, int]:
     """[a, b): the sequences of the global batch this rank trains on (whole groups)."""
     lo, hi = rank_block(n_seqs // group_size)
     return lo * group_size, (hi * group_size if hi < n_seqs // group_size else n_seqs)
-
-
-def local_logprobs(model, batch, temperature: float, max_tokens: int, group_size: int) -> torch.Tensor:
-    """rollout.batch_logprobs on this rank's sequences only (0 elsewhere): the reference
-    model's logprobs, which only the rank training on a sequence needs."""
-    from rlcu.train.rollout import batch_logprobs
-
-    if not world().distributed:
-        return batch_logprobs(model, batch, temperature, max_tokens)
-    a, b = rank_seq_range(batch.num_seqs, group_size)
-    out = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
-    if b > a:
-        t0, t1 = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
-        out[t0:t1] = batch_logprobs(model, batch.view(a, b), temperature, max_tokens)
-    return out

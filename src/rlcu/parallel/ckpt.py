@@ -3,11 +3,11 @@ any number of ranks.
 
 A checkpoint of N ranks holds `optim/rank-RRRRR-of-NNNNN.pt` (each rank's ShardedAdamW
 state_dict: its m, v, master chunks and the flat ranges they cover) where one process writes
-`optim.pt`. Saving: rank 0 clears `root/.shards-step-S/`; a barrier; every rank writes its file
-there (temp name, fsync, rename); a barrier; rank 0 writes the rest of the checkpoint through
-train/checkpoint.save_checkpoint, which moves the shard folder into its temp folder before the
-one atomic rename; a barrier. A rank that dies midway leaves no step-S folder (its watchdog ends
-the others), and the next save clears what was left.
+`optim.pt`. Saving is rlcu.train.checkpoint's writer following this module's strategy
+(`sharded_save`): rank 0 clears `root/.shards-step-S/`; a barrier; every rank writes its files
+there; a barrier; rank 0 writes the rest of the checkpoint and moves the shard folder into its
+temp folder before the one atomic rename; a barrier. A rank that dies midway leaves no step-S
+folder (its watchdog ends the others), and the next save clears what was left.
 
 Loading (`load_optimizer`, any N -> any M): each rank copies, for every flat range it owns, the
 overlapping parts of the saved ranges (`copy_range`), reading the files memory-mapped so that
@@ -16,9 +16,7 @@ no rank holds more than its share; one process assembles the full state the same
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -91,63 +89,39 @@ def _copy_full(sources, key, dst) -> None:
     copy_range(sources, key, 0, dst)
 
 
-class _ShardFolder:
-    """What rank 0 hands to save_checkpoint as its optimizer: the folders of every rank's
-    shards (optim/, and one a sharded extra), moved into the checkpoint's temp folder."""
+class ShardedSave:
+    """The sharded strategy of a checkpoint save, which rlcu.train.checkpoint's writer follows:
+    the optimizers whose state is sharded over the ranks (`names`: optim, and a sharded extra
+    such as the critic's), the file each rank writes of each, and where the ranks wait for one
+    another. The writer owns the files (temp names, fsync, a full disk, the one rename)."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, sharded: dict, w: W.World):
+        self.sharded, self.world = sharded, w
+        self.names = list(sharded)
 
-    def write_into(self, tmp: Path) -> None:
-        for d in sorted(self.folder.iterdir()):
-            os.replace(d, tmp / d.name)
-        self.folder.rmdir()
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 prepares the shard folder and writes the rest of the checkpoint."""
+        return self.world.is_main
+
+    def files(self) -> list[tuple[str, str, object]]:
+        """(name, file name, object with state_dict()) of each shard this rank writes."""
+        w = self.world
+        return [(k, f"rank-{w.rank:05d}-of-{w.size:05d}.pt", obj) for k, obj in self.sharded.items()]
+
+    def sync(self) -> None:
+        W.barrier()
+
+    def check_launcher(self) -> None:
+        """Before rank 0 renames the checkpoint in: a launcher killed meanwhile leaves no
+        checkpoint after it (its restart owns the folder)."""
+        W.check_launcher()
 
 
-def _fsync_file(p: Path) -> None:
-    with open(p, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def save_sharded(root, step: int, model, optimizer, state: dict, keep_last: int, **kw) -> Path:
-    """save_checkpoint for a ShardedAdamW: called on every rank (see the module docstring)."""
-    from rlcu.train.checkpoint import no_space, not_written, save_checkpoint, write_file
-
-    w = optimizer.world
-    root = Path(root)
-    name = f"step-{int(step):06d}"
-    shards = root / f".shards-{name}"
-    if w.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        for p in root.glob(".shards-*"):  # left by a killed save
-            shutil.rmtree(p, ignore_errors=True)
-        shards.mkdir()
-    extra = dict(kw.pop("extra", None) or {})
-    sharded = {"optim": optimizer, **{k: extra.pop(k) for k in list(extra) if getattr(extra[k], "sharded", False)}}
-    if w.is_main:
-        for k in sharded:
-            (shards / k).mkdir()
-    W.barrier()
-    for k, obj in sharded.items():
-        f = shards / k / f"rank-{w.rank:05d}-of-{w.size:05d}.pt"
-        tmpf = f.parent / f".{f.name}.tmp"
-
-        def write(p, obj=obj):  # a full disk says so with the file (torch.save's error hides it)
-            torch.save(obj.state_dict(), p)
-            _fsync_file(p)
-
-        try:
-            write_file(tmpf, write)
-        except BaseException as e:
-            tmpf.unlink(missing_ok=True)  # the shards folder itself: the next save clears it, at any ranks
-            if not no_space(e):
-                raise
-            raise not_written(e, root, name) from e
-        os.replace(tmpf, f)
-    W.barrier()
-    out = root / name
-    if w.is_main:
-        W.check_launcher()  # a launcher killed meanwhile: no checkpoint after it (the restart's folder)
-        out = save_checkpoint(root, step, model, _ShardFolder(shards), state, keep_last, extra=extra, **kw)
-    W.barrier()
-    return out
+def sharded_save(optimizer, extra: dict | None) -> ShardedSave | None:
+    """The strategy of a save whose optimizer is a ShardedAdamW (its extras' sharded optimizers
+    go along); None when one process holds the whole state."""
+    if not getattr(optimizer, "sharded", False):
+        return None
+    more = {k: o for k, o in (extra or {}).items() if getattr(o, "sharded", False)}
+    return ShardedSave({"optim": optimizer, **more}, optimizer.world)

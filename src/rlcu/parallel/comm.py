@@ -263,25 +263,3 @@ def barrier() -> None:
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier()
-
-
-# ---------------------------------------------------------------- rank 0 writes
-class NullLogger:
-    """RunLogger's interface doing nothing: the logger of every rank but rank 0."""
-
-    def __init__(self):
-        self.history: list = []
-
-    def info(self, *a, **k):
-        pass
-
-    warn = log = close = info
-
-
-def run_logger(*args, **kw):
-    """RunLogger(*args, **kw) on rank 0, a NullLogger elsewhere (metrics and logs written once)."""
-    if world().is_main:
-        from rlcu.train.logging import RunLogger
-
-        return RunLogger(*args, **kw)
-    return NullLogger()

@@ -30,10 +30,12 @@ import torch
 import torch.distributed as dist
 
 from rlcu.config import OptimConfig
+from rlcu.errors import NonFiniteError
 from rlcu.ops.adamw import adamw_step, grad_norm
+from rlcu.optim import STATE_DTYPES, FlatAdamW, gate
 from rlcu.parallel.buckets import Buckets, GradSink, all_gather, bucket_bounds, reduce_scatter
+from rlcu.parallel.ckpt import copy_range
 from rlcu.parallel.comm import World, world
-from rlcu.train.optimizer import _STATE_DTYPES, NonFiniteError, gate
 
 
 class ShardedAdamW:
@@ -51,8 +53,8 @@ class ShardedAdamW:
         self.master_is_model = flat.dtype == torch.float32 or not cfg.master_weights
         if self.master_is_model and flat.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"optim.master_weights: false needs bfloat16 (or float32) weights, got {flat.dtype}")
-        self.grad_dtype = _STATE_DTYPES[cfg.grad_dtype] if flat.dtype == torch.bfloat16 else torch.float32
-        sd = _STATE_DTYPES[cfg.state_dtype]
+        self.grad_dtype = STATE_DTYPES[cfg.grad_dtype] if flat.dtype == torch.bfloat16 else torch.float32
+        sd = STATE_DTYPES[cfg.state_dtype]
         S = bk.shard_numel
         self.m = torch.zeros(S, device=flat.device, dtype=sd)
         self.v = torch.zeros(S, device=flat.device, dtype=sd)
@@ -176,8 +178,6 @@ class ShardedAdamW:
     def load_sources(self, sources: list[dict]) -> None:
         """Fill this rank's shard from checkpointed state: `sources` are shard dicts (any number
         of ranks) or one full FlatAdamW dict; every rank's weights must already be loaded."""
-        from rlcu.parallel.ckpt import copy_range
-
         numel = self.model.layout.numel
         for src in sources:
             n = src["numel"] if "numel" in src else src["m"].numel()
@@ -215,6 +215,4 @@ def make_optimizer(model, cfg: OptimConfig):
     w = world()
     if w.distributed:
         return ShardedAdamW(model, cfg, w)
-    from rlcu.train.optimizer import FlatAdamW
-
     return FlatAdamW(model, cfg)

@@ -242,7 +242,7 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
 
     cfg = grpo_config(config, overrides)
     w = world()
-    from rlcu.train.core import SetupError
+    from rlcu.errors import SetupError
 
     try:  # the estimate reads model.path's config: a name neither here nor on the Hub is one line, exit 2
         clusters, mem = job_memory(cfg, mem, devices=w.size)

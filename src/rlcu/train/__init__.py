@@ -1,5 +1,6 @@
-"""Trainers (SFT, GRPO, PPO) and their shared pieces: flat AdamW, the lr schedule,
-checkpoints and run logging. Submodules are imported on first use so that
+"""Trainers (SFT, GRPO, PPO) and their shared pieces: the lr schedule, checkpoints and run
+logging; FlatAdamW (rlcu.optim, which rlcu.parallel shares) and the errors a run raises
+(rlcu.errors) are named here too. Submodules are imported on first use so that
 `import rlcu.train` stays light."""
 
 import importlib
@@ -8,7 +9,9 @@ _LAZY = {
     "SFTTrainer": "rlcu.train.sft",
     "Trainer": "rlcu.train.core",
     "Hooks": "rlcu.train.core",
-    "FlatAdamW": "rlcu.train.optimizer",
+    "FlatAdamW": "rlcu.optim",
+    "NonFiniteError": "rlcu.errors",
+    "SetupError": "rlcu.errors",
     "RunLogger": "rlcu.train.logging",
     "lr_at": "rlcu.train.schedule",
     "save_checkpoint": "rlcu.train.checkpoint",

@@ -14,16 +14,19 @@ Atomicity: everything is written into `root/.tmp-step-000123-<pid>/`, every file
 is fsynced, then the folder is renamed to its final name (a rename within one file system is
 atomic) and the root is fsynced. A kill at any moment leaves either no new folder or a
 complete one, so the previous checkpoint stays loadable; stale temp folders (and the rank
-shard folders of a killed sharded save, rlcu.parallel.ckpt) are removed by the next save, at any
-number of ranks. A full disk (or quota) fails the save with OSError(ENOSPC) naming the file
-and the checkpoint that is still intact (torch.save's own error, "unexpected pos", hides it),
-nothing of the new step left behind. Set RLCU_CHECKPOINT_TEST_SLEEP=<seconds> to sleep
-between files (tests kill a save midway with it).
+shard folders of a killed sharded save) are removed by the next save, at any number of ranks.
+A full disk (or quota) fails the save with OSError(ENOSPC) naming the file and the checkpoint
+that is still intact (torch.save's own error, "unexpected pos", hides it), nothing of the new
+step left behind. Set RLCU_CHECKPOINT_TEST_SLEEP=<seconds> to sleep between files (tests kill
+a save midway with it).
+
+This module is the one writer of checkpoints. Across ranks it follows the sharded strategy of
+rlcu.parallel.ckpt (which rank writes which optimizer shard, where the ranks wait), and loads
+an optimizer's state through its reader (shards of any number of ranks, or optim.pt).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
@@ -36,7 +39,13 @@ from pathlib import Path
 import torch
 
 from rlcu import files
+from rlcu.config import ConfigError
+from rlcu.errors import no_space
+from rlcu.hub import model_folder
 from rlcu.model import io
+from rlcu.model.config import Qwen3Config
+from rlcu.model.qwen3 import Qwen3
+from rlcu.parallel.ckpt import load_optimizer, sharded_save
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
@@ -108,39 +117,58 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
     the run) are never pruned, and the one just written never is.
     `state` must be JSON-serialisable; `extra` maps names to objects with state_dict();
     `generators` maps names to torch.Generators whose states are saved; `tokenizer` (with
-    save_pretrained) is written into model/. Returns the folder."""
-    if getattr(optimizer, "sharded", False):  # data parallel: every rank writes its shard (rlcu.parallel.ckpt)
-        from rlcu.parallel.ckpt import save_sharded
-
-        return save_sharded(root, step, model, optimizer, state, keep_last, extra=extra, generators=generators,
-                            tokenizer=tokenizer)
+    save_pretrained) is written into model/. Returns the folder.
+    With a sharded optimizer every rank calls it: the strategy of rlcu.parallel.ckpt
+    (`sharded_save`) says which shard files each rank writes and where the ranks wait; rank 0
+    writes the rest and renames the whole in."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     try:
         state_json = json.dumps({**state, "step": int(step)}, indent=1)
     except (TypeError, ValueError) as e:
         raise TypeError(f"checkpoint trainer state must be JSON-serialisable: {e}") from None
+    step, name = int(step), f"step-{int(step):06d}"
+    plan = sharded_save(optimizer, extra)
+    if plan is None:
+        return _write_step(root, step, state_json, model, optimizer, extra, keep_last, generators, tokenizer)
+    shards = root / f".shards-{name}"
+    if plan.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        _recover(root)
+        _clear_killed_saves(root)
+        for k in plan.names:
+            (shards / k).mkdir(parents=True)
+    plan.sync()
+    for k, fname, obj in plan.files():
+        try:
+            files.atomic_write(shards / k / fname, lambda p, obj=obj: torch.save(obj.state_dict(), p))
+        except OSError as e:  # the shards folder itself: the next save clears it, at any number of ranks
+            if not no_space(e):
+                raise
+            raise not_written(e, root, name) from e
+    plan.sync()
+    out = root / name
+    if plan.is_main:
+        plan.check_launcher()
+        rest = {k: v for k, v in (extra or {}).items() if k not in plan.names}
+        out = _write_step(root, step, state_json, model, shards, rest, keep_last, generators, tokenizer)
+    plan.sync()
+    return out
+
+
+def _write_step(root: Path, step: int, state_json: str, model, optimizer, extra, keep_last: int, generators,
+                tokenizer) -> Path:
+    """The checkpoint of `step` written into a temp folder, fsynced and renamed in; then the
+    pruning. `optimizer`: its state goes to optim.pt, or the folder of the ranks' shards
+    (a Path) is moved in."""
+    name = f"step-{step:06d}"
+    root.mkdir(parents=True, exist_ok=True)
     _recover(root)
-    _clear_killed_saves(root, keep=getattr(optimizer, "folder", None))
-    name = f"step-{int(step):06d}"
+    _clear_killed_saves(root, keep=optimizer if isinstance(optimizer, Path) else None)
     final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        model.save_pretrained(tmp / "model")
-        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(tmp / "model")
-        _test_sleep()
-        if hasattr(optimizer, "write_into"):  # the ranks' optimizer shards (rlcu.parallel.ckpt)
-            optimizer.write_into(tmp)
-        elif optimizer is not None:
-            write_file(tmp / "optim.pt", lambda p: torch.save(optimizer.state_dict(), p))
-            _test_sleep()
-        for k, obj in (extra or {}).items():
-            write_file(tmp / f"{k}.pt", lambda p, obj=obj: torch.save(obj.state_dict(), p))
-        write_file(tmp / "rng.pt", lambda p: torch.save(rng_state(generators), p))
-        _test_sleep()
-        write_file(tmp / "trainer_state.json", lambda p: p.write_text(state_json))
+        _fill(tmp, state_json, model, optimizer, extra, generators, tokenizer)
         _fsync_tree(tmp)
         if final.exists():  # re-saving a step (e.g. an abort right after a periodic save)
             old = root / f".tmp-old-{name}-{os.getpid()}"
@@ -158,15 +186,35 @@ def save_checkpoint(root, step: int, model, optimizer, state: dict, keep_last: i
         if err is e:
             raise
         raise err from e
-    if keep_last > 0:  # the newest keep_last - 1 of the earlier steps stay beside this one
-        older = [p for s, p in _step_dirs(root) if s < int(step)]
-        for p in older[: max(len(older) - (keep_last - 1), 0)]:
-            shutil.rmtree(p, ignore_errors=True)
+    _prune(root, step, keep_last)
     return final
 
 
-def no_space(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+def _fill(tmp: Path, state_json: str, model, optimizer, extra, generators, tokenizer) -> None:
+    model.save_pretrained(tmp / "model")
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(tmp / "model")
+    _test_sleep()
+    if isinstance(optimizer, Path):  # the ranks' shard folders (optim/, and one a sharded extra)
+        for d in sorted(optimizer.iterdir()):
+            os.replace(d, tmp / d.name)
+        optimizer.rmdir()
+    elif optimizer is not None:
+        write_file(tmp / "optim.pt", lambda p: torch.save(optimizer.state_dict(), p))
+        _test_sleep()
+    for k, obj in (extra or {}).items():
+        write_file(tmp / f"{k}.pt", lambda p, obj=obj: torch.save(obj.state_dict(), p))
+    write_file(tmp / "rng.pt", lambda p: torch.save(rng_state(generators), p))
+    _test_sleep()
+    write_file(tmp / "trainer_state.json", lambda p: p.write_text(state_json))
+
+
+def _prune(root: Path, step: int, keep_last: int) -> None:
+    """The newest keep_last - 1 of the steps before `step` stay beside it (keep_last 0: all)."""
+    if keep_last > 0:
+        older = [p for s, p in _step_dirs(root) if s < step]
+        for p in older[: max(len(older) - (keep_last - 1), 0)]:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def not_written(e: OSError, root: Path, name: str) -> OSError:
@@ -241,13 +289,9 @@ def load_checkpoint(path, model, optimizer, *, extra: dict | None = None, genera
         raise FileNotFoundError(f"{path}: not a checkpoint (no trainer_state.json)")
     io.load_into(path / "model", model.layout, model.flat)
     if optimizer is not None:  # optim.pt, or the shards of any number of ranks
-        from rlcu.parallel.ckpt import load_optimizer
-
         load_optimizer(path, optimizer)
     for k, obj in (extra or {}).items():
         if getattr(obj, "sharded", False) or (path / k).is_dir():  # an optimizer's shards (rlcu.parallel.ckpt)
-            from rlcu.parallel.ckpt import load_optimizer
-
             load_optimizer(path, obj, k)
             continue
         f = path / f"{k}.pt"
@@ -263,15 +307,9 @@ def load_checkpoint(path, model, optimizer, *, extra: dict | None = None, genera
 def build_model(cfg, device: str | None = None, dtype: torch.dtype | None = None):
     """A Qwen3 from a ModelConfig: loaded from `cfg.path`, or made from scratch from the
     Qwen3Config fields in `cfg.tiny` (seeded by cfg.init_seed)."""
-    from rlcu.config import ConfigError
-    from rlcu.model.config import Qwen3Config
-    from rlcu.model.qwen3 import Qwen3
-
     device = device or cfg.resolve_device()
     dtype = dtype or cfg.resolve_dtype()
     if cfg.path is not None:
-        from rlcu.hub import model_folder
-
         model = Qwen3.from_pretrained(model_folder(cfg.path, cfg.revision, "model.path"), device=device, dtype=dtype)
     elif cfg.tiny is not None:
         names = set(Qwen3Config.__dataclass_fields__)

@@ -23,25 +23,29 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import signal
 from pathlib import Path
 
 import torch
 
-
-class SetupError(Exception):
-    """A run that cannot start as asked (a used run folder, a checkpoint that does not fit):
-    one line for the user; the command line exits with status 2."""
-
-
-NO_SPACE_STATUS = 74  # sysexits.h's EX_IOERR: the disk (or quota) filled up mid-run
+from rlcu import threads
+from rlcu.config import ConfigError, config_from_dict, config_to_dict, load_config, save_config
+from rlcu.data.tokenizer import Tokenizer
+from rlcu.errors import NO_SPACE_STATUS, NonFiniteError, SetupError, no_space
+from rlcu.hub import TOKENIZER_FILES, model_folder
+from rlcu.parallel.comm import barrier, print_once, world
+from rlcu.rewards import RewardsFailed
+from rlcu.train import resume as rs
+from rlcu.train import run_dir
+from rlcu.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlcu.train.logging import run_logger
+from rlcu.train.signals import SignalGuard
 
 
 class TrainingInterrupted(Exception):
     """The run stopped on a signal after checkpointing; `signum`, `checkpoint` (a Path)."""
 
     def __init__(self, signum: int, checkpoint: Path | None, step: int):
-        import signal
-
         self.signum, self.checkpoint, self.step = signum, checkpoint, step
         name = signal.Signals(signum).name
         super().__init__(f"stopped by {name} after step {step}; checkpoint: {checkpoint}")
@@ -59,8 +63,6 @@ class TrainingStopped(Exception):
 
 def coerce_config(cls, config):
     """A `cls` from None (the defaults), a `cls`, a dict (checked as YAML is) or a YAML path."""
-    from rlcu.config import config_from_dict, load_config
-
     if config is None:
         return cls()
     if isinstance(config, cls):
@@ -76,9 +78,6 @@ def load_tokenizer(model_cfg, need: str):
     """The tokenizer of a run: model.tokenizer (a folder, or a tokenizer.json whose
     tokenizer_config.json and chat template beside it are read too), else model.path; either
     may be a Hugging Face Hub id (model.revision applies to model.path's)."""
-    from rlcu.data.tokenizer import Tokenizer
-    from rlcu.hub import TOKENIZER_FILES, model_folder
-
     src = model_cfg.tokenizer or model_cfg.path
     if src is None:
         raise ValueError(f"{need} need a tokenizer: pass tokenizer= to the trainer, or set model.tokenizer "
@@ -134,9 +133,7 @@ class Trainer(abc.ABC):
         self.hooks = hooks if hooks is not None else Hooks()
         self._threads_setting = cfg.model.threads
         if cfg.model.threads != "auto":  # (auto: the command line chose; a library caller owns its threads)
-            from rlcu.threads import apply
-
-            apply(cfg.model.threads)
+            threads.apply(cfg.model.threads)
         torch.manual_seed(cfg.seed)
         self.out_dir = Path(cfg.log.out_dir)
         self.ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out_dir / "checkpoints"
@@ -194,9 +191,6 @@ class Trainer(abc.ABC):
             self.logger.warn(msg)
 
     def save(self) -> Path:
-        from rlcu.config import config_to_dict
-        from rlcu.train.checkpoint import save_checkpoint
-
         model, opt, extra = self._checkpoint_objects()
         state = {**self._trainer_state(), "trainer": self.kind, "config": config_to_dict(self.cfg)}
         self.last_checkpoint = save_checkpoint(self.ckpt_root, self.step, model, opt, state,
@@ -208,16 +202,11 @@ class Trainer(abc.ABC):
     def resume(self, path=None) -> int:
         """Load a checkpoint (`path`, else checkpoint.resume: 'auto' or a folder) after checking
         that it fits this run (rlcu.train.resume); returns its step (0: nothing to resume)."""
-        from rlcu.train import resume as rs
-        from rlcu.train.checkpoint import load_checkpoint
-
         p = rs.resolve(path or self.cfg.checkpoint.resume, self.ckpt_root)
         if p is None:
             return 0
         state = rs.read_state(p)
-        from rlcu.threads import keep_on_resume
-
-        kept = keep_on_resume(self.cfg.model, self._threads_setting, state, p)  # auto: the run's own count
+        kept = threads.keep_on_resume(self.cfg.model, self._threads_setting, state, p)  # auto: the run's own count
         if kept:
             self._log_info(kept)
         model, opt, extra = self._checkpoint_objects(loading=True)
@@ -236,10 +225,6 @@ class Trainer(abc.ABC):
     # ---------------------------------------------------------------- the loop
     def _open_run(self) -> bool:
         """Resume or claim the run folder, open the log, write the config; True if resumed."""
-        from rlcu.config import config_to_dict, save_config
-        from rlcu.parallel.comm import barrier, run_logger, world
-        from rlcu.train import run_dir
-
         c = self.cfg
         self._config_changes = {}
         self._record_threads()
@@ -272,9 +257,7 @@ class Trainer(abc.ABC):
 
     def _record_threads(self) -> None:
         """CPU results depend on the thread count: a CPU run records it (rlcu.threads.record)."""
-        from rlcu.threads import record
-
-        self._notes.append(record(self.cfg.model, getattr(self, "device", "cpu")))
+        self._notes.append(threads.record(self.cfg.model, getattr(self, "device", "cpu")))
 
     def _log_estimate(self) -> None:
         """Across ranks: the per-rank memory estimate (rlcu.parallel.memory); nothing by default."""
@@ -287,8 +270,6 @@ class Trainer(abc.ABC):
 
     def _abort_nonfinite(self, e) -> None:
         """Too many non-finite steps in a row: save the state only if it is finite."""
-        from rlcu.train.checkpoint import latest_checkpoint
-
         self.step += 1
         self.logger.log(self.step, e.info)
         if self._state_finite():
@@ -317,10 +298,6 @@ class Trainer(abc.ABC):
     def train(self, until: int | None = None):
         """Run to `config.steps` (or stop after step `until`, checkpointing there). Returns
         `self._result()` (the per-step metrics, or the last step's for SFT)."""
-        from rlcu.rewards import RewardsFailed
-        from rlcu.train.optimizer import NonFiniteError
-        from rlcu.train.signals import SignalGuard
-
         c = self.cfg
         resumed = self._open_run()
         lg = self.logger
@@ -374,18 +351,12 @@ def exit_status(prog: str, fn, *args, **kw) -> int:
     rewards or by non-finite steps (after its checkpoint); 2 a run that cannot start as asked;
     NO_SPACE_STATUS a write of the run failed for want of disk space (the last checkpoint
     intact); 128 + N stopped by signal N (after its checkpoint). Anything else propagates."""
-    import errno
-
-    from rlcu.config import ConfigError
-    from rlcu.rewards import RewardsFailed
-    from rlcu.train.optimizer import NonFiniteError
-
     try:
         rc = fn(*args, **kw)
     except (SetupError, ConfigError) as e:
         status, why = 2, e
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not no_space(e):
             raise
         status, why = NO_SPACE_STATUS, e.strerror + (f": {e.filename}" if e.filename else "")
     except TrainingInterrupted as e:
@@ -398,8 +369,6 @@ def exit_status(prog: str, fn, *args, **kw) -> int:
         status, why = 1, e  # a clean abort, with its checkpoint
     else:
         return rc if isinstance(rc, int) and not isinstance(rc, bool) else 0
-    from rlcu.parallel.comm import print_once
-
     print_once(f"{prog}: {why}")  # under torchrun: once, not once a rank
     return status
 

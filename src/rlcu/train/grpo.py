@@ -98,10 +98,8 @@ class GRPOTrainer(RLTrainer):
         m["adv_abs"] = float(adv[ok].abs().mean()) if ok.any() else 0.0
         m["groups_all_equal"] = float(torch.isnan(gstd).sum() + (gstd == 0).sum()) / max(gstd.numel(), 1)
         if self.ref is not None:
-            from rlcu.parallel.batch import local_logprobs  # this rank's sequences only
-
-            with self.hooks.phase("ref_logprobs"):
-                batch.fields["ref_lp"] = local_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens, G)
+            with self.hooks.phase("ref_logprobs"):  # this rank's sequences only
+                batch.fields["ref_lp"] = ro.local_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens, G)
         sc = StepCorrection(c, self.model, batch)  # old_logprobs, behaviour correction, mismatch metrics
         pb = sc.policy_batch()
         t2 = time.perf_counter()

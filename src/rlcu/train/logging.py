@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 
 from rlcu.config import LogConfig
+from rlcu.files import disk_error
+from rlcu.parallel.comm import world
 from rlcu.train.trackers import open_trackers
 
 
@@ -74,13 +76,11 @@ def _bar_columns() -> list:
 
 def _append(fh, text: str) -> None:
     """text to an open file, flushed; a full disk says so with the file's path (one line,
-    exit status rlcu.train.core.NO_SPACE_STATUS on the command line)."""
+    exit status rlcu.errors.NO_SPACE_STATUS on the command line)."""
     try:
         fh.write(text)
         fh.flush()
     except OSError as e:
-        from rlcu.files import disk_error
-
         err = disk_error(e, fh.name)
         if err is e:
             raise
@@ -272,3 +272,20 @@ class RunLogger:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class NullLogger:
+    """RunLogger's interface doing nothing: the logger of every rank but rank 0."""
+
+    def __init__(self):
+        self.history: list = []
+
+    def info(self, *a, **k):
+        pass
+
+    warn = log = close = info
+
+
+def run_logger(*args, **kw):
+    """RunLogger(*args, **kw) on rank 0, a NullLogger elsewhere (metrics and logs written once)."""
+    return RunLogger(*args, **kw) if world().is_main else NullLogger()

@@ -60,6 +60,9 @@ import time
 
 import torch
 
+from rlcu.parallel.comm import all_sum, world
+from rlcu.train import rollout as ro
+
 OLD_LOGPROBS = ("engine", "recompute")
 CORRECTIONS = ("none", "tis", "mis_token", "mis_seq")
 MISMATCH_KEYS = ("mismatch/abs_mean", "mismatch/abs_max", "mismatch/exact_frac", "mismatch/kl_k3",
@@ -163,9 +166,6 @@ class StepCorrection:
     """
 
     def __init__(self, cfg, model, batch):
-        from rlcu.parallel.batch import local_logprobs
-        from rlcu.parallel.comm import all_sum
-
         if cfg.old_logprobs not in OLD_LOGPROBS:
             raise ValueError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, got {cfg.old_logprobs!r}")
         if cfg.behaviour_correction != "none" and cfg.old_logprobs != "recompute":
@@ -178,7 +178,7 @@ class StepCorrection:
             t0 = time.perf_counter()
             # across ranks each computes its own sequences, then all hold the whole batch's (the
             # metrics, and PPO's KL reward, read every sequence)
-            lp = all_sum(local_logprobs(model, batch, cfg.temperature, cfg.micro_batch_tokens, cfg.group_size))
+            lp = all_sum(ro.local_logprobs(model, batch, cfg.temperature, cfg.micro_batch_tokens, cfg.group_size))
             comp = torch.zeros(batch.num_tokens, dtype=torch.bool, device=lp.device)
             comp[batch.completion_index()] = True
             batch.old_lp = torch.where(comp, lp, torch.zeros_like(lp))  # 0 off the completions, as the engine's
@@ -214,8 +214,6 @@ class StepCorrection:
     def metrics(self) -> dict[str, float]:
         """The step's mismatch and correction metrics (none from a step whose first update did
         not run, with old_logprobs: engine)."""
-        from rlcu.parallel.comm import all_sum, world
-
         out = dict(self._metrics)
         if self._first_lp is not None and world().distributed:
             # each rank recorded its own sequences (zeros elsewhere): the sum is the whole batch's

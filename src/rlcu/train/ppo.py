@@ -18,7 +18,10 @@ import time
 import torch
 
 from rlcu.config import PPOConfig
+from rlcu.hub import model_folder
 from rlcu.ops.rl_loss import VALUE_STATS, value_loss
+from rlcu.parallel import batch as dp
+from rlcu.parallel.zero import make_optimizer
 from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.critic import Critic
@@ -34,15 +37,11 @@ class PPOTrainer(RLTrainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
                  critic: Critic | None = None, hooks=None):
-        from rlcu.parallel.zero import make_optimizer
-
         super().__init__(config, dataset, reward_fns, model=model, tokenizer=tokenizer, eval_dataset=eval_dataset,
                          hooks=hooks)
         cc = self.cfg.critic
         if critic is None:
             if cc.path is not None:
-                from rlcu.hub import model_folder
-
                 critic = Critic.from_pretrained(model_folder(cc.path, None, "critic.path"), device=self.device,
                                                 dtype=self.model.dtype,
                                                 head_init_std=cc.head_init_std, seed=self.cfg.seed)
@@ -78,8 +77,6 @@ class PPOTrainer(RLTrainer):
 
     # ---------------------------------------------------------------- the step
     def _values(self, batch: ro.RolloutBatch) -> torch.Tensor:
-        from rlcu.parallel import batch as dp
-
         out = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
         s0, s1 = dp.rank_seq_range(batch.num_seqs, self.cfg.group_size)  # this rank's sequences ...
         local, base = batch.view(s0, s1), int(batch.cu_seqlens[s0])
@@ -119,8 +116,6 @@ class PPOTrainer(RLTrainer):
                 "explained_var": ev}
 
     def _critic_update(self, batch: ro.RolloutBatch, update: int, total: int) -> dict:
-        from rlcu.parallel import batch as dp
-
         c = self.cfg
         n_tok = float(batch.mask.sum())  # of the global batch
         n_seq = batch.num_masked_in_seqs()
@@ -168,12 +163,9 @@ class PPOTrainer(RLTrainer):
         batch = ro.pack(samples, keep, device=self.device)
         sc = StepCorrection(c, self.model, batch)  # old_logprobs (the KL reward reads them), correction
         if self.ref is not None:
-            from rlcu.parallel.batch import local_logprobs  # each rank its sequences, then all of them
-            from rlcu.parallel.comm import all_sum
-
-            with self.hooks.phase("ref_logprobs"):
-                batch.fields["ref_lp"] = all_sum(local_logprobs(self.ref, batch, c.temperature,
-                                                                c.micro_batch_tokens, c.group_size))
+            with self.hooks.phase("ref_logprobs"):  # each rank its sequences, then all of them
+                batch.fields["ref_lp"] = dp.all_sum(ro.local_logprobs(self.ref, batch, c.temperature,
+                                                                      c.micro_batch_tokens, c.group_size))
         with self.hooks.phase("critic_values"):
             batch.fields["values"] = self._values(batch)
         m.update(self.advantages(batch, scores))

@@ -20,7 +20,10 @@ from pathlib import Path
 
 import yaml
 
-from rlcu.train.core import SetupError
+from rlcu.config import config_to_dict
+from rlcu.errors import SetupError
+from rlcu.model.config import Qwen3Config
+from rlcu.train.checkpoint import resolve_resume
 
 # dotted keys (or prefixes ending in '.') whose change leaves the remaining steps exact
 SAFE = ("log.", "checkpoint.", "engine.", "eval_every", "eval_max_prompts", "data.eval_path", "data.eval_split",
@@ -36,8 +39,6 @@ THREADS = "model.threads"
 
 
 def resolve(resume, ckpt_root) -> Path | None:
-    from rlcu.train.checkpoint import resolve_resume
-
     try:
         return resolve_resume(resume, ckpt_root)
     except FileNotFoundError:
@@ -73,8 +74,6 @@ def check_kind(path: Path, state: dict, kind: str) -> None:
 
 
 def check_model(path: Path, model) -> None:
-    from rlcu.model.config import Qwen3Config
-
     f = Path(path) / "model" / "config.json"
     try:
         saved = Qwen3Config.from_file(f)
@@ -123,8 +122,6 @@ def _safe(key: str, new: dict) -> bool:
 def check_config(path: Path, state: dict, cfg, note) -> dict:
     """Log the settings that changed since the checkpoint; refuse those that break an exact
     resume unless checkpoint.allow_config_change. Returns {key: (saved, now)}."""
-    from rlcu.config import config_to_dict
-
     saved = _saved_config(path, state)
     if saved is None:
         note(f"{path}: no saved config to compare the run's settings with")

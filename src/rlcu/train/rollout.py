@@ -15,6 +15,10 @@ import math
 
 import torch
 
+from rlcu.engine import SamplingParams
+from rlcu.parallel.batch import rank_seq_range
+from rlcu.parallel.comm import world
+
 
 @dataclasses.dataclass
 class Sample:
@@ -73,8 +77,6 @@ def sample(llm, prompts: list[list[int]], rows: list[dict], *, n: int, temperatu
     """n samples for each prompt (consecutive, grouped), with sampling logprobs. Prompt g draws
     from seed index seed_offset + g (a rank's block of a step's prompts draws what one process
     would). generate_kw: more arguments of llm.generate (the scheduler's yield_check / on_yield)."""
-    from rlcu.engine import SamplingParams
-
     # one seed per prompt: the sampling noise of prompt i's samples is independent of prompt j's
     sps = [SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                           seed=(seed * 1_000_003 + seed_offset + g) % (1 << 62), logprobs=temperature > 0,
@@ -186,4 +188,17 @@ def batch_logprobs(model, batch: RolloutBatch, temperature: float, max_tokens: i
         mb = batch.view(a, b)
         t0 = int(batch.cu_seqlens[a])
         out[t0 : t0 + mb.num_tokens] = model.forward(mb.tokens, mb.cu_seqlens, temperature=temperature, grad=False)
+    return out
+
+
+def local_logprobs(model, batch, temperature: float, max_tokens: int, group_size: int) -> torch.Tensor:
+    """batch_logprobs on the sequences this rank trains on only (rlcu.parallel.batch.rank_seq_range;
+    0 elsewhere): the reference model's logprobs, which only that rank needs. One process: all."""
+    if not world().distributed:
+        return batch_logprobs(model, batch, temperature, max_tokens)
+    a, b = rank_seq_range(batch.num_seqs, group_size)
+    out = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
+    if b > a:
+        t0, t1 = int(batch.cu_seqlens[a]), int(batch.cu_seqlens[b])
+        out[t0:t1] = batch_logprobs(model, batch.view(a, b), temperature, max_tokens)
     return out

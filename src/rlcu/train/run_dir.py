@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from rlcu.train.core import SetupError
+from rlcu.errors import SetupError
 
 RUN_FILES = ("metrics.jsonl", "config.yaml", "config.resume-step-*.yaml", "log.txt", "events.out.tfevents.*",
              "*_curve.png", "curves.png", "wandb_run_id", "wandb_run_id.tmp")

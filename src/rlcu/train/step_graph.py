@@ -45,7 +45,7 @@ from rlcu.ops.adamw import adamw_step_device, clip_scale, grad_norm, step_coefs
 from rlcu.ops.exact import is_exact
 from rlcu.ops.logprob import logprob_fwd_bwd
 from rlcu.ops.rl_loss import value_loss
-from rlcu.train.optimizer import FlatAdamW, gate
+from rlcu.optim import FlatAdamW, gate
 from rlcu.train.static_batch import StaticBatch
 
 WARMUP = 2  # runs of a region before its capture

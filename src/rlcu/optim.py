@@ -19,6 +19,11 @@ a counter of skips in a row grows, and at `max_nonfinite_in_row` the step raises
 NonFiniteError so the trainer can checkpoint the last good state and stop); else
 g is scaled by c = min(1, max_grad_norm / (n + 1e-6)) inside the AdamW kernel. Works for
 any object with `.flat`, `.grad_flat` and `.layout` (the policy, the critic).
+
+Why here, below parallel and train: the trainers step FlatAdamW in one process, and
+rlcu.parallel.zero's ShardedAdamW (the same update over 1/N shards across ranks) shares its
+state dtypes and its update gate (`STATE_DTYPES`, `gate`); parallel imports nothing of train,
+so what both use lives under both.
 """
 
 from __future__ import annotations
@@ -28,18 +33,10 @@ import math
 import torch
 
 from rlcu.config import OptimConfig
+from rlcu.errors import NonFiniteError
 from rlcu.ops.adamw import adamw_step, clip_scale, grad_norm
 
-_STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class NonFiniteError(RuntimeError):
-    """Too many steps in a row with a non-finite loss or gradient norm. `info` holds the
-    last step's metrics."""
-
-    def __init__(self, msg: str, info: dict):
-        super().__init__(msg)
-        self.info = info
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # optim.state_dtype, optim.grad_dtype
 
 
 def gate(opt, gn_t: torch.Tensor, loss_bad: bool, lossf: float | None, lr: float) -> tuple[dict, torch.Tensor | None]:
@@ -80,11 +77,11 @@ class FlatAdamW:
             self.master = flat  # updated in place (stochastic rounding when bf16)
         else:
             self.master = flat.detach().float().clone()
-        gd = _STATE_DTYPES[cfg.grad_dtype] if flat.dtype == torch.bfloat16 else torch.float32
+        gd = STATE_DTYPES[cfg.grad_dtype] if flat.dtype == torch.bfloat16 else torch.float32
         if getattr(model, "grad_dtype", gd) != gd:
             model.release_grads()  # reallocated in the new dtype at the next backward
         model.grad_dtype = gd
-        sd = _STATE_DTYPES[cfg.state_dtype]
+        sd = STATE_DTYPES[cfg.state_dtype]
         self.m = torch.zeros(flat.numel(), device=flat.device, dtype=sd)
         self.v = torch.zeros(flat.numel(), device=flat.device, dtype=sd)
         self.step_count = 0  # applied updates (the 1-based AdamW step of the next one is +1)
