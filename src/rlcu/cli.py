@@ -98,7 +98,16 @@ def _dispatch(argv: list[str] | None) -> int:
     if cmd == "info":
         return info_main(rest)
     mod = importlib.import_module(COMMANDS[cmd][0])
+    if cmd == "grpo":  # --scheduler: the trainers import nothing of the scheduler above them
+        return int(mod.main([cmd] + rest, scheduled=scheduled_grpo) or 0)
     return int(mod.main([cmd] + rest) or 0)
+
+
+def scheduled_grpo(prog: str, cfg, addr: str, job_name: str | None) -> int:
+    """`rlcu grpo CONFIG --scheduler ADDR`: the run as a job of that scheduler (rlcu.sched.job)."""
+    from rlcu.sched.job import run_grpo_exit_code  # the scheduler's client loads for --scheduler only
+
+    return run_grpo_exit_code(prog, cfg, addr, job_name, threads=True)
 
 
 if __name__ == "__main__":

@@ -283,7 +283,8 @@ def test_no_service_is_a_clear_error(tmp_path, capsys):
 
 
 def test_grpo_cli_reports_missing_scheduler(tmp_path, capsys):
-    from rlcu.train.cli import main
+    """`rlcu grpo --scheduler` (the rlcu command hands the scheduler's job to the trainers' CLI)."""
+    from rlcu.cli import main
 
     rc = main(["grpo", "--set", "steps=1", "--scheduler", f"unix:{tmp_path}/none.sock"])
     assert rc == 2

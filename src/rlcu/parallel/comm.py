@@ -7,9 +7,10 @@ MASTER_PORT) and, when WORLD_SIZE > 1, initialises torch.distributed: NCCL with 
 process group's timeout (RLCU_DIST_TIMEOUT_S, default 600 s) bounds any collective, and a
 watchdog thread (watchdog.py) ends every rank within RLCU_DIST_HEARTBEAT_S (default 60 s) of
 another rank raising or dying, and within a second of its launcher's death. A run's error line
-is printed once for the job (`print_once`), not once a rank. Without torchrun (or with one
-rank) nothing happens: `world()` is the one-process World, the helpers below return their
-input, and no process group exists.
+is printed once for the job (`print_once`), not once a rank; `ranked(entry, argv)` runs a
+command line with all of this around it. Without torchrun (or with one rank) nothing happens:
+`world()` is the one-process World, the helpers below return their input, and no process
+group exists.
 """
 
 from __future__ import annotations
@@ -196,6 +197,35 @@ def shutdown() -> None:
         _WATCHDOG = None
     dist.destroy_process_group()
     _WORLD = World()
+
+
+def ranked(entry, argv: list[str] | None = None) -> int:
+    """entry(argv) -> exit status, with the process group around it under torchrun (`python -m
+    rlcu`, and `python -m rlcu.sched.job`, the worker of a submitted job of several ranks): set up
+    first, torn down at the end; a rank that raises or fails tells the others."""
+    try:
+        w = env_world()
+    except ValueError as e:
+        print(f"rlcu: torchrun environment: {e}", file=sys.stderr)
+        return 2
+    if not w.distributed:
+        watch_launcher()  # torchrun with one rank: its launcher may die too
+        return entry(argv)
+    try:
+        init_from_env()
+    except ValueError as e:  # a setup that cannot work (more ranks than GPUs, no MASTER_ADDR): one line
+        print(f"rlcu: {e}", file=sys.stderr)
+        return 2
+    try:
+        rc = entry(argv)
+    except BaseException as e:
+        report_failure(e)
+        raise
+    if rc:
+        report_failure(RuntimeError(f"exited with status {rc}"))
+        return rc
+    shutdown()
+    return rc
 
 
 # ---------------------------------------------------------------- collectives (identity for one process)

@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from rlcu.__main__ import ranked  # under torchrun: the process group around the job
+    from rlcu.parallel.comm import ranked  # under torchrun: the process group around the job
 
     sys.exit(ranked(main))
 

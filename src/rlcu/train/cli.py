@@ -6,7 +6,7 @@ GRPOConfig, PPOConfig); `--help` lists every option with its
 default. Exit status: 0 done; 1 aborted after too many non-finite steps; 2 a run that cannot
 start as asked, with one line naming why (a bad option with its dotted name and where it came
 from, a log.out_dir that holds another run or cannot be written, a checkpoint that does not
-fit, a device this machine lacks); 74 (rlcu.train.core.NO_SPACE_STATUS) the disk filled up
+fit, a device this machine lacks); 74 (rlcu.errors.NO_SPACE_STATUS) the disk filled up
 mid-run, one line naming the file (the last checkpoint intact); 128 + N stopped by signal N
 (SIGTERM: 143, SIGINT: 130) after checkpointing the step in flight.
 """
@@ -23,7 +23,7 @@ COMMANDS = {
 }
 
 
-def _parser(cmd: str) -> argparse.ArgumentParser:
+def _parser(cmd: str, scheduled: bool) -> argparse.ArgumentParser:
     what = COMMANDS[cmd][4]
     p = argparse.ArgumentParser(
         prog=f"rlcu {cmd}", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -40,7 +40,7 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
                    help="resume even with settings that differ from the checkpoint's in ways that change what "
                         "the remaining steps compute (checkpoint.allow_config_change=true)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    if cmd == "grpo":
+    if cmd == "grpo" and scheduled:
         p.add_argument("--scheduler", default=None, metavar="ADDR",
                        help="run under an `rlcu sched serve` scheduler (unix:PATH, 127.0.0.1:PORT or ray:NAME)")
         p.add_argument("--job-name", default=None, help="the job's name at the scheduler (default: derived)")
@@ -55,14 +55,18 @@ def _load(cmd: str):
     return getattr(importlib.import_module(cmod), ccls), (tmod, tcls)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, scheduled=None) -> int:
+    """The command line of `argv` ([sft|grpo|ppo, ...]) -> its exit status. `scheduled(prog, cfg,
+    addr, job_name) -> status` runs a GRPO job under a scheduler: given, `rlcu grpo` takes
+    --scheduler ADDR and --job-name (the `rlcu` command hands in rlcu.sched.job's; the trainers
+    import nothing of the scheduler, which sits above them)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
         got = argv[0] if argv else "nothing"
         print(f"rlcu.train.cli: the first argument must be one of {', '.join(COMMANDS)}, got {got!r}", file=sys.stderr)
         return 2
     cmd = argv[0]
-    p = _parser(cmd)
+    p = _parser(cmd, scheduled is not None)
     args = p.parse_args(argv[1:])
     from rlcu.config import ConfigError, command_config, config_to_dict
     from rlcu.parallel.comm import print_once
@@ -90,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     apply(cfg.model.threads)  # before any work: torch's default counts every core of the machine
     if getattr(args, "scheduler", None):  # under torchrun: one job, its leases span the ranks' devices
-        from rlcu.sched.job import run_grpo_exit_code
-
-        return run_grpo_exit_code(f"rlcu {cmd}", cfg, args.scheduler, args.job_name, threads=True)
+        return scheduled(f"rlcu {cmd}", cfg, args.scheduler, args.job_name)
     import importlib
 
     trainer_cls = getattr(importlib.import_module(tmod), tcls)
