@@ -10,7 +10,7 @@ from bench.common import qwen3_06b_config
 from bench.generate import random_model
 from rlcu.engine import LLM, SamplingParams
 from rlcu.ops._backend import compiled_variants
-from rlcu.ops.paged_attention import _num_sms, decode_splits, paged_attention
+from rlcu.ops.paged_attention import decode_splits, paged_attention, sm_count
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def test_unsplit_decode_is_the_same_at_any_context_bucket(monkeypatch):
 
     monkeypatch.setitem(pa.CONFIGS, "decode_plan", dict(pa.CONFIGS["decode_plan"], kernel="split"))  # merged buckets
     S, Hq, Hk, D, BS = 256, 16, 8, 128, 16
-    sms = _num_sms(torch.device("cuda"))
+    sms = sm_count(torch.device("cuda"))
     assert all(decode_splits(S, Hk, k, sms)[0] == 1 for k in (1024, 4096, 40960))
     g = torch.Generator(device="cuda").manual_seed(0)
     kc = torch.randn(600, BS, Hk, D, device="cuda", generator=g).bfloat16()

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 def list_plan(monkeypatch, request):
     monkeypatch.setenv("RLCU_BACKEND", "triton")
     monkeypatch.setitem(pa.CONFIGS, "decode_plan", {**pa.CONFIGS["decode_plan"], **PLANS[request.param]})
-    monkeypatch.setattr(pa, "_num_sms", lambda device: 2)
+    monkeypatch.setattr(pa, "sm_count", lambda device: 2)
     return PLANS[request.param]
 
 

@@ -31,7 +31,7 @@ import torch
 
 from rlcu.engine.decode_state import DecodeState
 from rlcu.ops.exact import is_exact
-from rlcu.ops.paged_attention import _num_sms, decode_plan
+from rlcu.ops.paged_attention import decode_plan, sm_count
 
 CONTEXT_BUCKET0 = 1024  # the smallest context bucket; then x4 up to max_model_len
 
@@ -165,7 +165,7 @@ class DecodeGraphs(GraphSet):
     def _any_context(self, b: int, kb: int) -> bool:
         # the split kernel with one split is the same launch at any bucket, and so is the list
         # kernel (its grid and partials follow the batch, never the context)
-        plan = decode_plan(b, self.num_kv_heads, kb, _num_sms(self.device))
+        plan = decode_plan(b, self.num_kv_heads, kb, sm_count(self.device))
         return plan["kernel"] == "list" or (plan["kernel"] == "split" and plan["splits"] == 1)
 
     def plan(self, max_context: int | None = None) -> list[tuple[int, int]]:

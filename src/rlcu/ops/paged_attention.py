@@ -221,7 +221,8 @@ def _prefill_kernel(Q, KC, VC, BLOCK_TABLES, CU_Q, SEQ_LENS, O, TILE_SEQ, TILE_I
 _NUM_SMS: dict = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors, which the decode plan sizes its work by (cached)."""
     if device.type != "cuda":
         return 132  # the H200 the kernels are tuned for; the interpreter only needs a number
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -387,7 +388,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_
                o.stride(0), o.stride(1))
     if max_seqlen_q <= 1:
         _decode(q, kc, vc, block_tables, cu_seqlens_q, seq_lens, o, strides, scale_log2, BS,
-                decode_plan(S, Hk, max_seqlen_k, _num_sms(q.device)), work)
+                decode_plan(S, Hk, max_seqlen_k, sm_count(q.device)), work)
         return o
     cfg = CONFIGS["prefill"]
     BM, BMT = _prefill_rows(Hq, Hk)
@@ -456,5 +457,5 @@ def decode_work(cu_seqlens_q, seq_lens, Hk: int):
     the twin)."""
     if CONFIGS["decode_plan"]["kernel"] != "list" or not use_triton(seq_lens):
         return None
-    plan = decode_plan(seq_lens.shape[0], Hk, 1, _num_sms(seq_lens.device))
+    plan = decode_plan(seq_lens.shape[0], Hk, 1, sm_count(seq_lens.device))
     return DecodeWork(cu_seqlens_q.contiguous(), seq_lens.contiguous(), Hk, plan)
