@@ -1,7 +1,7 @@
 """Exact on-policy mode's cost (issue 16, item 4): each case in the default mode and in exact mode
-(RLCU_EXACT=1), in the same run, each side in its own process. Targets on the H200: GRPO step
-(protocol A) <= 1.10x the default's time, generation protocol throughput >= 0.85x, training
-step throughput >= 0.90x.
+(the case's models built with `exact=True`), in the same run, each side in its own process.
+Targets on the H200: GRPO step (protocol A) <= 1.10x the default's time, generation protocol
+throughput >= 0.85x, training step throughput >= 0.90x.
 
 Cases:
 - kernels: the batch-invariant GEMM against cuBLAS at the model's shapes (M = 8192 training
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -55,7 +54,7 @@ def _timed(fn, reps=12):
     return graph_timed(lambda i: fn, 1, inner=reps)
 
 
-def case_kernels(quick: bool) -> dict:
+def case_kernels(quick: bool, exact: bool) -> dict:
     """GEMM and attention timings, exact against default, at the 0.6B shape in bf16."""
     from rlcu.ops.attention import attention_fwd
     from rlcu.ops.attention_exact import attention_exact_paged, attention_exact_varlen
@@ -142,7 +141,7 @@ def case_kernels(quick: bool) -> dict:
     return out
 
 
-def case_generate(quick: bool) -> dict:
+def case_generate(quick: bool, exact: bool) -> dict:
     import numpy as np
 
     from bench.generate import random_model, run_rlcu
@@ -151,6 +150,7 @@ def case_generate(quick: bool) -> dict:
     cfg = qwen3_06b_config(num_hidden_layers=4) if quick else qwen3_06b_config()
     n_req, lo, hi = (32, 16, 128) if quick else (256, 100, 1024)
     m = random_model(cfg, "cuda")
+    m.exact = exact
     llm = LLM(m, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.6)
     rng = np.random.default_rng(0)
     warm = random_prompts(rng, cfg.vocab_size, rng.integers(lo, hi + 1, 64))
@@ -164,37 +164,35 @@ def case_generate(quick: bool) -> dict:
     return run_rlcu(llm, prompts, params, cfg, m.num_params() * 2, 4.3e12, f"protocol {n_req} x [{lo},{hi}]")
 
 
-def case_train_step(quick: bool) -> dict:
+def case_train_step(quick: bool, exact: bool) -> dict:
     from bench.train_step import bench_rlcu, fwd_flops_per_token
 
     cfg = qwen3_06b_config()
     B, T = (4, 512) if quick else (32, 1024)
-    r = bench_rlcu(cfg, B, T, 2 if quick else 6, 1 if quick else 2, ckpt="attention", fused=True)
+    r = bench_rlcu(cfg, B, T, 2 if quick else 6, 1 if quick else 2, ckpt="attention", fused=True, exact=exact)
     r.update(tokens=B * T, tok_s=B * T / r["ms"] * 1e3, flops_per_step=3 * fwd_flops_per_token(cfg, T) * B * T)
     return r
 
 
-def case_grpo(quick: bool) -> dict:
+def case_grpo(quick: bool, exact: bool) -> dict:
     from bench.grpo import PROTOCOLS, bench_rlcu
 
-    return bench_rlcu(PROTOCOLS["A"], 2 if quick else 3, 1 if quick else 2, False, 16384, "default")
+    return bench_rlcu(PROTOCOLS["A"], 2 if quick else 3, 1 if quick else 2, False, 16384, "default", exact)
 
 
-def run_side(case: str, quick: bool) -> dict:
-    from rlcu.ops.exact import is_exact
-
-    r = globals()[f"case_{case}"](quick)
+def run_side(case: str, quick: bool, exact: bool) -> dict:
+    r = globals()[f"case_{case}"](quick, exact)  # the case's models in exact mode or not
     r = dict(r) if isinstance(r, dict) else {"result": r}
-    r["exact_mode"] = is_exact()
+    r["exact_mode"] = exact
     return r
 
 
 def _side(case: str, mode: str, a) -> dict:
-    env = dict(os.environ, RLCU_EXACT="1" if mode == "exact" else "0")
-    cmd = [sys.executable, __file__, "--side", case] + (["--quick"] if a.quick else [])
+    cmd = ([sys.executable, __file__, "--side", case] + (["--quick"] if a.quick else [])
+           + (["--exact"] if mode == "exact" else []))
     print(f"=== {case} ({mode})", flush=True)
     try:
-        p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=a.timeout)
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=a.timeout)
         print(p.stdout[-3000:], flush=True)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         return json.loads(line[-1][7:]) if line else {"error": (p.stderr or p.stdout)[-1500:]}
@@ -231,15 +229,16 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per case and mode")
     ap.add_argument("--repeat", type=int, default=1, help="alternate the two modes this many times")
     ap.add_argument("--side", help=argparse.SUPPRESS)
+    ap.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)  # the side's mode
     a = ap.parse_args(argv)
     if a.side:
-        print("RESULT " + json.dumps(run_side(a.side, a.quick)), flush=True)
+        print("RESULT " + json.dumps(run_side(a.side, a.quick, a.exact)), flush=True)
         return 0
     if not torch.cuda.is_available():
         print("bench/exact.py: needs a CUDA device", file=sys.stderr)
         return 2
     t0 = time.time()
-    res = {"what": "exact mode (RLCU_EXACT=1) against the default mode, same cases, each side in its own process",
+    res = {"what": "exact mode (Qwen3.exact) against the default mode, same cases, each side in its own process",
            "quick": a.quick}
     cases = [c for c in a.cases.split(",") if c]
     bad = [c for c in cases if c not in CASES]

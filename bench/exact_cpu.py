@@ -33,7 +33,6 @@ PROFILED = ("matmul_invariant.py:mm_ref", "exact.py:tree_sum", "attention_exact.
 def trainer(model: dict, exact: bool, steps: int):
     from rlcu.config import GRPOConfig, config_from_dict
     from rlcu.data import synthetic as syn
-    from rlcu.ops.exact import set_exact
     from rlcu.train.grpo import GRPOTrainer
 
     tok = syn.make_tokenizer()
@@ -43,7 +42,6 @@ def trainer(model: dict, exact: bool, steps: int):
              rewards=[{"fn": "rlcu.data.synthetic:exact_match_reward"}],
              log=dict(out_dir=tempfile.mkdtemp(), progress=False, tensorboard=False, plot=False),
              checkpoint=dict(save_at_end=False), seed=0)
-    set_exact(exact)  # the trainer turns it on, never off: set it either way
     return GRPOTrainer(config_from_dict(GRPOConfig, d), syn.sort_rows(256, "train", min_len=3, max_len=6),
                        tokenizer=tok)
 

@@ -136,7 +136,7 @@ def _buffer_arithmetic(tr, kv_blocks: int, block: int) -> dict:
 
 
 def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tokens: int,
-               memory_mode: str = "default") -> dict:
+               memory_mode: str = "default", exact: bool = False) -> dict:
     from rlcu.config import GRPOConfig, _build
     from rlcu.model.qwen3 import Qwen3
     from rlcu.train.grpo import GRPOTrainer
@@ -158,7 +158,7 @@ def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tok
     kv_blocks = P * G * (-(-(Lp + Lc + 1) // block)) + 64  # the batch, nothing more (no prefix-sharing credit)
     gcfg = _build(GRPOConfig, dict(
         steps=total, prompts_per_step=P, group_size=G, max_new_tokens=Lc, temperature=1.0, stop_at_eos=False,
-        mu=1, micro_batch_tokens=micro_batch_tokens,
+        mu=1, micro_batch_tokens=micro_batch_tokens, exact=exact,
         optim=dict(lr=1e-6, **MEMORY_MODES[memory_mode]),
         data=dict(shuffle=False),
         engine=dict(max_num_seqs=P * G, block_size=block, num_kv_blocks=kv_blocks,

@@ -72,8 +72,6 @@ def _job(kind, task, seed, mode, a, d: Path) -> dict:
     # offline: every model is a local folder, and a machine without a network must not wait on the hub
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **os.environ, "OMP_NUM_THREADS": str(a.threads),
            "MKL_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    if mode == "exact" and kind == "grpo":
-        env["RLCU_EXACT"] = "1"
     return {"kind": kind, "task": task, "seed": seed, "mode": mode if kind == "grpo" else "sft", "dir": d,
             "cmd": cmd, "env": env}
 

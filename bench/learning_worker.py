@@ -1,5 +1,5 @@
-"""One run of bench/learning.py, in a process of its own (so that exact mode, which is
-process-wide, is set before any kernel runs, and so that runs can share one GPU side by side).
+"""One run of bench/learning.py, in a process of its own (so that runs can share one GPU side by
+side). Exact mode is the model's: the trainer sets it from `exact: true` (MODES["exact"]).
 
     python -m bench.learning_worker sft  --task demo --seed 0 --dir D [--device cuda --dtype bf16]
     python -m bench.learning_worker grpo --task demo --seed 0 --dir D --mode exact --steps 40
@@ -223,10 +223,6 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"{p.prog}: {e}", file=sys.stderr)
         sys.exit(2)
-    if a.mode == "exact":
-        from rlcu.ops.exact import set_exact
-
-        set_exact(True)  # before anything runs (the trainer sets it again from `exact: true`)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     import transformers
 

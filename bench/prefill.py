@@ -17,7 +17,9 @@ Both are timed by CUDA events around the whole pass, median of `--reps` passes a
 warm-up pass. The device kernels of one pass each (torch.profiler, top by time) say where a gap
 comes from. The ratio prefill / forward (tokens per second) is the figure; 1.0 is the target.
 
-    python bench/prefill.py [--reps 5] [--top 10] [--host-profile 25]
+    python bench/prefill.py [--reps 5] [--top 10] [--host-profile 25] [--exact]
+
+--exact: the model in exact mode (`Qwen3.exact`: the engine's prefill runs eagerly then).
 
 --host-profile N: also one pass of each under cProfile, its top N functions by own time (where
 the host's launch time goes when the device waits for it).
@@ -97,15 +99,16 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--host-profile", type=int, default=0, metavar="N")
+    ap.add_argument("--exact", action="store_true", help="the model in exact mode")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/prefill.py needs a CUDA device", file=sys.stderr)
         return 2
     from rlcu.engine import LLM, SamplingParams
-    from rlcu.ops.exact import is_exact
 
     cfg = qwen3_06b_config()
     m = random_model(cfg, "cuda")
+    m.exact = a.exact
     rng = np.random.default_rng(1234)
     prompts = random_prompts(rng, cfg.vocab_size, rng.integers(100, 1025, 256))
     n_tok = sum(map(len, prompts))
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
 
     res = {"what": "prefill (LLM.generate, max_tokens=1) against the training forward without gradients, "
                    "same prompts, tokens per second", "prompts": len(prompts), "prompt_tokens": n_tok,
-           "budget_tokens": BUDGET, "micro_batches": len(packs), "exact_mode": is_exact()}
+           "budget_tokens": BUDGET, "micro_batches": len(packs), "exact_mode": m.exact}
     eager_llm = None
 
     def engine_eager():  # the same engine with its prefill steps launched eagerly (prefill_graphs=False)

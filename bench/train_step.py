@@ -72,7 +72,8 @@ def kernel_profile(step, top: int = 20) -> dict:
             "top": [{"name": k[0][:90], "ms": k[1], "calls": k[2]} for k in ks[:top]]}
 
 
-def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="default", profile=False):
+def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="default", profile=False,
+               exact=False):
     import rlcu
     from rlcu.config import OptimConfig
     from rlcu.optim import FlatAdamW
@@ -80,7 +81,7 @@ def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    m = rlcu.Qwen3.from_config(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
+    m = rlcu.Qwen3.from_config(cfg, device="cuda", dtype=torch.bfloat16, seed=0, exact=exact)
     opt = FlatAdamW(m, OptimConfig(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=0.0,
                                    **MEMORY_MODES[memory_mode]))
     m.gradient_checkpointing = ckpt

@@ -3,15 +3,14 @@
     import rlcu
     m = rlcu.Qwen3.from_pretrained(path)            # the model, weights in one flat buffer
     llm = rlcu.LLM(m)                                # the paged engine, sharing m's weights
+    m.exact = True                                   # exact mode, the model's: llm's logprobs == m.forward's
     rlcu.GRPOTrainer(config, dataset, rewards).train()
-    rlcu.set_exact(True)                             # engine logprobs == trainer's, bit for bit
 """
 
 __version__ = "0.1.0"
 
 from rlcu.model.config import Qwen3Config  # noqa: E402,F401
 from rlcu.model.qwen3 import Qwen3  # noqa: E402,F401
-from rlcu.ops.exact import is_exact, set_exact  # noqa: E402,F401  (exact on-policy mode)
 
 # heavier subsystems load on first use
 _LAZY = {

@@ -2,7 +2,9 @@
 tolerance 0) of the engine's sampled-token logprobs with Qwen3.forward's, and of every output
 across batch compositions: a sequence alone or packed with others, decode against the packed
 training forward, chunked prefill, preemption and recompute, prefix sharing and n > 1, any
-max_num_seqs. The ops underneath (the GEMM, attention, the head) are checked alone too."""
+max_num_seqs. The ops underneath (the GEMM, attention, the head) are checked alone too. The
+mode is the model's (`Qwen3.exact`): two models of one process, one in each mode, each compute
+as their own mode does."""
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from rlcu.engine import LLM, SamplingParams
 from rlcu.model.config import Qwen3Config
 from rlcu.ops.attention import attention_fwd_ref
 from rlcu.ops.attention_exact import attention_exact_paged, attention_exact_varlen
-from rlcu.ops.exact import is_exact, set_exact, tree_sum
+from rlcu.ops.exact import tree_sum
 from rlcu.ops.logprob import logprob_fwd, token_logprob
 from rlcu.ops.matmul_invariant import mm
 
@@ -25,17 +27,9 @@ PROMPTS = [[5, 17, 3], list(range(40, 61)), [7] * 9, [100 + (i * 37) % 150 for i
 SP = SamplingParams(n=2, temperature=0.8, max_tokens=8, ignore_eos=True, seed=11, logprobs=True)
 
 
-@pytest.fixture
-def exact():
-    was = is_exact()
-    set_exact(True)
-    yield
-    set_exact(was)
-
-
-def tiny_model(device="cpu", seed=0, **shape):
+def tiny_model(device="cpu", seed=0, exact=False, **shape):
     """A random fp32 Qwen3 (no transformers import: the oracle here is the model itself),
-    norm weights randomised too so that every parameter matters."""
+    norm weights randomised too so that every parameter matters; in exact mode or not."""
     cfg = Qwen3Config(**{"num_hidden_layers": 2, "max_position_embeddings": 512, "tie_word_embeddings": False,
                          "rope_theta": 10000.0, "eos_token_id": None, "bos_token_id": None, **shape})
     m = Qwen3.from_config(cfg, seed=seed, init_std=0.05)
@@ -45,12 +39,19 @@ def tiny_model(device="cpu", seed=0, **shape):
             v.add_(0.1 * torch.randn(v.shape, generator=gen))
     if device != "cpu":
         m = Qwen3(cfg, m.flat.to(device))
+    m.exact = exact
     return m
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(**SHAPE)
+
+
+@pytest.fixture(scope="module")
+def exact():
+    """The same weights as `model`'s, in exact mode."""
+    return tiny_model(exact=True, **SHAPE)
 
 
 def _packed(seqs):
@@ -111,17 +112,18 @@ def test_attention_decode_and_chunks_equal_packed_training():
     assert torch.equal(chunk, o[19:28])
 
 
-def test_token_logprob_equals_the_trainer_head(exact):
+def test_token_logprob_equals_the_trainer_head():
     torch.manual_seed(0)
     h, W = torch.randn(23, 40), torch.randn(257, 40)
     tgt = torch.randint(0, 257, (23,))
-    lp, _, _ = logprob_fwd(h, W, tgt, 0.7)
+    lp, _, _ = logprob_fwd(h, W, tgt, 0.7, exact=True)
     for lo, hi in ((0, 23), (4, 5), (10, 17)):
         got = token_logprob(mm(h[lo:hi], W), tgt[lo:hi], torch.full((hi - lo,), 0.7))
         assert torch.equal(got, lp[lo:hi])
 
 
-def test_forward_is_batch_invariant(model, exact):
+def test_forward_is_batch_invariant(exact):
+    model = exact
     torch.manual_seed(1)
     seqs = [torch.randint(0, 257, (n,)).tolist() for n in (13, 29, 7, 40)]
     tokens, cu = _packed(seqs)
@@ -149,7 +151,8 @@ def _assert_engine_equals_forward(model, gens, prompts, n, temperature):
     {"num_kv_blocks": 12, "block_size": 4, "max_num_batched_tokens": 64},  # preemption and recompute
     {"num_kv_blocks": 64, "block_size": 4, "max_num_seqs": 3},  # a few sequences a step
 ], ids=["plain", "chunked", "preempt", "max_num_seqs"])
-def test_engine_logprobs_equal_forward_and_do_not_depend_on_batching(model, exact, engine):
+def test_engine_logprobs_equal_forward_and_do_not_depend_on_batching(exact, engine):
+    model = exact
     gens, llm = _generate(model, PROMPTS, **engine)
     _assert_engine_equals_forward(model, gens, PROMPTS, SP.n, SP.temperature)
     if engine["num_kv_blocks"] == 12:
@@ -158,9 +161,10 @@ def test_engine_logprobs_equal_forward_and_do_not_depend_on_batching(model, exac
     assert gens == alone  # tokens and logprobs, each request alone vs in this engine's batches
 
 
-def test_prefix_sharing_and_many_samples(model, exact):
+def test_prefix_sharing_and_many_samples(exact):
     """n = 5 forks of one prompt (shared blocks, copy-on-write); then, one sequence a step, a
     second request whose first 36 tokens come from the first's cached blocks."""
+    model = exact
     a, b = list(range(3, 40)), list(range(3, 40)) + [9, 9]
     sp = SamplingParams(n=5, temperature=1.0, max_tokens=5, ignore_eos=True, seed=2, logprobs=True)
     gens, _ = _generate(model, [a, b], sp, num_kv_blocks=64, block_size=4)
@@ -171,17 +175,71 @@ def test_prefix_sharing_and_many_samples(model, exact):
     _assert_engine_equals_forward(model, gens, [a, b], 1, 1.0)
 
 
+def _engine_vs_forward(model, gens, prompts=PROMPTS, n=SP.n, temperature=SP.temperature) -> torch.Tensor:
+    """|the engine's logprob - Qwen3.forward's| of every sampled token of `gens`."""
+    seqs = [p + t for p, (t, _) in zip([p for p in prompts for _ in range(n)], gens)]
+    tokens, cu = _packed(seqs)
+    lp = model.forward(tokens, cu, temperature=temperature, grad=False)
+    diffs = [lp[int(cu[k]) + len(p):int(cu[k]) + len(p) + len(t)] - torch.tensor(lps)
+             for k, (p, (t, lps)) in enumerate(zip([p for p in prompts for _ in range(n)], gens))]
+    return torch.cat(diffs).abs()
+
+
 def test_default_mode_is_not_exact(model):
     """The point of the mode: the default engine's logprobs are not the trainer's bits."""
-    assert not is_exact()
-    gens, _ = _generate(model, PROMPTS, num_kv_blocks=64)
-    seqs = [p + t for p, (t, _) in zip([p for p in PROMPTS for _ in range(2)], gens)]
-    tokens, cu = _packed(seqs)
-    lp = model.forward(tokens, cu, temperature=SP.temperature, grad=False)
-    diffs = [lp[int(cu[k]) + len(p):int(cu[k]) + len(p) + len(t)] - torch.tensor(lps)
-             for k, (p, (t, lps)) in enumerate(zip([p for p in PROMPTS for _ in range(2)], gens))]
-    d = torch.cat(diffs).abs()
+    assert not model.exact
+    d = _engine_vs_forward(model, _generate(model, PROMPTS, num_kv_blocks=64)[0])
     assert d.max() < 1e-4 and (d > 0).any()
+
+
+def test_two_models_each_in_its_own_mode(model, exact, monkeypatch):
+    """Two models of one process, the same weights, one in exact mode and one not, used in turns
+    (their engines, forwards and heads): each runs its own mode's path (the batch-invariant
+    GEMM in every forward of the exact one, never in the default one's) and gets its mode's
+    bits, with nothing process-wide to switch between them."""
+    import rlcu.engine.paged_forward as pf
+    import rlcu.model.qwen3 as q3
+    import rlcu.ops.logprob as lpm
+
+    assert exact.exact and not model.exact and torch.equal(exact.flat, model.flat)
+    calls = []
+    for mod in (q3, pf, lpm):  # the invariant GEMM where the model, the engine and the head call it
+        monkeypatch.setattr(mod, "mm_invariant",
+                            lambda *a, f=mod.mm_invariant, **k: (calls.append(1), f(*a, **k))[1])
+
+    def runs(m, fn):
+        n = len(calls)
+        out = fn(m)
+        return out, len(calls) - n
+
+    ids = torch.tensor([PROMPTS[3]])
+    cu = torch.tensor([0, ids.shape[1]], dtype=torch.int32)
+    for _ in range(2):  # in turns: the second round finds each model as the first left it
+        (gens_e, _), n_e = runs(exact, lambda m: _generate(m, PROMPTS, num_kv_blocks=64))
+        (gens_d, _), n_d = runs(model, lambda m: _generate(m, PROMPTS, num_kv_blocks=64))
+        d_e, n_fe = runs(exact, lambda m: _engine_vs_forward(m, gens_e))
+        d_d, n_fd = runs(model, lambda m: _engine_vs_forward(m, gens_d))
+        assert n_e > 0 and n_fe > 0 and n_d == 0 and n_fd == 0
+        assert d_e.max() == 0 and d_d.max() < 1e-4 and (d_d > 0).any()
+        for m, head in ((exact, lambda h, W: mm(h, W)), (model, lambda h, W: h @ W.t())):  # each its own head
+            h = m.hidden_forward(ids[0], cu, grad=False)
+            assert torch.equal(m.logits(ids)[0], head(h, m.lm_head).float())
+    h_e, h_d = exact.hidden_forward(ids[0], cu, grad=False), model.hidden_forward(ids[0], cu, grad=False)
+    assert not torch.equal(h_e, h_d) and (h_e - h_d).abs().max() < 1e-4
+
+
+def test_llm_of_a_path_in_exact_mode(model, tmp_path):
+    """`rlcu.LLM(path, exact=True)`, for the engine alone: the model it loads is in exact mode,
+    and the engine's logprobs are its forward's bit for bit; a given model keeps its own mode."""
+    model.save_pretrained(tmp_path)
+    llm = LLM(tmp_path, exact=True, enforce_eager=True, num_kv_blocks=64)
+    assert llm.model.exact and not LLM(tmp_path, num_kv_blocks=64).model.exact
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP, use_tqdm=False)
+    gens = [(c.token_ids, c.logprobs) for o in outs for c in o.outputs]
+    assert _engine_vs_forward(llm.model, gens).max() == 0
+    assert not LLM(model, num_kv_blocks=64).model.exact
+    with pytest.raises(ValueError, match="LLM.exact must be True, False or None, got 1"):
+        LLM(model, exact=1)
 
 
 def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
@@ -216,22 +274,17 @@ def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
 
     policy_loss = rt.policy_loss
     monkeypatch.setattr(rt, "policy_loss", spy)
-    was = is_exact()
-    try:
-        for exact_on in (True, False):
-            set_exact(False)
-            seen.clear()
-            tr = _trainer(tmp_path / str(exact_on), exact=exact_on, temperature=0.9)
-            assert is_exact() == exact_on
-            tr.train()
-            lp, old, on = (torch.cat(x) for x in zip(*seen))
-            assert on.sum() > 20
-            if exact_on:
-                assert torch.equal(lp[on], old[on])
-            else:
-                assert not torch.equal(lp[on], old[on]) and (lp[on] - old[on]).abs().max() < 1e-4
-    finally:
-        set_exact(was)
+    for exact_on in (True, False):
+        seen.clear()
+        tr = _trainer(tmp_path / str(exact_on), exact=exact_on, temperature=0.9)
+        assert tr.model.exact == exact_on and tr.llm.model is tr.model
+        tr.train()
+        lp, old, on = (torch.cat(x) for x in zip(*seen))
+        assert on.sum() > 20
+        if exact_on:
+            assert torch.equal(lp[on], old[on])
+        else:
+            assert not torch.equal(lp[on], old[on]) and (lp[on] - old[on]).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("ckpt", [True, "attention", False])
@@ -243,16 +296,12 @@ def test_exact_gradients_match_the_default_mode(ckpt):
     torch.manual_seed(3)
     tokens, cu = _packed([torch.randint(0, 257, (n,)).tolist() for n in (11, 30, 4)])
     grads, lps = [], []
-    was = is_exact()
-    try:
-        for on in (False, True):
-            set_exact(on)
-            m.zero_grad()
-            lp = m.forward(tokens, cu, temperature=0.9)
-            m.backward(torch.linspace(-1, 1, lp.numel()))
-            grads.append(m.grad_flat.clone())
-            lps.append(lp)
-    finally:
-        set_exact(was)
+    for on in (False, True):
+        m.exact = on
+        m.zero_grad()
+        lp = m.forward(tokens, cu, temperature=0.9)
+        m.backward(torch.linspace(-1, 1, lp.numel()))
+        grads.append(m.grad_flat.clone())
+        lps.append(lp)
     assert (lps[0] - lps[1]).abs().max() < 1e-5
     assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < 1e-5

@@ -15,7 +15,6 @@ from bench.common import scale_to_entropy
 from bench.generate import random_model
 from rlcu.engine import LLM, SamplingParams
 from rlcu.model.config import Qwen3Config
-from rlcu.ops.exact import is_exact, set_exact
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +64,6 @@ def _stats(eng, tr):
 
 
 def test_exact_engine_equals_trainer_bf16_06b():
-    was = is_exact()
     cfg = Qwen3Config()  # the published 0.6B shape
     m = random_model(cfg, "cuda")
     scale_to_entropy(m, 2.9)
@@ -74,7 +72,7 @@ def test_exact_engine_equals_trainer_bf16_06b():
     report = {}
     try:
         for mode in (False, True):
-            set_exact(mode)
+            m.exact = mode  # the model's mode, which the engines below read
             gens = _run(m, prompts, **engine)
             eng = torch.tensor([x for _, _, lps in gens for x in lps])
             report["exact" if mode else "default"] = _stats(eng, _trainer_lp(m, gens))
@@ -85,7 +83,6 @@ def test_exact_engine_equals_trainer_bf16_06b():
                 few = _run(m, prompts[:3], num_kv_blocks=1024, max_num_seqs=5, enforce_eager=True)
                 assert few == gens[:len(few)]
     finally:
-        set_exact(was)
         print(json.dumps(report, indent=1))
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "exact_gpu.json"), "w") as f:

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from rlcu.engine.graphs import DecodeGraphs
-from rlcu.ops.exact import is_exact, set_exact
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -21,22 +20,20 @@ def _graphs(**kw):
 
 def test_follow_drops_on_moved_weights_or_switched_mode():
     g = _graphs()
+    assert not g.exact
     g.graphs[(1, 256)] = "graph"
-    g.follow(100)
+    g.follow(100, False)
     assert g.graphs
-    g.follow(200)
+    g.follow(200, False)
     assert not g.graphs and g.weights_ptr == 200
     g.graphs[(1, 256)] = "graph"
-    was = is_exact()
-    try:
-        set_exact(not was)
-        g.follow(200)
-        assert not g.graphs and g.exact == (not was)
-        g.graphs[(1, 256)] = "graph"
-        g.follow(200)
-        assert g.graphs
-    finally:
-        set_exact(was)
+    g.follow(200, True)  # the model's exact mode switched
+    assert not g.graphs and g.exact
+    g.graphs[(1, 256)] = "graph"
+    g.follow(200, True)
+    assert g.graphs
+    g.follow(200, False)
+    assert not g.graphs and not g.exact
 
 
 def test_rebind_keeps_graphs_only_at_the_old_pool_address():

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from rlcu.engine.prefill_graphs import PrefillGraphs, token_buckets
-from rlcu.ops.exact import is_exact, set_exact
 from rlcu.ops.paged_attention import prefill_tiles
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -48,17 +47,12 @@ def _step(q_lens, ctx, ph=()):
 def test_which_steps_a_graph_takes():
     g = _graphs()
     assert g.buckets == [64]
-    assert g.bucket(_step([5, 20], [5, 30])) == 64
-    assert g.bucket(_step([1, 1], [9, 30])) is None  # one query token a sequence: the decode kernel
-    assert g.bucket(_step([40, 30], [40, 30])) is None  # over the budget
-    assert g.bucket(_step([2] * 5, [3] * 5)) is None  # more sequences than the graphs hold
-    was = is_exact()
-    try:
-        set_exact(True)
-        assert g.bucket(_step([5, 20], [5, 30])) is None  # exact mode's prefill runs eagerly
-    finally:
-        set_exact(was)
-    assert _graphs(budget=600).bucket(_step([200, 57], [200, 57])) == 512
+    assert g.bucket(_step([5, 20], [5, 30]), False) == 64
+    assert g.bucket(_step([1, 1], [9, 30]), False) is None  # one query token a sequence: the decode kernel
+    assert g.bucket(_step([40, 30], [40, 30]), False) is None  # over the budget
+    assert g.bucket(_step([2] * 5, [3] * 5), False) is None  # more sequences than the graphs hold
+    assert g.bucket(_step([5, 20], [5, 30]), True) is None  # exact mode's prefill runs eagerly
+    assert _graphs(budget=600).bucket(_step([200, 57], [200, 57]), False) == 512
 
 
 def test_layout_is_aligned_and_load_pads_the_step():

@@ -19,7 +19,6 @@ import torch
 from test_exact import tiny_model
 
 from rlcu.engine import LLM, SamplingParams
-from rlcu.ops.exact import is_exact, set_exact
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")]
@@ -30,30 +29,25 @@ SHAPE = {"vocab_size": 67, "hidden_size": 32, "intermediate_size": 48, "num_hidd
 
 def test_engine_on_exact_kernels_equals_forward(monkeypatch):
     monkeypatch.setenv("RLCU_BACKEND", "triton")
-    was = is_exact()
-    set_exact(True)
-    try:
-        m = tiny_model("cuda" if torch.cuda.is_available() else "cpu", **SHAPE)
-        prompts = [[5, 17, 3, 9, 11], list(range(20, 33))]
-        sp = SamplingParams(n=2, temperature=0.8, max_tokens=3, ignore_eos=True, seed=3, logprobs=True)
+    m = tiny_model("cuda" if torch.cuda.is_available() else "cpu", exact=True, **SHAPE)
+    prompts = [[5, 17, 3, 9, 11], list(range(20, 33))]
+    sp = SamplingParams(n=2, temperature=0.8, max_tokens=3, ignore_eos=True, seed=3, logprobs=True)
 
-        def gen(ps):
-            llm = LLM(m, num_kv_blocks=16, block_size=4, max_num_batched_tokens=8, enforce_eager=True)
-            return [(c.token_ids, c.logprobs) for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp,
-                                                                      use_tqdm=False) for c in o.outputs]
+    def gen(ps):
+        llm = LLM(m, num_kv_blocks=16, block_size=4, max_num_batched_tokens=8, enforce_eager=True)
+        return [(c.token_ids, c.logprobs) for o in llm.generate([{"prompt_token_ids": p} for p in ps], sp,
+                                                                  use_tqdm=False) for c in o.outputs]
 
-        gens = gen(prompts)
-        seqs = [p + t for p, (t, _) in zip([p for p in prompts for _ in range(2)], gens)]
-        tokens = torch.tensor([x for s in seqs for x in s], device=m.device)
-        cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), device=m.device,
-                          dtype=torch.int32)
-        lp = m.forward(tokens, cu, temperature=0.8, grad=False).cpu()
-        for k, (p, (t, lps)) in enumerate(zip([p for p in prompts for _ in range(2)], gens)):
-            s = int(cu[k]) + len(p)
-            assert torch.equal(torch.tensor(lps), lp[s:s + len(t)]), k
-        assert gen(prompts[:1]) == gens[:2]  # the first request alone
-    finally:
-        set_exact(was)
+    gens = gen(prompts)
+    seqs = [p + t for p, (t, _) in zip([p for p in prompts for _ in range(2)], gens)]
+    tokens = torch.tensor([x for s in seqs for x in s], device=m.device)
+    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), device=m.device,
+                      dtype=torch.int32)
+    lp = m.forward(tokens, cu, temperature=0.8, grad=False).cpu()
+    for k, (p, (t, lps)) in enumerate(zip([p for p in prompts for _ in range(2)], gens)):
+        s = int(cu[k]) + len(p)
+        assert torch.equal(torch.tensor(lps), lp[s:s + len(t)]), k
+    assert gen(prompts[:1]) == gens[:2]  # the first request alone
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),

@@ -73,8 +73,9 @@ class RLConfig(RunConfig):
     chat_template: bool = opt(True, "render chat-message prompts with the tokenizer's chat template "
                                     "(string prompts are used as they are)")
     seed: int = opt(0, "seed of sampling (per step, so a resumed run samples the same)", ge=0)
-    exact: bool = opt(False, "exact on-policy mode (rlcu.set_exact): the engine's sampling logprobs equal the "
-                             "trainer's forward bit for bit, through batch-invariant kernels (RLCU_EXACT=1 too)")
+    exact: bool = opt(False, "exact on-policy mode (the trainer sets its models' `exact` from it, a model passed "
+                             "in included): the engine's sampling logprobs equal the trainer's forward bit for "
+                             "bit, through batch-invariant kernels")
     eval_every: int = opt(0, "evaluate the held-out prompts (greedy) every N steps and after the last (0: only "
                              "after the last; none without held-out prompts): eval/reward, the mean total reward; "
                              "eval/reward/NAME, each function's mean; eval/accuracy, the fraction whose total "

@@ -12,7 +12,7 @@ read).
 
 A graph holds the addresses it was captured on: the step's fields (the decode state's device
 buffers, engine/decode_state.py, and a block-table buffer of its own), the weights (a
-replaced `model.flat`, or exact mode switched, drops every graph: `follow`) and the KV pool
+replaced `model.flat`, or the model's exact mode switched, drops every graph: `follow`) and the KV pool
 (graphs kept through a release stay only if the new pool sits at the old address: `keep`,
 `rebind`). `GraphSet` holds those rules, a private memory pool, and the capture (on one stream
 a device, `capture_stream`) for both kinds of step graphs: these and the prefill graphs
@@ -30,7 +30,6 @@ import math
 import torch
 
 from rlcu.engine.decode_state import DecodeState
-from rlcu.ops.exact import is_exact
 from rlcu.ops.paged_attention import decode_plan, sm_count
 
 CONTEXT_BUCKET0 = 1024  # the smallest context bucket; then x4 up to max_model_len
@@ -88,13 +87,13 @@ class GraphSet:
     graphs (below) and the prefill graphs (engine/prefill_graphs.py) are one each, with pools
     of their own, so that either can be dropped and give its memory back."""
 
-    def __init__(self, device: torch.device, weights_ptr: int):
+    def __init__(self, device: torch.device, weights_ptr: int, exact: bool = False):
         self.device = device
         self.graphs: dict = {}  # key -> (replay, outputs)
         self._static: dict[str, torch.Tensor] | None = None  # the buffers the graphs read
         self._pool = None
         self.weights_ptr = weights_ptr  # model.flat's address when the graphs were captured
-        self.exact = is_exact()  # the mode the graphs were captured in
+        self.exact = exact  # the model's exact mode when the graphs were captured
         self.kv_ptr = 0  # the KV pool's address when graphs were kept through a release
         self.wakes = {"kept": 0, "recaptured": 0}  # wakes after a release that kept the graphs
         self.num_captures = 0  # CUDA graphs captured, ever
@@ -102,13 +101,13 @@ class GraphSet:
     def drop(self) -> None:
         self.graphs, self._static, self._pool = {}, None, None
 
-    def follow(self, weights_ptr: int) -> None:
-        """Drop the graphs if the weights moved or exact mode was switched (they hold other
-        kernels' launches or other addresses)."""
-        if weights_ptr != self.weights_ptr or self.exact != is_exact():
+    def follow(self, weights_ptr: int, exact: bool) -> None:
+        """Drop the graphs if the weights moved or the model's exact mode was switched (they
+        hold other kernels' launches or other addresses)."""
+        if weights_ptr != self.weights_ptr or self.exact != exact:
             self.drop()
             self.weights_ptr = weights_ptr
-            self.exact = is_exact()
+            self.exact = exact
 
     def keep(self, kv_ptr: int) -> None:
         """The KV pool at kv_ptr goes away and the graphs stay (see `rebind`)."""
@@ -139,8 +138,8 @@ class GraphSet:
 
 class DecodeGraphs(GraphSet):
     def __init__(self, *, max_num_seqs: int, max_model_len: int, block_size: int, num_kv_heads: int,
-                 device: torch.device, weights_ptr: int):
-        super().__init__(device, weights_ptr)
+                 device: torch.device, weights_ptr: int, exact: bool = False):
+        super().__init__(device, weights_ptr, exact)
         self.max_num_seqs, self.max_model_len, self.block_size = max_num_seqs, max_model_len, block_size
         self.num_kv_heads = num_kv_heads
 
@@ -154,10 +153,10 @@ class DecodeGraphs(GraphSet):
         so graphs are kept per context bucket (1k, 4k, 16k, ... up to max_model_len). A batch
         wide enough to run unsplit at its bucket and at max_model_len takes the max_model_len
         bucket: an unsplit step is the same kernel whatever the bucket (its one split covers
-        any context), so one graph serves every context."""
+        any context), so one graph serves every context. The mode is the graphs' (`follow`)."""
         b = self.batch_bucket(S)
         kb = context_bucket(max_k, self.max_model_len)
-        if (kb < self.max_model_len and not is_exact() and self._any_context(b, kb)
+        if (kb < self.max_model_len and not self.exact and self._any_context(b, kb)
                 and self._any_context(b, self.max_model_len)):
             kb = self.max_model_len
         return b, kb

@@ -131,7 +131,10 @@ class LLM:
     default): on CUDA only. `startup` reports the construction's seconds and the warm-up's.
     prefill_graphs: run prefill and mixed steps by CUDA graphs too (engine/prefill_graphs.py;
     with graphs on): their host launch is ~20 ms a step, longer than a 0.6B step's kernels;
-    the graphs' pool holds about one full-budget step's activations while the engine is awake."""
+    the graphs' pool holds about one full-budget step's activations while the engine is awake.
+    exact: exact on-policy mode (ops/exact.py), which is the model's (`Qwen3.exact`, read at
+    every step): None (the default) keeps a given model's own mode, and off for a model loaded
+    here; True or False sets it on the model, which a trainer sharing it then computes in too."""
 
     def __init__(self, model: Qwen3 | str | Path, *, device: str | torch.device | None = None, dtype=None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -139,13 +142,15 @@ class LLM:
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  tokenizer: Any = None, warmup: bool | None = None, prefill_graphs: bool = True,
-                 revision: str | None = None):
+                 revision: str | None = None, exact: bool | None = None):
         from rlcu.config import GPU_MEMORY_UTILIZATION
         from rlcu.ops.paged_attention import DEFAULT_BLOCK_SIZE
 
         t_start = time.perf_counter()
         if warmup is not None and not isinstance(warmup, bool):
             raise ValueError(f"LLM.warmup must be True, False or None, got {warmup!r}")
+        if exact is not None and not isinstance(exact, bool):
+            raise ValueError(f"LLM.exact must be True, False or None, got {exact!r}")
 
         if gpu_memory_utilization is None:
             gpu_memory_utilization = GPU_MEMORY_UTILIZATION
@@ -175,6 +180,8 @@ class LLM:
             self.model = Qwen3.from_pretrained(model, device=dev, dtype=want_dtype, revision=revision)
         else:
             raise TypeError(f"LLM(model) takes an rlcu.Qwen3, a model folder or a Hub id, got {type(model).__name__}")
+        if exact is not None:
+            self.model.exact = exact  # before the runner: its graphs are captured in the model's mode
         cfg = self.model.cfg
         self.source: Path | None = Path(self.model.source) if self.model.source is not None else None
         self._tokenizer = tokenizer

@@ -33,7 +33,6 @@ from rlcu.engine.graphs import DecodeGraphs
 from rlcu.engine.prefill_graphs import PrefillGraphs
 from rlcu.engine.scheduler import ScheduledBatch
 from rlcu.model.qwen3 import Qwen3
-from rlcu.ops.exact import is_exact
 from rlcu.ops.paged_attention import prefill_tiles
 
 
@@ -99,11 +98,12 @@ class ModelRunner:
         self.kv: torch.Tensor | None = None  # the KV pool (engine/kv_pool.py); None while released
         self.decode_graphs = DecodeGraphs(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                           block_size=block_size, num_kv_heads=c.num_key_value_heads,
-                                          device=self.device, weights_ptr=model.flat.data_ptr())
+                                          device=self.device, weights_ptr=model.flat.data_ptr(), exact=model.exact)
         self.prefill_graphs = PrefillGraphs(budget=max_num_batched_tokens, max_seqs=max_num_seqs,
                                             max_model_len=self.max_model_len, block_size=block_size,
                                             num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                                            device=self.device, weights_ptr=model.flat.data_ptr())
+                                            device=self.device, weights_ptr=model.flat.data_ptr(),
+                                            exact=model.exact)
         self._last_samples: torch.Tensor | None = None  # the tokens sampled by the last launch (placeholders' values)
         self._dec: DecodeState | None = None  # everything of the pure decode steps (engine/decode_state.py)
         self._rb = _Readback(max_num_seqs)  # pinned host buffers of the samples (see _readback)
@@ -239,10 +239,10 @@ class ModelRunner:
     def _prefill_bucket(self, a: dict) -> int | None:
         """The prefill graph's token bucket a prepared step runs by, or None (eagerly)."""
         pg = self.prefill_graphs
-        b = pg.bucket(a) if self.use_graphs and self.use_prefill_graphs else None
+        b = pg.bucket(a, self.model.exact) if self.use_graphs and self.use_prefill_graphs else None
         if b is None:
             return None
-        pg.follow(self.model.flat.data_ptr())  # the weights moved, or exact mode was switched
+        self._follow(pg)
         return b if pg.take(b) else None
 
     def _readback(self, out):
@@ -290,7 +290,7 @@ class ModelRunner:
                              1, max_k)
             return self._sample(h, d.sampling(S))
         g = self.decode_graphs
-        g.follow(self.model.flat.data_ptr())  # the weights moved, or exact mode was switched: drop the graphs
+        self._follow(g)
         max_k = d.load(batch, g.batch_bucket(S), self._last_samples)
         return g.replay(S, max_k, d, self._graph_step)
 
@@ -330,16 +330,22 @@ class ModelRunner:
         """Capture now (not on first use) the graphs of every batch bucket for the context
         buckets up to `max_context`; returns how many graphs exist."""
         if self.use_graphs and self.kv is not None:
+            self._follow(self.decode_graphs)
             self.decode_graphs.capture_all(max_context, self._dec_state(), self._graph_step)
         return len(self.graphs)
 
     def capture_prefill_graphs(self) -> int:
         """Capture now (not on first use) the prefill graphs of every token bucket (none in
         exact mode, whose prefill runs eagerly); returns how many exist."""
-        if self.use_graphs and self.use_prefill_graphs and self.kv is not None and not is_exact():
-            self.prefill_graphs.follow(self.model.flat.data_ptr())
+        if self.use_graphs and self.use_prefill_graphs and self.kv is not None and not self.model.exact:
+            self._follow(self.prefill_graphs)
             self.prefill_graphs.capture_all(self._hidden)
         return len(self.prefill_graphs.graphs)
+
+    def _follow(self, graphs) -> None:
+        """Drop `graphs` (a GraphSet) if the weights moved or the model's exact mode was switched
+        since they were captured."""
+        graphs.follow(self.model.flat.data_ptr(), self.model.exact)
 
     def warm_up(self) -> dict:
         """Compile the kernels of every step kind and capture every decode graph now

@@ -17,10 +17,10 @@ through that op and ops/decode_qkv.py instead: the input norm, the QKV GEMM and 
 kernel, the post norm and SwiGLU inside gate_up, the residual adds in o's and down's epilogues:
 five launches a layer instead of nine)
 then the final norm (`final`) and the LM head only on the rows that sample a token. In exact mode
-(ops/exact.py) `hidden_exact` runs the trainer's ops in the trainer's order instead (qkv_prep
-with its stats, as the trainer's forward runs it, the batch-invariant GEMM, the exact attention
-over the cache) and the sampled token's logprob is taken by the trainer's head kernel
-(`sample_rows`).
+(the model's `exact`, read at every step; ops/exact.py) `hidden_exact` runs the trainer's ops in
+the trainer's order instead (qkv_prep with its stats, as the trainer's forward runs it, the
+batch-invariant GEMM, the exact attention over the cache) and the sampled token's logprob is
+taken by the trainer's head kernel (`sample_rows`).
 
 `kv` is the pool of engine/kv_pool.py: [2, layers, num_blocks, block_size, Hk, D].
 """
@@ -34,7 +34,6 @@ from rlcu.ops.attention_exact import attention_exact_paged
 from rlcu.ops.decode_linear import decode_linear, fused_for
 from rlcu.ops.decode_qkv import decode_qkv
 from rlcu.ops.embedding import embedding_fwd
-from rlcu.ops.exact import is_exact
 from rlcu.ops.logprob import token_logprob
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.paged_attention import decode_work, paged_attention
@@ -53,7 +52,7 @@ def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_
     c, w = model.cfg, model.w
     scale = c.head_dim**-0.5
     x = embedding_fwd(ids, w["embed"])
-    if is_exact():
+    if model.exact:
         return hidden_exact(model, kv, x, pos, kv_slots, block_tables, cu_q, seq_lens, max_q, rows)
     # a decode step's attention work list, built once for every layer (None unless the decode
     # plan is the list kernel, ops/paged_decode_list.py)
@@ -69,7 +68,7 @@ def final(model: Qwen3, x, rows=None) -> torch.Tensor:
     """The final norm of the rows `rows` of x (None: all)."""
     if rows is not None:
         x = x.index_select(0, rows)
-    return rmsnorm_fwd(x, model.w["final_norm"], model.cfg.rms_norm_eps)[0]
+    return rmsnorm_fwd(x, model.w["final_norm"], model.cfg.rms_norm_eps, exact=model.exact)[0]
 
 
 def attention_inputs(model: Qwen3, kv: torch.Tensor, i: int, x, pos, kv_slots) -> torch.Tensor:
@@ -110,23 +109,23 @@ def hidden_exact(model: Qwen3, kv: torch.Tensor, x, pos, kv_slots, block_tables,
     qs = c.q_size
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
-        h, _ = rmsnorm_fwd(x, w[p + "input_norm"], eps)
+        h, _ = rmsnorm_fwd(x, w[p + "input_norm"], eps, exact=True)
         qkv = mm_invariant(h, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
         kc, vc = kv[0, i], kv[1, i]
         # the kernel the trainer's forward runs (qk_norm_rope), its stats included
         q = qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, kv_slots, kc, vc, Hq, Hk, D, eps,
-                     c.rope_theta, True)[0]
+                     c.rope_theta, True, exact=True)[0]
         o = attention_exact_paged(q, kc, vc, block_tables, cu_q, seq_lens, max_q, D**-0.5)
         mm_invariant(o.view(N, qs), w[p + "o"], x, out=x)  # x += o Wo^T, in place
-        h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps)
-        mm_invariant(swiglu_fwd(mm_invariant(h, w[p + "gate_up"])), w[p + "down"], x, out=x)
+        h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps, exact=True)
+        mm_invariant(swiglu_fwd(mm_invariant(h, w[p + "gate_up"]), exact=True), w[p + "down"], x, out=x)
     return final(model, x, rows)
 
 
 def logits(model: Qwen3, h: torch.Tensor) -> torch.Tensor:
     """[R, V] in the model's dtype (the sampler computes in fp32; as the trainer's logprob
     op does, the logits are rounded to the model's dtype first)."""
-    if is_exact():
+    if model.exact:
         return mm_invariant(h, model.lm_head)
     return h @ model.lm_head.t()
 
@@ -137,6 +136,6 @@ def sample_rows(model: Qwen3, h: torch.Tensor, samp: tuple):
     samp: the sampler's per-row tensors (temperature, top_k, top_p, min_p, seeds, offsets)."""
     z = logits(model, h)
     tokens, logprobs = sample(z, *samp)
-    if is_exact():
+    if model.exact:
         logprobs = token_logprob(z, tokens, samp[0])
     return tokens, logprobs

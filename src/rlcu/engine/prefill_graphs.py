@@ -39,7 +39,6 @@ import numpy as np
 import torch
 
 from rlcu.engine.graphs import GraphSet
-from rlcu.ops.exact import is_exact
 from rlcu.ops.paged_attention import prefill_tiles_cap
 
 BUCKET0 = 256  # the smallest token bucket
@@ -63,8 +62,8 @@ class PrefillGraphs(GraphSet):
     I32 = ("pos", "cu", "lens", "tile_seq", "tile_idx", "tables")
 
     def __init__(self, *, budget: int, max_seqs: int, max_model_len: int, block_size: int, num_heads: int,
-                 num_kv_heads: int, device: torch.device, weights_ptr: int):
-        super().__init__(device, weights_ptr)
+                 num_kv_heads: int, device: torch.device, weights_ptr: int, exact: bool = False):
+        super().__init__(device, weights_ptr, exact)
         self.budget, self.max_seqs = budget, max_seqs
         self.width = math.ceil(max_model_len / block_size)  # block-table entries a sequence
         self.heads = (num_heads, num_kv_heads)
@@ -104,12 +103,12 @@ class PrefillGraphs(GraphSet):
         return out
 
     # ------------------------------------------------------------------ which steps
-    def bucket(self, a: dict) -> int | None:
+    def bucket(self, a: dict, exact: bool) -> int | None:
         """The token bucket of a prepared step (ModelRunner.prepare's arrays), or None when it
-        runs eagerly (exact mode, one query token a sequence, more sequences than the graphs
-        hold)."""
+        runs eagerly (in exact mode, the model's `exact`; one query token a sequence; more
+        sequences than the graphs hold)."""
         N, S = len(a["ids"]), len(a["lens"])
-        if is_exact() or a["max_q"] <= 1 or N > self.budget or S > self.max_seqs:
+        if exact or a["max_q"] <= 1 or N > self.budget or S > self.max_seqs:
             return None
         if max(len(a["ph"]), len(a["rows"])) > self.max_seqs or a["tables"].shape[1] > self.width:
             return None

@@ -13,12 +13,13 @@ op. When the loss's gradient is an elementwise function of each token's lp (and 
 `forward_backward` does both passes in one sweep of the head, which then skips the logits
 recompute (3 vocabulary GEMMs, not 4).
 
-The q/k norm and rope are the engine's fused kernel (ops/qkv_prep.py). In exact mode
-(rlcu.set_exact, ops/exact.py) the forward's matmuls and attention are the batch-invariant
-ones the engine runs too, so `forward`'s lp of a token is bit for bit the
-engine's sampling logprob of it; the backward is the default mode's, its recompute of a
-checkpointed layer included (a gradient needs no batch invariance, and the recompute in
-cuBLAS and the default attention costs what it costs in the default mode).
+The q/k norm and rope are the engine's fused kernel (ops/qkv_prep.py). Exact mode is the
+model's own (`exact`, ops/exact.py), read by the engine on its weights too: with it on, the
+forward's matmuls and attention are the batch-invariant ones the engine runs too, so
+`forward`'s lp of a token is bit for bit the engine's sampling logprob of it; the backward is
+the default mode's, its recompute of a checkpointed layer included (a gradient needs no batch
+invariance, and the recompute in cuBLAS and the default attention costs what it costs in the
+default mode).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.attention import attention_bwd, attention_fwd
 from rlcu.ops.attention_exact import attention_exact_varlen
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
-from rlcu.ops.exact import is_exact
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.qkv_prep import qk_norm_rope
@@ -52,8 +52,9 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.jso
 class Qwen3:
     """A Qwen3 causal LM whose weights live in one flat buffer (`self.flat`)."""
 
-    def __init__(self, cfg: Qwen3Config, flat: torch.Tensor):
+    def __init__(self, cfg: Qwen3Config, flat: torch.Tensor, exact: bool = False):
         self.cfg = cfg
+        self.exact = exact  # exact on-policy mode (ops/exact.py), this model's and its engine's
         self.layout = ParamLayout(cfg)
         self.flat = flat
         self.w = self.layout.views(flat)  # slot name -> view
@@ -84,13 +85,26 @@ class Qwen3:
         return self.flat.dtype
 
     @property
+    def exact(self) -> bool:
+        """Exact on-policy mode (ops/exact.py): batch-invariant forward ops, shared with the engine
+        that runs on this model (which drops CUDA graphs captured in the other mode)."""
+        return self._exact
+
+    @exact.setter
+    def exact(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"Qwen3.exact must be True or False, got {on!r}")
+        self._exact = on
+
+    @property
     def lm_head(self) -> torch.Tensor:
         return self.w["embed"] if self.cfg.tie_word_embeddings else self.w["lm_head"]
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, revision: str | None = None) -> Qwen3:
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, revision: str | None = None,
+                        exact: bool = False) -> Qwen3:
         """A model folder here, or a Hugging Face Hub id ('Qwen/Qwen3-0.6B', 'ID@revision'), fetched
-        into the Hub's cache (rlcu.hub)."""
+        into the Hub's cache (rlcu.hub). exact: exact on-policy mode (ops/exact.py)."""
         from rlcu.hub import model_folder
 
         path = model_folder(path, revision)
@@ -99,14 +113,15 @@ class Qwen3:
         flat = layout.empty(device, dtype)
         flat.zero_()  # alignment padding stays zero
         io.load_into(path, layout, flat)
-        m = cls(cfg, flat)
+        m = cls(cfg, flat, exact)
         m.source = path
         return m
 
     @classmethod
     def from_config(cls, cfg: Qwen3Config, device="cpu", dtype=torch.float32, seed: int = 0,
-                    init_std: float = 0.02) -> Qwen3:
-        """Random initialisation as HF does it: N(0, init_std) matrices, unit norms."""
+                    init_std: float = 0.02, exact: bool = False) -> Qwen3:
+        """Random initialisation as HF does it: N(0, init_std) matrices, unit norms. exact: exact
+        on-policy mode (ops/exact.py)."""
         layout = ParamLayout(cfg)
         flat = torch.zeros(layout.numel, device=device, dtype=torch.float32)
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -116,7 +131,7 @@ class Qwen3:
                 v.fill_(1.0)
             else:
                 v.copy_(torch.randn(v.shape, generator=gen) * init_std)
-        return cls(cfg, flat.to(dtype))
+        return cls(cfg, flat.to(dtype), exact)
 
     def save_pretrained(self, path, dtype: torch.dtype | None = None) -> None:
         """Write an HF-loadable folder: the weights and config.json, each file replaced
@@ -197,27 +212,30 @@ class Qwen3:
     def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, attn=None, exact: bool | None = None):
         """One decoder layer. `attn` = (o, lse) saved by a selective-checkpointing forward
         skips the attention kernel when the layer is recomputed. exact: the batch-invariant
-        GEMMs and attention (None: as exact mode is set); the backward's recompute passes False."""
-        c, w = self.cfg, self.w
+        GEMMs and attention (None: the model's mode); the backward's recompute passes False. The
+        norms and SwiGLU follow the model's mode either way (on the GPU their kernels are the
+        same in both modes; on the CPU the twins' fixed-tree sums)."""
+        c, w, ex = self.cfg, self.w, self.exact
         p = f"layers.{i}."
         N, Hq, Hk, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps = c.rms_norm_eps
-        if is_exact() if exact is None else exact:  # batch-invariant GEMMs and attention (ops/exact.py)
+        if ex if exact is None else exact:  # batch-invariant GEMMs and attention (ops/exact.py)
             mm, addmm, attend = mm_invariant, lambda x, a, wt: mm_invariant(a, wt.t(), x), attention_exact_varlen
         else:
             mm, addmm, attend = lambda a, wt: a @ wt.t(), torch.addmm, attention_fwd
-        h1, r1 = rmsnorm_fwd(x, w[p + "input_norm"], eps)
+        h1, r1 = rmsnorm_fwd(x, w[p + "input_norm"], eps, exact=ex)
         qkv = mm(h1, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
         # q/k norm and rope in one kernel, the engine's (ops/qkv_prep.py: in exact mode the same
         # bits as the engine's); q0 and k0, the norms' inputs, are views (copied in the backward)
-        q, k, v, rq, rk = qk_norm_rope(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, Hq, Hk, D, eps, c.rope_theta)
+        q, k, v, rq, rk = qk_norm_rope(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, Hq, Hk, D, eps, c.rope_theta,
+                                       exact=ex)
         q0 = qkv[:, : c.q_size].view(N, Hq, D)
         k0 = qkv[:, c.q_size : c.q_size + c.kv_size].view(N, Hk, D)
         o, lse = attn if attn is not None else attend(q, k, v, cu, max_seqlen, D**-0.5)
         x2 = addmm(x, o.view(N, c.q_size), w[p + "o"].t())  # residual add in the GEMM epilogue
-        h2, r2 = rmsnorm_fwd(x2, w[p + "post_norm"], eps)
+        h2, r2 = rmsnorm_fwd(x2, w[p + "post_norm"], eps, exact=ex)
         gu = mm(h2, w[p + "gate_up"])  # [N, 2I]
-        a = swiglu_fwd(gu)
+        a = swiglu_fwd(gu, exact=ex)
         y = addmm(x2, a, w[p + "down"].t())
         acts = dict(x=x, h1=h1, r1=r1, q0=q0, k0=k0, v=v, rq=rq, rk=rk, q=q, k=k, o=o, lse=lse,
                     x2=x2, h2=h2, r2=r2, gu=gu, a=a)
@@ -307,8 +325,8 @@ class Qwen3:
         tokens = input_ids.reshape(-1).to(self.device)
         cu = torch.arange(0, (B + 1) * T, T, device=self.device, dtype=torch.int32)
         x, _, _ = self._trunk_fwd(tokens, cu, T, keep="none")
-        h, _ = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps)
-        z = mm_invariant(h, self.lm_head) if is_exact() else h @ self.lm_head.t()
+        h, _ = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps, exact=self.exact)
+        z = mm_invariant(h, self.lm_head) if self.exact else h @ self.lm_head.t()
         return z.float().view(B, T, -1)
 
     def hidden_forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *, grad: bool = True):
@@ -328,7 +346,7 @@ class Qwen3:
         longest sequence; pos [N] int32, when given, are the tokens' positions."""
         keep = self._keep_mode() if grad else "none"
         x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep, pos)
-        h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps)
+        h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps, exact=self.exact)
         self._trunk_ctx = (dict(tokens=tokens, cu=cu_seqlens, max_seqlen=max_seqlen, pos=pos, saved=saved,
                                 x=x, rstd=rstd) if grad else None)
         return h
@@ -398,7 +416,7 @@ class Qwen3:
         tgt, rows = self.head_rows(tokens, cu_seqlens)
         hs = h.index_select(0, rows)
         targets = tokens.index_select(0, tgt)
-        lp_r, ent_r, lse = logprob_fwd(hs, self.lm_head, targets, temperature, return_entropy)
+        lp_r, ent_r, lse = logprob_fwd(hs, self.lm_head, targets, temperature, return_entropy, exact=self.exact)
         self._ctx = (dict(N=N, hs=hs, rows=rows, tgt=tgt, targets=targets, lse=lse, temperature=temperature)
                      if grad else None)
         return self._per_token(N, tgt, lp_r, ent_r)
@@ -446,7 +464,7 @@ class Qwen3:
         self._ensure_grads()
         lp_r, ent_r, dhs = logprob_fwd_bwd(hs, self.lm_head, tokens.index_select(0, tgt),
                                            lambda lp_c, ent_c, r: grad_fn(lp_c, ent_c, tgt[r]),
-                                           self._head_grad(), temperature, return_entropy)
+                                           self._head_grad(), temperature, return_entropy, exact=self.exact)
         del hs
         self._rows_backward(N, rows, dhs)
         return self._per_token(N, tgt, lp_r, ent_r)

@@ -83,7 +83,9 @@ def dispatch(kernel: Callable, twin: Callable, on: str) -> Callable:
     """Decorator of an op's public function, the one place an op picks its backend: the
     decorated body checks the arguments (or is only a docstring); then the op returns
     `kernel(*args)` when `use_triton(<argument named on>)`, else `twin(*args)`, args being
-    every argument of the public function in its order (defaults filled in), positionally."""
+    every argument of the public function in its order (defaults filled in), positionally.
+    Arguments given by keyword (`exact=`) cost no `Signature.bind`: the call of the public
+    function has checked them already."""
 
     def wrap(public: Callable) -> Callable:
         sig = inspect.signature(public)
@@ -97,13 +99,10 @@ def dispatch(kernel: Callable, twin: Callable, on: str) -> Callable:
 
         @functools.wraps(public)
         def op(*args, **kw):
-            public(*args, **kw)
-            if kw:
-                b = sig.bind(*args, **kw)
-                b.apply_defaults()
-                args = b.args
-            elif len(args) < n:
-                args += defaults[len(args):]
+            public(*args, **kw)  # a wrong call raises here, as a plain function's would
+            if len(args) < n:  # the rest by keyword, else by default
+                rest = zip(names[len(args):], defaults[len(args):])
+                args += tuple(kw.get(k, d) for k, d in rest) if kw else defaults[len(args):]
             return (kernel if use_triton(args[i]) else twin)(*args)
 
         op.kernel, op.twin = kernel, twin

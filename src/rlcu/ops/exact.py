@@ -1,9 +1,12 @@
-"""Exact on-policy mode: one switch that makes every op on the engine's path and the trainer's
+"""Exact on-policy mode: with it on, every op on the engine's path and the trainer's is
 batch-invariant, with shared reduction orders, so that the engine's logprob of a sampled token
 is bit for bit `Qwen3.forward`'s.
 
-    RLCU_EXACT=1                 # in the environment, read at import
-    rlcu.set_exact(True)         # or at run time (`exact: true` in a GRPO / PPO config)
+The mode belongs to the model that the trainer and the engine share, not to the process:
+`Qwen3(..., exact=True)`, `Qwen3.from_pretrained(path, exact=True)` or `model.exact = True`
+(what an RL trainer does from `exact: true` in its config), and `rlcu.LLM(path, exact=True)` for
+the engine alone. Two models of one process may run in different modes. The model and the
+engine pass it on to each op as `exact=`; no op reads a global.
 
 What changes with it on (the default mode's kernels and speed are untouched when off):
 - every forward matmul goes through `matmul_invariant.mm` (fixed tiles and K order, no
@@ -21,21 +24,7 @@ padding does not change it, so a row's sum is the same whatever its length is pa
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-_STATE = {"on": os.environ.get("RLCU_EXACT", "").strip().lower() in ("1", "true", "yes", "on")}
-
-
-def set_exact(on: bool = True) -> None:
-    """Turn exact mode on or off for the whole process (graphs captured in the other mode are
-    dropped by the engine on its next step)."""
-    _STATE["on"] = bool(on)
-
-
-def is_exact() -> bool:
-    return _STATE["on"]
 
 
 def tree_sum(x: torch.Tensor) -> torch.Tensor:

@@ -26,8 +26,8 @@ surrogate of lp, old lp and advantage, an entropy bonus -- a caller-supplied
 are still in the tile, and the chunk goes straight on to dlogits, dh and dW. Three GEMMs
 per chunk instead of four (no recompute), and no lse kept between two calls.
 
-Exact mode (ops/exact.py): the forward's logits tile comes from the batch-invariant GEMM and
-the kernel takes log2(e) / T from a per-row temperature tensor (ROW_T), so that
+Exact mode (`exact=True`, ops/exact.py): the forward's logits tile comes from the batch-invariant
+GEMM and the kernel takes log2(e) / T from a per-row temperature tensor (ROW_T), so that
 `token_logprob` -- the engine's logprob of its sampled tokens, on logits from the same GEMM --
 runs the same instructions on the same bits as the trainer's head. The backward's recompute
 stays on cuBLAS (its logits need not match the forward's to the bit).
@@ -39,7 +39,7 @@ import torch
 
 from rlcu.ops._backend import HAS_TRITON, dispatch, use_triton
 from rlcu.ops._matmul import acc_wgrad
-from rlcu.ops.exact import is_exact, tree_sum
+from rlcu.ops.exact import tree_sum
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 
 if HAS_TRITON:
@@ -182,7 +182,7 @@ def _logits_tile(h, W, z, exact: bool) -> None:
         torch.mm(h, W.t(), out=z)
 
 
-def _logprob_fwd_triton(h, W, targets, temperature, with_entropy):
+def _logprob_fwd_triton(h, W, targets, temperature, with_entropy, exact):
     N, V = h.shape[0], W.shape[0]
     lp = torch.empty(N, device=h.device, dtype=torch.float32)
     lse = torch.empty(N, device=h.device, dtype=torch.float32)
@@ -193,7 +193,6 @@ def _logprob_fwd_triton(h, W, targets, temperature, with_entropy):
     C = min(N, chunk_rows(V, h.dtype))
     buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits tile
     BV, warps = _tiles(V)
-    exact = is_exact()
     temp = torch.full((C,), temperature, device=h.device, dtype=torch.float32) if exact else None
     for s in range(0, N, C):
         n = min(C, N - s)
@@ -232,7 +231,7 @@ def _logprob_bwd_triton(dlp, dent, h, W, targets, lse, dW, temperature):
     return dh
 
 
-def _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entropy):
+def _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entropy, exact):
     N, V = h.shape[0], W.shape[0]
     lp = torch.empty(N, device=h.device, dtype=torch.float32)
     lse = torch.empty(N, device=h.device, dtype=torch.float32)
@@ -244,7 +243,6 @@ def _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entrop
     C = min(N, chunk_rows(V, h.dtype))
     buf = torch.empty(C, V, device=h.device, dtype=h.dtype)  # [C, V] logits, then dlogits
     BV, warps = _tiles(V)
-    exact = is_exact()
     temp = torch.full((C,), temperature, device=h.device, dtype=torch.float32) if exact else None
     for s in range(0, N, C):
         n = min(C, N - s)
@@ -283,12 +281,12 @@ def _rows_exact_ref(z, targets, temp, with_entropy):
     return lp, ent, lse
 
 
-def logprob_fwd_ref(h, W, targets, temperature=1.0, with_entropy=False, chunk=_CHUNK):
+def logprob_fwd_ref(h, W, targets, temperature=1.0, with_entropy=False, exact=False, chunk=_CHUNK):
     N = h.shape[0]
     lp = torch.empty(N, device=h.device, dtype=torch.float32)
     lse = torch.empty(N, device=h.device, dtype=torch.float32)
     ent = torch.empty(N, device=h.device, dtype=torch.float32) if with_entropy else None
-    if is_exact():
+    if exact:
         for s in range(0, N, chunk):
             r = slice(s, min(s + chunk, N))
             temp = torch.full((r.stop - s,), temperature, device=h.device, dtype=torch.float32)
@@ -329,7 +327,7 @@ def logprob_bwd_ref(dlp, dent, h, W, targets, lse, dW, temperature=1.0, chunk=_C
     return dh
 
 
-def logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature=1.0, with_entropy=False,
+def logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature=1.0, with_entropy=False, exact=False,
                         chunk=_CHUNK):
     N = h.shape[0]
     lp = torch.empty(N, device=h.device, dtype=torch.float32)
@@ -337,7 +335,7 @@ def logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature=1.0, with_entrop
     dh = torch.empty_like(h)
     for s in range(0, N, chunk):
         rows = slice(s, min(s + chunk, N))
-        lp_c, ent_c, lse = logprob_fwd_ref(h[rows], W, targets[rows], temperature, with_entropy, chunk)
+        lp_c, ent_c, lse = logprob_fwd_ref(h[rows], W, targets[rows], temperature, with_entropy, exact, chunk)
         lp[rows] = lp_c
         if with_entropy:
             ent[rows] = ent_c
@@ -349,8 +347,9 @@ def logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature=1.0, with_entrop
 
 
 @dispatch(_logprob_fwd_triton, logprob_fwd_ref, on="h")
-def logprob_fwd(h, W, targets, temperature: float = 1.0, with_entropy: bool = False):
-    """h: [N, D], W: [V, D], targets: [N] int -> (lp [N], ent [N] | None, lse [N]), fp32."""
+def logprob_fwd(h, W, targets, temperature: float = 1.0, with_entropy: bool = False, exact: bool = False):
+    """h: [N, D], W: [V, D], targets: [N] int -> (lp [N], ent [N] | None, lse [N]), fp32.
+    exact: exact mode's head (the batch-invariant GEMM, per-row temperatures; `token_logprob`)."""
     _check(h, W, targets)
 
 
@@ -364,7 +363,7 @@ def logprob_bwd(dlp, dent, h, W, targets, lse, dW, temperature: float = 1.0):
 
 
 def logprob_fwd_bwd(h, W, targets, grad_fn, dW, temperature: float = 1.0,
-                    with_entropy: bool = False):
+                    with_entropy: bool = False, exact: bool = False):
     """Forward and backward in one sweep, for an upstream gradient that is elementwise in lp.
 
     h: [N, D], W: [V, D], targets: [N] int; dW: [V, D] (any float dtype, or None) += the
@@ -375,13 +374,14 @@ def logprob_fwd_bwd(h, W, targets, grad_fn, dW, temperature: float = 1.0,
     gradient through that output. Returns (lp [N], ent [N] | None, dh [N, D] in h.dtype),
     the same as logprob_fwd then logprob_bwd with the concatenated dlp, dent. grad_fn must
     not depend on other chunks' values (a mean over all lp, say): then use the separate ops.
+    exact: the forward half in exact mode, as `logprob_fwd`'s.
     """
     _check(h, W, targets)
     if dW is not None and dW.shape != W.shape:
         raise ValueError(f"dW must have W's shape {list(W.shape)}, got {list(dW.shape)}")
     if use_triton(h):  # (not `dispatch`: the twin's chunk is the module's _CHUNK at call time)
-        return _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entropy)
-    return logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature, with_entropy, _CHUNK)
+        return _logprob_fwd_bwd_triton(h, W, targets, grad_fn, dW, temperature, with_entropy, exact)
+    return logprob_fwd_bwd_ref(h, W, targets, grad_fn, dW, temperature, with_entropy, exact, _CHUNK)
 
 
 def token_logprob(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

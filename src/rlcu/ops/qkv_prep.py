@@ -26,7 +26,8 @@ writes k and v into contiguous [N, Hk, D] tensors seen as a cache of N one-token
 n = token n) and stores the per-head rstd for the backward (`STATS`). In exact mode
 (ops/exact.py) the engine calls `qkv_prep(..., stats=True)`, so that both sides compile the
 same kernel (same block shapes, warps and `STATS`); a token row's float ops do not depend on
-which program holds it, so q and k have the same bits whatever the batch.
+which program holds it, so q and k have the same bits whatever the batch. `exact=` switches only
+the twin (its norms' fixed-tree sums, rmsnorm.py).
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def launch(N: int, row: int, stats: bool) -> tuple[int, int]:
 
 
 def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                    eps: float, theta: float, stats: bool = False):
+                    eps: float, theta: float, stats: bool = False, exact: bool = False):
+    # one kernel in both modes (exact mode's engine asks for stats, so that it runs the trainer's variant)
     N = qkv.shape[0]
     q = torch.empty(N, Hq, D, device=qkv.device, dtype=qkv.dtype)
     if stats:
@@ -190,10 +192,10 @@ def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: in
 
 
 def qkv_prep_ref(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                 eps: float, theta: float, stats: bool = False):
+                 eps: float, theta: float, stats: bool = False, exact: bool = False):
     N, qs, ks = qkv.shape[0], Hq * D, Hk * D
-    q, rq = rmsnorm_fwd_ref(qkv[:, :qs].reshape(N * Hq, D), q_w, eps)
-    k, rk = rmsnorm_fwd_ref(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, eps)
+    q, rq = rmsnorm_fwd_ref(qkv[:, :qs].reshape(N * Hq, D), q_w, eps, exact)
+    k, rk = rmsnorm_fwd_ref(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, eps, exact)
     v = qkv[:, qs + ks:].view(N, Hk, D)
     q = rope_fwd_ref(q.view(N, Hq, D), pos, theta)
     k = rope_fwd_ref(k.view(N, Hk, D), pos, theta)
@@ -203,24 +205,26 @@ def qkv_prep_ref(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, 
 
 @dispatch(qkv_prep_triton, qkv_prep_ref, on="qkv")
 def qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, eps: float,
-             theta: float, stats: bool = False):
+             theta: float, stats: bool = False, exact: bool = False):
     """qkv: [N, (Hq + 2 Hk) D] (the fused projection; any row stride), q_w, k_w: [D] (the
     q/k RMSNorm weights), pos: [N] int32, slots: [N] int64 (block * block_size + offset, < 0:
     write nowhere), k_cache, v_cache: [num_blocks, block_size, Hk, D] (written in place)
     -> q [N, Hq, D] (contiguous, qkv's dtype): normed and rotated; with stats, (q, rq [N Hq],
-    rk [N Hk]): the heads' rstd (fp32; rk only where slot >= 0), as exact mode runs it."""
+    rk [N Hk]): the heads' rstd (fp32; rk only where slot >= 0), as exact mode runs it. exact: exact
+    mode's twin (its norms' fixed-tree sums; the kernel is the same in both modes)."""
     _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, theta)
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, pos: torch.Tensor, Hq: int,
-                 Hk: int, D: int, eps: float, theta: float):
+                 Hk: int, D: int, eps: float, theta: float, exact: bool = False):
     """The trainer's q/k norm and rope, by the engine's kernel: qkv [N, (Hq + 2 Hk) D]
     -> (q [N, Hq, D], k [N, Hk, D], v [N, Hk, D] (a copy), rq [N Hq], rk [N Hk] (fp32 rstd)).
     k and v are written as a cache of N blocks of one token (slot n = token n), so that each token
-    row goes through the float ops the engine's `qkv_prep(..., stats=True)` gives it."""
+    row goes through the float ops the engine's `qkv_prep(..., stats=True)` gives it (exact: as
+    `qkv_prep`'s)."""
     N = qkv.shape[0]
     k = torch.empty(N, 1, Hk, D, device=qkv.device, dtype=qkv.dtype)
     v = torch.empty_like(k)
     slots = torch.arange(N, device=qkv.device, dtype=torch.int64)
-    q, rq, rk = qkv_prep(qkv, q_w, k_w, pos, slots, k, v, Hq, Hk, D, eps, theta, True)
+    q, rq, rk = qkv_prep(qkv, q_w, k_w, pos, slots, k, v, Hq, Hk, D, eps, theta, True, exact=exact)
     return q, k.view(N, Hk, D), v.view(N, Hk, D), rq, rk

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from rlcu.ops._backend import dispatch, tl, triton
-from rlcu.ops.exact import is_exact, tree_sum
+from rlcu.ops.exact import tree_sum
 
 MAX_D = 8192  # a row lives in one block
 _TILE = 4096  # elements a program handles at once: BN rows of BD columns
@@ -160,7 +160,8 @@ def _bwd_programs(device: torch.device, n_tiles: int, key, warm) -> int:
     return max(1, min(n_tiles, slots))
 
 
-def rmsnorm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float):
+def rmsnorm_fwd_triton(x: torch.Tensor, w: torch.Tensor, eps: float, exact: bool = False):
+    # one kernel in both modes: a row's sum is one program's, whatever the number of rows
     x = _rows(x, "x")
     N, D = _check(x, w)
     w = w.contiguous()
@@ -213,9 +214,9 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd:
     return dx, dw_part.sum(0)
 
 
-def rmsnorm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float):
+def rmsnorm_fwd_ref(x: torch.Tensor, w: torch.Tensor, eps: float, exact: bool = False):
     xf = x.float()
-    if is_exact():  # a fixed tree, and sqrt / division (torch's CPU rsqrt rounds by position)
+    if exact:  # a fixed tree, and sqrt / division (torch's CPU rsqrt rounds by position)
         rstd = 1.0 / torch.sqrt(tree_sum(xf * xf) / x.shape[-1] + eps)
     else:
         rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)  # [N]
@@ -235,8 +236,9 @@ def rmsnorm_bwd_ref(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: to
 
 
 @dispatch(rmsnorm_fwd_triton, rmsnorm_fwd_ref, on="x")
-def rmsnorm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float):
-    """x: [N, D], w: [D] -> (y [N, D] in x.dtype, rstd [N] fp32)."""
+def rmsnorm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, exact: bool = False):
+    """x: [N, D], w: [D] -> (y [N, D] in x.dtype, rstd [N] fp32). exact: exact mode's twin (a
+    fixed-tree sum; the kernel is the same in both modes)."""
 
 
 @dispatch(rmsnorm_bwd_triton, rmsnorm_bwd_ref, on="x")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from rlcu.ops._backend import dispatch, tl, triton
-from rlcu.ops.exact import is_exact
 
 _TILE = 4096  # elements of `a` a program handles: BN rows of BI columns
 _MAX_BI = 1024
@@ -74,7 +73,7 @@ def _check_gu(gu: torch.Tensor) -> int:
     return gu.shape[1] // 2
 
 
-def swiglu_fwd_triton(gu: torch.Tensor):
+def swiglu_fwd_triton(gu: torch.Tensor, exact: bool = False):  # one kernel in both modes (elementwise)
     gu = _rows(gu, "gu")
     N, I = gu.shape[0], _check_gu(gu)
     a = torch.empty(N, I, device=gu.device, dtype=gu.dtype)
@@ -101,10 +100,10 @@ def swiglu_bwd_triton(da: torch.Tensor, gu: torch.Tensor):
     return dgu
 
 
-def swiglu_fwd_ref(gu: torch.Tensor):
+def swiglu_fwd_ref(gu: torch.Tensor, exact: bool = False):
     I = gu.shape[-1] // 2
     g, u = gu[:, :I].float(), gu[:, I:].float()
-    if is_exact():  # torch's CPU sigmoid rounds a tail element other than a vector lane
+    if exact:  # torch's CPU sigmoid rounds a tail element other than a vector lane
         return (g / (1.0 + torch.exp(-g)) * u).to(gu.dtype)
     return (g * torch.sigmoid(g) * u).to(gu.dtype)
 
@@ -119,8 +118,8 @@ def swiglu_bwd_ref(da: torch.Tensor, gu: torch.Tensor):
 
 
 @dispatch(swiglu_fwd_triton, swiglu_fwd_ref, on="gu")
-def swiglu_fwd(gu: torch.Tensor):
-    """gu: [N, 2I] -> a [N, I]."""
+def swiglu_fwd(gu: torch.Tensor, exact: bool = False):
+    """gu: [N, 2I] -> a [N, I]. exact: exact mode's twin (the kernel is the same in both modes)."""
 
 
 @dispatch(swiglu_bwd_triton, swiglu_bwd_ref, on="gu")

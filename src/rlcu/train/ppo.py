@@ -48,6 +48,7 @@ class PPOTrainer(RLTrainer):
             else:
                 critic = Critic.from_trunk(self.model, cc.head_init_std, seed=self.cfg.seed)
         critic.gradient_checkpointing = self.model.gradient_checkpointing
+        critic.trunk.exact = self.model.exact  # the policy's mode on every trainer forward
         self.critic = critic
         self.critic.zero_grad()
         self.critic_opt = make_optimizer(self.critic, cc.optim)  # ShardedAdamW across ranks

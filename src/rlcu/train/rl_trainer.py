@@ -96,11 +96,8 @@ class RLTrainer(Trainer):
 
         super().__init__(config, hooks)
         cfg = self.cfg
-        if cfg.exact:  # process-wide, before the engine and the first forward
-            from rlcu.ops.exact import set_exact
-
-            set_exact(True)
         self.model = model if model is not None else build_model(cfg.model)
+        self.model.exact = cfg.exact  # the policy's mode, which its engine reads (ops/exact.py)
         self._model_given = model is not None
         self.device = self.model.device
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, "RL prompts")
@@ -157,10 +154,11 @@ class RLTrainer(Trainer):
         return self.cfg.kl_coef > 0
 
     def _make_ref(self):
-        """A frozen copy of the initial policy that shares nothing mutable with it."""
+        """A frozen copy of the initial policy that shares nothing mutable with it, in its exact
+        mode (the reference's logprobs are taken by the policy's kernels)."""
         from rlcu.model.qwen3 import Qwen3
 
-        ref = Qwen3(self.model.cfg, self.model.flat.detach().clone())
+        ref = Qwen3(self.model.cfg, self.model.flat.detach().clone(), self.model.exact)
         ref.gradient_checkpointing = False
         return ref
 

@@ -20,8 +20,8 @@ What it takes to capture:
 The graphs share one memory pool (they never run at once and hand nothing to each other but the
 static buffers, allocated outside the pool), which keeps the activations of one micro-batch for
 as long as the graphs live. They are captured again when what they hold an address of moves
-(weights, gradients, optimizer state) or the mode they were captured in changes (exact mode,
-gradient checkpointing).
+(weights, gradients, optimizer state) or the mode they were captured in changes (the model's
+exact mode, gradient checkpointing).
 
 With `graphs=False` the same code runs eagerly, op by op (on any device): the reference a
 replayed step must match bit for bit, and the CPU-testable half of this file. Bit for bit needs
@@ -42,7 +42,6 @@ import torch
 
 from rlcu.ops._backend import use_triton
 from rlcu.ops.adamw import adamw_step_device, clip_scale, grad_norm, step_coefs
-from rlcu.ops.exact import is_exact
 from rlcu.ops.logprob import logprob_fwd_bwd
 from rlcu.ops.rl_loss import value_loss
 from rlcu.optim import FlatAdamW, gate
@@ -63,7 +62,7 @@ def why_not(model, optimizer=None) -> str | None:
         return f"CUDA graphs need a CUDA device; the model is on {model.device.type}"
     if not use_triton(model.flat):
         return "the ops run their PyTorch twins here (RLCU_BACKEND=torch)"
-    if is_exact():
+    if t.exact:
         return "exact mode is on (its batch-invariant kernels are not captured)"
     if t.grad_sink is not None:
         return "data parallel: the gradient goes to reduce-scatter buckets during the backward"
@@ -115,7 +114,7 @@ class StepGraph:
         else:
             w = sb.weights
             lp, _, dh = logprob_fwd_bwd(h, t.lm_head, sb.targets, lambda lp_c, ent_c, r: (w[r], None),
-                                        t._head_grad(), self.temperature, False)
+                                        t._head_grad(), self.temperature, False, exact=t.exact)
             self.loss_sum.add_((lp * w).sum())
         del h
         t.hidden_backward(dh)
@@ -157,7 +156,7 @@ class StepGraph:
         ptrs = (m.flat.data_ptr(), m.grad_flat.data_ptr())
         if o is not None:
             ptrs += (o.master.data_ptr(), o.m.data_ptr(), o.v.data_ptr())
-        return ptrs + (is_exact(), self.trunk._keep_mode())
+        return ptrs + (self.trunk.exact, self.trunk._keep_mode())
 
     def _record(self, fn) -> torch.cuda.CUDAGraph:
         dev = self.model.device
