@@ -28,6 +28,8 @@ COMMANDS = {
     "ppo": ("rlcu.train.cli", "PPO (actor + critic) from a YAML config"),
     "sched": ("rlcu.sched.cli", "phase-aware multi-job GPU scheduler: serve, submit, status, cancel, simulate"),
 }
+# commands that compute with a model, which a stale RLCU_EXACT would have switched to exact mode
+_MODEL_COMMANDS = ("demo", "generate", "sft", "grpo", "ppo")
 
 
 def info_main(argv: list[str]) -> int:
@@ -97,6 +99,11 @@ def _dispatch(argv: list[str] | None) -> int:
         return 2
     if cmd == "info":
         return info_main(rest)
+    if cmd in _MODEL_COMMANDS and os.environ.get("RLCU_EXACT", "").strip():
+        print("rlcu: RLCU_EXACT is no longer read (exact mode is the model's): set `exact: true` in a GRPO or PPO "
+              "config (--set exact=true) or pass --exact to rlcu generate, and unset RLCU_EXACT (docs/exact.md)",
+              file=sys.stderr)
+        return 2
     mod = importlib.import_module(COMMANDS[cmd][0])
     if cmd == "grpo":  # --scheduler: the trainers import nothing of the scheduler above them
         return int(mod.main([cmd] + rest, scheduled=scheduled_grpo) or 0)

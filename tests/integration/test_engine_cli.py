@@ -91,3 +91,26 @@ def test_model_folder(tmp_path):
     inp = _write(tmp_path / "t.jsonl", [{"prompt": "hello"}])  # no tokenizer.json in the folder
     assert main(["generate", "--model", str(folder), "--input", inp, "--no-progress", "--num-kv-blocks", "16"]) == 2
     assert main(["generate", "--model", str(tmp_path / "nope"), "--input", inp]) == 2
+
+
+def test_exact_flag_and_a_stale_rlcu_exact(monkeypatch, capsys):
+    """--exact runs the engine's model in exact mode (the model's `exact`); RLCU_EXACT, the old
+    process-wide switch, is refused by name rather than ignored, by the commands that run a model."""
+    from rlcu import engine
+
+    made = []
+
+    class Spy(engine.LLM):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(engine, "LLM", Spy)
+    for flag in ([], ["--exact"]):
+        assert main(["generate", "--max-tokens", "3", "--no-progress", "--seed", "1", *flag]) == 0
+    assert [m.model.exact for m in made] == [False, True]
+    capsys.readouterr()
+    monkeypatch.setenv("RLCU_EXACT", "1")
+    assert rlcu_main(["generate", "--max-tokens", "3", "--no-progress"]) == 2
+    assert "RLCU_EXACT is no longer read" in capsys.readouterr().err and len(made) == 2
+    assert rlcu_main(["info"]) == 0  # a command that runs no model goes on

@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest sequence (unset: the model's max_position_embeddings, lowered to what the pool "
                         "holds)")
     e.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    e.add_argument("--exact", action="store_true",
+                   help="exact on-policy mode: batch-invariant kernels, so a request's tokens and logprobs do not "
+                        "depend on the batch it runs in and equal the trainer's forward (docs/exact.md)")
     e.add_argument("--no-prefill-graphs", action="store_true",
                    help="run prefill and mixed steps eagerly (decode steps keep their graphs; saves about one "
                         "full-budget step's activations)")
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                       gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
                       num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
                       enforce_eager=args.enforce_eager, warmup=False if args.no_warmup else None,
-                      prefill_graphs=not args.no_prefill_graphs)
+                      prefill_graphs=not args.no_prefill_graphs, exact=args.exact)
         if tiny:
             model, tok = tiny_model_and_tokenizer(args.device)
             llm = LLM(model, tokenizer=tok, **engine)
