@@ -109,9 +109,10 @@ def _train_step(a, cfg) -> dict:
     opt = make_optimizer(model, OptimConfig(lr=1e-5, **MEMORY_MODES[a.memory_mode]))
     model.gradient_checkpointing = _ckpt(a.ckpt)
     if model.gradient_checkpointing == "auto":
-        from rlcu.parallel.memory import resolve_auto
+        from rlcu.train import sizing
 
-        print(resolve_auto(model, opt, a.micro_batch_tokens), file=sys.stderr)
+        shape = sizing.run_shape(model, opt, micro_batch_tokens=a.micro_batch_tokens, fused_head=True)
+        print(sizing.resolve_auto(model, shape), file=sys.stderr)
     B, T = a.batch, a.seqlen
     if B % w.size:
         raise SystemExit(f"--batch {B} must be a multiple of the number of GPUs {w.size}")

@@ -5,7 +5,7 @@ larger published shapes, e.g. 8 x 2048 in the bf16 memory mode).
 rlcu: bf16 weights, rlcu's FlatAdamW (fp32 master + moments, or the bf16 memory mode), the
 fused logprob head, Triton kernels; three sides by gradient checkpointing: full, keeping the
 attention outputs, and auto (the fewest checkpointed layers whose estimated peak fits the GPU,
-rlcu.parallel.memory). Peer (same run): HF transformers Qwen3ForCausalLM in bf16, SDPA attention,
+rlcu.memory). Peer (same run): HF transformers Qwen3ForCausalLM in bf16, SDPA attention,
 torch.optim.AdamW(fused=True), without checkpointing (gradient accumulation if the batch does
 not fit) and with it (hf_ckpt); speedups are against the faster of the two.
 MFU = 3 x forward FLOPs x tokens / time / 989e12 (recomputation is not counted as work).
@@ -77,7 +77,7 @@ def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="
     import rlcu
     from rlcu.config import OptimConfig
     from rlcu.optim import FlatAdamW
-    from rlcu.parallel.memory import resolve_auto
+    from rlcu.train import sizing
 
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -85,7 +85,8 @@ def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="
     opt = FlatAdamW(m, OptimConfig(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, max_grad_norm=0.0,
                                    **MEMORY_MODES[memory_mode]))
     m.gradient_checkpointing = ckpt
-    note = resolve_auto(m, opt, B * T) if ckpt == "auto" else None
+    shape = sizing.run_shape(m, opt, micro_batch_tokens=B * T, fused_head=fused) if ckpt == "auto" else None
+    note = sizing.resolve_auto(m, shape) if ckpt == "auto" else None
     m.zero_grad()
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (B * T,), generator=g).cuda()

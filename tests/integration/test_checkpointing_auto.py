@@ -5,16 +5,19 @@ resolve `auto` at their first update (on the CPU: every layer checkpointed)."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
-from test_parallel_memory import BF16, SHAPES
+from support.shapes import BF16, SHAPES
 
 import rlcu
 from rlcu.config import ConfigError, ModelConfig, load_config
 from rlcu.data import synthetic as syn
+from rlcu.memory import FRAGMENTATION, GiB, JobShape, checkpointing_name, job_memory, parts
+from rlcu.memory.fit import fit_checkpointing
 from rlcu.model.config import Qwen3Config
-from rlcu.parallel.memory import GiB, H200_GiB, checkpointing_name, estimate, fit_checkpointing, kept_activation_bytes
+from rlcu.train import sizing
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -24,6 +27,15 @@ RL_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
                num_key_value_heads=1, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True,
                rope_theta=10000.0, bos_token_id=None)
 MB = 16384  # micro-batch tokens of the 8B fits
+H200_GiB = 139.0  # what an H200 offers a process (torch.cuda.mem_get_info on the device machine)
+
+
+def kept_activation_bytes(cfg, T: int, ab: int, mode) -> int:
+    return parts.kept_activations(JobShape(cfg, weight_bytes=ab, micro_batch_tokens=T, checkpointing=mode))
+
+
+def estimate(cfg, checkpointing, **kw):
+    return job_memory(JobShape(cfg, checkpointing=checkpointing, **kw))
 
 
 # ---------------------------------------------------------------- the estimate
@@ -47,13 +59,16 @@ def test_kept_activation_bytes_interpolates_between_none_and_full(shape, T, ab):
 
 def test_estimate_takes_a_number_of_layers():
     cfg = Qwen3Config(**SHAPES["8b"])
-    est = {k: estimate(cfg, micro_batch_tokens=MB, checkpointing=k, **BF16) for k in (0, 7, 36, "full", "none")}
-    assert est[0] == est["none"] and est[36] == est["full"]
-    d = est[7]["activations"] - est["full"]["activations"]
+    est = {k: estimate(cfg, k, micro_batch_tokens=MB, **BF16) for k in (0, 7, 36, "full", "none")}
+    drop = ("shape",)
+    same = [f.name for f in __import__("dataclasses").fields(est[0]) if f.name not in drop]
+    assert all(getattr(est[0], f) == getattr(est["none"], f) for f in same)
+    assert all(getattr(est[36], f) == getattr(est["full"], f) for f in same)
+    d = est[7].kept_activations - est["full"].kept_activations
     assert d == kept_activation_bytes(cfg, MB, 2, 7) - kept_activation_bytes(cfg, MB, 2, "full") > 0
-    for part in ("weights", "optimizer", "gradient_shard", "kv_pool", "rollout_phase"):
-        assert est[7][part] == est["full"][part], part
-    assert est[0]["peak"] > est[7]["peak"] > est[36]["peak"]
+    for part in ("weights", "optimizer_state", "gradients", "kv_pool", "head_work"):
+        assert getattr(est[7], part) == getattr(est["full"], part), part
+    assert est[0].peak > est[7].peak > est[36].peak
 
 
 def test_checkpointing_name():
@@ -64,8 +79,17 @@ def test_checkpointing_name():
 
 
 # ---------------------------------------------------------------- fitting a budget
+def _need(cfg, k, **kw):
+    """What fit_checkpointing holds against the budget: the peak with the allocator's fragmentation."""
+    return estimate(cfg, k, **kw).peak * FRAGMENTATION
+
+
 def _peaks(cfg, **kw):
-    return [estimate(cfg, checkpointing=k, **kw)["peak"] for k in range(cfg.num_hidden_layers + 1)]
+    return [_need(cfg, k, **kw) for k in range(cfg.num_hidden_layers + 1)]
+
+
+def _fit(budget, cfg, **kw):
+    return fit_checkpointing(budget, JobShape(cfg, **kw))
 
 
 def _fewest(peaks, budget):
@@ -78,33 +102,36 @@ def test_fit_checkpointing_on_8b_bf16(k):
     cfg, kw = Qwen3Config(**SHAPES["8b"]), dict(micro_batch_tokens=MB, **BF16)
     L = cfg.num_hidden_layers
     peaks = _peaks(cfg, **kw)
-    assert all(a > b for a, b in zip(peaks, peaks[1:]))
+    # every checkpointed layer saves memory but the last: recomputing it holds what keeping it did
+    assert all(a > b for a, b in zip(peaks[:-1], peaks[1:-1])) and peaks[-2] == peaks[-1]
     budget = peaks[k]
-    got = fit_checkpointing(budget, cfg, **kw)
+    got = _fit(budget, cfg, **kw)
     assert type(got) is int and got == _fewest(peaks, budget)
-    assert got <= k and estimate(cfg, checkpointing=got, **kw)["peak"] <= budget
+    assert got <= k and _need(cfg, got, **kw) <= budget
     if got > 0:
-        assert estimate(cfg, checkpointing=got - 1, **kw)["peak"] > budget
+        assert _need(cfg, got - 1, **kw) > budget
     if k < L:  # a byte less than k layers' peak: one more layer
-        assert fit_checkpointing(budget - 1, cfg, **kw) == k + 1
+        assert _fit(budget - 1, cfg, **kw) == k + 1
     if k > 0:  # halfway to the peak with one layer fewer: still k
-        assert fit_checkpointing((peaks[k] + peaks[k - 1]) // 2, cfg, **kw) == k
+        assert _fit((peaks[k] + peaks[k - 1]) // 2, cfg, **kw) == k
 
 
 def test_fit_checkpointing_extremes_and_an_h200():
+    from rlcu.memory import EngineShape
+
     cfg, kw = Qwen3Config(**SHAPES["8b"]), dict(micro_batch_tokens=MB, **BF16)
     L = cfg.num_hidden_layers
-    assert fit_checkpointing(10**15, cfg, **kw) == 0  # everything fits: keep every activation
-    assert fit_checkpointing(0, cfg, **kw) == L  # nothing fits: every layer, the caller's OOM to meet
-    assert fit_checkpointing(estimate(cfg, checkpointing="full", **kw)["peak"] - 1, cfg, **kw) == L
+    assert _fit(10**15, cfg, **kw) == 0  # everything fits: keep every activation
+    assert _fit(0, cfg, **kw) == L  # nothing fits: every layer, the caller's OOM to meet
+    assert _fit(_need(cfg, "full", **kw) - 1, cfg, **kw) == L
     peaks = _peaks(cfg, **kw)
     h200 = int(H200_GiB * GiB)
-    k = fit_checkpointing(h200, cfg, **kw)
-    assert 0 < k < L and k == _fewest(peaks, h200)  # neither 'none' (~155 GiB) nor 'full' fits exactly
+    k = _fit(h200, cfg, **kw)
+    assert 0 < k < L and k == _fewest(peaks, h200)  # neither 'none' (~148 GiB) nor 'full' fits exactly
     assert peaks[0] / GiB > H200_GiB > peaks[L] / GiB
-    # other kwargs reach the estimate: a KV pool that needs more room than the training phase
-    big_kv = dict(kw, kv_tokens=2_000_000)
-    assert fit_checkpointing(h200, cfg, **big_kv) == _fewest(_peaks(cfg, **big_kv), h200)
+    # the rest of the shape reaches the fit: a KV pool that needs more room than the training phase
+    big_kv = dict(kw, engine=EngineShape(kv_tokens=2_000_000))
+    assert _fit(h200, cfg, **big_kv) == _fewest(_peaks(cfg, **big_kv), h200) == L
 
 
 # ---------------------------------------------------------------- a model's estimate and auto
@@ -117,42 +144,52 @@ def _small_model_and_opt(**optim):
 
 
 @pytest.mark.parametrize("mode", [dict(), dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16")])
-def test_estimate_for_uses_a_number_of_layers(mode):
-    from rlcu.parallel.memory import estimate_for
-
+def test_the_run_shape_uses_a_number_of_layers(mode):
     m, o = _small_model_and_opt(**mode)
     L, T = m.cfg.num_hidden_layers, 64
     m.gradient_checkpointing = True
-    base = estimate_for(m, o, 1, T)
+    base = job_memory(sizing.run_shape(m, o, micro_batch_tokens=T, fused_head=True))
+    P = parts.params(m.cfg)
     seen = set()
     for k in range(L + 1):
         m.gradient_checkpointing = k
-        e = estimate_for(m, o, 1, T)
-        want = estimate(m.cfg, checkpointing=k, weight_bytes=2, micro_batch_tokens=T,
-                        master_weights=base["optimizer"] > 2 * o.m.element_size() * base["parameters"],
-                        state_bytes=o.m.element_size(), grad_bytes=base["gradient_shard"] // base["parameters"],
-                        overlap=False)
+        e = job_memory(sizing.run_shape(m, o, micro_batch_tokens=T, fused_head=True))
+        want = estimate(m.cfg, k, weight_bytes=2, micro_batch_tokens=T, master=base.master > 0,
+                        state_bytes=o.m.element_size(), grad_bytes=base.gradients // P, overlap=False)
         assert e == want, k
-        assert e["activations"] - base["activations"] == (kept_activation_bytes(m.cfg, T, 2, k)
-                                                          - kept_activation_bytes(m.cfg, T, 2, "full"))
-        seen.add(e["activations"])
+        assert e.kept_activations - base.kept_activations == (kept_activation_bytes(m.cfg, T, 2, k)
+                                                              - kept_activation_bytes(m.cfg, T, 2, "full"))
+        seen.add(e.kept_activations)
     assert len(seen) == L + 1  # each number of layers keeps its own amount
 
 
 def test_resolve_auto_on_the_cpu_checkpoints_every_layer():
-    from rlcu.parallel.memory import resolve_auto
-
     m, o = _small_model_and_opt()
     m.gradient_checkpointing = "auto"
     with pytest.raises(ValueError, match="resolve_auto"):
         m.forward(torch.tensor([1, 2, 3]), torch.tensor([0, 3], dtype=torch.int32))
-    msg = resolve_auto(m, o, 64)
+    msg = sizing.resolve_auto(m, sizing.run_shape(m, o, micro_batch_tokens=64, fused_head=True))
     L = m.cfg.num_hidden_layers
     assert m.gradient_checkpointing == L and type(m.gradient_checkpointing) is int
     assert msg.startswith("gradient checkpointing auto") and f"all {L} layers checkpointed" in msg
     m.zero_grad()
     m.forward(torch.tensor([1, 2, 3]), torch.tensor([0, 3], dtype=torch.int32))  # a valid mode now
     assert all("h1" not in s for s in m._trunk_ctx["saved"])
+
+
+def test_resolve_auto_on_a_gpu_fits_what_the_device_leaves(monkeypatch):
+    """On CUDA, auto is the fewest layers whose modelled peak fits the free and reserved memory
+    (the device's answers stand in here: no GPU is needed to read them)."""
+    cfg = Qwen3Config(**SHAPES["8b"])
+    shape = JobShape(cfg, micro_batch_tokens=MB, **BF16)
+    budget = int(_need(cfg, 9, micro_batch_tokens=MB, **BF16)) + 1  # 9 layers fit, 8 do not
+    monkeypatch.setattr(sizing.torch.cuda, "mem_get_info", lambda d: (budget - 5 * GiB, 141 * GiB))
+    monkeypatch.setattr(sizing.torch.cuda, "memory_reserved", lambda d: 5 * GiB)
+    model = types.SimpleNamespace(cfg=cfg, device=torch.device("cuda"), gradient_checkpointing="auto")
+    msg = sizing.resolve_auto(model, shape)
+    assert model.gradient_checkpointing == 9 == fit_checkpointing(budget, shape)
+    peak = job_memory(shape.with_(checkpointing=9)).peak
+    assert "9 of 36 layers checkpointed" in msg and f"estimated peak {peak / GiB:.1f} GiB" in msg
 
 
 # ---------------------------------------------------------------- the config field
@@ -223,7 +260,11 @@ def test_ppo_resolves_auto_for_policy_and_critic(tmp_path):
     assert len(hist) == 1 and math.isfinite(hist[0]["vf_loss"])
     for m in (tr.model, tr.critic, tr.critic.trunk):
         assert m.gradient_checkpointing == L and type(m.gradient_checkpointing) is int, m
-    assert tr._bytes_outside_estimate() > tr.critic.flat.numel() * tr.critic.flat.element_size()
+    est = job_memory(tr._memory_shape())  # the critic is the memory model's: its buffers, to the byte
+    c, co = tr.critic, tr.critic_opt
+    held = [c.flat, co.m, co.v, None if co.master_is_model else co.master]
+    assert est.critic == sum(t.numel() * t.element_size() for t in held if t is not None)
+    assert est.critic_gradients == c.layout.numel * torch.empty((), dtype=c.grad_dtype).element_size()
     assert f"gradient checkpointing auto: all {L} layers checkpointed" in _log(tmp_path)
 
 
@@ -266,22 +307,23 @@ def test_the_estimate_rejects_what_the_model_rejects():
 
 
 def test_an_unresolved_auto_is_estimated_at_the_layers_it_will_become():
-    from rlcu.parallel.memory import estimate_for
-
     m, o = _small_model_and_opt()
+
+    def est():
+        return job_memory(sizing.run_shape(m, o, micro_batch_tokens=64, fused_head=True))
+
     m.gradient_checkpointing = "auto"  # on the CPU: every layer, as resolve_auto will decide
-    auto = estimate_for(m, o, 1, 64)
+    auto = est()
     m.gradient_checkpointing = m.cfg.num_hidden_layers
-    assert auto == estimate_for(m, o, 1, 64)
+    assert auto == est()
     m.gradient_checkpointing = "none"
-    assert estimate_for(m, o, 1, 64)["activations"] > auto["activations"]
+    assert est().kept_activations > auto.kept_activations
 
 
 @pytest.mark.gpu
 def test_auto_on_the_gpu_keeps_what_fits_and_gives_the_same_gradients():
     from rlcu.config import OptimConfig
     from rlcu.optim import FlatAdamW
-    from rlcu.parallel.memory import resolve_auto
 
     m = rlcu.Qwen3.from_config(Qwen3Config(**SMALL), device="cuda", dtype=torch.float32, seed=1)
     o = FlatAdamW(m, OptimConfig())
@@ -292,7 +334,7 @@ def test_auto_on_the_gpu_keeps_what_fits_and_gives_the_same_gradients():
     for mode in (True, "auto"):
         m.gradient_checkpointing = mode
         if mode == "auto":
-            msg = resolve_auto(m, o, 96)
+            msg = sizing.resolve_auto(m, sizing.run_shape(m, o, micro_batch_tokens=96, fused_head=False))
             assert m.gradient_checkpointing == 0, msg  # a tiny model's activations fit a GPU many times
             assert "0 of 3 layers checkpointed" in msg and "GiB" in msg
         m.zero_grad()

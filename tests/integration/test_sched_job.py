@@ -135,11 +135,14 @@ def test_failed_job_releases_its_leases(tmp_path, service):
 
 
 def test_memory_estimates():
+    from rlcu import memory
     from rlcu.config import GRPOConfig
+    from rlcu.train import sizing
 
     cfg = GRPOConfig(**{k: v for k, v in config("x").items() if k not in ("model", "log", "checkpoint", "optim")})
     est = estimate_memory(cfg)  # the default (0.6B-shaped) model in bf16 or fp32
     assert est["resident"] > 5 and est["rollout"] > 0 and est["actor_train"] > est["ref_logprobs"] > 0
+    assert est == memory.job_memory(sizing.config_shape(cfg)).request()  # the scheduler asks what the model says
     from rlcu.model.config import Qwen3Config
     from rlcu.model.layout import ParamLayout
 
@@ -147,15 +150,16 @@ def test_memory_estimates():
                                               "optim": {"release_grads": False, "grad_dtype": gd}}))
             for gd in ("float32", "bfloat16")}
     P = ParamLayout(Qwen3Config()).numel
-    assert held["float32"]["resident"] - held["bfloat16"]["resident"] == pytest.approx(P * 2 / (1 << 30))
+    assert held["float32"]["resident"] - held["bfloat16"]["resident"] == pytest.approx(
+        P * 2 * memory.FRAGMENTATION / (1 << 30))
     clusters, mem = job_memory(cfg, {"rollout": 3.0})
     assert mem["rollout"] == 3.0 and clusters["actor"]["peak"] == max(v for k, v in mem.items() if k != "resident")
 
 
 def test_memory_estimate_follows_the_checkpointing_and_refuses_auto():
     from rlcu.config import ConfigError, GRPOConfig
+    from rlcu.memory import FRAGMENTATION, JobShape, parts
     from rlcu.model.config import Qwen3Config
-    from rlcu.parallel.memory import kept_activation_bytes
 
     def est(mode):
         return estimate_memory(GRPOConfig(**{**config("x"), "model": {"dtype": "bfloat16",
@@ -163,14 +167,38 @@ def test_memory_estimate_follows_the_checkpointing_and_refuses_auto():
 
     full, none, half = est(True), est(False), est(14)
     qc, T = Qwen3Config(), GRPOConfig(**config("x")).micro_batch_tokens
-    kept = {k: kept_activation_bytes(qc, T, 2, k) for k in ("full", "none", 14)}
-    assert none["actor_train"] - full["actor_train"] == pytest.approx((kept["none"] - kept["full"]) * 1.25 / (1 << 30))
+    kept = {k: parts.kept_activations(JobShape(qc, micro_batch_tokens=T, checkpointing=k)) for k in ("full", "none")}
+    # keeping every activation keeps more, and spares the recompute of the last layer
+    saved = T * parts.recompute(qc, 2, "inputs")
+    assert none["actor_train"] - full["actor_train"] == pytest.approx(
+        (kept["none"] - kept["full"] - saved) * FRAGMENTATION / (1 << 30))
     assert full["actor_train"] < half["actor_train"] < none["actor_train"]
     assert half["resident"] == full["resident"] and half["rollout"] == full["rollout"]
     for bad, match in (("auto", "a scheduled job shares one"), (29, "checkpoints 29 layers; the model has 28")):
         with pytest.raises(ConfigError, match=match) as e:
             est(bad)
         assert e.value.path == "model.gradient_checkpointing"
+
+
+def test_a_gpu_job_takes_the_kv_pool_its_rollout_lease_holds(tmp_path, service, monkeypatch):
+    """On a GPU (stood in for here) the engine's pool is what the rollout lease holds once the
+    engine's step is set aside (rlcu.memory.fit.kv_blocks_for_lease), not a fraction of it."""
+    import rlcu.sched.job as sj
+    from rlcu.config import GRPOConfig
+    from rlcu.memory import GiB
+    from rlcu.memory.fit import kv_blocks_for_lease
+    from rlcu.train import sizing
+
+    _, client = service
+    monkeypatch.setattr(sj, "_on_cuda", lambda cfg: True)
+    mem = dict(MEM, rollout=0.05)
+    job = client.job("pool", {"actor": {"devices": 1, "resident": 2.0, "peak": 4.0}}, poll_s=0.0)
+    tr = ScheduledGRPO(config(tmp_path / "pool", steps=1), ROWS, [partial_match_reward], tokenizer=TOK, sched=job,
+                       mem=mem)
+    cfg = GRPOConfig(**config(tmp_path / "pool", steps=1))
+    want = kv_blocks_for_lease(0.05 * GiB, sizing.config_shape(cfg), cfg.engine.block_size)
+    assert 1000 < want == tr.llm.runner.num_blocks == tr.cfg.engine.num_kv_blocks
+    job.finish()
 
 
 @pytest.mark.gpu

@@ -1,13 +1,15 @@
 """The paged KV pool: its size, the tensor, and giving its memory back.
 
 One tensor [2, layers, num_blocks, block_size, Hk, D] (K and V of every layer; a block holds
-block_size tokens' keys and values, engine/block_manager.py hands blocks out). On CUDA its
-size is what `gpu_memory_utilization` of the device's memory leaves after everything already
-allocated (the trainer's buffers too), the activations of a step of the full token budget and,
-with graphs, the graphs' private pools (the decode graphs': about one decode step of
-`max_num_seqs` rows; the prefill graphs': about one full-budget step, engine/prefill_graphs.py):
-measured by running those steps over a one-block pool (`probe_memory`). Off CUDA it holds 4
-longest sequences (or the token budget), at most `CPU_KV_BYTES`.
+block_size tokens' keys and values, engine/block_manager.py hands blocks out). Its bytes, and
+what an engine sets aside beside it, are the memory model's (rlcu.memory: `engine_shape` is an
+engine's shape there). On CUDA its size is what `gpu_memory_utilization` of the device's memory
+leaves after everything already allocated (the trainer's buffers too), the activations of a step
+of the full token budget and, with graphs, the graphs' private pools (the decode graphs': about
+one decode step of `max_num_seqs` rows; the prefill graphs': about one full-budget step,
+engine/prefill_graphs.py): the step and the widest decode step are measured by running them over
+a one-block pool (`probe_memory`). Off CUDA it holds 4 longest sequences (or the token budget),
+at most `CPU_KV_BYTES`.
 """
 
 from __future__ import annotations
@@ -16,16 +18,32 @@ import torch
 
 from rlcu.engine import paged_forward, warmup
 from rlcu.engine.graphs import context_bucket
-from rlcu.engine.prefill_graphs import token_buckets
+from rlcu.engine.prefill_graphs import kept_output_rows
+from rlcu.memory import EngineShape, JobShape, parts
+from rlcu.memory.fit import kv_blocks_within
 from rlcu.model.config import Qwen3Config
 from rlcu.model.qwen3 import Qwen3
 
 CPU_KV_BYTES = 1 << 30  # the largest default KV pool on the CPU (gpu_memory_utilization does not apply there)
 
 
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
 def block_bytes(cfg: Qwen3Config, block_size: int, dtype: torch.dtype) -> int:
-    """The bytes of one block: K and V of block_size tokens in every layer."""
-    return 2 * cfg.num_hidden_layers * block_size * cfg.kv_size * torch.finfo(dtype).bits // 8
+    """The bytes of one block: K and V of block_size tokens in every layer (rlcu.memory)."""
+    return parts.kv_block_bytes(cfg, block_size, dtype_bytes(dtype))
+
+
+def engine_shape(cfg: Qwen3Config, dtype: torch.dtype, *, kv_tokens: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, graphs: bool, prefill_graphs: bool) -> JobShape:
+    """An engine on its model as the memory model sees it (no optimizer): its KV pool's tokens,
+    its widest steps, and the graphs it captures (prefill graphs only with graphs)."""
+    e = EngineShape(kv_tokens=kv_tokens, kv_bytes=dtype_bytes(dtype), max_num_seqs=max_num_seqs,
+                    budget=max_num_batched_tokens, decode_graphs=graphs,
+                    prefill_graph_rows=kept_output_rows(max_num_batched_tokens) if graphs and prefill_graphs else None)
+    return JobShape(cfg, weight_bytes=dtype_bytes(dtype), optimizer=False, engine=e)
 
 
 def new_pool(cfg: Qwen3Config, num_blocks: int, block_size: int, device, dtype: torch.dtype) -> torch.Tensor:
@@ -58,21 +76,20 @@ def auto_num_blocks(model: Qwen3, *, block_size: int, max_num_seqs: int, max_num
     activations, graph_bytes = probe_memory(model, block_size=block_size, max_num_seqs=max_num_seqs,
                                             max_num_batched_tokens=max_num_batched_tokens,
                                             max_model_len=max_model_len, graphs=graphs)
-    prefill_graph_bytes = 0
-    if prefill_graphs:  # the largest bucket's step (no more than the probed one), and every bucket's output
-        out_bytes = model.cfg.hidden_size * torch.finfo(model.dtype).bits // 8
-        prefill_graph_bytes = activations + sum(token_buckets(max_num_batched_tokens)[:-1]) * out_bytes
-    probe = {"activation_bytes": activations, "graph_bytes": graph_bytes, "prefill_graph_bytes": prefill_graph_bytes}
+    shape = engine_shape(model.cfg, model.dtype, kv_tokens=0, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, graphs=graphs, prefill_graphs=prefill_graphs)
+    probe = {"activation_bytes": activations, "graph_bytes": graph_bytes,
+             "prefill_graph_bytes": parts.prefill_graphs(shape, activations)}
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
-    budget = total * gpu_memory_utilization - (total - free) - activations - graph_bytes - prefill_graph_bytes
-    n = int(budget // bb)
+    n = kv_blocks_within(total * gpu_memory_utilization - (total - free), shape, block_size, step_bytes=activations,
+                         decode_graph_bytes=graph_bytes)
     if n < 1:
         gib = 1 << 30
         raise RuntimeError(
             f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV cache: "
             f"{(total - free) / gib:.1f} GiB of {total / gib:.1f} GiB in use, {activations / gib:.2f} GiB "
-            f"for activations, {(graph_bytes + prefill_graph_bytes) / gib:.2f} GiB for the graphs; "
+            f"for activations, {(graph_bytes + probe['prefill_graph_bytes']) / gib:.2f} GiB for the graphs; "
             "raise gpu_memory_utilization, "
             "lower max_num_batched_tokens, or free memory")
     return n, probe

@@ -109,6 +109,13 @@ class ModelRunner:
         self._rb = _Readback(max_num_seqs)  # pinned host buffers of the samples (see _readback)
         self.allocate()
 
+    def memory_shape(self):
+        """This engine as the memory model sees it (kv_pool.engine_shape: a JobShape without
+        an optimizer, its `engine` this runner's pool, steps and graphs)."""
+        return kv_pool.engine_shape(self.cfg, self.dtype, kv_tokens=self.num_blocks * self.block_size,
+                                    max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                    graphs=self.use_graphs, prefill_graphs=self.use_prefill_graphs)
+
     @property
     def num_continued(self) -> int:
         """Decode steps that continued the one before on the device, since the decode state was

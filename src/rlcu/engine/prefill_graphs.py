@@ -28,7 +28,8 @@ weights), a bucket is captured again the second time a step needs it (`take`).
 
 The graphs hold the addresses they were captured on (`GraphSet`, engine/graphs.py: the
 weights, the exact mode, the KV pool) and a private memory pool of about one full-budget
-step's activations (kv_pool.py counts it when it sizes the KV pool).
+step's activations and every smaller bucket's output (`kept_output_rows`; kv_pool.py sets it
+aside when it sizes the KV pool).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def token_buckets(budget: int) -> list[int]:
         small.append(b)
         b *= 2
     return small + list(range(stride, budget, stride)) + [budget]
+
+
+def kept_output_rows(budget: int) -> int:
+    """The rows of hidden states the graphs keep as their outputs beside the largest bucket's
+    step (each bucket's graph owns its output in the pool; the memory model, rlcu.memory)."""
+    return sum(token_buckets(budget)[:-1])
 
 
 class PrefillGraphs(GraphSet):

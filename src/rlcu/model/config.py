@@ -21,6 +21,32 @@ def checkpointed_layers(mode) -> int | None:
     return mode if isinstance(mode, int) and not isinstance(mode, bool) else None
 
 
+_KEEPS = {True: "inputs", "full": "inputs", "attention": "attention", False: "all", "none": "all"}
+
+
+def layer_keeps(mode, num_layers: int) -> tuple[str, ...]:
+    """What each layer's forward keeps for the backward under a `gradient_checkpointing` value:
+    'inputs' (checkpointed: the layer's input), 'attention' (its input, attention output and
+    lse) or 'all' (every activation). An int k checkpoints the first k layers and keeps every
+    activation of the others: their backward runs last, once the kept layers' activations are
+    freed, so the layer it recomputes adds nothing to the peak. The model's forward and the
+    memory model (rlcu.memory) both read it."""
+    L = num_layers
+    if mode == "auto":
+        raise ValueError("gradient_checkpointing 'auto' is decided by the trainers at the first update "
+                         "(rlcu.train.sizing.resolve_auto); a bare model needs a mode or a number of layers")
+    if checkpointed_layers(mode) is not None:
+        if not 0 <= mode <= L:
+            raise ValueError(f"gradient_checkpointing as a number of checkpointed layers must be in "
+                             f"[0, {L}], got {mode}")
+        return ("inputs",) * mode + ("all",) * (L - mode)
+    try:
+        return (_KEEPS[mode],) * L
+    except (KeyError, TypeError):
+        raise ValueError(f"gradient_checkpointing must be one of True/'full', 'attention', False/'none', "
+                         f"or a number of checkpointed layers in [0, {L}]; got {mode!r}") from None
+
+
 @dataclasses.dataclass
 class Qwen3Config:
     vocab_size: int = 151936

@@ -58,6 +58,15 @@ class ParamLayout:
         self.numel = off
         self.hf = self._hf_map()
 
+    def layer_bounds(self) -> list[int]:
+        """[0, start of layer 0, ..., start of the last layer, start of final_norm, numel]: the
+        flat cut at layer boundaries (the embedding, each decoder layer, the final norm with
+        the LM head); the data-parallel gradient buckets (parallel/buckets.py) and the memory
+        model (rlcu.memory) cut it so."""
+        L = self.cfg.num_hidden_layers
+        b = [0] + [self.slots[f"layers.{i}.input_norm"].offset for i in range(L)]
+        return sorted(set(b + [self.slots["final_norm"].offset, self.numel]))
+
     def _hf_map(self) -> dict[str, tuple[str, int, int]]:
         """HF name -> (slot name, first row, end row) of the fused tensor."""
         c = self.cfg

@@ -31,7 +31,7 @@ import torch
 
 from rlcu import files
 from rlcu.model import io
-from rlcu.model.config import Qwen3Config, checkpointed_layers
+from rlcu.model.config import Qwen3Config, layer_keeps
 from rlcu.model.layout import ParamLayout
 from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.attention import attention_bwd, attention_fwd
@@ -292,27 +292,10 @@ class Qwen3:
                 saved.append(acts)
         return x, pos, saved
 
-    _CKPT_MODES = {True: "inputs", "full": "inputs", "attention": "attention", False: "all", "none": "all"}
-
     def _keep_mode(self) -> tuple[str, ...]:
-        """What each layer's forward keeps, per `gradient_checkpointing`. An int k checkpoints
-        the first k layers and keeps every activation of the others: their backward runs
-        last, once the kept layers' activations are freed, so the layer it recomputes adds
-        nothing to the peak."""
-        gc, L = self.gradient_checkpointing, self.cfg.num_hidden_layers
-        if gc == "auto":
-            raise ValueError("gradient_checkpointing 'auto' is decided by the trainers at the first update "
-                             "(rlcu.parallel.memory.resolve_auto); a bare model needs a mode or a number of layers")
-        if checkpointed_layers(gc) is not None:
-            if not 0 <= gc <= L:
-                raise ValueError(f"gradient_checkpointing as a number of checkpointed layers must be in "
-                                 f"[0, {L}], got {gc}")
-            return ("inputs",) * gc + ("all",) * (L - gc)
-        try:
-            return (self._CKPT_MODES[gc],) * L
-        except (KeyError, TypeError):
-            raise ValueError(f"gradient_checkpointing must be one of True/'full', 'attention', False/'none', "
-                             f"or a number of checkpointed layers in [0, {L}]; got {gc!r}") from None
+        """What each layer's forward keeps, per `gradient_checkpointing` (model/config.py
+        `layer_keeps`)."""
+        return layer_keeps(self.gradient_checkpointing, self.cfg.num_hidden_layers)
 
     # ---------------------------------------------------------------- public API
     @torch.no_grad()

@@ -21,18 +21,16 @@ import bisect
 import torch
 import torch.distributed as dist
 
+from rlcu.memory.parts import MAX_INFLIGHT
+
 CHUNK_NUMEL = 1 << 25  # bucket size for a model without a layer layout (32M elements)
-MAX_INFLIGHT = 2  # overlapped reduce-scatters in flight before the oldest is waited on
 
 
 def bucket_bounds(model) -> list[int]:
     """[0 = b_0 < b_1 < ... < b_K = numel]: a Qwen3's layer boundaries, else equal chunks."""
     lay = model.layout
-    slots = getattr(lay, "slots", None)
-    L = getattr(getattr(model, "cfg", None), "num_hidden_layers", None)
-    if slots and L and all(f"layers.{i}.input_norm" in slots for i in range(L)) and "final_norm" in slots:
-        b = [0] + [slots[f"layers.{i}.input_norm"].offset for i in range(L)] + [slots["final_norm"].offset, lay.numel]
-        return sorted(set(b))
+    if hasattr(lay, "layer_bounds"):
+        return lay.layer_bounds()
     n = lay.numel
     return list(range(0, n, CHUNK_NUMEL)) + [n]
 

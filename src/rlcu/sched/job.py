@@ -19,9 +19,10 @@ sequences are recomputed from their tokens and generation goes on. Sampling is c
 per (seed, sample, position), so a preempted rollout makes the same tokens as an
 uninterrupted one: nothing is lost and training ends at the same weights.
 
-Memory per phase is estimated from the config (`estimate_memory`, GiB) unless given; on a
-GPU the engine's KV pool is sized from the rollout lease, so several jobs on one device
-never take more than they were leased.
+Memory per phase is the memory model's for the config (rlcu.memory; `estimate_memory`, GiB)
+unless given; on a GPU the engine's KV pool is what the rollout lease holds once the engine's
+step and graphs are set aside (rlcu.memory.fit.kv_blocks_for_lease), so several jobs on one
+device never take more than they were leased.
 
 Across the ranks of a data-parallel run (torchrun) the job is one, with leases of WORLD_SIZE
 devices held by rank 0, and every phase and yield taken by all ranks together: rlcu.sched.dp.
@@ -43,70 +44,33 @@ import secrets
 import sys
 from pathlib import Path
 
+from rlcu import memory
 from rlcu.config import GRPOConfig
+from rlcu.memory.fit import kv_blocks_for_lease
 from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError, pool_devices
 from rlcu.sched.hooks import CLUSTER, JobHooks
+from rlcu.train import sizing
 from rlcu.train.core import TrainingStopped, coerce_config, exit_status
 from rlcu.train.grpo import GRPOTrainer
 
 GiB = float(1 << 30)
 
 
-def estimate_memory(cfg: GRPOConfig, max_prompt_tokens: int = 256, world_size: int = 1) -> dict[str, float]:
-    """Rough GiB per device: `resident` (weights, fp32 master, Adam m and v, the grads unless
-    optim.release_grads frees them between steps (then actor_train counts them), the
-    reference copy), and the transient need of init, rollout (KV pool for one step's
-    sequences + logits), ref_logprobs and actor_train (the activations one micro-batch keeps
-    under model.gradient_checkpointing + one layer's recompute + the chunked LM head). Override with measurements.
-    world_size N > 1 (data parallel, one device a rank): the master, m, v and the gradient are
-    1/N shards (rlcu.parallel.zero), actor_train adds the reduce-scattered gradient buckets
-    (rlcu.parallel.memory), and a rank's rollout holds its block of the step's prompts."""
+def estimate_memory(cfg: GRPOConfig, world_size: int = 1) -> dict[str, float]:
+    """GiB per device of the job on one of its `world_size` ranks, by phase: the memory model's
+    request (rlcu.memory `JobMemory.request`, from the config alone: rlcu.train.sizing.config_shape):
+    `resident` (weights, master, moments, the reference, the gradient unless
+    optim.release_grads frees it between steps, the decode graphs' pool, the CUDA context) and
+    the transient need of init, rollout (one step's KV pool, the engine's widest step, the
+    prefill graphs), ref_logprobs and actor_train (a micro-batch under
+    model.gradient_checkpointing, the gradient when released, the data-parallel buckets)."""
     from rlcu.config import ConfigError
-    from rlcu.model.config import Qwen3Config
-    from rlcu.model.layout import ParamLayout
-    from rlcu.ops.logprob import chunk_rows
-    from rlcu.parallel.memory import checkpointing_name, kept_activation_bytes
 
-    m = cfg.model
-    if m.gradient_checkpointing == "auto":
+    if cfg.model.gradient_checkpointing == "auto":
         raise ConfigError("model.gradient_checkpointing", "'auto' sizes the activations to the free memory of a "
                                                           "GPU of its own; a scheduled job shares one: give true, "
                                                           "'attention', false or a number of checkpointed layers")
-    if m.tiny is not None:
-        qc = Qwen3Config(**m.tiny)
-    elif m.path is not None:
-        from rlcu.hub import model_folder
-
-        qc = Qwen3Config.from_file(model_folder(m.path, m.revision, "model.path", ("config.json",)) / "config.json")
-    else:
-        qc = Qwen3Config()
-    P = ParamLayout(qc).numel
-    w = 2 if m.resolve_dtype().itemsize == 2 else 4
-    o = cfg.optim
-    master = 4 if (w != 4 and o.master_weights) else 0
-    state = 2 * (2 if o.state_dtype == "bfloat16" else 4)  # Adam m and v
-    N = max(1, int(world_size))
-    gb = 2 if (w == 2 and o.grad_dtype == "bfloat16") else 4
-    grads = P * gb / N  # held between steps unless release_grads (a 1/N shard across ranks)
-    resident = P * w + P * (master + state) / N + (0 if o.release_grads else grads) + (P * w if cfg.kl_coef > 0 else 0)
-    H, I, L, V = qc.hidden_size, qc.intermediate_size, qc.num_hidden_layers, qc.vocab_size
-    seq = (cfg.data.max_prompt_tokens or max_prompt_tokens) + cfg.max_new_tokens
-    kv_tok = 2 * L * qc.num_key_value_heads * qc.head_dim * w
-    n_seq = -(-cfg.prompts_per_step // N) * cfg.group_size * (1 + int(getattr(cfg, "dynamic_sampling", False)))
-    rollout = kv_tok * n_seq * seq * 1.1 + min(n_seq, cfg.engine.max_num_seqs) * V * 4 * 2
-    T = cfg.micro_batch_tokens
-    layer = T * (qc.q_size + 2 * qc.kv_size + 4 * H + 6 * I) * w
-    head = min(T, chunk_rows(V, m.resolve_dtype())) * V * 4 * 2  # the fused head's logits tile
-    m.check_layers(L)
-    kept = kept_activation_bytes(qc, T, w, checkpointing_name(m.gradient_checkpointing))  # per the mode
-    train = (kept + layer * 2 + head) * 1.25 + (grads if o.release_grads else 0)
-    if N > 1:
-        from rlcu.parallel.memory import estimate
-
-        train += estimate(qc, N, weight_bytes=w, grad_bytes=gb, micro_batch_tokens=T)["gradient_buckets"]
-    ref = (layer + head) * 1.25
-    out = {"resident": resident, "init": P * 4, "rollout": rollout, "ref_logprobs": ref, "actor_train": train}
-    return {k: v / GiB for k, v in out.items()} | {"kv_bytes_per_token": kv_tok}
+    return memory.job_memory(sizing.config_shape(cfg, world_size)).request()
 
 
 def slot_share(sched: JobHandle, lease) -> float | None:
@@ -161,8 +125,10 @@ class ScheduledGRPO(GRPOTrainer):
             if threads:  # a command line's process: its CPU slots' share of the cores
                 _set_threads(cfg, hooks, lease)
             if cfg.engine.num_kv_blocks is None and hooks.mem.get("rollout") and _on_cuda(cfg):
-                kvb = estimate_memory(cfg)["kv_bytes_per_token"] * cfg.engine.block_size
-                cfg.engine.num_kv_blocks = max(16, int(hooks.mem["rollout"] * GiB * 0.8 // kvb))
+                # the pool the rollout lease holds once the engine's step and graphs are set aside
+                shape = sizing.config_shape(cfg, world().size)
+                cfg.engine.num_kv_blocks = max(16, kv_blocks_for_lease(hooks.mem["rollout"] * GiB, shape,
+                                                                       cfg.engine.block_size))
             super().__init__(cfg, dataset, reward_fns, hooks=hooks, **kw)
         if hasattr(hooks, "attach"):
             hooks.attach(self.llm)
@@ -212,7 +178,7 @@ def _on_cuda(cfg) -> bool:
 def job_memory(cfg: GRPOConfig, given: dict | None = None, devices: int = 1) -> tuple[dict, dict]:
     """(clusters, mem per phase and device) to register: the estimates, overridden by `given`;
     `devices`: the job's ranks (one device each)."""
-    mem = {k: v for k, v in estimate_memory(cfg, world_size=devices).items() if k != "kv_bytes_per_token"}
+    mem = estimate_memory(cfg, world_size=devices)
     mem.update(given or {})
     peak = max(v for k, v in mem.items() if k != "resident")
     return {CLUSTER: {"devices": devices, "resident": mem["resident"], "peak": peak}}, mem

@@ -260,7 +260,7 @@ class Trainer(abc.ABC):
         self._notes.append(threads.record(self.cfg.model, getattr(self, "device", "cpu")))
 
     def _log_estimate(self) -> None:
-        """Across ranks: the per-rank memory estimate (rlcu.parallel.memory); nothing by default."""
+        """The per-rank memory estimate (rlcu.train.sizing.log_estimate); nothing by default."""
         return None
 
     def _record(self, step: int, m: dict) -> None:

@@ -58,13 +58,6 @@ class PPOTrainer(RLTrainer):
         super()._resolve_checkpointing()
         self.critic.gradient_checkpointing = self.model.gradient_checkpointing  # the same trunk shape
 
-    def _bytes_outside_estimate(self) -> int:
-        """The critic's weights, gradient and optimizer state."""
-        c, o = self.critic, self.critic_opt
-        held = [c.flat, o.m, o.v, None if o.master_is_model else o.master]
-        grad = c.layout.numel * torch.empty((), dtype=c.grad_dtype).element_size()  # also when released
-        return grad + sum(t.numel() * t.element_size() for t in held if t is not None)
-
     def _grad_holders(self) -> list:
         return [*super()._grad_holders(), (self.critic, self.cfg.critic.optim)]
 

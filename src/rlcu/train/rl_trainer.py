@@ -34,7 +34,7 @@ import torch
 
 from rlcu.config import RLConfig
 from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
-from rlcu.train import losses
+from rlcu.train import losses, sizing
 from rlcu.train import rollout as ro
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean
 from rlcu.train.rows import EpochOrder, load_rows
@@ -113,10 +113,14 @@ class RLTrainer(Trainer):
         self._notes += [rep.message() for rep in self.prompt_reports if rep.message()]  # dropped prompts, by row
 
     # ---------------------------------------------------------------- setup
-    def _log_estimate(self) -> None:
-        from rlcu.parallel.memory import log_estimate
+    def _memory_shape(self):
+        """This rank's job as the memory model sees it (rlcu.train.sizing.run_shape)."""
+        return sizing.run_shape(self.model, self.opt, micro_batch_tokens=self.cfg.micro_batch_tokens, fused_head=True,
+                                release_grads=self.cfg.optim.release_grads, llm=self.llm,
+                                reference=self.ref is not None, critic=getattr(self, "critic", None) is not None)
 
-        log_estimate(self.logger, self.model, self.opt, self.cfg.micro_batch_tokens, self.llm, self.ref is not None)
+    def _log_estimate(self) -> None:
+        sizing.log_estimate(self.logger, self._memory_shape(), self.device)
 
     def _load_data(self, dataset, eval_dataset):
         from rlcu.data.prompt_check import checked_prompts, prompt_limit
@@ -177,14 +181,11 @@ class RLTrainer(Trainer):
         if kw["num_kv_blocks"] is None and e.gpu_memory_utilization is None:
             # RL knows its batch: a pool that holds one step's sequences (or one evaluation's),
             # and no more, so that the generation phase's peak memory stays small
-            longest = max([r.longest for r in self.prompt_reports] + [1])  # over every prompt kept
-            per_seq = -(-(longest + c.max_new_tokens + 1) // e.block_size)
             from rlcu.parallel.comm import world
 
-            n = world().size  # across ranks each engine rolls out its block of the prompts
-            n_eval = -(-min(len(self.eval_rows), c.eval_max_prompts) // n)
-            seqs = min(e.max_num_seqs, max(-(-c.prompts_per_step // n) * c.group_size, n_eval))
-            kw["num_kv_blocks"] = per_seq * (seqs + 1) + 16
+            longest = max([r.longest for r in self.prompt_reports] + [1])  # over every prompt kept
+            kw["num_kv_blocks"] = sizing.rl_kv_blocks(c, world().size, longest,
+                                                      min(len(self.eval_rows), c.eval_max_prompts))
         params = inspect.signature(LLM).parameters
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             kw = {k: v for k, v in kw.items() if k in params}
@@ -347,17 +348,10 @@ class RLTrainer(Trainer):
 
     def _resolve_checkpointing(self) -> None:
         """`gradient_checkpointing: auto` becomes a number of checkpointed layers at the first
-        update, when every buffer the run keeps exists (rlcu.parallel.memory.resolve_auto)."""
+        update, when every buffer the run keeps exists (rlcu.train.sizing.resolve_auto)."""
         if self.model.gradient_checkpointing != "auto":
             return
-        from rlcu.parallel.memory import resolve_auto
-
-        self._log_info(resolve_auto(self.model, self.opt, self.cfg.micro_batch_tokens, self.llm,
-                                      self.ref is not None, extra_bytes=self._bytes_outside_estimate()))
-
-    def _bytes_outside_estimate(self) -> int:
-        """Device bytes the run holds that the policy's memory estimate does not count."""
-        return 0
+        self._log_info(sizing.resolve_auto(self.model, self._memory_shape()))
 
     def _policy_update(self, batch: ro.RolloutBatch, update: int, total_updates: int, agg: str,
                        kl_coef: float, record=None) -> dict:

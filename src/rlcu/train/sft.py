@@ -29,6 +29,7 @@ from rlcu.data.prompt_check import shown_rows
 from rlcu.parallel import batch as dp
 from rlcu.parallel.comm import all_sum, world
 from rlcu.parallel.zero import make_optimizer
+from rlcu.train import sizing
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer
 from rlcu.train.rows import EpochOrder, load_rows
@@ -203,10 +204,8 @@ class SFTTrainer(Trainer):
     def _step(self, step: int) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
-        if self.model.gradient_checkpointing == "auto":  # a number of layers from the memory estimate
-            from rlcu.parallel.memory import resolve_auto
-
-            self._log_info(resolve_auto(self.model, self.optimizer, cfg.batch_tokens))
+        if self.model.gradient_checkpointing == "auto":  # a number of layers from the memory model
+            self._log_info(sizing.resolve_auto(self.model, self._memory_shape()))
         lr = lr_at(step, cfg.optim, cfg.steps)
         graph = self.step_graph
         drawn = [self.stream.next_batch() for _ in range(cfg.grad_accum)]  # the global batch
@@ -282,10 +281,13 @@ class SFTTrainer(Trainer):
                 n += n_mask
         return all_sum(total) / all_sum(n)
 
-    def _log_estimate(self) -> None:
-        from rlcu.parallel.memory import log_estimate
+    def _memory_shape(self):
+        """This rank's job as the memory model sees it: a micro-batch of batch_tokens, the head's
+        forward and backward apart (rlcu.train.sizing.run_shape)."""
+        return sizing.run_shape(self.model, self.optimizer, micro_batch_tokens=self.cfg.batch_tokens, fused_head=False)
 
-        log_estimate(self.logger, self.model, self.optimizer, self.cfg.batch_tokens)  # across ranks only
+    def _log_estimate(self) -> None:
+        sizing.log_estimate(self.logger, self._memory_shape(), self.device)
 
     def _result(self) -> dict:
         """SFT's train() returns the last step's metrics."""

@@ -1,0 +1,270 @@
+"""The parts of a job's memory: each a function of the job's shape (rlcu.memory.shape) -> bytes
+on one rank. The activation parts follow the code that allocates them, tensor by tensor (named
+in each docstring), so that a change there is a change here; tests/integration/test_memory_gpu.py
+holds them to the peaks an H200 measures.
+
+Notation, per token: H hidden, q = heads x head_dim, kv = kv heads x head_dim, I intermediate,
+Hq, Hk heads, ab the activations' bytes (the weights' dtype); fp32 statistics are 4 bytes, int64
+indices 8.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from rlcu.memory.shape import JobShape
+from rlcu.model.config import Qwen3Config
+from rlcu.model.layout import ALIGN, ParamLayout
+from rlcu.ops.logprob import chunk_rows
+
+MAX_INFLIGHT = 2  # overlapped reduce-scatters in flight before the oldest is waited on (parallel/buckets.py)
+# cuBLAS's workspace, taken from torch's allocator at a stream's first GEMM and kept: measured as
+# what an engine step's probe holds beyond its tensors (bench/results/cold_start.json, 0.6B: 32 MiB)
+CUBLAS_WORKSPACE = 32 << 20
+FP32, INDEX = 4, 8
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(dims: tuple) -> tuple[int, list[int]]:
+    V, H, I, L, Hq, Hk, D, tied = dims
+    lay = ParamLayout(Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                                  num_attention_heads=Hq, num_key_value_heads=Hk, head_dim=D,
+                                  tie_word_embeddings=tied))
+    return lay.numel, lay.layer_bounds()
+
+
+def _dims(cfg: Qwen3Config) -> tuple:
+    return (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, bool(cfg.tie_word_embeddings))
+
+
+def params(cfg: Qwen3Config) -> int:
+    """Elements of the flat layout (model/layout.py), alignment padding included."""
+    return _layout(_dims(cfg))[0]
+
+
+def _buckets(s: JobShape) -> list[int]:
+    """The data-parallel buckets' padded sizes (parallel/buckets.py): the flat layout cut at
+    layer boundaries, each bucket cut into N chunks of ceil(size / N)."""
+    b, N = _layout(_dims(s.cfg))[1], s.world_size
+    return [-(-(hi - lo) // N) * N for lo, hi in zip(b, b[1:])]
+
+
+def shard(s: JobShape) -> int:
+    """Elements of one rank's optimizer shard: P alone, the chunks of every bucket across ranks."""
+    return params(s.cfg) if s.world_size == 1 else sum(_buckets(s)) // s.world_size
+
+
+# ---------------------------------------------------------------- what a rank keeps
+def weights(s: JobShape) -> int:
+    """The flat weights: every rank keeps them whole (the engine reads them in place)."""
+    return params(s.cfg) * s.weight_bytes
+
+
+def master(s: JobShape) -> int:
+    """The fp32 master copy of bf16 weights (a 1/N shard across ranks)."""
+    return 4 * shard(s) if s.has_master else 0
+
+
+def optimizer_state(s: JobShape) -> int:
+    """Adam's m and v (a 1/N shard across ranks)."""
+    return 2 * s.state_bytes * shard(s) if s.optimizer else 0
+
+
+def gradients(s: JobShape) -> int:
+    """The gradient buffer: P elements in one process; across ranks the reduced 1/N shard (the
+    overlapped backward's; without overlap `grad_buckets` counts the full buffer)."""
+    return s.grad_bytes * shard(s) if s.optimizer else 0
+
+
+def grad_buckets(s: JobShape) -> int:
+    """Across ranks, what the backward holds beside the shard: with overlap the buckets alive at
+    once (the embedding's, the final norm's with the head, and MAX_INFLIGHT + 1 layers': the
+    one written and those in flight); without, the full gradient buffer."""
+    if s.world_size == 1 or not s.optimizer:
+        return 0
+    if not s.overlap:
+        return s.grad_bytes * params(s.cfg)
+    sizes = _buckets(s)
+    layers = sorted(sizes[1:-1], reverse=True)[: MAX_INFLIGHT + 1]
+    return s.grad_bytes * (sizes[0] + sizes[-1] + sum(layers))
+
+
+def reference(s: JobShape) -> int:
+    """A frozen copy of the weights for the KL term."""
+    return params(s.cfg) * s.weight_bytes if s.reference else 0
+
+
+def critic_params(cfg: Qwen3Config) -> int:
+    """The critic's flat layout (train/critic.py): the trunk, then the value head's H + 1."""
+    return params(cfg) + -(-(cfg.hidden_size + 1) // ALIGN) * ALIGN
+
+
+def critic(s: JobShape) -> int:
+    """PPO's critic: its weights, and its optimizer's master and moments (1/N shards)."""
+    if not s.critic:
+        return 0
+    Pc = critic_params(s.cfg)
+    Sc = -(-Pc // s.world_size)
+    return Pc * s.weight_bytes + (4 * Sc if s.has_master else 0) + 2 * s.state_bytes * Sc
+
+
+def critic_gradients(s: JobShape) -> int:
+    """The critic's gradient buffer (whole on every rank)."""
+    return critic_params(s.cfg) * s.grad_bytes if s.critic else 0
+
+
+def init_staging(s: JobShape) -> int:
+    """What building the job holds beside the weights: a random initialisation's fp32 copy
+    (Qwen3.from_config). Weights read from a checkpoint come in their dtype; the master's
+    `.float()` before its clone stays below the moments allocated after it."""
+    return 4 * params(s.cfg) if s.random_init else 0
+
+
+# ---------------------------------------------------------------- activations, per token
+def layer_acts(cfg: Qwen3Config, ab: int) -> int:
+    """What `Qwen3._layer_fwd` returns beside its input x: h1, qkv, q, k, v, o, x2, h2 (H, q+2kv,
+    q, kv, kv, q, H, H), gu 2I, a I; fp32 r1, r2, rq Hq, rk Hk, lse Hq."""
+    H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return ab * (3 * H + 3 * q + 4 * kv + 3 * I) + FP32 * (2 + 2 * cfg.num_attention_heads + cfg.num_key_value_heads)
+
+
+def kept(cfg: Qwen3Config, ab: int, keep: str) -> int:
+    """What one layer's forward keeps for the backward (`layer_keeps`): its input ('inputs');
+    + attention's output and lse ('attention'); + every activation ('all')."""
+    x = ab * cfg.hidden_size
+    if keep == "inputs":
+        return x
+    if keep == "attention":
+        return x + ab * cfg.q_size + FP32 * cfg.num_attention_heads
+    return x + layer_acts(cfg, ab)
+
+
+def recompute(cfg: Qwen3Config, ab: int, keep: str) -> int:
+    """What the backward allocates recomputing a checkpointed layer (`_layer_fwd` again, its
+    output dropped; the kept attention's o and lse reused)."""
+    if keep == "all":
+        return 0
+    return layer_acts(cfg, ab) - (kept(cfg, ab, keep) - kept(cfg, ab, "inputs"))
+
+
+def backward_work(cfg: Qwen3Config, ab: int) -> int:
+    """`Qwen3._layer_bwd`'s locals, alive until it returns: da I, dgu 2I, dh2, dx2 (H), do, dq
+    (q), dk, dv (kv), dqn q, dkn kv, dq0 q, dk0 kv, dqkv q+2kv, dh1, dx (H); and dy, the
+    gradient it was given."""
+    H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return ab * (4 * H + 5 * q + 6 * kv + 3 * I) + ab * H
+
+
+def _head_rows(s: JobShape) -> int:
+    """Per token, what the LM head's pass leaves alive through the trunk's backward: the last
+    layer's output x and the final norm's rstd (the trunk's context), dh (the rows scattered
+    back), dhs (the head's gradient), the head's row indices (tgt, rows) and lp; the separate
+    backward (SFT) also its saved hs, lse, targets and upstream dlp, the fused one the entropy."""
+    ab, H = s.weight_bytes, s.cfg.hidden_size
+    out = 3 * ab * H + FP32 + 2 * INDEX + FP32
+    return out + (FP32 if s.fused_head else ab * H + FP32 + INDEX + FP32)
+
+
+def head_tile(s: JobShape) -> int:
+    """The fused LM head's logits tile (ops/logprob.py): C = chunk_rows(V) rows of V logits."""
+    V, T = s.cfg.vocab_size, s.micro_batch_tokens
+    return min(T, chunk_rows(V, torch.bfloat16 if s.weight_bytes == 2 else torch.float32)) * V * s.weight_bytes
+
+
+# ---------------------------------------------------------------- activations of a micro-batch
+def kept_activations(s: JobShape) -> int:
+    """What the forward of one micro-batch keeps over all layers (per the checkpointing)."""
+    return s.micro_batch_tokens * sum(kept(s.cfg, s.weight_bytes, k) for k in s.keeps())
+
+
+def layer_work(s: JobShape) -> int:
+    """The backward's peak above `kept_activations`: at layer i, the kept activations of layers
+    0..i (the later ones are freed), the layer recomputed, its backward's locals and the head's
+    leftovers; the largest over i (the last layer's, or with k checkpointed layers the k-th's)."""
+    cfg, ab, T = s.cfg, s.weight_bytes, s.micro_batch_tokens
+    keeps = s.keeps()
+    held, best = 0, 0
+    for k in keeps:
+        held += kept(cfg, ab, k)
+        best = max(best, held + recompute(cfg, ab, k))
+    total = sum(kept(cfg, ab, k) for k in keeps)
+    return T * (best - total + backward_work(cfg, ab) + _head_rows(s))
+
+
+def head_work(s: JobShape) -> int:
+    """The LM head's pass above `kept_activations`: the last layer's output and rstd, the normed
+    rows (h or dh) and hs, lp, lse and ent, tgt and rows, and the logits tile."""
+    ab, H, T = s.weight_bytes, s.cfg.hidden_size, s.micro_batch_tokens
+    return T * (3 * ab * H + FP32 + 3 * FP32 + 2 * INDEX) + head_tile(s)
+
+
+def ref_forward(s: JobShape) -> int:
+    """The frozen reference's forward of one micro-batch, no gradient: a layer's input, its
+    activations and output; then the final rows, hs and the head's tile."""
+    if not s.reference:
+        return 0
+    ab, H, T = s.weight_bytes, s.cfg.hidden_size, s.micro_batch_tokens
+    return max(T * (2 * ab * H + layer_acts(s.cfg, ab)), T * (3 * ab * H + 3 * FP32 + 2 * INDEX) + head_tile(s))
+
+
+def critic_work(s: JobShape) -> int:
+    """PPO's critic update of one micro-batch: the trunk's kept activations and backward (a
+    value head, no LM head)."""
+    return kept_activations(s) + layer_work(s) if s.critic else 0
+
+
+# ---------------------------------------------------------------- the engine
+def kv_token_bytes(cfg: Qwen3Config, kv_bytes: int) -> int:
+    """One token's K and V in every layer."""
+    return 2 * cfg.num_hidden_layers * cfg.kv_size * kv_bytes
+
+
+def kv_block_bytes(cfg: Qwen3Config, block_size: int, kv_bytes: int) -> int:
+    """One KV block: block_size tokens' K and V in every layer."""
+    return block_size * kv_token_bytes(cfg, kv_bytes)
+
+
+def kv_pool(s: JobShape) -> int:
+    return s.engine.kv_tokens * kv_token_bytes(s.cfg, s.engine.kv_bytes) if s.engine else 0
+
+
+def trunk_step(cfg: Qwen3Config, ab: int, tokens: int) -> int:
+    """An engine step's layers over `tokens` new tokens (engine/paged_forward.py, at the MLP:
+    x, q, o (H, q, q), h H, gu 2I, a I, the post norm's rstd)."""
+    H, q, I = cfg.hidden_size, cfg.q_size, cfg.intermediate_size
+    return tokens * (ab * (2 * H + 2 * q + 3 * I) + FP32)
+
+
+def head_step(cfg: Qwen3Config, ab: int, rows: int) -> int:
+    """An engine step's sampled rows: their final hidden states, logits and the sampled
+    tokens and logprobs."""
+    return rows * (ab * (cfg.hidden_size + cfg.vocab_size) + INDEX + FP32)
+
+
+def engine_step(s: JobShape) -> int:
+    """The widest engine step: a full token budget through the layers, or max_num_seqs rows
+    through the head (the larger)."""
+    if s.engine is None:
+        return 0
+    e, ab = s.engine, s.weight_bytes
+    return max(trunk_step(s.cfg, ab, e.budget), head_step(s.cfg, ab, min(e.max_num_seqs, e.budget)))
+
+
+def decode_graphs(s: JobShape) -> int:
+    """The decode graphs' private pool: about the widest decode step (captured first; the others
+    reuse its memory), which is its head's rows."""
+    e = s.engine
+    return head_step(s.cfg, s.weight_bytes, e.max_num_seqs) if e is not None and e.decode_graphs else 0
+
+
+def prefill_graphs(s: JobShape, step_bytes: int | None = None) -> int:
+    """The prefill graphs' private pool: one full-budget trunk step (`step_bytes` when measured)
+    and the hidden-state outputs every smaller bucket's graph keeps."""
+    e = s.engine
+    if e is None or e.prefill_graph_rows is None:
+        return 0
+    step = trunk_step(s.cfg, s.weight_bytes, e.budget) if step_bytes is None else step_bytes
+    return step + e.prefill_graph_rows * s.cfg.hidden_size * s.weight_bytes

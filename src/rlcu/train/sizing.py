@@ -1,0 +1,116 @@
+"""A run's memory (rlcu.memory) from what the run is: its `JobShape` from a config before anything
+is built (the scheduler's request, `config_shape`) or from a trainer's buffers (`run_shape`),
+the KV pool of one RL step (`rl_kv_blocks`, which the RL trainer's engine takes), `gradient_checkpointing:
+auto` made a number of layers (`resolve_auto`), and the per-rank estimate logged at a run's start
+(`log_estimate`)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlcu.engine.kv_pool import dtype_bytes, engine_shape
+from rlcu.memory import JobShape, checkpointing_name, job_memory
+from rlcu.memory.fit import fit_checkpointing, step_kv_blocks
+from rlcu.model.config import Qwen3Config
+from rlcu.parallel.comm import World, world
+
+DEFAULT_PROMPT_TOKENS = 256  # a prompt's length when neither the data nor data.max_prompt_tokens says
+
+
+def model_config(mc) -> Qwen3Config:
+    """The Qwen3Config a ModelConfig names (model.tiny, model.path's config.json, or the
+    default 0.6B shape), read without building the model."""
+    if mc.tiny is not None:
+        return Qwen3Config(**mc.tiny)
+    if mc.path is not None:
+        from rlcu.hub import model_folder
+
+        return Qwen3Config.from_file(model_folder(mc.path, mc.revision, "model.path", ("config.json",)) / "config.json")
+    return Qwen3Config()
+
+
+def rl_step_seqs(cfg, world_size: int, eval_prompts: int = 0) -> int:
+    """The sequences one rank's engine holds at once: its block of a step's prompts times the
+    group (or of an evaluation's prompts, whichever is more), at most engine.max_num_seqs."""
+    n = max(1, world_size)
+    return min(cfg.engine.max_num_seqs, max(-(-cfg.prompts_per_step // n) * cfg.group_size, -(-eval_prompts // n)))
+
+
+def rl_kv_blocks(cfg, world_size: int, longest_prompt: int | None = None, eval_prompts: int = 0) -> int:
+    """The RL trainer's default KV pool: one step's sequences (rlcu.memory.fit.step_kv_blocks);
+    the longest prompt kept, else data.max_prompt_tokens, else DEFAULT_PROMPT_TOKENS."""
+    longest = longest_prompt or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
+    return step_kv_blocks(longest, cfg.max_new_tokens, cfg.engine.block_size, rl_step_seqs(cfg, world_size,
+                                                                                             eval_prompts))
+
+
+def config_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = None) -> JobShape:
+    """The shape of a GRPO/PPO job on one of its `world_size` ranks from its config alone (the
+    engine's pool as the RL trainer sizes it by default: one step's sequences)."""
+    m, o, e = cfg.model, cfg.optim, cfg.engine
+    qc = model_config(m) if model_cfg is None else model_cfg
+    m.check_layers(qc.num_hidden_layers)
+    dtype = m.resolve_dtype()
+    wb = dtype_bytes(dtype)
+    engine = engine_shape(qc, dtype, kv_tokens=(e.num_kv_blocks or rl_kv_blocks(cfg, world_size)) * e.block_size,
+                          max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+                          graphs=m.resolve_device() == "cuda" and not e.enforce_eager, prefill_graphs=e.prefill_graphs)
+    return JobShape(qc, weight_bytes=wb, master=o.master_weights, state_bytes=2 if o.state_dtype == "bfloat16" else 4,
+                    grad_bytes=2 if wb == 2 and o.grad_dtype == "bfloat16" else 4, world_size=max(1, world_size),
+                    micro_batch_tokens=cfg.micro_batch_tokens,
+                    checkpointing=checkpointing_name(m.gradient_checkpointing), release_grads=o.release_grads,
+                    reference=cfg.kl_coef > 0, critic=hasattr(cfg, "critic"), random_init=m.path is None,
+                    engine=engine.engine)
+
+
+def run_shape(model, opt, *, micro_batch_tokens: int, fused_head: bool, release_grads: bool = False, llm=None,
+              reference: bool = False, critic: bool = False) -> JobShape:
+    """The shape of a run on this rank from its buffers: the model's and the optimizer's dtypes
+    and modes, the engine's pool and graphs. A checkpointing still 'auto' is the number of
+    layers it will become (`auto_layers`)."""
+    grad_dtype = getattr(opt, "grad_dtype", getattr(model, "grad_dtype", torch.float32))
+    shape = JobShape(model.cfg, weight_bytes=model.flat.element_size(),
+                     master=getattr(opt, "master", None) is not None and not getattr(opt, "master_is_model", True),
+                     state_bytes=opt.m.element_size(), grad_bytes=dtype_bytes(grad_dtype), world_size=world().size,
+                     overlap=getattr(opt, "sink", None) is not None, micro_batch_tokens=micro_batch_tokens,
+                     fused_head=fused_head, release_grads=release_grads, reference=reference, critic=critic,
+                     engine=llm.runner.memory_shape().engine if llm is not None else None)
+    mode = model.gradient_checkpointing
+    k = auto_layers(shape, model.device)[0] if mode == "auto" else checkpointing_name(mode)
+    return shape.with_(checkpointing=k)
+
+
+def auto_layers(shape: JobShape, device: torch.device) -> tuple[int, int]:
+    """(k, the budget): the fewest checkpointed layers whose peak fits what this process may hold
+    on its GPU (the free memory and what it has reserved already); every layer on the CPU
+    (budget 0)."""
+    if device.type != "cuda":
+        return shape.cfg.num_hidden_layers, 0
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = free + torch.cuda.memory_reserved(device)
+    return fit_checkpointing(budget, shape), budget
+
+
+def resolve_auto(model, shape: JobShape) -> str:
+    """`gradient_checkpointing: auto` made a number (`auto_layers` over the run's shape): sets
+    model.gradient_checkpointing and returns a line for the log."""
+    L = model.cfg.num_hidden_layers
+    k, budget = auto_layers(shape, model.device)
+    model.gradient_checkpointing = k
+    if model.device.type != "cuda":
+        return f"gradient checkpointing auto: all {L} layers checkpointed (on the CPU)"
+    need = job_memory(shape.with_(checkpointing=k))
+    return (f"gradient checkpointing auto: {k} of {L} layers checkpointed, every activation of the others kept "
+            f"(estimated peak {need.peak / (1 << 30):.1f} GiB allocated of {budget / (1 << 30):.1f} GiB this "
+            f"process may hold)")
+
+
+def log_estimate(log, shape: JobShape, device: torch.device, w: World | None = None) -> str | None:
+    """Log the per-rank estimate (`JobMemory.summary`) at a run's start: on a GPU or across ranks
+    (a one-process CPU run has no device to fit)."""
+    w = w or world()
+    if not w.distributed and device.type != "cuda":
+        return None
+    line = job_memory(shape).summary()
+    log.info(line)
+    return line
