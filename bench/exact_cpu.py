@@ -1,5 +1,5 @@
 """What exact mode costs on the CPU twins, and where: a tiny GRPO run (16 prompts x 8 samples, 8
-new tokens, one thread) with and without exact mode, at tests/integration/test_grpo.py's model and at the
+new tokens, one thread) with and without exact mode, at the GRPO tests' model (tests/support/trainers.py) and at the
 demo's, then one profiled run of each (cProfile: the cumulative seconds of the ops that differ)
 and the twin matmul against torch's at the run's shapes.
 

@@ -6,8 +6,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # the helpers: `from support.x import ...`
-# interim, until the helpers that test files take from each other move to support/
-sys.path[1:1] = [str(Path(__file__).parent / "unit"), str(Path(__file__).parent / "integration")]
 
 # Triton decides at decoration time whether kernels are interpreted, so this must be set
 # before anything imports triton: without a GPU, kernel tests run through the interpreter.

@@ -3,7 +3,7 @@ every place a trainer renders chat messages: GRPO's and PPO's prompts (and so th
 evaluation) and SFT's conversations, as `rlcu generate --chat-template-kwargs` and TRL take them."""
 
 import pytest
-from test_grpo import TINY
+from support.trainers import TINY
 
 from rlcu.config import load_config
 from rlcu.data.tokenizer import make_word_tokenizer
@@ -44,7 +44,8 @@ def test_rl_prompts_and_rollouts_take_the_template_kwargs(tmp_path, kind):
     texts = {}
     for thinking in (None, False):
         cfg = load_config(cls, None, _sets(tmp_path / str(thinking), thinking) + [
-            "prompts_per_step=1", "group_size=2", "max_new_tokens=2", "rewards=[{fn: 'test_grpo:first_is_seven'}]"])
+            "prompts_per_step=1", "group_size=2", "max_new_tokens=2",
+            "rewards=[{fn: 'support.trainers:first_is_seven'}]"])
         tr = trainer(cfg, rows, tokenizer=_tok())
         ids, texts[thinking] = tr._encode(rows[0])
         samples = tr._engine_phase(lambda tr=tr: tr.rollout(rows, 2, seed=0))

@@ -5,7 +5,7 @@ set names its file."""
 import json
 
 import pytest
-from test_sft import V, config, tiny
+from support.trainers import V, grpo_trainer, sft_config, tiny
 
 from rlcu.train.sft import SFTTrainer
 
@@ -22,7 +22,7 @@ def test_sft_names_the_token_id_outside_the_vocabulary(tmp_path, bad):
     data = _write(tmp_path / "ids.jsonl", [{"prompt_token_ids": [1, 2], "completion_token_ids": [3, 4]},
                                            {"prompt_token_ids": [3, bad, 1], "completion_token_ids": [2]}])
     with pytest.raises(ValueError) as e:
-        SFTTrainer(config(tmp_path / "run", f"data.path={data}"), model=tiny())
+        SFTTrainer(sft_config(tmp_path / "run", f"data.path={data}"), model=tiny())
     assert str(e.value) == f"{data}:2: token id {bad} outside the model's vocabulary [0, {V})"
 
 
@@ -33,34 +33,30 @@ def test_sft_dropped_examples_are_named_by_row(tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n" + "".join(json.dumps(r) + "\n"
                                                                                for r in rows[2:]))
-    tr = SFTTrainer(config(tmp_path / "run", f"data.path={data}", "max_seq_len=16"), model=tiny())
+    tr = SFTTrainer(sft_config(tmp_path / "run", f"data.path={data}", "max_seq_len=16"), model=tiny())
     assert len(tr.examples) == 3
     notes = "\n".join(tr._notes)
     assert f"{data}: dropped 1 of 5 examples longer than max_seq_len=16 tokens: {data}:2 (40 tokens)" in notes
     # line 3 is blank: the rows are named by their line, not their index
     assert f"{data}: dropped 1 examples with no completion token to train on: {data}:5" in notes
-    listed = SFTTrainer(config(tmp_path / "run2", "max_seq_len=16"), rows, model=tiny())  # rows of a list
+    listed = SFTTrainer(sft_config(tmp_path / "run2", "max_seq_len=16"), rows, model=tiny())  # rows of a list
     notes = "\n".join(listed._notes)
     assert "dataset: dropped 1 of 5 examples longer than max_seq_len=16 tokens: dataset[1] (40 tokens)" in notes
     assert "no completion token to train on: dataset[3]" in notes
 
 
 def test_empty_data_sets_name_their_file(tmp_path):
-    from test_grpo import _trainer
-
     empty = _write(tmp_path / "empty.jsonl", [])
     with pytest.raises(ValueError, match=f"^{empty}: no rows"):
-        SFTTrainer(config(tmp_path / "run", f"data.path={empty}"), model=tiny())
+        SFTTrainer(sft_config(tmp_path / "run", f"data.path={empty}"), model=tiny())
     with pytest.raises(ValueError, match=f"^{empty}: no rows"):
-        _trainer(tmp_path, rows=empty)
+        grpo_trainer(tmp_path, rows=empty)
     one = _write(tmp_path / "one.jsonl", [{"prompt": "sort 1 2 :", "answer": "1 2"}])
     with pytest.raises(ValueError, match=f"^{empty}: no rows"):
-        _trainer(tmp_path, rows=one, data=dict(eval_path=empty))
+        grpo_trainer(tmp_path, rows=one, data=dict(eval_path=empty))
 
 
 def test_rl_pre_tokenised_prompt_outside_the_vocabulary_is_named_at_load(tmp_path):
-    from test_grpo import _trainer
-
     rows = [{"prompt_token_ids": [3, 4], "answer": "1"}, {"prompt_token_ids": [3, -5], "answer": "1"}]
     with pytest.raises(ValueError, match=r"^dataset\[1\]: .*token id -5 outside the model's vocabulary \[0, "):
-        _trainer(tmp_path, rows=rows)
+        grpo_trainer(tmp_path, rows=rows)

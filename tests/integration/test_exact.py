@@ -8,12 +8,9 @@ as their own mode does."""
 
 import pytest
 import torch
+from support.exact_util import attention_chunks_check, mm_rows_check, tiny_model
 
-from rlcu import Qwen3
 from rlcu.engine import LLM, SamplingParams
-from rlcu.model.config import Qwen3Config
-from rlcu.ops.attention import attention_fwd_ref
-from rlcu.ops.attention_exact import attention_exact_paged, attention_exact_varlen
 from rlcu.ops.exact import tree_sum
 from rlcu.ops.logprob import logprob_fwd, token_logprob
 from rlcu.ops.matmul_invariant import mm
@@ -27,20 +24,6 @@ PROMPTS = [[5, 17, 3], list(range(40, 61)), [7] * 9, [100 + (i * 37) % 150 for i
 SP = SamplingParams(n=2, temperature=0.8, max_tokens=8, ignore_eos=True, seed=11, logprobs=True)
 
 
-def tiny_model(device="cpu", seed=0, exact=False, **shape):
-    """A random fp32 Qwen3 (no transformers import: the oracle here is the model itself),
-    norm weights randomised too so that every parameter matters; in exact mode or not."""
-    cfg = Qwen3Config(**{"num_hidden_layers": 2, "max_position_embeddings": 512, "tie_word_embeddings": False,
-                         "rope_theta": 10000.0, "eos_token_id": None, "bos_token_id": None, **shape})
-    m = Qwen3.from_config(cfg, seed=seed, init_std=0.05)
-    gen = torch.Generator().manual_seed(seed + 1)
-    for name, v in m.w.items():
-        if name.endswith("norm"):
-            v.add_(0.1 * torch.randn(v.shape, generator=gen))
-    if device != "cpu":
-        m = Qwen3(cfg, m.flat.to(device))
-    m.exact = exact
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -74,42 +57,11 @@ def test_tree_sum_ignores_zero_padding():
 
 
 def test_mm_rows_do_not_depend_on_the_batch():
-    torch.manual_seed(0)
-    x, w, c = torch.randn(41, 37), torch.randn(29, 37), torch.randn(41, 29)
-    full = mm(x, w, c)
-    assert (full - torch.addmm(c, x, w.t())).abs().max() < 1e-4
-    for lo, hi in ((0, 1), (3, 4), (5, 22), (40, 41)):
-        assert torch.equal(mm(x[lo:hi], w, c[lo:hi]), full[lo:hi])
-    y = c.clone()
-    mm(x, w, y, out=y)  # in place on c, as the engine's residual
-    assert torch.equal(y, full)
+    mm_rows_check()
 
 
 def test_attention_decode_and_chunks_equal_packed_training():
-    torch.manual_seed(0)
-    Hq, Hk, D, BS, scale = 6, 2, 20, 4, 20**-0.5
-    lens = [13, 21, 5]
-    N = sum(lens)
-    cu = torch.tensor([0, 13, 34, 39], dtype=torch.int32)
-    q, k, v = torch.randn(N, Hq, D), torch.randn(N, Hk, D), torch.randn(N, Hk, D)
-    o, lse = attention_exact_varlen(q, k, v, cu, 21, scale)
-    o_ref, lse_ref = attention_fwd_ref(q, k, v, cu, 21, scale)
-    assert (o - o_ref).abs().max() < 1e-5 and (lse - lse_ref).abs().max() < 1e-5
-    alone, _ = attention_exact_varlen(q[13:34], k[13:34], v[13:34], torch.tensor([0, 21], dtype=torch.int32),
-                                      21, scale)
-    assert torch.equal(alone, o[13:34])
-    blocks = [7, 2, 11, 0, 5, 9]  # sequence 1 in scattered cache blocks
-    kc, vc = torch.zeros(16, BS, Hk, D), torch.zeros(16, BS, Hk, D)
-    for p in range(21):
-        kc[blocks[p // BS], p % BS], vc[blocks[p // BS], p % BS] = k[13 + p], v[13 + p]
-    bt = torch.tensor([blocks], dtype=torch.int32)
-    one = torch.tensor([0, 1], dtype=torch.int32)
-    for L in (1, 4, 5, 16, 17, 21):  # decode at every kind of position
-        od = attention_exact_paged(q[12 + L:13 + L], kc, vc, bt, one, torch.tensor([L], dtype=torch.int32), 1, scale)
-        assert torch.equal(od[0], o[12 + L])
-    chunk = attention_exact_paged(q[19:28], kc, vc, bt, torch.tensor([0, 9], dtype=torch.int32),
-                                  torch.tensor([15], dtype=torch.int32), 9, scale)  # a prefill chunk
-    assert torch.equal(chunk, o[19:28])
+    attention_chunks_check()
 
 
 def test_token_logprob_equals_the_trainer_head():

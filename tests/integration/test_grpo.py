@@ -10,24 +10,12 @@ import math
 
 import pytest
 import torch
+from support.trainers import TINY, first_is_even, first_is_seven, grpo_trainer, no_timing
 
 from rlcu.data import synthetic as syn
 from rlcu.train import losses
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True,
-            rope_theta=10000.0, bos_token_id=None)
-
-
-def first_is_seven(prompts, completions, **_):
-    return [1.0 if c.split()[:1] == ["7"] else 0.0 for c in completions]
-
-
-def first_is_even(prompts, completions, **_):
-    return [1.0 if c.split()[:1] and c.split()[0] in "02468" else 0.0 for c in completions]
 
 
 def none_for_odd(prompts, completions, answer, **_):
@@ -36,32 +24,6 @@ def none_for_odd(prompts, completions, answer, **_):
 
 def always_fails(prompts, completions, **_):
     raise RuntimeError("boom")
-
-
-def _cfg(tmp_path, **kw):
-    from rlcu.config import GRPOConfig, _build
-
-    tok = syn.make_tokenizer()
-    d = dict(model=dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id), init_seed=3,
-                        gradient_checkpointing=True),
-             steps=4, prompts_per_step=4, group_size=4, max_new_tokens=4, micro_batch_tokens=64,
-             optim=dict(lr=3e-3), rewards=[{"fn": "rlcu.data.synthetic:exact_match_reward"}],
-             log=dict(out_dir=str(tmp_path / "run"), progress=False, tensorboard=False, plot=False),
-             checkpoint=dict(save_at_end=False), engine=dict(block_size=16), seed=5)
-    for k, v in kw.items():
-        if isinstance(v, dict) and isinstance(d.get(k), dict):
-            d[k] = {**d[k], **v}
-        else:
-            d[k] = v
-    return _build(GRPOConfig, d), tok
-
-
-def _trainer(tmp_path, rewards=None, rows=None, **kw):
-    from rlcu.train.grpo import GRPOTrainer
-
-    cfg, tok = _cfg(tmp_path, **kw)
-    rows = rows if rows is not None else syn.sort_rows(64, "train", min_len=2, max_len=3)
-    return GRPOTrainer(cfg, rows, rewards, tokenizer=tok)
 
 
 # ---------------------------------------------------------------- glue vs hand computations
@@ -101,8 +63,8 @@ def test_overlong_penalty():
 # ---------------------------------------------------------------- training
 def test_grpo_learns_a_tiny_task(tmp_path):
     """From random weights, 'start with 7' rises from ~1/15 to most samples within 16 steps."""
-    tr = _trainer(tmp_path, rewards=[first_is_seven], steps=16, prompts_per_step=8, group_size=8,
-                  max_new_tokens=2, optim=dict(lr=2e-2), loss_agg="seq_mean", clip_high=0.28)
+    tr = grpo_trainer(tmp_path, rewards=[first_is_seven], steps=16, prompts_per_step=8, group_size=8,
+                      max_new_tokens=2, optim=dict(lr=2e-2), loss_agg="seq_mean", clip_high=0.28)
     hist = tr.train()
     first = sum(h["reward"] for h in hist[:2]) / 2
     last = sum(h["reward"] for h in hist[-3:]) / 3
@@ -110,27 +72,23 @@ def test_grpo_learns_a_tiny_task(tmp_path):
     assert last > 0.7, [round(h["reward"], 3) for h in hist]
 
 
-def _strip(hist):
-    return [{k: v for k, v in h.items() if not k.startswith("time/")} for h in hist]
-
-
 def test_resume_is_bit_exact(tmp_path):
     """4 steps == 2 steps + resume + 2 steps: metrics, weights and optimizer state, bit for
     bit (with mu=2 updates per batch, a KL reference, an entropy bonus and micro-batching)."""
     kw = dict(rewards=[first_is_even], steps=4, mu=2, kl_coef=0.05, entropy_coef=0.01,
               checkpoint=dict(every=2, save_at_end=True))
-    a = _trainer(tmp_path / "a", **kw)
+    a = grpo_trainer(tmp_path / "a", **kw)
     init = a.model.flat.clone()
     ha = a.train()
     assert all(h["grad_norm"] > 0 and h["skipped"] == 0 for h in ha)
     assert not torch.equal(init, a.model.flat)
-    b = _trainer(tmp_path / "b", **{**kw, "steps": 2})
+    b = grpo_trainer(tmp_path / "b", **{**kw, "steps": 2})
     b.train()
     kw_res = dict(kw, checkpoint=dict(every=2, save_at_end=True, resume="auto"))
-    c = _trainer(tmp_path / "b", **kw_res)
+    c = grpo_trainer(tmp_path / "b", **kw_res)
     hc = c.train()
     assert c.step == 4 and len(hc) == 4
-    assert _strip(ha) == _strip(hc)
+    assert no_timing(ha) == no_timing(hc)
     assert torch.equal(a.model.flat, c.model.flat)
     assert torch.equal(a.opt.m, c.opt.m) and torch.equal(a.opt.v, c.opt.v)
     rows = [json.loads(x) for x in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -138,14 +96,14 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 def test_none_rewards_mask_samples(tmp_path):
-    tr = _trainer(tmp_path, rewards=[none_for_odd], steps=1)
+    tr = grpo_trainer(tmp_path, rewards=[none_for_odd], steps=1)
     h = tr.train()[0]
     assert h["masked_frac"] == pytest.approx(0.5)
     assert h["errors/reward"] == 0
 
 
 def test_reward_exception_masks_batch_and_run_goes_on(tmp_path):
-    tr = _trainer(tmp_path, rewards=[always_fails], steps=2)
+    tr = grpo_trainer(tmp_path, rewards=[always_fails], steps=2)
     before = tr.model.flat.clone()
     hist = tr.train()
     assert len(hist) == 2
@@ -157,18 +115,18 @@ def test_reward_exception_masks_batch_and_run_goes_on(tmp_path):
 
 def test_options_run(tmp_path):
     """Dynamic sampling, overlong masking, seq-mean, no std scaling, clip-higher, mu=2."""
-    tr = _trainer(tmp_path, rewards=["rlcu.data.synthetic:partial_match_reward"], steps=2, mu=2,
-                  dynamic_sampling=True, dynamic_sampling_max_rounds=2, overlong="mask", loss_agg="seq_mean",
-                  scale_rewards=False, clip_high=0.28, max_new_tokens=2)
+    tr = grpo_trainer(tmp_path, rewards=["rlcu.data.synthetic:partial_match_reward"], steps=2, mu=2,
+                      dynamic_sampling=True, dynamic_sampling_max_rounds=2, overlong="mask", loss_agg="seq_mean",
+                      scale_rewards=False, clip_high=0.28, max_new_tokens=2)
     hist = tr.train()
     assert all("groups_kept" in h for h in hist)
     assert all(h["groups_kept"] <= 4 for h in hist)
-    tr2 = _trainer(tmp_path / "p", steps=1, overlong="penalty", overlong_buffer=1, max_new_tokens=2)
+    tr2 = grpo_trainer(tmp_path / "p", steps=1, overlong="penalty", overlong_buffer=1, max_new_tokens=2)
     assert math.isfinite(tr2.train()[0]["reward"])
 
 
 def test_reference_model_shares_nothing(tmp_path):
-    tr = _trainer(tmp_path, rewards=[first_is_even], kl_coef=0.1, steps=1)
+    tr = grpo_trainer(tmp_path, rewards=[first_is_even], kl_coef=0.1, steps=1)
     assert tr.ref is not None
     assert tr.ref.flat.data_ptr() != tr.model.flat.data_ptr()
     ref0 = tr.ref.flat.clone()
@@ -245,8 +203,8 @@ def test_fused_update_gradient_matches_separate_passes(tmp_path):
     from rlcu.ops.rl_loss import policy_loss_ref
     from rlcu.train import rollout as ro
 
-    tr = _trainer(tmp_path, rewards=[first_is_even], kl_coef=0.1, entropy_coef=0.02, micro_batch_tokens=40,
-                  optim=dict(lr=1e-9), loss_agg="seq_mean")
+    tr = grpo_trainer(tmp_path, rewards=[first_is_even], kl_coef=0.1, entropy_coef=0.02, micro_batch_tokens=40,
+                      optim=dict(lr=1e-9), loss_agg="seq_mean")
     ss = tr._engine_phase(lambda: tr.rollout(tr.rows[:4], 4, seed=3))
     tr.score(ss)
     r = torch.tensor([s.reward for s in ss])
@@ -276,7 +234,7 @@ def inf_reward(prompts, completions, **_):
 
 
 def test_nonfinite_steps_abort_with_checkpoint(tmp_path):
-    tr = _trainer(tmp_path, rewards=[inf_reward], steps=5, optim=dict(max_nonfinite_in_row=2), scale_rewards=False)
+    tr = grpo_trainer(tmp_path, rewards=[inf_reward], steps=5, optim=dict(max_nonfinite_in_row=2), scale_rewards=False)
     before = tr.model.flat.clone()
     with pytest.raises(RuntimeError, match="last good state is saved"):
         tr.train()
@@ -289,8 +247,8 @@ def test_nonfinite_steps_abort_with_checkpoint(tmp_path):
 @pytest.mark.gpu
 def test_grpo_on_gpu_kernels(tmp_path):
     """bf16 weights, the Triton kernels, the CUDA engine: a few GRPO steps with every term on."""
-    tr = _trainer(tmp_path, rewards=[first_is_even], steps=4, mu=2, kl_coef=0.05, entropy_coef=0.01,
-                  model=dict(device="cuda", dtype="bfloat16"), optim=dict(lr=1e-2))
+    tr = grpo_trainer(tmp_path, rewards=[first_is_even], steps=4, mu=2, kl_coef=0.05, entropy_coef=0.01,
+                      model=dict(device="cuda", dtype="bfloat16"), optim=dict(lr=1e-2))
     assert tr.model.device.type == "cuda" and tr.model.dtype == torch.bfloat16
     before = tr.model.flat.clone()
     hist = tr.train()

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run inte
 
 from support.hf_util import rel_err  # noqa: E402
 from support.interp_util import needs_triton as needs_triton_for  # noqa: E402
+from support.trainers import TINY, first_is_even, grpo_trainer, no_timing  # noqa: E402
 
 from rlcu.config import ConfigError, OptimConfig, _build  # noqa: E402
 from rlcu.ops import adamw as adamw_mod  # noqa: E402
@@ -338,42 +339,32 @@ def test_bf16_embedding_backward_sums_repeats_in_fp32():
 
 
 # ---------------------------------------------------------------- GRPO on the CPU, bf16 everywhere
-def _grpo(tmp_path, **kw):
-    from test_grpo import _trainer
-
-    return _trainer(tmp_path, **kw)
-
-
 def test_grpo_resume_is_bit_exact_with_bf16_weights_and_moments(tmp_path):
     """4 steps == 2 steps + resume + 2 steps with a bf16 model, no master, bf16 moments (mu=2,
     a KL reference, micro-batching): metrics, weights and moments bit for bit; and the
     gradient buffer is gone between steps."""
-    from test_grpo import _strip, first_is_even
-
     kw = dict(rewards=[first_is_even], steps=4, mu=2, kl_coef=0.05, micro_batch_tokens=40,
               model=dict(dtype="bfloat16"), optim=dict(lr=1e-2, master_weights=False, state_dtype="bfloat16"),
               checkpoint=dict(every=2, save_at_end=True))
-    a = _grpo(tmp_path / "a", **kw)
+    a = grpo_trainer(tmp_path / "a", **kw)
     assert a.model.dtype == BF16 and a.opt.master is a.model.flat and a.opt.m.dtype == BF16
     init = a.model.flat.clone()
     ha = a.train()
     assert all(h["grad_norm"] > 0 and h["skipped"] == 0 for h in ha)
     assert (a.model.flat != init).float().mean() > 0.5
     assert a.model.grad_flat is None  # released after the last step's updates
-    b = _grpo(tmp_path / "b", **{**kw, "steps": 2})
+    b = grpo_trainer(tmp_path / "b", **{**kw, "steps": 2})
     b.train()
-    c = _grpo(tmp_path / "b", **dict(kw, checkpoint=dict(every=2, save_at_end=True, resume="auto")))
+    c = grpo_trainer(tmp_path / "b", **dict(kw, checkpoint=dict(every=2, save_at_end=True, resume="auto")))
     hc = c.train()
-    assert c.step == 4 and _strip(ha) == _strip(hc)
+    assert c.step == 4 and no_timing(ha) == no_timing(hc)
     assert torch.equal(a.model.flat, c.model.flat)
     assert torch.equal(a.opt.m, c.opt.m) and torch.equal(a.opt.v, c.opt.v)
 
 
 def test_release_grads_option(tmp_path):
-    from test_grpo import first_is_even
-
-    kept = _grpo(tmp_path / "k", rewards=[first_is_even], steps=1, optim=dict(release_grads=False))
-    freed = _grpo(tmp_path / "f", rewards=[first_is_even], steps=1)
+    kept = grpo_trainer(tmp_path / "k", rewards=[first_is_even], steps=1, optim=dict(release_grads=False))
+    freed = grpo_trainer(tmp_path / "f", rewards=[first_is_even], steps=1)
     hk, hf = kept.train(), freed.train()
     assert kept.model.grad_flat is not None and freed.model.grad_flat is None
     assert torch.equal(kept.model.flat, freed.model.flat)  # the same step either way
@@ -383,12 +374,10 @@ def test_release_grads_option(tmp_path):
 def test_grpo_with_bf16_gradients(tmp_path):
     """The whole bf16 mode (no master, bf16 moments, bf16 gradients) trains: a step changes the
     weights, and its loss is the fp32-gradient run's (the forward is the same)."""
-    from test_grpo import first_is_even
-
     kw = dict(rewards=[first_is_even], steps=1, micro_batch_tokens=40, model=dict(dtype="bfloat16"))
     opt = dict(lr=1e-2, master_weights=False, state_dtype="bfloat16")
-    a = _grpo(tmp_path / "a", **kw, optim=dict(opt, grad_dtype="bfloat16", release_grads=False))
-    b = _grpo(tmp_path / "b", **kw, optim=opt)
+    a = grpo_trainer(tmp_path / "a", **kw, optim=dict(opt, grad_dtype="bfloat16", release_grads=False))
+    b = grpo_trainer(tmp_path / "b", **kw, optim=opt)
     init = a.model.flat.clone()
     ha, hb = a.train(), b.train()
     assert a.model.grad_flat.dtype == BF16 and ha[0]["skipped"] == 0
@@ -429,8 +418,6 @@ def test_grpo_gpu_bf16_mode_frees_grads_between_steps(tmp_path):
     import gc
     import math
 
-    from test_grpo import TINY, first_is_even
-
     from rlcu.data import synthetic as syn
 
     tok = syn.make_tokenizer()
@@ -440,9 +427,9 @@ def test_grpo_gpu_bf16_mode_frees_grads_between_steps(tmp_path):
     for release in (True, False):
         gc.collect()
         torch.cuda.empty_cache()
-        tr = _grpo(tmp_path / str(release), rewards=[first_is_even], steps=3,
-                   model=dict(tiny=tiny, device="cuda", dtype="bfloat16"),
-                   optim=dict(lr=1e-2, master_weights=False, state_dtype="bfloat16", release_grads=release))
+        tr = grpo_trainer(tmp_path / str(release), rewards=[first_is_even], steps=3,
+                          model=dict(tiny=tiny, device="cuda", dtype="bfloat16"),
+                          optim=dict(lr=1e-2, master_weights=False, state_dtype="bfloat16", release_grads=release))
         assert tr.opt.master is tr.model.flat and tr.opt.m.dtype == BF16 and tr.opt.state_bytes()["master"] == 0
         before = tr.model.flat.clone()
         for h in tr.train():

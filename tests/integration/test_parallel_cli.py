@@ -6,35 +6,22 @@ ranks is one job on both slots."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
-
-import rlcu
-
-SRC = str(Path(rlcu.__file__).resolve().parents[1])
+from support.parallel_util import SRC, torchrun_env, torchrun_sft
 
 
 def _torchrun(args, tmp_path, timeout=180):
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "RLCU_DIST_HEARTBEAT_S": "10"}
-    env.pop("TRITON_INTERPRET", None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "rlcu", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+                           "-m", "rlcu", *args], capture_output=True, text=True, timeout=timeout, env=torchrun_env(10),
+                          cwd=tmp_path)
 
 
 def test_torchrun_two_ranks_sft(tmp_path):
-    rows = [{"prompt_token_ids": [i % 61, (3 * i) % 61], "completion_token_ids": [(5 * i + j) % 61 for j in range(4)]}
-            for i in range(16)]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = {"model": {"tiny": {"vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-                              "max_position_embeddings": 64}, "device": "cpu"},
-           "data": {"path": str(tmp_path / "data.jsonl")}, "steps": 2, "grad_accum": 3, "batch_tokens": 16,
-           "log": {"out_dir": str(tmp_path / "run"), "progress": False, "plot": False}}
-    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(cfg))
+    torchrun_sft(tmp_path, 2, steps=2, grad_accum=3)
     pr = _torchrun(["sft", "sft.yaml"], tmp_path)
     assert pr.returncode == 0, pr.stderr[-3000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

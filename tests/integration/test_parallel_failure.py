@@ -10,16 +10,17 @@ import time
 import pytest
 import torch
 from support.parallel_util import run_ranks
-from test_parallel_zero import _batches, _cfg, _model
+from support.trainers import sft_config, tiny, token_rows
+from support.zero_util import zero_batches, zero_model, zero_optim
 
 
 def _doomed(rank, how):
     from rlcu.parallel.zero import ShardedAdamW
 
-    model = _model()
-    opt = ShardedAdamW(model, _cfg())
+    model = zero_model()
+    opt = ShardedAdamW(model, zero_optim())
     for step in range(1000):
-        seqs, n_tok = _batches(step % 4)
+        seqs, n_tok = zero_batches(step % 4)
         model.zero_grad()
         for i, s in enumerate(seqs[rank::2]):
             if rank == 1 and step == 2 and i == 1:  # mid-step: rank 0 is inside a reduce-scatter
@@ -53,7 +54,6 @@ def test_failed_rank_ends_the_other(tmp_path, capfd, how):
 
 def test_one_process_sets_up_nothing(tmp_path, monkeypatch):
     import torch.distributed as dist
-    from test_sft import config, tiny, token_rows
 
     from rlcu.optim import FlatAdamW
     from rlcu.parallel import comm
@@ -62,7 +62,7 @@ def test_one_process_sets_up_nothing(tmp_path, monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
     assert comm.init_from_env() == comm.World()
-    tr = SFTTrainer(config(tmp_path, "steps=1"), token_rows(4), model=tiny())
+    tr = SFTTrainer(sft_config(tmp_path, "steps=1"), token_rows(4), model=tiny())
     tr.train()
     assert type(tr.optimizer) is FlatAdamW and tr.model.grad_sink is None
     assert not dist.is_initialized()

@@ -11,10 +11,12 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels run interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from test_logprob_adamw import needs_triton  # noqa: E402
+from support.interp_util import needs_triton as needs_triton_for  # noqa: E402
 
 from rlcu.ops import adamw as adamw_mod  # noqa: E402
 from rlcu.ops.adamw import adamw_step  # noqa: E402
+
+needs_triton = needs_triton_for(adamw_mod._adamw_kernel)
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, seed=11)
 

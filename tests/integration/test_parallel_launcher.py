@@ -4,7 +4,6 @@ training on until the rendezvous store's bound (RLCU_DIST_HEARTBEAT_S, 60 s here
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
-from test_parallel_cli import SRC
+from support.parallel_util import torchrun_env, torchrun_sft
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
 
@@ -46,25 +44,6 @@ def _written(run: Path):
     ck = run / "checkpoints"
     return ((run / "metrics.jsonl").read_text() if (run / "metrics.jsonl").exists() else "",
             sorted(p.name for p in ck.iterdir()) if ck.exists() else [])
-
-
-def _config(tmp_path: Path) -> None:
-    rows = [{"prompt_token_ids": [i % 61, (3 * i) % 61], "completion_token_ids": [(5 * i + j) % 61 for j in range(4)]}
-            for i in range(16)]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = {"model": {"tiny": {"vocab_size": 61, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
-                              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-                              "max_position_embeddings": 64}, "device": "cpu"},
-           "data": {"path": str(tmp_path / "data.jsonl")}, "steps": 1_000_000, "batch_tokens": 16,
-           "checkpoint": {"every": 5, "keep_last": 2},
-           "log": {"out_dir": str(tmp_path / "run"), "progress": False, "plot": False}}
-    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(cfg))
-
-
-def _env(**kw) -> dict:
-    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "RLCU_DIST_HEARTBEAT_S": "60", **kw}
-    env.pop("TRITON_INTERPRET", None)
-    return env
 
 
 def _kill_launcher(tmp_path: Path, argv: list[str], env: dict, n_ranks: int) -> dict:
@@ -101,9 +80,9 @@ def _kill_launcher(tmp_path: Path, argv: list[str], env: dict, n_ranks: int) -> 
 
 
 def test_killed_torchrun_ends_its_ranks(tmp_path):
-    _config(tmp_path)
+    torchrun_sft(tmp_path, 1, steps=1_000_000, checkpoint={"every": 5, "keep_last": 2})
     got = _kill_launcher(tmp_path, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                    "--nproc-per-node", "2", "-m", "rlcu", "sft", "sft.yaml"], _env(), 2)
+                                    "--nproc-per-node", "2", "-m", "rlcu", "sft", "sft.yaml"], torchrun_env(60), 2)
     assert not got["alive"], f"ranks {got['alive']} still running 15 s after the kill"
     assert not got["wrote_after"]  # nothing written once they ended (no orphan left behind)
     assert all(f"rank {r} stops: its launcher" in got["text"] for r in range(2)), got["text"][-3000:]
@@ -112,10 +91,10 @@ def test_killed_torchrun_ends_its_ranks(tmp_path):
 def test_killed_launcher_ends_its_one_rank(tmp_path):
     """torchrun with one rank makes no process group (no watchdog): a stand-in for it (a
     session of its own for the rank, torchrun's variables) killed ends its rank all the same."""
-    _config(tmp_path)
+    torchrun_sft(tmp_path, 1, steps=1_000_000, checkpoint={"every": 5, "keep_last": 2})
     launcher = ("import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-m', 'rlcu', 'sft', "
                 "'sft.yaml'], start_new_session=True))")
-    env = _env(TORCHELASTIC_RUN_ID="test", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    env = torchrun_env(60, TORCHELASTIC_RUN_ID="test", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     got = _kill_launcher(tmp_path, [sys.executable, "-c", launcher], env, 1)
     assert not got["alive"], f"ranks {got['alive']} still running 15 s after the kill"
     assert not got["wrote_after"]  # nothing written once they ended (no orphan left behind)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.parallel_util import ok, run_ranks
-from test_sft import config, tiny, token_rows
+from support.trainers import sft_config, tiny, token_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -19,8 +19,8 @@ CASES = ((1, 24), (3, 24), (1, 4))
 def _sft(out, grad_accum: int, batch_tokens: int):
     from rlcu.train.sft import SFTTrainer
 
-    cfg = config(out, "optim.lr=3e-2", f"grad_accum={grad_accum}", f"batch_tokens={batch_tokens}", "steps=3",
-                 "checkpoint.every=0", "checkpoint.save_at_end=false")
+    cfg = sft_config(out, "optim.lr=3e-2", f"grad_accum={grad_accum}", f"batch_tokens={batch_tokens}", "steps=3",
+                     "checkpoint.every=0", "checkpoint.save_at_end=false")
     tr = SFTTrainer(cfg, token_rows(16), model=tiny())
     tr.train()
     return tr.model.flat.clone(), [(h["loss"], h["tokens"], h["completion_tokens"], h["sequences"])

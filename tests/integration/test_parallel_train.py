@@ -8,10 +8,7 @@ import json
 import pytest
 import torch
 from support.parallel_util import ok, run_ranks
-from test_grpo import _cfg as grpo_cfg
-from test_grpo import first_is_even
-from test_sft import config as sft_config
-from test_sft import tiny, token_rows
+from support.trainers import first_is_even, grpo_config, ppo_trainer, sft_config, tiny, token_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -35,16 +32,14 @@ def _grpo(out):
     from rlcu.data import synthetic as syn
     from rlcu.train.grpo import GRPOTrainer
 
-    cfg, tok = grpo_cfg(out, **GRPO_KW)
+    cfg, tok = grpo_config(out, **GRPO_KW)
     tr = GRPOTrainer(cfg, syn.sort_rows(64, "train", min_len=2, max_len=3), [first_is_even], tokenizer=tok)
     return tr, tr.train()
 
 
 def _ppo(tmp, **kw):
-    from test_ppo import _trainer
-
-    tr = _trainer(tmp, steps=3, micro_batch_tokens=24, optim=dict(lr=3e-2), critic=dict(optim=dict(lr=3e-2)),
-                  checkpoint=dict(every=2, save_at_end=False, keep_last=0, **kw))
+    tr = ppo_trainer(tmp, steps=3, micro_batch_tokens=24, optim=dict(lr=3e-2), critic=dict(optim=dict(lr=3e-2)),
+                     checkpoint=dict(every=2, save_at_end=False, keep_last=0, **kw))
     return tr, tr.train()
 
 
@@ -103,7 +98,7 @@ def _grpo_init(tmp_path):
     from rlcu.data import synthetic as syn
     from rlcu.train.grpo import GRPOTrainer
 
-    cfg, tok = grpo_cfg(tmp_path, **GRPO_KW)
+    cfg, tok = grpo_config(tmp_path, **GRPO_KW)
     return GRPOTrainer(cfg, syn.sort_rows(8, "train", min_len=2, max_len=3), [first_is_even],
                        tokenizer=tok).model.flat.clone()
 

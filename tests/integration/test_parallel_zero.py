@@ -7,31 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from support.parallel_util import ok, run_ranks
+from support.zero_util import zero_batches, zero_model, zero_optim
 
-import rlcu
-from rlcu.config import OptimConfig
-
-TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
 STEPS = 4
-
-
-def _model(dtype=torch.float32):
-    return rlcu.Qwen3.from_config(rlcu.Qwen3Config(**TINY), seed=1, dtype=dtype)
-
-
-def _batches(step):
-    """Four sequences a step (two per rank at 2 ranks), token weights normalised globally."""
-    g = torch.Generator().manual_seed(100 + step)
-    seqs = [torch.randint(0, 61, (int(n),), generator=g) for n in torch.randint(3, 9, (4,), generator=g)]
-    n_tok = sum(len(s) - 1 for s in seqs)
-    return seqs, n_tok
 
 
 def _train(model, opt, rank, size, steps=STEPS):
     infos = []
     for step in range(steps):
-        seqs, n_tok = _batches(step)
+        seqs, n_tok = zero_batches(step)
         model.zero_grad()
         for s in seqs[rank::size]:
             cu = torch.tensor([0, len(s)], dtype=torch.int32)
@@ -39,10 +23,6 @@ def _train(model, opt, rank, size, steps=STEPS):
             model.backward(torch.full((len(s),), -1.0 / n_tok))
         infos.append(opt.step(3e-2))
     return infos
-
-
-def _cfg(**kw):
-    return OptimConfig(lr=3e-2, max_grad_norm=0.5, weight_decay=0.1, **kw)
 
 
 def _ranks_fn(rank, out):
@@ -53,25 +33,25 @@ def _ranks_fn(rank, out):
 
     res = {}
     for overlap in (True, False):
-        model = _model()
-        opt = ShardedAdamW(model, _cfg(), overlap=overlap)
+        model = zero_model()
+        opt = ShardedAdamW(model, zero_optim(), overlap=overlap)
         res[overlap] = (model.flat.clone(), _train(model, opt, rank, 2))
         res[overlap] = (model.flat.clone(), res[overlap][1])
         if overlap:
             (out / "optim").mkdir(exist_ok=True)
             torch.save(opt.state_dict(), out / "optim" / f"rank-{rank:05d}-of-00002.pt")
     kw = {"master_weights": False, "state_dtype": "bfloat16"}
-    model = _model(torch.bfloat16)
-    _train(model, ShardedAdamW(model, _cfg(**kw)), rank, 2)
+    model = zero_model(torch.bfloat16)
+    _train(model, ShardedAdamW(model, zero_optim(**kw)), rank, 2)
     res["bf16"] = model.flat.clone()
     # 1 -> 2: a one-process state after 2 steps (resume/), continued here
-    model = _model()
+    model = zero_model()
     model.flat.copy_(torch.load(out / "resume" / "flat.pt"))
-    opt = ShardedAdamW(model, _cfg())
+    opt = ShardedAdamW(model, zero_optim())
     load_optimizer(out / "resume", opt)
     assert opt.step_count == 2
     for step in range(2, STEPS):
-        seqs, n_tok = _batches(step)
+        seqs, n_tok = zero_batches(step)
         model.zero_grad()
         for s in seqs[rank::2]:
             model.forward(s, torch.tensor([0, len(s)], dtype=torch.int32))
@@ -106,8 +86,8 @@ def _batch_helpers(rank):
 def _one(dtype=torch.float32, cfgkw=None):
     from rlcu.optim import FlatAdamW
 
-    model = _model(dtype)
-    opt = FlatAdamW(model, _cfg(**(cfgkw or {})))
+    model = zero_model(dtype)
+    opt = FlatAdamW(model, zero_optim(**(cfgkw or {})))
     infos = _train(model, opt, 0, 1)
     return model, opt, infos
 
@@ -120,8 +100,8 @@ def test_two_ranks_match_one_process(tmp_path):
     from rlcu.optim import FlatAdamW
     from rlcu.parallel.ckpt import load_optimizer
 
-    m1 = _model()
-    o1 = FlatAdamW(m1, _cfg())
+    m1 = zero_model()
+    o1 = FlatAdamW(m1, zero_optim())
     _train(m1, o1, 0, 1, steps=2)
     (tmp_path / "resume").mkdir()
     torch.save(o1.state_dict(), tmp_path / "resume" / "optim.pt")
@@ -129,7 +109,7 @@ def test_two_ranks_match_one_process(tmp_path):
     d, _ = run_ranks(_ranks_fn, 2, tmp_path, tmp_path)
     r0, r1 = ok(d)
     ref, opt, infos = _one()
-    start = _model().flat
+    start = zero_model().flat
     assert _rel(ref.flat - start, start) > 1e-2  # the learning rate moves the weights visibly
     assert min(b["clip_scale"] for b in infos) < 1  # and clipping (0.5) is active
     for overlap in (True, False):
@@ -140,9 +120,9 @@ def test_two_ranks_match_one_process(tmp_path):
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
             assert a["clip_scale"] == pytest.approx(b["clip_scale"], rel=1e-5)
     # 2 -> 1: the shards written at 2 ranks load into one process's FlatAdamW
-    m2 = _model()
+    m2 = zero_model()
     m2.flat.copy_(r0[True][0])
-    o2 = FlatAdamW(m2, _cfg())
+    o2 = FlatAdamW(m2, zero_optim())
     load_optimizer(tmp_path, o2)
     assert o2.step_count == STEPS
     assert _rel(o2.m, opt.m) < 1e-4 and _rel(o2.v, opt.v) < 1e-4

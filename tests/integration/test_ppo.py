@@ -9,15 +9,11 @@ import math
 import pytest
 import torch
 from support.hf_util import make_hf_model, rel_err
+from support.trainers import TINY, ppo_trainer
 
 from rlcu.data import synthetic as syn
 from rlcu.train import losses
 from rlcu.train.critic import Critic
-
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True,
-            rope_theta=10000.0, bos_token_id=None)
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -96,27 +92,10 @@ def test_critic_matches_hf_autograd(tmp_path):
         assert rel_err(critic.trunk.grads[name], p.grad) < 1e-4, name
 
 
-def _trainer(tmp_path, **kw):
-    from rlcu.config import PPOConfig, _build
-    from rlcu.train.ppo import PPOTrainer
-
-    tok = syn.make_tokenizer()
-    model = dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id), init_seed=3)
-    d = dict(model=dict(model, **kw.pop("model", {})),
-             steps=2, prompts_per_step=4, group_size=2, max_new_tokens=4, micro_batch_tokens=64,
-             optim=dict(lr=3e-3), critic=dict(optim=dict(lr=3e-3)), kl_coef=0.05, entropy_coef=0.01,
-             rewards=[{"fn": "rlcu.data.synthetic:partial_match_reward"}],
-             log=dict(out_dir=str(tmp_path / "run"), progress=False, tensorboard=False, plot=False),
-             checkpoint=dict(save_at_end=False), seed=5)
-    d.update(kw)
-    cfg = _build(PPOConfig, d)
-    return PPOTrainer(cfg, syn.sort_rows(32, "train", min_len=2, max_len=3), tokenizer=tok)
-
-
 def test_ppo_step_runs_and_fits_values(tmp_path):
     from rlcu.train import rollout as ro
 
-    tr = _trainer(tmp_path)
+    tr = ppo_trainer(tmp_path)
     hist = tr.train()
     assert len(hist) == 2
     for h in hist:
@@ -138,8 +117,8 @@ def test_ppo_bf16_mode_with_bf16_gradients(tmp_path):
     """Policy and critic in the bf16 mode (no master, bf16 moments and gradients): the critic's
     buffer (its trunk's gradients a view of it) is bf16, and both models' weights move."""
     bf16 = dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16", release_grads=False)
-    tr = _trainer(tmp_path, steps=1, model=dict(dtype="bfloat16"),
-                  optim=dict(lr=3e-3, **bf16), critic=dict(optim=dict(lr=3e-3, **bf16)))
+    tr = ppo_trainer(tmp_path, steps=1, model=dict(dtype="bfloat16"),
+                     optim=dict(lr=3e-3, **bf16), critic=dict(optim=dict(lr=3e-3, **bf16)))
     w0, c0 = tr.model.flat.clone(), tr.critic.flat.clone()
     h = tr.train()[0]
     assert all(math.isfinite(h[k]) for k in ("loss", "vf_loss", "grad_norm"))
@@ -150,11 +129,11 @@ def test_ppo_bf16_mode_with_bf16_gradients(tmp_path):
 
 def test_ppo_resume_restores_critic(tmp_path):
     kw = dict(steps=3, checkpoint=dict(every=1, save_at_end=True))
-    a = _trainer(tmp_path / "a", **kw)
+    a = ppo_trainer(tmp_path / "a", **kw)
     ha = a.train()
-    b = _trainer(tmp_path / "b", **{**kw, "steps": 1})
+    b = ppo_trainer(tmp_path / "b", **{**kw, "steps": 1})
     b.train()
-    c = _trainer(tmp_path / "b", **{**kw, "checkpoint": dict(every=1, save_at_end=True, resume="auto")})
+    c = ppo_trainer(tmp_path / "b", **{**kw, "checkpoint": dict(every=1, save_at_end=True, resume="auto")})
     hc = c.train()
     strip = lambda hs: [{k: v for k, v in h.items() if not k.startswith("time/")} for h in hs]  # noqa: E731
     assert strip(ha) == strip(hc)
@@ -164,9 +143,9 @@ def test_ppo_resume_restores_critic(tmp_path):
 
 @pytest.mark.gpu
 def test_ppo_on_gpu_kernels(tmp_path):
-    tr = _trainer(tmp_path, steps=3, model=dict(tiny=dict(TINY, vocab_size=syn.make_tokenizer().vocab_size,
-                                                          eos_token_id=syn.make_tokenizer().eos_token_id),
-                                                device="cuda", dtype="bfloat16"))
+    tr = ppo_trainer(tmp_path, steps=3, model=dict(tiny=dict(TINY, vocab_size=syn.make_tokenizer().vocab_size,
+                                                             eos_token_id=syn.make_tokenizer().eos_token_id),
+                                                   device="cuda", dtype="bfloat16"))
     assert tr.critic.flat.is_cuda and tr.critic.flat.dtype == torch.bfloat16
     hist = tr.train()
     for h in hist:

@@ -83,12 +83,12 @@ def test_live_bar_keeps_step_and_clocks_at_80_and_120_columns(tmp_path):
 def test_ppo_progress_line_keeps_the_total_reward_with_two_reward_functions(tmp_path):
     """PPO's step puts the per-function rewards and the lengths before the total: the line still
     shows the total reward and the loss."""
-    from test_ppo import _trainer
+    from support.trainers import ppo_trainer
 
     from rlcu.train.logging import RunLogger
 
-    tr = _trainer(tmp_path, steps=1, rewards=[{"fn": "rlcu.data.synthetic:partial_match_reward"},
-                                              {"fn": "rlcu.data.synthetic:exact_match_reward"}])
+    tr = ppo_trainer(tmp_path, steps=1, rewards=[{"fn": "rlcu.data.synthetic:partial_match_reward"},
+                                                 {"fn": "rlcu.data.synthetic:exact_match_reward"}])
     m = tr.train_step(0)
     shown = dict(kv.split(" ") for kv in RunLogger._short(m).split("  "))
     assert {"reward", "loss", "mismatch/abs_mean"} <= set(shown), shown

@@ -9,14 +9,12 @@ import sys
 
 import pytest
 import yaml
+from support.trainers import TINY
 
 from rlcu.data import synthetic as syn
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True,
-            rope_theta=10000.0, bos_token_id=None)
 
 _MOD = '''
 def ok(completions, **kw):

@@ -4,7 +4,7 @@ format bonus beside exact match, which makes every total positive, does not hide
 own score."""
 
 import pytest
-from test_grpo import _cfg
+from support.trainers import grpo_config
 
 from rlcu.data import synthetic as syn
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def _trainer(tmp_path, rewards, held):
     from rlcu.train.grpo import GRPOTrainer
 
-    cfg, tok = _cfg(tmp_path)
+    cfg, tok = grpo_config(tmp_path)
     return GRPOTrainer(cfg, syn.sort_rows(8, "train", min_len=2, max_len=3), rewards, tokenizer=tok,
                        eval_dataset=held)
 

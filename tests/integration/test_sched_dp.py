@@ -10,8 +10,9 @@ import time
 
 import pytest
 import torch
+from support.grpo_job import MEM, ROWS, TOK, config
 from support.parallel_util import ok, run_ranks
-from test_sched_job import MEM, ROWS, TOK, config
+from support.shapes import SHAPES
 
 from rlcu.data.synthetic import partial_match_reward
 from rlcu.sched.client import SchedClient
@@ -259,8 +260,6 @@ def test_tick_protocol_yields_every_rank_even_one_done(tmp_path):
 def test_memory_per_rank_estimate_shards_the_optimizer():
     """A job of N ranks registers what one rank holds: Qwen3-14B in the default precision does
     not fit one H200's 139 GiB resident, but its 8-rank job does, with room for its phases."""
-    from support.shapes import SHAPES
-
     from rlcu.config import GRPOConfig
     from rlcu.sched.job import estimate_memory, job_memory
 

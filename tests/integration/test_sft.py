@@ -6,38 +6,16 @@ import json
 
 import pytest
 import torch
+from support.trainers import SFT_TINY, V, sft_config, tiny, token_rows
 
 import rlcu
-from rlcu.config import SFTConfig, load_config
 from rlcu.data.tokenizer import make_word_tokenizer
 from rlcu.train.sft import SFTTrainer
 
-V = 61
-TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
 TIMING = ("tokens_per_s", "step_seconds")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def tiny(seed=0):
-    return rlcu.Qwen3.from_config(rlcu.Qwen3Config(**TINY), seed=seed)
-
-
-def token_rows(n=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(n):
-        lp, lc = torch.randint(1, 9, (2,), generator=g).tolist()
-        rows.append({"prompt_token_ids": torch.randint(0, V, (lp,), generator=g).tolist(),
-                     "completion_token_ids": torch.randint(0, V, (lc,), generator=g).tolist()})
-    return rows
-
-
-def config(out, *sets):
-    return load_config(SFTConfig, None, [f"log.out_dir={out}", "log.progress=false", "log.plot=false",
-                                         "optim.lr=1e-3", *sets])
 
 
 def test_loss_and_grad_match_hf_autograd(tmp_path):
@@ -46,7 +24,7 @@ def test_loss_and_grad_match_hf_autograd(tmp_path):
     rows = token_rows(4)
     lens = [len(r["prompt_token_ids"]) + len(r["completion_token_ids"]) for r in rows]
     bt = max(lens[0] + lens[1], lens[2] + lens[3])  # two micro-batches of two examples
-    tr = SFTTrainer(config(tmp_path, "data.shuffle=false", f"batch_tokens={bt}", "grad_accum=2", "steps=1"),
+    tr = SFTTrainer(sft_config(tmp_path, "data.shuffle=false", f"batch_tokens={bt}", "grad_accum=2", "steps=1"),
                     rows, model=tiny())
     tr.model.save_pretrained(tmp_path / "hf")
     hf = Qwen3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").float()
@@ -81,12 +59,12 @@ def test_resume_is_bit_exact(tmp_path):
     rows = token_rows(10)
     sets = ["steps=6", "batch_tokens=24", "grad_accum=2", "optim.schedule=cosine", "optim.warmup_steps=2",
             "optim.weight_decay=0.1", "checkpoint.keep_last=1"]
-    a = SFTTrainer(config(tmp_path / "a", *sets), rows, model=tiny())
+    a = SFTTrainer(sft_config(tmp_path / "a", *sets), rows, model=tiny())
     a.train()
-    b = SFTTrainer(config(tmp_path / "b", *sets), rows, model=tiny())
+    b = SFTTrainer(sft_config(tmp_path / "b", *sets), rows, model=tiny())
     b.train(until=3)
     assert b.last_checkpoint.name == "step-000003"
-    c = SFTTrainer(config(tmp_path / "b", *sets, "checkpoint.resume=auto"), rows, model=tiny(seed=7))
+    c = SFTTrainer(sft_config(tmp_path / "b", *sets, "checkpoint.resume=auto"), rows, model=tiny(seed=7))
     c.train()
     assert c.step == 6 and "resumed from" in (tmp_path / "b" / "log.txt").read_text()
     assert torch.equal(c.model.flat, a.model.flat)
@@ -101,8 +79,8 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 def test_nonfinite_skip_and_abort(tmp_path):
-    tr = SFTTrainer(config(tmp_path, "steps=8", "batch_tokens=16", "optim.max_nonfinite_in_row=2",
-                           "checkpoint.keep_last=0"), token_rows(6), model=tiny())
+    tr = SFTTrainer(sft_config(tmp_path, "steps=8", "batch_tokens=16", "optim.max_nonfinite_in_row=2",
+                               "checkpoint.keep_last=0"), token_rows(6), model=tiny())
     forward, calls, snaps = tr.model.forward, [0], []
 
     def bad_forward(*a, **k):  # step 3 and steps 5.. produce a nan loss
@@ -151,8 +129,8 @@ def test_chat_sft_end_to_end(tmp_path):
     data.write_text("\n".join(lines) + "\n")
     held = tmp_path / "eval.jsonl"
     held.write_text("\n".join(lines[:2]) + "\n")
-    cfg = config(tmp_path / "run", f"data.path={data}", "steps=12", "batch_tokens=64", "optim.lr=1e-2",
-                 "max_seq_len=24", "checkpoint.every=6", "log.every=3", f"data.eval_path={held}", "eval_every=6")
+    cfg = sft_config(tmp_path / "run", f"data.path={data}", "steps=12", "batch_tokens=64", "optim.lr=1e-2",
+                     "max_seq_len=24", "checkpoint.every=6", "log.every=3", f"data.eval_path={held}", "eval_every=6")
     tr = SFTTrainer(cfg, model=tiny(), tokenizer=tok)
     assert len(tr.examples) == 12
     tr.train()
@@ -173,13 +151,13 @@ def test_chat_sft_end_to_end(tmp_path):
 
 def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="SFT needs data"):
-        SFTTrainer(config(tmp_path), model=tiny())
+        SFTTrainer(sft_config(tmp_path), model=tiny())
     with pytest.raises(ValueError, match=r"dataset\[1\]: an SFT row needs"):
-        SFTTrainer(config(tmp_path), [token_rows(1)[0], {"text": "x"}], model=tiny())
+        SFTTrainer(sft_config(tmp_path), [token_rows(1)[0], {"text": "x"}], model=tiny())
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        SFTTrainer(config(tmp_path), [{"prompt_token_ids": [1], "completion_token_ids": [V]}], model=tiny())
+        SFTTrainer(sft_config(tmp_path), [{"prompt_token_ids": [1], "completion_token_ids": [V]}], model=tiny())
     with pytest.raises(ValueError, match="text SFT rows need a tokenizer"):
-        SFTTrainer(config(tmp_path), [{"prompt": "a", "completion": "b"}], model=tiny())
+        SFTTrainer(sft_config(tmp_path), [{"prompt": "a", "completion": "b"}], model=tiny())
 
 
 def test_config_forms(tmp_path):
@@ -194,14 +172,14 @@ def test_config_forms(tmp_path):
 @pytest.mark.gpu
 def test_sft_on_gpu_bf16(tmp_path):
     sets = ["steps=6", "batch_tokens=64", "grad_accum=2", "optim.lr=1e-2", "model.device=cuda"]
-    m = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**TINY), device="cuda", dtype=torch.bfloat16)
-    tr = SFTTrainer(config(tmp_path, *sets), token_rows(4) * 4, model=m)
+    m = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**SFT_TINY), device="cuda", dtype=torch.bfloat16)
+    tr = SFTTrainer(sft_config(tmp_path, *sets), token_rows(4) * 4, model=m)
     assert tr.optimizer.master.dtype == torch.float32 and m.flat.dtype == torch.bfloat16
     tr.train()
     rows = _rows_of(tmp_path / "metrics.jsonl")
     assert all(r["skipped"] == 0 for r in rows) and rows[-1]["loss"] < rows[0]["loss"]
-    m2 = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**TINY), device="cuda", dtype=torch.bfloat16, seed=3)
-    tr2 = SFTTrainer(config(tmp_path, *sets), token_rows(4) * 4, model=m2)
+    m2 = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**SFT_TINY), device="cuda", dtype=torch.bfloat16, seed=3)
+    tr2 = SFTTrainer(sft_config(tmp_path, *sets), token_rows(4) * 4, model=m2)
     tr2.resume(tr.last_checkpoint)
     assert torch.equal(m2.flat, m.flat) and torch.equal(tr2.optimizer.master, tr.optimizer.master)
 

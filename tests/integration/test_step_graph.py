@@ -13,8 +13,8 @@ if not torch.cuda.is_available():  # before triton is imported: kernels run inte
 
 from support.hf_util import rel_err  # noqa: E402
 from support.interp_util import needs_triton as needs_triton_for  # noqa: E402
+from support.trainers import V, sft_config, tiny, token_rows  # noqa: E402
 
-import rlcu  # noqa: E402
 from rlcu.config import ConfigError, SFTConfig, load_config  # noqa: E402
 from rlcu.ops import adamw as adamw_mod  # noqa: E402
 from rlcu.ops.adamw import adamw_step, adamw_step_device, step_coefs  # noqa: E402
@@ -25,15 +25,7 @@ from rlcu.train.step_graph import StepGraph, why_not  # noqa: E402
 
 needs_triton = needs_triton_for(adamw_mod._adamw_kernel)
 
-V = 61
-TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def tiny(seed=0):
-    return rlcu.Qwen3.from_config(rlcu.Qwen3Config(**TINY), seed=seed)
 
 
 def batch(lens, seed=0):
@@ -206,14 +198,12 @@ def test_config_switch(tmp_path):
 
 
 def test_sft_falls_back_on_the_cpu(tmp_path):
-    from test_sft import config, token_rows
-
     from rlcu.train.sft import SFTTrainer
 
     rows = token_rows(8)
     res = {}
     for on in (False, True):
-        tr = SFTTrainer(config(tmp_path / str(on), "steps=2", "batch_tokens=40", f"cuda_graph={on}"), rows,
+        tr = SFTTrainer(sft_config(tmp_path / str(on), "steps=2", "batch_tokens=40", f"cuda_graph={on}"), rows,
                         model=tiny())
         assert tr.step_graph is None
         assert any("cuda_graph: eager steps (CUDA graphs need a CUDA device" in n for n in tr._notes) == on

@@ -4,6 +4,7 @@ weights, fp32 master, moments) are expected bit for bit."""
 
 import pytest
 import torch
+from support.trainers import SFT_TINY, V, sft_config, token_rows
 
 import rlcu
 from rlcu.config import OptimConfig
@@ -14,9 +15,6 @@ from rlcu.train.step_graph import StepGraph
 
 pytestmark = pytest.mark.gpu
 
-V = 61
-TINY = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True)
 BUDGET = 64
 
 
@@ -42,7 +40,7 @@ def _steps(critic=False):
 
 
 def _make(critic: bool, graphs: bool, ckpt):
-    m = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**TINY), device="cuda", dtype=torch.bfloat16, seed=0)
+    m = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**SFT_TINY), device="cuda", dtype=torch.bfloat16, seed=0)
     m.gradient_checkpointing = ckpt
     if critic:
         m = Critic.from_trunk(m, head_init_std=0.1)
@@ -114,16 +112,14 @@ def test_recaptures_when_the_gradients_move():
 
 
 def test_sft_with_cuda_graph(tmp_path):
-    from test_sft import config, token_rows
-
     from rlcu.train.sft import SFTTrainer
 
     rows = token_rows(16)
     res = {}
     for on in (False, True):
-        m = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**TINY), device="cuda", dtype=torch.bfloat16, seed=0)
-        tr = SFTTrainer(config(tmp_path / str(on), "steps=3", "batch_tokens=48", "grad_accum=2",
-                               "model.device=cuda", f"cuda_graph={on}"), rows, model=m)
+        m = rlcu.Qwen3.from_config(rlcu.Qwen3Config(**SFT_TINY), device="cuda", dtype=torch.bfloat16, seed=0)
+        tr = SFTTrainer(sft_config(tmp_path / str(on), "steps=3", "batch_tokens=48", "grad_accum=2",
+                                   "model.device=cuda", f"cuda_graph={on}"), rows, model=m)
         assert (tr.step_graph is not None) == on
         res[on] = tr.train()
     # the head runs over other rows (all of them, shifted), so the sums round differently

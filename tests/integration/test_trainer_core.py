@@ -14,15 +14,11 @@ import math
 import pytest
 import torch
 import yaml
+from support.run_util import TINY, TOK
 
 from rlcu.data import synthetic as syn
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-TOK = syn.make_tokenizer()
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=16, max_position_embeddings=32, tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=None,
-            vocab_size=TOK.vocab_size, eos_token_id=TOK.eos_token_id)
 
 
 def rl_config(out, **kw) -> dict:

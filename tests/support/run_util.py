@@ -1,6 +1,6 @@
-"""A tiny SFT run on the synthetic sort task for the command-line tests of the run folder and
-its failures (tests/test_run_dir.py, tests/test_disk_full.py): its tokenizer, model shape and
-a YAML file that `rlcu sft` takes."""
+"""The sort task's tokenizer and the tiny model sized to it (support/trainers.py's TINY with its
+vocabulary and eos), and a tiny SFT run of them as the YAML file `rlcu sft` takes (the
+command-line tests of the run folder and its failures)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import json
 import yaml
 
 from rlcu.data import synthetic as syn
+from support import trainers
 
 TOK = syn.make_tokenizer()
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=16, max_position_embeddings=32, tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=None,
-            vocab_size=TOK.vocab_size, eos_token_id=TOK.eos_token_id)
+TINY = dict(trainers.TINY, vocab_size=TOK.vocab_size, eos_token_id=TOK.eos_token_id)
 
 
 def sft_yaml(tmp_path, **kw) -> str:

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from support.hf_util import rel_err
-from test_engine_ops import _paged_setup
+from support.paged_util import paged_setup
 
 import rlcu.ops.paged_attention as pa
 from rlcu.ops.paged_decode_list import DecodeWork
@@ -50,7 +50,7 @@ def test_work_list(list_plan):
     counters zeroed whatever the buffer held."""
     ctx = [1, 37, 16, 100, 65, 0, 40]
     q_lens = [1, 1, 1, 1, 1, 1, 0]  # a padding entry (no keys) and a sequence without a query
-    args, _ = _paged_setup(q_lens, ctx, 4, 2, 32, 8)
+    args, _ = paged_setup(q_lens, ctx, 4, 2, 32, 8)
     cu, lens = args[4], args[5]
     plan = pa.decode_plan(len(ctx), 2, 128, 2)
     w = DecodeWork(cu, lens, 2, plan)
@@ -82,7 +82,7 @@ def test_list_kernel_vs_twin(shape, list_plan):
     """The kernel computes the twin's function at every plan; the output is poisoned first, so
     each row with a query must be written (a padding entry's as zeros)."""
     q_lens, ctx, Hq, Hk, D, BS = SHAPES[shape]
-    args, _ = _paged_setup(q_lens, ctx, Hq, Hk, D, BS, seed=4)
+    args, _ = paged_setup(q_lens, ctx, Hq, Hk, D, BS, seed=4)
     q, kc, vc, bt, cu, lens = args
     o = torch.full_like(q, float("nan"))
     kcv, vcv = kc.view(-1, Hk, D), vc.view(-1, Hk, D)
@@ -103,7 +103,7 @@ def test_work_shared_by_layers_and_order_free(list_plan):
     the same bits: the combine runs in chunk order."""
     q_lens, ctx = [1] * 5, [70, 5, 130, 33, 64]
     Hq, Hk, D, BS = 4, 2, 32, 8
-    layers = [_paged_setup(q_lens, ctx, Hq, Hk, D, BS, seed=s)[0] for s in (1, 2)]
+    layers = [paged_setup(q_lens, ctx, Hq, Hk, D, BS, seed=s)[0] for s in (1, 2)]
     cu, lens = layers[0][4], layers[0][5]
     work = pa.decode_work(cu, lens, Hk)
     assert work is not None and work.meta[1] > len(ctx)  # some sequences are split
@@ -121,7 +121,7 @@ def test_work_shared_by_layers_and_order_free(list_plan):
 
 @pytest.mark.parametrize("list_plan", ["fine"], indirect=True)
 def test_work_of_other_sizes_is_refused(list_plan):
-    args, _ = _paged_setup([1] * 3, [9, 20, 4], 4, 2, 32, 8)
+    args, _ = paged_setup([1] * 3, [9, 20, 4], 4, 2, 32, 8)
     work = pa.decode_work(args[4][:3], args[5][:2], 2)
     with pytest.raises(ValueError, match="work list is for 2 sequences x 2 KV heads, the call has 3 x 2"):
         pa.paged_attention(*args, 1, 32, 32**-0.5, None, work)

@@ -6,10 +6,10 @@ import math
 import os
 import warnings
 
-import numpy as np
 import pytest
 import torch
 from support.hf_util import rel_err
+from support.paged_util import paged_setup
 
 import rlcu.ops.kv_cache as kvc
 import rlcu.ops.paged_attention as pa
@@ -29,36 +29,6 @@ def triton_backend(monkeypatch):
 
 
 # ------------------------------------------------------------------------------ helpers
-def _paged_setup(q_lens, ctx_lens, Hq, Hk, D, BS, num_blocks=None, dtype=torch.float32,
-                 device=DEV, seed=0):
-    """Random full K/V per sequence written into a shuffled block pool; the queries of the last
-    q_len tokens. Returns everything paged_attention takes plus the dense per-sequence K/V."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    S = len(q_lens)
-    need = [(L + BS - 1) // BS for L in ctx_lens]
-    num_blocks = num_blocks or sum(need) + 3
-    perm = torch.randperm(num_blocks, generator=g, device=device)  # shuffled, non-contiguous
-    max_blocks = max(need) + 2
-    bt = torch.full((S, max_blocks), -1, dtype=torch.int32, device=device)  # -1 past the end
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g, device=device).to(dtype)
-
-    kc, vc = rand(num_blocks, BS, Hk, D), rand(num_blocks, BS, Hk, D)  # garbage in free slots
-    dense, used = [], 0
-    for s, L in enumerate(ctx_lens):
-        blocks = perm[used : used + need[s]]
-        used += need[s]
-        bt[s, : need[s]] = blocks.int()
-        k, v = rand(L, Hk, D), rand(L, Hk, D)
-        slots = blocks.repeat_interleave(BS)[:L] * BS + torch.arange(L, device=device) % BS
-        kvc.kv_write_ref(k, v, kc, vc, slots)
-        dense.append((k, v))
-    cu = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=device)
-    q = rand(int(cu[-1]), Hq, D)
-    return [q, kc, vc, bt, cu, torch.tensor(ctx_lens, dtype=torch.int32, device=device)], dense
-
-
 def _dense_attention(q, dense, q_lens, ctx_lens, scale):
     """Plain causal attention on the gathered K/V of each sequence (fp64)."""
     outs, q0 = [], 0
@@ -115,7 +85,7 @@ CASES = {  # name: (q_lens, ctx_lens, Hq, Hk, D, block_size)
 @pytest.mark.parametrize("case", list(CASES))
 def test_paged_attention_twin_vs_dense(case):
     q_lens, ctx, Hq, Hk, D, BS = CASES[case]
-    args, dense = _paged_setup(q_lens, ctx, Hq, Hk, D, BS, device="cpu")
+    args, dense = paged_setup(q_lens, ctx, Hq, Hk, D, BS, device="cpu")
     scale = D**-0.5
     o = pa.paged_attention(*args, max(q_lens), max(ctx), scale)
     ref = _dense_attention(args[0], dense, q_lens, ctx, scale)
@@ -136,7 +106,7 @@ KERNEL_CASES = {  # name: (q_lens, ctx_lens, Hq, Hk, D, block_size, max_seqlen_k
 @pytest.mark.parametrize("case", list(KERNEL_CASES))
 def test_paged_attention_kernel_vs_twin(case, triton_backend):
     q_lens, ctx, Hq, Hk, D, BS, max_k = KERNEL_CASES[case]
-    args, _ = _paged_setup(q_lens, ctx, Hq, Hk, D, BS, seed=1)
+    args, _ = paged_setup(q_lens, ctx, Hq, Hk, D, BS, seed=1)
     scale = D**-0.5
     max_k = max_k or max(ctx)
     if case == "decode_splits":
@@ -153,7 +123,7 @@ def test_prefill_tile_list_launch_equals_the_grid(triton_backend):
     a mixed step of decodes, a chunk of two tiles after context, and a sequence taking no
     tokens this step."""
     q_lens, ctx, Hq, Hk, D, BS = [1, 50, 0, 9, 1], [40, 70, 12, 9, 3], 6, 2, 24, 16
-    args, _ = _paged_setup(q_lens, ctx, Hq, Hk, D, BS, seed=3)
+    args, _ = paged_setup(q_lens, ctx, Hq, Hk, D, BS, seed=3)
     scale = D**-0.5
     cap = pa.prefill_tiles_cap(sum(q_lens), len(q_lens), Hq, Hk)
     seq, idx = pa.prefill_tiles(q_lens, Hq, Hk, size=cap + 3)
@@ -192,7 +162,7 @@ def test_decode_plans_vs_twin(plan, shape, triton_backend, monkeypatch):
     """Every decode kernel and work split the bench sweeps computes the twin's function; the
     output is poisoned first, so every row must be written."""
     ctx, Hq, Hk, D, BS, max_k = DECODE_SHAPES[shape]
-    args, _ = _paged_setup([1] * len(ctx), ctx, Hq, Hk, D, BS, seed=2)
+    args, _ = paged_setup([1] * len(ctx), ctx, Hq, Hk, D, BS, seed=2)
     max_k = max_k or max(ctx)
     monkeypatch.setitem(pa.CONFIGS, "decode_plan", {**pa.CONFIGS["decode_plan"],
                                                     **DECODE_PLANS[plan]})
@@ -424,13 +394,13 @@ def test_gpu_paged_attention_qwen3_shapes(BS):
     torch.manual_seed(0)
     # decode, batch 256, contexts up to 4k
     ctx = torch.randint(1, 4097, (256,)).tolist()
-    args, _ = _paged_setup([1] * 256, ctx, Hq, Hk, D, BS, dtype=torch.bfloat16, device="cuda")
+    args, _ = paged_setup([1] * 256, ctx, Hq, Hk, D, BS, dtype=torch.bfloat16, device="cuda")
     o = pa.paged_attention(*args, 1, 4096, D**-0.5)
     ref = pa.paged_attention_ref(*args, 1, 4096, D**-0.5)
     assert rel_err(o, ref) < 1e-2
     # chunked prefill over cached context (a prefix hit) plus some decode rows
     q_lens, ctx = [512, 1000, 1, 1, 37], [2048, 1000, 4096, 300, 3000]
-    args, _ = _paged_setup(q_lens, ctx, Hq, Hk, D, BS, dtype=torch.bfloat16, device="cuda")
+    args, _ = paged_setup(q_lens, ctx, Hq, Hk, D, BS, dtype=torch.bfloat16, device="cuda")
     o = pa.paged_attention(*args, max(q_lens), max(ctx), D**-0.5)
     ref = pa.paged_attention_ref(*args, max(q_lens), max(ctx), D**-0.5)
     assert rel_err(o, ref) < 1e-2

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_exact import tiny_model
+from support.exact_util import attention_chunks_check, mm_rows_check, tiny_model
 
 from rlcu.engine import LLM, SamplingParams
 
@@ -55,11 +55,6 @@ def test_engine_on_exact_kernels_equals_forward(monkeypatch):
 def test_exact_kernels_rows_do_not_depend_on_the_batch(monkeypatch):
     """The GEMM kernel (K = 37: a masked last K tile; rows at other offsets of the tile) and the
     attention kernel (packed training rows = paged decode rows = a paged prefill chunk)."""
-    from test_exact import (
-        test_attention_decode_and_chunks_equal_packed_training,
-        test_mm_rows_do_not_depend_on_the_batch,
-    )
-
     from rlcu.ops import attention_exact as ae
     from rlcu.ops._backend import backend_name
 
@@ -68,8 +63,8 @@ def test_exact_kernels_rows_do_not_depend_on_the_batch(monkeypatch):
     launches = []
     launch = ae._launch
     monkeypatch.setattr(ae, "_launch", lambda *a: (launches.append(a[10]), launch(*a))[1])
-    test_mm_rows_do_not_depend_on_the_batch()
-    test_attention_decode_and_chunks_equal_packed_training()
+    mm_rows_check()
+    attention_chunks_check()
     assert False in launches and True in launches  # both the packed and the paged variants ran
 
 
@@ -89,7 +84,7 @@ def test_exact_kernels_compile_one_float_path_for_sm90():
     and lp lines are the same with and without the entropy (GRPO's fused head vs the sampler)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     here = Path(__file__).resolve().parents[1] / "support"
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parent / "src"), str(here), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(here.parents[1] / "src"), str(here), env.get("PYTHONPATH", "")])
     p = subprocess.run([sys.executable, str(here / "exact_ptx.py")], capture_output=True, text=True, env=env,
                        timeout=300, check=False)
     assert p.returncode == 0, p.stderr[-2000:]

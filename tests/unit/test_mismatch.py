@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 from support.hf_util import rel_err
+from support.trainers import first_is_even, grpo_trainer, ppo_trainer
 
 from rlcu.ops.rl_loss import policy_loss
 from rlcu.train import losses
@@ -248,9 +249,7 @@ def _spy_updates(tr):
 def test_first_update_gives_the_trainer_logprobs(tmp_path):
     """old_logprobs: engine: the metrics come from the first update's forward_backward, and
     equal those of a separate forward of the same (theta_old) weights."""
-    from test_grpo import _trainer, first_is_even
-
-    tr = _trainer(tmp_path, rewards=[first_is_even], micro_batch_tokens=40)
+    tr = grpo_trainer(tmp_path, rewards=[first_is_even], micro_batch_tokens=40)
     ss = tr._engine_phase(lambda: tr.rollout(tr.rows[:4], 4, seed=3))
     tr.score(ss)
     adv, _ = losses.group_advantages(torch.tensor([s.reward for s in ss]), 4)
@@ -275,11 +274,9 @@ MODES = [("engine", "none"), ("recompute", "none"), ("recompute", "tis"), ("reco
 
 @pytest.mark.parametrize("old_logprobs,correction", MODES)
 def test_grpo_modes_run_and_log(tmp_path, old_logprobs, correction):
-    from test_grpo import _trainer, first_is_even
-
-    tr = _trainer(tmp_path, rewards=[first_is_even], steps=2, mu=2, old_logprobs=old_logprobs,
-                  behaviour_correction=correction, mis_low=0.7, mis_high=1.4, tis_cap=1.2,
-                  log={"tensorboard": True})
+    tr = grpo_trainer(tmp_path, rewards=[first_is_even], steps=2, mu=2, old_logprobs=old_logprobs,
+                      behaviour_correction=correction, mis_low=0.7, mis_high=1.4, tis_cap=1.2,
+                      log={"tensorboard": True})
     _noisy_engine(tr)
     outs = _spy_updates(tr)
     hist = tr.train()
@@ -323,8 +320,6 @@ def test_ppo_recompute_corrects_the_kl_reward(tmp_path):
     """PPO's KL reward reads the old logprobs: with old_logprobs: recompute they are the
     trainer's, so at step 1 (policy == reference) the KL penalty is exactly 0, whatever the
     engine returned; with the engine's (noisy) logprobs it is not."""
-    from test_ppo import _trainer as ppo_trainer
-
     pens = {}
     for mode, corr in (("engine", "none"), ("recompute", "tis")):
         tr = ppo_trainer(tmp_path / mode, steps=1, kl_coef=0.1, old_logprobs=mode, behaviour_correction=corr)
@@ -354,12 +349,10 @@ def test_grpo_recompute_on_gpu(tmp_path):
     """bf16 on the GPU kernels: the recompute pass (Qwen3.forward) and the first update's
     forward_backward give the same bits, so the first ratio is exactly 1; the default mode's
     mismatch is measured every step."""
-    from test_grpo import _trainer, first_is_even
-
     for mode in ("engine", "recompute"):
-        tr = _trainer(tmp_path / mode, rewards=[first_is_even], steps=2, mu=2, old_logprobs=mode,
-                      behaviour_correction="tis" if mode == "recompute" else "none",
-                      model={"device": "cuda", "dtype": "bfloat16"}, optim={"lr": 1e-2})
+        tr = grpo_trainer(tmp_path / mode, rewards=[first_is_even], steps=2, mu=2, old_logprobs=mode,
+                          behaviour_correction="tis" if mode == "recompute" else "none",
+                          model={"device": "cuda", "dtype": "bfloat16"}, optim={"lr": 1e-2})
         outs = _spy_updates(tr)
         hist = tr.train()
         for h in hist:
