@@ -3,7 +3,8 @@ loopback TCP; the service is killed with SIGKILL and restarted on the same state
 processes are killed and replaced. The jobs that live ride every restart out (their calls are
 resent with their operation ids), and afterwards the whole SQLite history holds the books'
 invariants: no device's memory booked past its capacity at any instant, no phase held twice
-at once by one job, nothing held or pending once every job has ended."""
+at once by one job, nothing held or pending once every job has ended. A service whose books
+fail their audit refuses the change and exits 70."""
 
 import itertools
 import json
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.sched_util import SPEC
 
 import rlcu.sched
 from rlcu.sched.client import SchedClient, SchedError
@@ -234,3 +236,40 @@ def test_chaos_kill9_service_and_jobs(tmp_path, kind):
         raise AssertionError("the service is still up")
     except SchedError:
         pass
+
+
+def test_the_service_exits_non_zero_on_a_broken_invariant(tmp_path):
+    """`rlcu sched serve` end to end: once the books fail their audit (a flag file makes the
+    audit fail, through a sitecustomize), the next change is refused and the process exits 70."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    flag = tmp_path / "break"
+    (hook / "sitecustomize.py").write_text(
+        "import os, rlcu.sched.audit as a\n"
+        "_real = a.check_invariants\n"
+        "def _check(p):\n"
+        f"    if os.path.exists({str(flag)!r}):\n"
+        "        raise a.InvariantError('injected: books broken')\n"
+        "    _real(p)\n"
+        "a.check_invariants = _check\n")
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), str(src)]))
+    state = tmp_path / "state"
+    proc = subprocess.Popen([sys.executable, "-m", "rlcu.cli", "sched", "serve", "--state", str(state),
+                             "--cpu-slots", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        end = time.monotonic() + 60
+        while not (state / "sched.sock").exists():
+            assert proc.poll() is None and time.monotonic() < end, proc.stderr.read().decode()
+            time.sleep(0.05)
+        c = SchedClient(f"unix:{state / 'sched.sock'}", retry_s=10.0)
+        c.call("register", job="a", clusters=SPEC)
+        flag.write_text("")
+        with pytest.raises(SchedError):
+            c.call("request", job="a", phase="values")
+        assert proc.wait(timeout=20) == 70
+        assert "FATAL: injected: books broken" in proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

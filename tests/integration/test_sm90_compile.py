@@ -3,7 +3,8 @@ on the CI machine, which has no GPU (tests/support/sm90_launches.py: the launche
 JIT's own argument specialisation, Triton's ptxas). The interpreter runs the kernels' math but
 never lowers them: a tile that needs more shared memory than an SM has, a construct without a
 GPU lowering, a launch option the backend refuses, registers spilled to local memory would
-otherwise first show on the device."""
+otherwise first show on the device. The decode GEMM's code is read too: pipelined loads, warpgroup
+MMAs and its PDL wait."""
 
 import json
 import os
@@ -48,3 +49,22 @@ def test_every_kernel_compiles_for_sm90():
     assert all("spills" in e for v in got["kernels"].values() for e in v), "ptxas -v gave no register report"
     spills = {k: [e["spills"] for e in v] for k, v in got["kernels"].items() if any(e.get("spills") for e in v)}
     assert not spills, spills
+
+
+def test_gpu_code_pipelines_and_waits_under_pdl():
+    # tests/support/sm90_launches.py compiles ops/decode_linear.py as its launcher launches it (the
+    # test above checks that it compiles at all); here: the weight loads are pipelined (cp.async), the
+    # 64-row tiles use warpgroup MMAs, and PDL compiles the grid-dependency wait in
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLCU_BACKEND")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, str(ROOT / "tests/support/sm90_launches.py"), "decode_linear"],
+                       capture_output=True,
+                       text=True, env=env, timeout=600)
+    if p.returncode == 3:
+        pytest.skip(p.stdout.strip())
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])["kernels"]["rlcu.ops.decode_linear._linear_kernel"]
+    assert all(e["cp_async"] for e in got)
+    assert any(e["wgmma"] for e in got)
+    assert [e["griddepcontrol"] for e in got].count(True) == 1  # the one PDL launch waits
+    assert [e["launch_dependents"] for e in got] == [e["griddepcontrol"] for e in got]  # and lets the next start

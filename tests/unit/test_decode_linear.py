@@ -101,32 +101,6 @@ def test_heuristic_fills_the_gpu_with_programs():
 
 
 
-def test_gpu_code_pipelines_and_waits_under_pdl():
-    # tests/support/sm90_launches.py compiles the op as the launcher launches it (test_sm90_compile.py
-    # checks that it compiles at all); here: the weight loads are pipelined (cp.async), the
-    # 64-row tiles use warpgroup MMAs, and PDL compiles the grid-dependency wait in
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLCU_BACKEND")}
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, str(root / "tests/support/sm90_launches.py"), "decode_linear"],
-                       capture_output=True,
-                       text=True, env=env, timeout=600)
-    if p.returncode == 3:
-        pytest.skip(p.stdout.strip())
-    assert p.returncode == 0, p.stderr[-4000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])["kernels"]["rlcu.ops.decode_linear._linear_kernel"]
-    assert all(e["cp_async"] for e in got)
-    assert any(e["wgmma"] for e in got)
-    assert [e["griddepcontrol"] for e in got].count(True) == 1  # the one PDL launch waits
-    assert [e["launch_dependents"] for e in got] == [e["griddepcontrol"] for e in got]  # and lets the next start
-
-
 def test_table_entry_none_runs_the_unfused_ops(monkeypatch):
     # bench/decode_linear.py writes None where cuBLAS and the unfused kernels beat every tile
     from rlcu.ops import decode_linear as dl
