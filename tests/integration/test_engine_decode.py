@@ -5,14 +5,11 @@ outputs independent of batch composition."""
 import dataclasses
 
 import pytest
+from support.engine_util import GREEDY, PROMPTS
 from support.hf_util import make_hf_model
 
 from rlcu import Qwen3
 from rlcu.engine import LLM, SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=True)
-PROMPTS = [[5, 17, 3], list(range(40, 61)), [7] * 9, [100 + (i * 37) % 200 for i in range(30)], [1]]
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -9,10 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from rlcu.sched.client import SchedClient
-from rlcu.sched.core import Core
-from rlcu.sched.server import SchedServer
+from support.sched_util import services
 
 TOKEN = "loop-t0ken"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plain_loop.py"
@@ -20,10 +17,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "plain_loop.py"
 
 @pytest.fixture
 def service(tmp_path):
-    core = Core([1.0], state=tmp_path / "s.db", heartbeat_timeout=30.0, device_names=["cpu0"])
-    srv = SchedServer(core, f"unix:{tmp_path / 's.sock'}", TOKEN, tick_s=0.05).start()
-    yield srv, SchedClient(srv.address, TOKEN, retry_s=5.0)
-    srv.stop()
+    with services(tmp_path, TOKEN) as start:
+        yield start((1.0,), device_names=["cpu0"])
 
 
 def _loop(addr: str, name: str, *extra: str) -> subprocess.Popen:

@@ -21,7 +21,8 @@ SPEC = {"c": 1}
 
 @pytest.fixture
 def serve(tmp_path):
-    yield from servers(tmp_path, TOKEN, [1.0])
+    with servers(tmp_path, TOKEN, [1.0]) as serve:
+        yield serve
 
 
 # ---------------------------------------------------------------------- item 3: waits

@@ -19,7 +19,8 @@ SPEC = {"c": {"devices": 1}}
 
 @pytest.fixture
 def serve(tmp_path):
-    yield from servers(tmp_path, TOKEN, [80.0])
+    with servers(tmp_path, TOKEN, [80.0]) as serve:
+        yield serve
 
 
 def test_the_client_reuses_one_connection_for_many_calls(serve):

@@ -7,12 +7,11 @@ import socket
 import time
 
 import pytest
-from support.sched_util import hello
+from support.sched_util import hello, services
 
 from rlcu.sched.client import JobEnded, LeaseLost, SchedClient, SchedError
 from rlcu.sched.core import Core
 from rlcu.sched.protocol import MAX_HEAD, encode, validate
-from rlcu.sched.server import SchedServer
 from rlcu.sched.service import ADMIN, Front
 
 TOKEN = "t0ken"
@@ -20,18 +19,8 @@ TOKEN = "t0ken"
 
 @pytest.fixture
 def service(tmp_path):
-    started = []
-
-    def start(capacity=(80.0,), hb=30.0, **kw):
-        core = Core(list(capacity), state=tmp_path / "s.db", heartbeat_timeout=hb)
-        srv = SchedServer(core, f"unix:{tmp_path / 's.sock'}", TOKEN, tick_s=0.05, **kw).start()
-        started.append(srv)
-        return srv, SchedClient(srv.address, TOKEN, retry_s=5.0)
-
-    yield start
-    for srv in started:
-        if srv._threads:
-            srv.stop()
+    with services(tmp_path, TOKEN) as start:
+        yield start
 
 
 class Raw:

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from support.sched_util import hello
+from support.sched_util import hello, services
 
 from rlcu.sched.cli import main
 from rlcu.sched.client import JobEnded, SchedClient, SchedError
@@ -21,19 +21,8 @@ TOKEN = "t0ken"
 
 @pytest.fixture
 def service(tmp_path):
-    started = []
-
-    def start(capacity=(80.0,), state="s.db", hb=30.0, addr=None, policy="phase"):
-        core = Core(list(capacity) if capacity is not None else None, state=tmp_path / state if state else None,
-                    heartbeat_timeout=hb, policy=policy)
-        srv = SchedServer(core, addr or f"unix:{tmp_path / 's.sock'}", TOKEN, tick_s=0.05).start()
-        started.append(srv)
-        return srv, SchedClient(srv.address, TOKEN, retry_s=5.0)
-
-    yield start
-    for srv in started:
-        if srv._threads:
-            srv.stop()
+    with services(tmp_path, TOKEN) as start:
+        yield start
 
 
 def wait_for(cond, timeout=5.0):

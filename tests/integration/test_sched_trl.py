@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from support.sched_util import services
 
 from rlcu.sched.client import SchedClient
 from rlcu.sched.core import Core
@@ -63,10 +64,8 @@ def _no_double_booking(trace: dict, capacity: float = 1.0) -> None:
 
 @pytest.fixture
 def service(tmp_path):
-    core = Core([1.0], state=tmp_path / "s.db", heartbeat_timeout=30.0, device_names=["cpu0"])
-    srv = SchedServer(core, f"unix:{tmp_path / 's.sock'}", TOKEN, tick_s=0.05).start()
-    yield srv, SchedClient(srv.address, TOKEN, retry_s=5.0)
-    srv.stop()
+    with services(tmp_path, TOKEN) as start:
+        yield start((1.0,), device_names=["cpu0"])
 
 
 def test_two_trl_jobs_share_a_slot_and_a_yield_is_honoured(tmp_path, service):

@@ -1,7 +1,8 @@
 """Helpers of the scheduler's tests: a settable clock, a call that must succeed, a raw handshake,
-a `serve` fixture's servers, and a process's CPU share."""
+the servers of a `serve` or `service` fixture, and a process's CPU share."""
 
 import os
+from contextlib import contextmanager
 
 SPEC = {"c": {"devices": 1}}
 
@@ -40,10 +41,11 @@ def hello(sock, token=None, job=None, secret=None):
     return hs
 
 
+@contextmanager
 def servers(tmp_path, token: str, devices: list[float]):
-    """The body of a `serve` fixture: serve(core=None, addr=None, **kw) starts a SchedServer
-    (by default on a Core of `devices` with its state in tmp_path, on a Unix socket there);
-    every one still running is stopped at the end."""
+    """A `serve` fixture's body (`with servers(...) as serve: yield serve`): serve(core=None,
+    addr=None, **kw) starts a SchedServer (by default on a Core of `devices` with its state in
+    tmp_path, on a Unix socket there); every one whose threads still run is stopped at the end."""
     from rlcu.sched.core import Core
     from rlcu.sched.server import SchedServer
 
@@ -57,8 +59,26 @@ def servers(tmp_path, token: str, devices: list[float]):
 
     yield start
     for srv in started:
-        if not srv._stop.is_set():
+        if srv._threads:
             srv.stop()
+
+
+@contextmanager
+def services(tmp_path, token: str):
+    """A `service` fixture's body: service(capacity=(80.0,), state="s.db", hb=30.0, addr=None,
+    **core_kw) serves a Core of those (capacity None: the pool its state holds; state None: in
+    memory) as servers() does, and returns the server and a client that retries for 5 s."""
+    from rlcu.sched.client import SchedClient
+    from rlcu.sched.core import Core
+
+    with servers(tmp_path, token, []) as serve:
+        def start(capacity=(80.0,), state="s.db", hb=30.0, addr=None, **core_kw):
+            core = Core(list(capacity) if capacity is not None else None, state=tmp_path / state if state else None,
+                        heartbeat_timeout=hb, **core_kw)
+            srv = serve(core, addr)
+            return srv, SchedClient(srv.address, token, retry_s=5.0)
+
+        yield start
 
 
 def cpu_share(pid: int, seconds: float = 1.5) -> float:
