@@ -66,8 +66,31 @@ from bench.common import (  # noqa: E402
     write_json,
 )
 from bench.generate import random_model  # noqa: E402
+from rlcu.engine.paged_forward import PagedKV  # noqa: E402
 
 BS = 16
+
+
+class NoAttention(PagedKV):
+    """The engine's paged K/V with the attention left out (o = q): the rest of a step's work."""
+
+    def attend(self, i, q, k, v):
+        return q, None
+
+
+class Chained(PagedKV):
+    """The engine's paged K/V whose attention waits for the one before it, of either half (`last`)."""
+
+    last = None
+
+    def attend(self, i, q, k, v):
+        stream = torch.cuda.current_stream()
+        if Chained.last is not None:
+            stream.wait_event(Chained.last)
+        o = super().attend(i, q, k, v)
+        Chained.last = torch.cuda.Event()
+        Chained.last.record(stream)
+        return o
 
 
 def cache(cfg, B: int, seed: int = 0):
@@ -92,27 +115,22 @@ def halves(model, kv, ids, pos, kv_slots, tables, cu, lens, max_k: int, side) ->
     """The step's hidden states with the batch as two halves, half B on stream `side`, each
     layer's attentions in turn (A_i waits for B_i-1, B_i for A_i). A decode step's cu_q is
     0..S, so a half of n rows passes cu[:n + 1]."""
-    from rlcu.engine.paged_forward import attention_inputs, attention_out, final
+    from rlcu.engine.paged_forward import final, schedule
+    from rlcu.model.layer import layer_fwd
     from rlcu.ops.embedding import embedding_fwd
-    from rlcu.ops.paged_attention import paged_attention
 
-    S, scale = ids.shape[0], model.cfg.head_dim**-0.5
+    S = ids.shape[0]
     x = embedding_fwd(ids, model.w["embed"])
     main = torch.cuda.current_stream()
     side.wait_stream(main)
-    last = None
+    Chained.last = None
+    parts = [(rows, stream, Chained(model, kv, kv_slots[rows], tables[rows], cu[:rows.stop - rows.start + 1],
+                                    lens[rows], 1, max_k), schedule(model, rows.stop - rows.start))
+             for rows, stream in ((slice(0, S // 2), main), (slice(S // 2, S), side))]
     for i in range(model.cfg.num_hidden_layers):
-        for rows, stream in ((slice(0, S // 2), main), (slice(S // 2, S), side)):
+        for rows, stream, cache, ops in parts:
             with torch.cuda.stream(stream):
-                xr = x[rows]
-                q = attention_inputs(model, kv, i, xr, pos[rows], kv_slots[rows])
-                if last is not None:
-                    stream.wait_event(last)
-                o = paged_attention(q, kv[0, i], kv[1, i], tables[rows], cu[:rows.stop - rows.start + 1],
-                                    lens[rows], 1, max_k, scale)
-                last = torch.cuda.Event()
-                last.record(stream)
-                attention_out(model, i, xr, o)
+                layer_fwd(model, i, x[rows], pos[rows], cache, ops)
     main.wait_stream(side)
     return final(model, x)
 
@@ -154,13 +172,14 @@ def hot(model):
     import types
 
     w = {k: model.w[re.sub(r"^layers\.\d+\.", "layers.0.", k)] for k in model.w}
-    return types.SimpleNamespace(cfg=model.cfg, w=w, lm_head=model.lm_head)
+    return types.SimpleNamespace(cfg=model.cfg, w=w, lm_head=model.lm_head, exact=False)
 
 
 def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, split_kernel: bool = False,
              overlap: bool = False) -> dict:
     from rlcu.engine import paged_forward
-    from rlcu.engine.paged_forward import attention_inputs, attention_out, final
+    from rlcu.engine.paged_forward import final, schedule
+    from rlcu.model.layer import layer_fwd
     from rlcu.ops import decode_linear as dl
     from rlcu.ops import paged_attention as pa
     from rlcu.ops.embedding import embedding_fwd
@@ -185,10 +204,11 @@ def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, sp
         for i in range(cfg.num_hidden_layers):
             paged_attention(q, kv[0, i], kv[1, i], tables, cu, lens, 1, kb, scale, None, work)
 
-    def rest(m=model):
+    def rest(m=model):  # the step without its attention (o = q)
         x = embedding_fwd(ids, m.w["embed"])
+        cache, ops = NoAttention(m, kv, slots, tables, cu, lens, 1, kb), schedule(m, B)
         for i in range(cfg.num_hidden_layers):
-            attention_out(m, i, x, attention_inputs(m, kv, i, x, pos, slots))
+            layer_fwd(m, i, x, pos, cache, ops)
         return paged_forward.logits(m, final(m, x))
 
     def two():

@@ -113,6 +113,30 @@ def test_engine_logprobs_equal_forward_and_do_not_depend_on_batching(exact, engi
     assert gens == alone  # tokens and logprobs, each request alone vs in this engine's batches
 
 
+def test_engine_and_trainer_run_one_layer_function(exact, monkeypatch):
+    """The agreement by construction: a prefill and its decodes in the engine, and the trainer's
+    forward over the same tokens, all run model/layer.py's layer_fwd (counted through a wrapper),
+    with the batch-invariant kernels (the engine over its paged cache, the trainer over packed
+    K/V), and the engine's sampled-token logprobs are the trainer's bit for bit."""
+    import rlcu.model.layer as layer
+    from rlcu.engine.paged_forward import PagedKV
+
+    calls, layer_fwd = [], layer.layer_fwd
+
+    def counting(model, i, x, pos, kv, ops, keep="none"):
+        calls.append((type(kv), x.shape[0], isinstance(ops, layer.Kernels) and ops.gemm_exact))
+        return layer_fwd(model, i, x, pos, kv, ops, keep)
+
+    monkeypatch.setattr(layer, "layer_fwd", counting)
+    prompt, L = PROMPTS[3], exact.cfg.num_hidden_layers
+    sp = SamplingParams(n=1, temperature=0.9, max_tokens=6, ignore_eos=True, seed=5, logprobs=True)
+    gens, _ = _generate(exact, [prompt], sp, num_kv_blocks=64, block_size=4)
+    assert calls == [(PagedKV, len(prompt), True)] * L + [(PagedKV, 1, True)] * (L * 5)  # prefill, 5 decodes
+    calls.clear()
+    _assert_engine_equals_forward(exact, gens, [prompt], 1, sp.temperature)
+    assert calls == [(layer.Packed, len(prompt) + 6, True)] * L
+
+
 def test_prefix_sharing_and_many_samples(exact):
     """n = 5 forks of one prompt (shared blocks, copy-on-write); then, one sequence a step, a
     second request whose first 36 tokens come from the first's cached blocks."""
@@ -150,12 +174,13 @@ def test_two_models_each_in_its_own_mode(model, exact, monkeypatch):
     GEMM in every forward of the exact one, never in the default one's) and gets its mode's
     bits, with nothing process-wide to switch between them."""
     import rlcu.engine.paged_forward as pf
+    import rlcu.model.layer as layer
     import rlcu.model.qwen3 as q3
     import rlcu.ops.logprob as lpm
 
     assert exact.exact and not model.exact and torch.equal(exact.flat, model.flat)
     calls = []
-    for mod in (q3, pf, lpm):  # the invariant GEMM where the model, the engine and the head call it
+    for mod in (layer, q3, pf, lpm):  # the invariant GEMM where the layer, the heads and logprob call it
         monkeypatch.setattr(mod, "mm_invariant",
                             lambda *a, f=mod.mm_invariant, **k: (calls.append(1), f(*a, **k))[1])
 

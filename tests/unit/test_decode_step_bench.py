@@ -1,19 +1,22 @@
 """bench/decode_step.py's `hot` model (the rest_hot variant: every layer reads layer 0's weights, so
 they stay in L2) computes what a model whose every layer holds a copy of layer 0's weights
-computes, through the engine's own layer functions (engine/paged_forward.py), on the CPU twins."""
+computes, through the engine's own layer (model/layer.py with engine/paged_forward.py's K/V and
+schedule), on the CPU twins."""
 
 import torch
 
-from bench.decode_step import hot
-from rlcu.engine.paged_forward import attention_inputs, attention_out, final, logits
+from bench.decode_step import NoAttention, hot
+from rlcu.engine.paged_forward import final, logits, schedule
 from rlcu.model.config import Qwen3Config
+from rlcu.model.layer import layer_fwd
 from rlcu.model.qwen3 import Qwen3
 
 
 def _rest(m, kv, ids, pos, slots):
     x = m.w["embed"][ids.long()].clone()
+    cache = NoAttention(m, kv, slots, None, None, None, 1, 0)
     for i in range(m.cfg.num_hidden_layers):
-        attention_out(m, i, x, attention_inputs(m, kv, i, x, pos, slots))
+        layer_fwd(m, i, x, pos, cache, schedule(m, x.shape[0]))
     return logits(m, final(m, x))
 
 

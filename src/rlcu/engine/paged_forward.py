@@ -6,21 +6,23 @@ optimizer step that updates `model.flat` in place is seen by the next step (CUDA
 captured on those views see it too, since the addresses do not change; if `model.flat` is
 replaced by another tensor the graphs are captured again, engine/graphs.py).
 
-Per layer, over the N new tokens of the step (packed, any mix of prefill chunks and decodes):
-    h = rmsnorm(x); q, k, v = h Wqkv^T; q, k = rope(rmsnorm(q)), rope(rmsnorm(k)) at their positions
-    (qkv_prep, one kernel: q, k normed and rotated, k and v written to their kv slots)
-    o = paged_attention(q, cache); x += o Wo^T
-    x += swiglu(rmsnorm(x) Wgu^T) Wd^T
-(a layer's parts before and after its attention are `attention_inputs` and `attention_out`;
-with ops/decode_linear.py's CONFIGS["enabled"], a step of <= 256 tokens runs its projections
-through that op and ops/decode_qkv.py instead: the input norm, the QKV GEMM and qkv_prep in one
-kernel, the post norm and SwiGLU inside gate_up, the residual adds in o's and down's epilogues:
-five launches a layer instead of nine)
-then the final norm (`final`) and the LM head only on the rows that sample a token. In exact mode
-(the model's `exact`, read at every step; ops/exact.py) `hidden_exact` runs the trainer's ops in
-the trainer's order instead (qkv_prep with its stats, as the trainer's forward runs it, the
-batch-invariant GEMM, the exact attention over the cache) and the sampled token's logprob is
-taken by the trainer's head kernel (`sample_rows`).
+Each layer is the trainer's own definition (model/layer.py `layer_fwd`), over the N new tokens of
+the step, with the engine's own parts passed in:
+- `PagedKV`: qkv_prep norms and rotates q and k and writes k and v to their kv slots of the pool;
+  attention reads the cache (paged_attention; in exact mode attention_exact_paged, whose
+  reduction order is the trainer's varlen one, and qkv_prep with its stats, the variant the
+  trainer's qk_norm_rope runs).
+- the schedule (`schedule`): in exact mode (the model's `exact`, read at every step; ops/exact.py)
+  the trainer's kernels with the batch-invariant GEMM, so the engine's sampled-token logprob
+  (taken by the trainer's head kernel, `sample_rows`) is the trainer's bit for bit; in the default
+  mode cuBLAS, the residual updated in place; and for a default-mode step of <= 256 tokens with
+  ops/decode_linear.py's CONFIGS["enabled"], `Fused`: the same steps, but a norm and the GEMM after
+  it are deferred to the step that consumes them, which then runs one kernel for all three (the
+  input norm, the QKV GEMM and qkv_prep in ops/decode_qkv.py; the post norm, gate_up and SwiGLU in
+  one decode_linear), and the residual adds go into o's and down's epilogues: five launches a
+  layer instead of nine.
+then the final norm (`final`) and the LM head only on the rows that sample a token. The engine
+keeps nothing for a backward, so no activation outlives its layer.
 
 `kv` is the pool of engine/kv_pool.py: [2, layers, num_blocks, block_size, Hk, D].
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from rlcu.model import layer
 from rlcu.model.qwen3 import Qwen3
 from rlcu.ops.attention_exact import attention_exact_paged
 from rlcu.ops.decode_linear import decode_linear, fused_for
@@ -40,7 +43,6 @@ from rlcu.ops.paged_attention import decode_work, paged_attention
 from rlcu.ops.qkv_prep import qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
 from rlcu.ops.sampling import sample
-from rlcu.ops.swiglu import swiglu_fwd
 
 
 def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_q, seq_lens, max_q: int, max_k: int,
@@ -49,19 +51,22 @@ def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_
     cu_q [S+1], seq_lens [S] int32; rows: [R] indices of the tokens whose logits are wanted (None: all);
     tiles: the prefill attention's tile list (ops/paged_attention.py `prefill_tiles`), or None
     -> final-normed hidden states [R, hidden]."""
-    c, w = model.cfg, model.w
-    scale = c.head_dim**-0.5
-    x = embedding_fwd(ids, w["embed"])
-    if model.exact:
-        return hidden_exact(model, kv, x, pos, kv_slots, block_tables, cu_q, seq_lens, max_q, rows)
+    x = embedding_fwd(ids, model.w["embed"])
     # a decode step's attention work list, built once for every layer (None unless the decode
     # plan is the list kernel, ops/paged_decode_list.py)
-    work = decode_work(cu_q, seq_lens, c.num_key_value_heads) if max_q == 1 else None
-    for i in range(c.num_hidden_layers):
-        q = attention_inputs(model, kv, i, x, pos, kv_slots)
-        o = paged_attention(q, kv[0, i], kv[1, i], block_tables, cu_q, seq_lens, max_q, max_k, scale, tiles, work)
-        attention_out(model, i, x, o)
+    work = decode_work(cu_q, seq_lens, model.cfg.num_key_value_heads) if max_q == 1 and not model.exact else None
+    cache = PagedKV(model, kv, kv_slots, block_tables, cu_q, seq_lens, max_q, max_k, tiles, work)
+    ops = schedule(model, x.shape[0])
+    for i in range(model.cfg.num_hidden_layers):
+        x = layer.layer_fwd(model, i, x, pos, cache, ops)[0]
     return final(model, x, rows)
+
+
+def schedule(model: Qwen3, N: int):
+    """The kernels a step of N tokens runs its layers' steps with (see the module docstring)."""
+    if not model.exact and fused_for(N):
+        return FUSED
+    return layer.Kernels(model.exact, in_place=True)
 
 
 def final(model: Qwen3, x, rows=None) -> torch.Tensor:
@@ -71,55 +76,69 @@ def final(model: Qwen3, x, rows=None) -> torch.Tensor:
     return rmsnorm_fwd(x, model.w["final_norm"], model.cfg.rms_norm_eps, exact=model.exact)[0]
 
 
-def attention_inputs(model: Qwen3, kv: torch.Tensor, i: int, x, pos, kv_slots) -> torch.Tensor:
-    """Layer i up to its attention: the input norm, the fused QKV projection, and qkv_prep
-    (q, k normed and rotated, k and v written to their kv slots) -> q [N, Hq, D]."""
-    c, w, p = model.cfg, model.w, f"layers.{i}."
-    if fused_for(x.shape[0]):  # the norm, the GEMM and qkv_prep in one kernel (ops/decode_qkv.py)
-        return decode_qkv(x, w[p + "qkv"], w[p + "input_norm"], c.rms_norm_eps, w[p + "q_norm"], w[p + "k_norm"],
-                          pos, kv_slots, kv[0, i], kv[1, i], c.num_attention_heads, c.num_key_value_heads,
-                          c.head_dim, c.rope_theta)
-    h, _ = rmsnorm_fwd(x, w[p + "input_norm"], c.rms_norm_eps)
-    qkv = h @ w[p + "qkv"].t()  # [N, (Hq + 2 Hk) D]
-    return qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, kv_slots, kv[0, i], kv[1, i],
-                    c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.rope_theta)
+class PagedKV:
+    """K/V in the paged pool kv (model/layer.py's `kv` protocol): qkv_prep writes each token's k
+    and v to its kv slot, attention reads the sequences' blocks. The arguments are `hidden`'s."""
+
+    def __init__(self, model: Qwen3, kv, kv_slots, block_tables, cu_q, seq_lens, max_q: int, max_k: int,
+                 tiles=None, work=None):
+        self.cfg, self.exact, self.slots = model.cfg, model.exact, kv_slots
+        self.tables, self.cu_q, self.seq_lens, self.max_q, self.max_k = block_tables, cu_q, seq_lens, max_q, max_k
+        self.tiles, self.work = tiles, work
+        self.caches = [(kv[0, i], kv[1, i]) for i in range(model.cfg.num_hidden_layers)]  # layer i's K, V
+
+    def place(self, i: int, qkv, q_w, k_w, pos):
+        c, (kc, vc) = self.cfg, self.caches[i]
+        args = (pos, self.slots, kc, vc, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        if isinstance(qkv, Projected):  # the input norm, the GEMM and qkv_prep in one kernel
+            q = decode_qkv(qkv.x, qkv.w, qkv.norm_w, qkv.eps, q_w, k_w, *args, c.rope_theta)
+        else:  # exact mode asks for the stats: the variant the trainer's qk_norm_rope runs
+            q = qkv_prep(qkv, q_w, k_w, *args, c.rms_norm_eps, c.rope_theta, self.exact, exact=self.exact)
+            q = q[0] if self.exact else q
+        return q, None, None, None, None
+
+    def attend(self, i: int, q, k, v):
+        (kc, vc), scale = self.caches[i], self.cfg.head_dim**-0.5
+        if self.exact:
+            return attention_exact_paged(q, kc, vc, self.tables, self.cu_q, self.seq_lens, self.max_q, scale), None
+        return paged_attention(q, kc, vc, self.tables, self.cu_q, self.seq_lens, self.max_q, self.max_k, scale,
+                               self.tiles, self.work), None
 
 
-def attention_out(model: Qwen3, i: int, x, o) -> None:
-    """Layer i from its attention's output o [N, Hq, D] on, in place on the residual x:
-    x += o Wo^T; x += swiglu(rmsnorm(x) Wgu^T) Wd^T."""
-    c, w, p = model.cfg, model.w, f"layers.{i}."
-    if fused_for(x.shape[0]):  # few rows: the norm and SwiGLU inside the GEMMs (ops/decode_linear.py)
-        decode_linear(o.view(x.shape[0], c.q_size), w[p + "o"], None, c.rms_norm_eps, x)
-        a = decode_linear(x, w[p + "gate_up"], w[p + "post_norm"], c.rms_norm_eps, None, True)
-        decode_linear(a, w[p + "down"], None, c.rms_norm_eps, x)
-        return
-    x.addmm_(o.view(x.shape[0], c.q_size), w[p + "o"].t())  # in place: no copy of x for cuBLAS's C
-    h, _ = rmsnorm_fwd(x, w[p + "post_norm"], c.rms_norm_eps)
-    x.addmm_(swiglu_fwd(h @ w[p + "gate_up"].t()), w[p + "down"].t())
+class Normed:
+    """rmsnorm(x; norm_w), not computed: the fused schedule's GEMM takes the norm in its prologue."""
+
+    def __init__(self, x, norm_w, eps: float):
+        self.x, self.norm_w, self.eps = x, norm_w, eps
 
 
-def hidden_exact(model: Qwen3, kv: torch.Tensor, x, pos, kv_slots, block_tables, cu_q, seq_lens, max_q: int,
-                 rows) -> torch.Tensor:
-    """Exact mode's layers (ops/exact.py): the trainer's ops in the trainer's order (the q/k
-    norm and rope by the fused kernel that Qwen3._layer_fwd runs in exact mode too), the
-    batch-invariant GEMM, and the attention kernel the trainer runs, over the paged cache."""
-    c, w = model.cfg, model.w
-    N, Hq, Hk, D, eps = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-    qs = c.q_size
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        h, _ = rmsnorm_fwd(x, w[p + "input_norm"], eps, exact=True)
-        qkv = mm_invariant(h, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
-        kc, vc = kv[0, i], kv[1, i]
-        # the kernel the trainer's forward runs (qk_norm_rope), its stats included
-        q = qkv_prep(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, kv_slots, kc, vc, Hq, Hk, D, eps,
-                     c.rope_theta, True, exact=True)[0]
-        o = attention_exact_paged(q, kc, vc, block_tables, cu_q, seq_lens, max_q, D**-0.5)
-        mm_invariant(o.view(N, qs), w[p + "o"], x, out=x)  # x += o Wo^T, in place
-        h, _ = rmsnorm_fwd(x, w[p + "post_norm"], eps, exact=True)
-        mm_invariant(swiglu_fwd(mm_invariant(h, w[p + "gate_up"]), exact=True), w[p + "down"], x, out=x)
-    return final(model, x, rows)
+class Projected(Normed):
+    """rmsnorm(x; norm_w) w^T, not computed: its consumer (SwiGLU, or PagedKV's q/k norm and
+    rope) runs the norm, the GEMM and itself as one kernel."""
+
+    def __init__(self, n: Normed, w):
+        super().__init__(n.x, n.norm_w, n.eps)
+        self.w = w
+
+
+class Fused:
+    """The small-step schedule of the layer's steps (ops/decode_qkv.py, ops/decode_linear.py),
+    default mode only: a norm and the GEMM after it are deferred (Normed, Projected) and run in
+    the kernel of the step that consumes them; a residual add is the GEMM's epilogue, in place."""
+
+    def norm(self, x, w, eps: float):
+        return Normed(x, w, eps), None
+
+    def linear(self, a, w, residual=None):
+        if isinstance(a, Normed):
+            return Projected(a, w)
+        return decode_linear(a, w, residual=residual)
+
+    def swiglu(self, gu: Projected):
+        return decode_linear(gu.x, gu.w, gu.norm_w, gu.eps, None, True)
+
+
+FUSED = Fused()
 
 
 def logits(model: Qwen3, h: torch.Tensor) -> torch.Tensor:

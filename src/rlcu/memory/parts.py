@@ -125,7 +125,7 @@ def init_staging(s: JobShape) -> int:
 
 # ---------------------------------------------------------------- activations, per token
 def layer_acts(cfg: Qwen3Config, ab: int) -> int:
-    """What `Qwen3._layer_fwd` returns beside its input x: h1, qkv, q, k, v, o, x2, h2 (H, q+2kv,
+    """What model/layer.py `layer_fwd(keep="all")` keeps beside its input x: h1, qkv, q, k, v, o, x2, h2 (H, q+2kv,
     q, kv, kv, q, H, H), gu 2I, a I; fp32 r1, r2, rq Hq, rk Hk, lse Hq."""
     H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     return ab * (3 * H + 3 * q + 4 * kv + 3 * I) + FP32 * (2 + 2 * cfg.num_attention_heads + cfg.num_key_value_heads)
@@ -151,7 +151,7 @@ def recompute(cfg: Qwen3Config, ab: int, keep: str) -> int:
 
 
 def backward_work(cfg: Qwen3Config, ab: int) -> int:
-    """`Qwen3._layer_bwd`'s locals, alive until it returns: da I, dgu 2I, dh2, dx2 (H), do, dq
+    """model/layer.py `layer_bwd`'s locals, alive until it returns: da I, dgu 2I, dh2, dx2 (H), do, dq
     (q), dk, dv (kv), dqn q, dkn kv, dq0 q, dk0 kv, dqkv q+2kv, dh1, dx (H); and dy, the
     gradient it was given."""
     H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size

@@ -1,10 +1,11 @@
 """Qwen3 (dense) with a hand-written backward over packed sequences.
 
-Forward and backward mirror each other op by op (llm.c style): `_layer_fwd` returns the
-activations a layer's backward needs, `_layer_bwd` walks them in reverse. With gradient
-checkpointing (the default) the forward keeps only each layer's input and the backward
-recomputes the layer before differentiating it; the recompute runs the same ops on the
-same inputs, so gradients are bit-identical either way.
+The decoder layer is model/layer.py's, the one the engine runs too: `_layer_fwd` runs it over
+packed sequences (varlen attention over the tokens' own K/V) and keeps what the checkpointing
+mode asks for; layer.layer_bwd walks those activations in reverse. With gradient checkpointing
+(the default) the forward keeps only each layer's input and the backward recomputes the layer
+before differentiating it; the recompute runs the same ops on the same inputs, so gradients are
+bit-identical either way.
 
 Weights are views into one flat buffer (see layout.py); gradients accumulate into a flat
 buffer of the same layout (fp32, or bf16 with optim.grad_dtype). The LM head never
@@ -13,7 +14,7 @@ op. When the loss's gradient is an elementwise function of each token's lp (and 
 `forward_backward` does both passes in one sweep of the head, which then skips the logits
 recompute (3 vocabulary GEMMs, not 4).
 
-The q/k norm and rope are the engine's fused kernel (ops/qkv_prep.py). Exact mode is the
+The q/k norm and rope are the engine's kernel (ops/qkv_prep.py). Exact mode is the
 model's own (`exact`, ops/exact.py), read by the engine on its weights too: with it on, the
 forward's matmuls and attention are the batch-invariant ones the engine runs too, so
 `forward`'s lp of a token is bit for bit the engine's sampling logprob of it; the backward is
@@ -30,19 +31,14 @@ from pathlib import Path
 import torch
 
 from rlcu import files
-from rlcu.model import io
+from rlcu.model import io, layer
 from rlcu.model.config import Qwen3Config, layer_keeps
 from rlcu.model.layout import ParamLayout
-from rlcu.ops._matmul import acc_wgrad
-from rlcu.ops.attention import attention_bwd, attention_fwd
-from rlcu.ops.attention_exact import attention_exact_varlen
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
 from rlcu.ops.matmul_invariant import mm as mm_invariant
-from rlcu.ops.qkv_prep import qk_norm_rope
 from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
-from rlcu.ops.rope import positions_from_cu_seqlens, rope_bwd
-from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
+from rlcu.ops.rope import positions_from_cu_seqlens
 
 # files copied along when a model loaded from a folder is saved to another
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -209,66 +205,15 @@ class Qwen3:
         return mx
 
     # ---------------------------------------------------------------- one layer
-    def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, attn=None, exact: bool | None = None):
-        """One decoder layer. `attn` = (o, lse) saved by a selective-checkpointing forward
-        skips the attention kernel when the layer is recomputed. exact: the batch-invariant
-        GEMMs and attention (None: the model's mode); the backward's recompute passes False. The
-        norms and SwiGLU follow the model's mode either way (on the GPU their kernels are the
-        same in both modes; on the CPU the twins' fixed-tree sums)."""
-        c, w, ex = self.cfg, self.w, self.exact
-        p = f"layers.{i}."
-        N, Hq, Hk, D = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        eps = c.rms_norm_eps
-        if ex if exact is None else exact:  # batch-invariant GEMMs and attention (ops/exact.py)
-            mm, addmm, attend = mm_invariant, lambda x, a, wt: mm_invariant(a, wt.t(), x), attention_exact_varlen
-        else:
-            mm, addmm, attend = lambda a, wt: a @ wt.t(), torch.addmm, attention_fwd
-        h1, r1 = rmsnorm_fwd(x, w[p + "input_norm"], eps, exact=ex)
-        qkv = mm(h1, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
-        # q/k norm and rope in one kernel, the engine's (ops/qkv_prep.py: in exact mode the same
-        # bits as the engine's); q0 and k0, the norms' inputs, are views (copied in the backward)
-        q, k, v, rq, rk = qk_norm_rope(qkv, w[p + "q_norm"], w[p + "k_norm"], pos, Hq, Hk, D, eps, c.rope_theta,
-                                       exact=ex)
-        q0 = qkv[:, : c.q_size].view(N, Hq, D)
-        k0 = qkv[:, c.q_size : c.q_size + c.kv_size].view(N, Hk, D)
-        o, lse = attn if attn is not None else attend(q, k, v, cu, max_seqlen, D**-0.5)
-        x2 = addmm(x, o.view(N, c.q_size), w[p + "o"].t())  # residual add in the GEMM epilogue
-        h2, r2 = rmsnorm_fwd(x2, w[p + "post_norm"], eps, exact=ex)
-        gu = mm(h2, w[p + "gate_up"])  # [N, 2I]
-        a = swiglu_fwd(gu, exact=ex)
-        y = addmm(x2, a, w[p + "down"].t())
-        acts = dict(x=x, h1=h1, r1=r1, q0=q0, k0=k0, v=v, rq=rq, rk=rk, q=q, k=k, o=o, lse=lse,
-                    x2=x2, h2=h2, r2=r2, gu=gu, a=a)
-        return y, acts
-
-    def _layer_bwd(self, i: int, dy: torch.Tensor, s: dict, pos, cu, max_seqlen: int):
-        c, w, g = self.cfg, self.w, self._g
-        p = f"layers.{i}."
-        N, Hq, Hk, D = dy.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        # MLP: y = x2 + swiglu(h2 Wgu^T) Wd^T
-        acc_wgrad(g[p + "down"], dy, s["a"])
-        da = dy @ w[p + "down"]
-        dgu = swiglu_bwd(da, s["gu"])
-        acc_wgrad(g[p + "gate_up"], dgu, s["h2"])
-        dh2 = dgu @ w[p + "gate_up"]
-        dx2, dw = rmsnorm_bwd(dh2, s["x2"], w[p + "post_norm"], s["r2"], dy)  # + dy: the residual
-        g[p + "post_norm"] += dw
-        # attention: x2 = x + attn(rope(norm(q)), rope(norm(k)), v) Wo^T
-        acc_wgrad(g[p + "o"], dx2, s["o"].view(N, c.q_size))
-        do = (dx2 @ w[p + "o"]).view(N, Hq, D)
-        dq, dk, dv = attention_bwd(do, s["q"], s["k"], s["v"], s["o"], s["lse"], cu, max_seqlen, D**-0.5)
-        dqn = rope_bwd(dq, pos, c.rope_theta).reshape(N * Hq, D)
-        dkn = rope_bwd(dk, pos, c.rope_theta).reshape(N * Hk, D)
-        dq0, dw = rmsnorm_bwd(dqn, s["q0"].reshape(N * Hq, D), w[p + "q_norm"], s["rq"])
-        g[p + "q_norm"] += dw
-        dk0, dw = rmsnorm_bwd(dkn, s["k0"].reshape(N * Hk, D), w[p + "k_norm"], s["rk"])
-        g[p + "k_norm"] += dw
-        dqkv = torch.cat([dq0.view(N, c.q_size), dk0.view(N, c.kv_size), dv.reshape(N, c.kv_size)], 1)
-        acc_wgrad(g[p + "qkv"], dqkv, s["h1"])
-        dh1 = dqkv @ w[p + "qkv"]
-        dx, dw = rmsnorm_bwd(dh1, s["x"], w[p + "input_norm"], s["r1"], dx2)  # + dx2: the residual
-        g[p + "input_norm"] += dw
-        return dx
+    def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, keep: str = "none", attn=None,
+                   exact: bool | None = None):
+        """Decoder layer i (model/layer.py) over packed sequences -> (y, what `keep` keeps). `attn` =
+        (o, lse) saved by a selective-checkpointing forward skips the attention kernel when the layer
+        is recomputed. exact: the batch-invariant GEMMs and attention (None: the model's mode); the
+        backward's recompute passes False. The norms and SwiGLU follow the model's mode either way."""
+        ex = self.exact if exact is None else exact
+        return layer.layer_fwd(self, i, x, pos, layer.Packed(self, cu, max_seqlen, ex, attn),
+                               layer.Kernels(self.exact, ex), keep)
 
     # ---------------------------------------------------------------- trunk
     def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str | tuple[str, ...], pos=None):
@@ -282,14 +227,9 @@ class Qwen3:
         x = embedding_fwd(tokens, self.w["embed"])
         saved = []
         for i in range(L):
-            x_in = x
-            x, acts = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen)
-            if keeps[i] == "inputs":
-                saved.append({"x": x_in})
-            elif keeps[i] == "attention":
-                saved.append({"x": x_in, "attn": (acts["o"], acts["lse"])})
-            elif keeps[i] == "all":
-                saved.append(acts)
+            x, kept = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen, keeps[i])
+            if kept is not None:
+                saved.append(kept)
         return x, pos, saved
 
     def _keep_mode(self) -> tuple[str, ...]:
@@ -350,9 +290,9 @@ class Qwen3:
             acts = s["saved"][i]
             if "h1" not in acts:  # checkpointed: recompute the layer from its input, in the
                 # default mode's kernels even in exact mode: a gradient needs no batch invariance
-                _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, attn=acts.get("attn"), exact=False)
+                _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, "all", attn=acts.get("attn"), exact=False)
             s["saved"][i] = None
-            dx = self._layer_bwd(i, dx, acts, pos, cu, ms)
+            dx = layer.layer_bwd(self, i, dx, acts, pos, cu, ms)
             self._grads_done(i)
         embedding_bwd(dx, s["tokens"], g["embed"])
         self._grads_done("embed")

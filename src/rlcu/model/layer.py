@@ -1,0 +1,157 @@
+"""One decoder layer, written once for the trainer and the engine, and its backward.
+
+`layer_fwd` states the layer's math in order:
+    h1 = rmsnorm(x)                              input norm
+    qkv = h1 Wqkv^T                              QKV projection, [N, (Hq + 2 Hk) D]
+    q, k = rope(rmsnorm(q)), rope(rmsnorm(k))    q/k norm + rope, K/V placed where attention reads them
+    o = attention(q, K, V)
+    x2 = x + o Wo^T                              O projection + residual
+    h2 = rmsnorm(x2)                             post norm
+    y = x2 + swiglu(h2 Wgu^T) Wd^T               gate_up, SwiGLU, down + residual
+What differs between runners is passed in, never written again:
+- `kv`, where K/V are written and read and which attention kernel reads them: `Packed` here (the
+  trainer's packed q/k/v of the step's own tokens, varlen attention, the default or exact mode's)
+  or the engine's paged cache (engine/paged_forward.py `PagedKV`: k/v written to their kv slots,
+  paged attention, exact mode's over the cache). model/ imports nothing of the engine, so the
+  engine passes its own. Protocol: `place(i, qkv, q_w, k_w, pos) -> (q, k, v, rq, rk)` (k, v, rq,
+  rk may be None where the cache holds them and nothing is kept) and `attend(i, q, k, v) -> (o, lse)`.
+- `ops`, which kernel runs each step: `Kernels` here (one op a step; the GEMM cuBLAS's or, in exact
+  mode, the batch-invariant one; the residual a new tensor, or updated in place where nothing is
+  kept), or the engine's fused small-step schedule (engine/paged_forward.py `Fused`), which defers a
+  norm and its GEMM until the next step consumes them and then launches one kernel for the three.
+  Protocol: `norm(x, w, eps) -> (h, rstd)`, `linear(a, w, residual=None) -> a w^T (+ residual)`,
+  `swiglu(gu) -> a`.
+- `keep`, what the forward keeps for the backward (the trainer's checkpointing mode; the engine
+  keeps nothing).
+So exact mode's engine and trainer run this one function with the batch-invariant kernels, and
+their agreement holds by construction: the only pieces that differ are the attention over packed
+K/V vs over the cache, whose kernels share their reduction order (ops/attention_exact.py), and
+where K/V land (the trainer's qk_norm_rope writes them as a cache of N one-token blocks, through
+the engine's qkv_prep kernel with stats, so each row's float ops are the engine's).
+
+`layer_bwd` mirrors the forward (llm.c style): the same steps in reverse over the named
+activations `layer_fwd(keep="all")` returns; the backward runs the default mode's kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcu.ops._matmul import acc_wgrad
+from rlcu.ops.attention import attention_bwd, attention_fwd
+from rlcu.ops.attention_exact import attention_exact_varlen
+from rlcu.ops.matmul_invariant import mm as mm_invariant
+from rlcu.ops.qkv_prep import qk_norm_rope
+from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
+from rlcu.ops.rope import rope_bwd
+from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
+
+KEEP = ("none", "inputs", "attention", "all")
+
+
+class Kernels:
+    """One kernel a step. exact: the model's mode, for the norms and SwiGLU (on the GPU their
+    kernels are the same in both modes; on the CPU the twins' fixed-tree sums); gemm_exact: the
+    batch-invariant GEMM (None: as exact; the trainer's recompute of a checkpointed layer passes
+    False); in_place: the residual adds update the residual stream in place (the engine, which
+    keeps nothing: no copy of x for cuBLAS's C)."""
+
+    def __init__(self, exact: bool, gemm_exact: bool | None = None, in_place: bool = False):
+        self.exact, self.in_place = exact, in_place
+        self.gemm_exact = exact if gemm_exact is None else gemm_exact
+
+    def norm(self, x, w, eps: float):
+        return rmsnorm_fwd(x, w, eps, exact=self.exact)
+
+    def linear(self, a, w, residual=None):
+        if self.gemm_exact:
+            return mm_invariant(a, w, residual, out=residual if self.in_place else None)
+        if residual is None:
+            return a @ w.t()
+        return residual.addmm_(a, w.t()) if self.in_place else torch.addmm(residual, a, w.t())
+
+    def swiglu(self, gu):
+        return swiglu_fwd(gu, exact=self.exact)
+
+
+class Packed:
+    """The trainer's K/V: q, k, v of the packed tokens themselves (cu_seqlens, max_seqlen), the
+    varlen attention (exact: the batch-invariant one). saved: a layer's (o, lse) kept by a
+    selective-checkpointing forward, which the recompute reads instead of running attention."""
+
+    def __init__(self, model, cu_seqlens, max_seqlen: int, exact: bool, saved=None):
+        self.cfg, self.model_exact = model.cfg, model.exact
+        self.cu, self.max_seqlen, self.exact, self.saved = cu_seqlens, max_seqlen, exact, saved
+
+    def place(self, i: int, qkv, q_w, k_w, pos):
+        c = self.cfg
+        return qk_norm_rope(qkv, q_w, k_w, pos, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                            c.rms_norm_eps, c.rope_theta, exact=self.model_exact)
+
+    def attend(self, i: int, q, k, v):
+        if self.saved is not None:
+            return self.saved
+        attend = attention_exact_varlen if self.exact else attention_fwd
+        return attend(q, k, v, self.cu, self.max_seqlen, self.cfg.head_dim**-0.5)
+
+
+def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: str = "none"):
+    """Layer i of `model` (its cfg and weight views w) on the residual stream x [N, hidden] at
+    positions pos [N] -> (y [N, hidden], kept): kept is None ('none'), {x} ('inputs': checkpointed),
+    {x, attn: (o, lse)} ('attention') or every activation `layer_bwd` reads ('all')."""
+    c, w, p = model.cfg, model.w, f"layers.{i}."
+    N, eps = x.shape[0], c.rms_norm_eps
+    h1, r1 = ops.norm(x, w[p + "input_norm"], eps)
+    qkv = ops.linear(h1, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
+    q, k, v, rq, rk = kv.place(i, qkv, w[p + "q_norm"], w[p + "k_norm"], pos)
+    o, lse = kv.attend(i, q, k, v)
+    x2 = ops.linear(o.view(N, c.q_size), w[p + "o"], x)
+    h2, r2 = ops.norm(x2, w[p + "post_norm"], eps)
+    gu = ops.linear(h2, w[p + "gate_up"])  # [N, 2I]
+    a = ops.swiglu(gu)
+    y = ops.linear(a, w[p + "down"], x2)
+    if keep == "none":
+        return y, None
+    if keep == "inputs":
+        return y, {"x": x}
+    if keep == "attention":
+        return y, {"x": x, "attn": (o, lse)}
+    if keep != "all":
+        raise ValueError(f"keep must be one of {', '.join(KEEP)}; got {keep!r}")
+    Hq, Hk, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    q0 = qkv[:, : c.q_size].view(N, Hq, D)  # the q/k norms' inputs, views (copied in the backward)
+    k0 = qkv[:, c.q_size : c.q_size + c.kv_size].view(N, Hk, D)
+    return y, dict(x=x, h1=h1, r1=r1, q0=q0, k0=k0, v=v, rq=rq, rk=rk, q=q, k=k, o=o, lse=lse,
+                   x2=x2, h2=h2, r2=r2, gu=gu, a=a)
+
+
+def layer_bwd(model, i: int, dy: torch.Tensor, s: dict, pos, cu, max_seqlen: int) -> torch.Tensor:
+    """dy [N, hidden] -> dx, the layer's weight gradients accumulated into model._g; s: the
+    activations of `layer_fwd(keep="all")` over packed tokens (cu, max_seqlen)."""
+    c, w, g = model.cfg, model.w, model._g
+    p = f"layers.{i}."
+    N, Hq, Hk, D = dy.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    # MLP: y = x2 + swiglu(h2 Wgu^T) Wd^T
+    acc_wgrad(g[p + "down"], dy, s["a"])
+    da = dy @ w[p + "down"]
+    dgu = swiglu_bwd(da, s["gu"])
+    acc_wgrad(g[p + "gate_up"], dgu, s["h2"])
+    dh2 = dgu @ w[p + "gate_up"]
+    dx2, dw = rmsnorm_bwd(dh2, s["x2"], w[p + "post_norm"], s["r2"], dy)  # + dy: the residual
+    g[p + "post_norm"] += dw
+    # attention: x2 = x + attn(rope(norm(q)), rope(norm(k)), v) Wo^T
+    acc_wgrad(g[p + "o"], dx2, s["o"].view(N, c.q_size))
+    do = (dx2 @ w[p + "o"]).view(N, Hq, D)
+    dq, dk, dv = attention_bwd(do, s["q"], s["k"], s["v"], s["o"], s["lse"], cu, max_seqlen, D**-0.5)
+    dqn = rope_bwd(dq, pos, c.rope_theta).reshape(N * Hq, D)
+    dkn = rope_bwd(dk, pos, c.rope_theta).reshape(N * Hk, D)
+    dq0, dw = rmsnorm_bwd(dqn, s["q0"].reshape(N * Hq, D), w[p + "q_norm"], s["rq"])
+    g[p + "q_norm"] += dw
+    dk0, dw = rmsnorm_bwd(dkn, s["k0"].reshape(N * Hk, D), w[p + "k_norm"], s["rk"])
+    g[p + "k_norm"] += dw
+    dqkv = torch.cat([dq0.view(N, c.q_size), dk0.view(N, c.kv_size), dv.reshape(N, c.kv_size)], 1)
+    acc_wgrad(g[p + "qkv"], dqkv, s["h1"])
+    dh1 = dqkv @ w[p + "qkv"]
+    dx, dw = rmsnorm_bwd(dh1, s["x"], w[p + "input_norm"], s["r1"], dx2)  # + dx2: the residual
+    g[p + "input_norm"] += dw
+    return dx
