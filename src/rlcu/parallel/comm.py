@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from rlcu.parallel import watchdog
+
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -117,10 +119,8 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None,
                             timeout=datetime.timedelta(seconds=timeout_s), **kw)
     from torch.distributed.distributed_c10d import _get_default_store
 
-    from rlcu.parallel.watchdog import Watchdog
-
     # the rendezvous store (torchrun's agent holds it, so it outlives a dead rank)
-    _WATCHDOG = Watchdog(dist.PrefixStore("rlcu/watchdog/", _get_default_store()), w.rank, w.size, heartbeat_s)
+    _WATCHDOG = watchdog.Watchdog(dist.PrefixStore("rlcu/watchdog/", _get_default_store()), w.rank, w.size, heartbeat_s)
     _WORLD = dataclasses.replace(w, backend=backend)
     _WATCHDOG.start()
     return _WORLD
@@ -148,9 +148,7 @@ def watch_launcher() -> None:
     a second of its launcher's death all the same (watchdog.watch_launcher). Without torchrun
     (TORCHELASTIC_RUN_ID unset: a shell, a scheduler's worker) nothing happens."""
     if _WATCHDOG is None and "TORCHELASTIC_RUN_ID" in os.environ:
-        from rlcu.parallel.watchdog import watch_launcher as watch
-
-        watch()
+        watchdog.watch_launcher()
 
 
 def check_launcher() -> None:

@@ -43,6 +43,7 @@ import time
 import torch
 
 from rlcu.parallel import comm as W
+from rlcu.parallel import watchdog
 from rlcu.sched.client import JobHandle, LeaseInfo, SchedError, pool_devices
 from rlcu.sched.hooks import JobHooks
 from rlcu.sched.lease import PREEMPTIBLE, Lessor
@@ -208,9 +209,7 @@ class DistJobHooks(JobHooks):
         self.yield_ticks: list[int] = []  # the tick of each yield (tests: equal on every rank)
         self._undo_at_die = None
         if self.main:
-            from rlcu.parallel.watchdog import at_die
-
-            self._undo_at_die = at_die(self._fail_job)
+            self._undo_at_die = watchdog.at_die(self._fail_job)
 
     def attach(self, llm) -> None:
         self._llm = llm

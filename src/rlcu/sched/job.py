@@ -45,10 +45,15 @@ import sys
 from pathlib import Path
 
 from rlcu import memory
-from rlcu.config import GRPOConfig
+from rlcu.config import ConfigError, GRPOConfig, load_config
+from rlcu.errors import SetupError
 from rlcu.memory.fit import kv_blocks_for_lease
+from rlcu.parallel.comm import ranked, world
+from rlcu.rewards import add_import_dir
 from rlcu.sched.client import JobEnded, JobHandle, SchedClient, SchedError, pool_devices
+from rlcu.sched.dp import DistJobHooks, on_main
 from rlcu.sched.hooks import CLUSTER, JobHooks
+from rlcu.threads import apply as apply_threads
 from rlcu.train import sizing
 from rlcu.train.core import TrainingStopped, coerce_config, exit_status
 from rlcu.train.grpo import GRPOTrainer
@@ -64,8 +69,6 @@ def estimate_memory(cfg: GRPOConfig, world_size: int = 1) -> dict[str, float]:
     the transient need of init, rollout (one step's KV pool, the engine's widest step, the
     prefill graphs), ref_logprobs and actor_train (a micro-batch under
     model.gradient_checkpointing, the gradient when released, the data-parallel buckets)."""
-    from rlcu.config import ConfigError
-
     if cfg.model.gradient_checkpointing == "auto":
         raise ConfigError("model.gradient_checkpointing", "'auto' sizes the activations to the free memory of a "
                                                           "GPU of its own; a scheduled job shares one: give true, "
@@ -90,8 +93,6 @@ def slot_share(sched: JobHandle, lease) -> float | None:
 
 
 def _use_device(lease) -> None:
-    from rlcu.parallel.comm import world
-
     if world().distributed:
         return  # each rank keeps its LOCAL_RANK device (its process group's); DistJobHooks checks the lease
     name = lease.names[0].rsplit("/", 1)[-1] if lease.names else ""  # "cuda:K" or "NODE/cuda:K"
@@ -111,12 +112,8 @@ class ScheduledGRPO(GRPOTrainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, sched: JobHandle, mem: dict | None = None,
                  cluster: str = CLUSTER, threads: bool = False, **kw):
-        from rlcu.parallel.comm import world
-
         cfg = coerce_config(GRPOConfig, config)
         if world().distributed:  # rank 0 holds the leases; every rank enters each phase (sched/dp.py)
-            from rlcu.sched.dp import DistJobHooks
-
             hooks = DistJobHooks(sched, cluster, mem)
         else:
             hooks = JobHooks(sched, cluster, mem)
@@ -159,16 +156,11 @@ class ScheduledGRPO(GRPOTrainer):
 
 
 def _set_threads(cfg: GRPOConfig, hooks, lease) -> None:
-    from rlcu.parallel.comm import world
-    from rlcu.threads import apply
-
     if world().distributed:  # rank 0 reads the pool; every rank takes its slot's share
-        from rlcu.sched.dp import on_main
-
         share = on_main(lambda: slot_share(hooks.sched, lease))
     else:
         share = slot_share(hooks.sched, lease)
-    apply(cfg.model.threads, share=share or 1.0)
+    apply_threads(cfg.model.threads, share=share or 1.0)
 
 
 def _on_cuda(cfg) -> bool:
@@ -186,8 +178,6 @@ def job_memory(cfg: GRPOConfig, given: dict | None = None, devices: int = 1) -> 
 
 def grpo_config(config, overrides=()) -> GRPOConfig:
     """A job's GRPOConfig from a YAML path (with `--set` overrides), a dict or a GRPOConfig."""
-    from rlcu.config import load_config
-
     if isinstance(config, (str, Path)) or config is None:
         return load_config(GRPOConfig, config, list(overrides))
     return coerce_config(GRPOConfig, config)
@@ -204,12 +194,8 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
     graceful cancel) raises TrainingStopped after its checkpoint, and finishes as cancelled.
     Under torchrun (rlcu.parallel) every rank calls this: rank 0 registers the job with one lease
     of WORLD_SIZE devices and talks to the scheduler; see rlcu.sched.dp."""
-    from rlcu.parallel.comm import world
-
     cfg = grpo_config(config, overrides)
     w = world()
-    from rlcu.errors import SetupError
-
     try:  # the estimate reads model.path's config: a name neither here nor on the Hub is one line, exit 2
         clusters, mem = job_memory(cfg, mem, devices=w.size)
     except (ValueError, FileNotFoundError) as e:
@@ -221,8 +207,6 @@ def run_grpo(config, addr: str | None = None, name: str | None = None, *, overri
                      attach=attach, heartbeat_s=heartbeat_s, poll_s=poll_s)
 
     if w.distributed:
-        from rlcu.sched.dp import on_main
-
         handle = on_main(register, share=False)  # rank 0's; None elsewhere (a refusal raises on every rank)
     else:
         handle = register()
@@ -284,8 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem", action="append", default=[], metavar="PHASE=GIB",
                    help="memory of a phase (or resident) per device, overriding the estimate")
     a = p.parse_args(argv)
-    from rlcu.rewards import add_import_dir
-
     add_import_dir(a.config)
     mem = {}
     for kv in a.mem:
@@ -299,7 +281,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from rlcu.parallel.comm import ranked  # under torchrun: the process group around the job
-
-    sys.exit(ranked(main))
+    sys.exit(ranked(main))  # under torchrun: the process group around the job
 

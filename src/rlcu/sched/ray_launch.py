@@ -11,12 +11,11 @@ secret, asks for init again on those devices and goes on as any job does (rlcu.s
 from __future__ import annotations
 
 from rlcu.sched.client import SchedClient, import_ray
+from rlcu.sched.job import grpo_config, job_memory, run_grpo
 
 
 class _GRPOJobActor:
     def run(self, config, addr, name, overrides, mem, secret, trainer_kw):
-        from rlcu.sched.job import run_grpo
-
         client = SchedClient(addr)
         client.set_secret(name, secret)
         hist = run_grpo(config, addr, name, overrides=overrides, attach=True, mem=mem, client=client, threads=True,
@@ -29,9 +28,7 @@ def launch_grpo(config, name: str, *, addr: str = "ray:rlcu-sched", overrides=()
     """Place a GRPO job (its init phase, from here), then run it as a Ray actor on the node
     of its leased device. Returns (actor, ObjectRef of its last metrics)."""
     ray = import_ray()
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from rlcu.sched.job import grpo_config, job_memory
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # ray: an optional package
 
     clusters, mem = job_memory(grpo_config(config, overrides), mem)
     client = SchedClient(addr)

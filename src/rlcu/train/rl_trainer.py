@@ -33,11 +33,20 @@ import time
 import torch
 
 from rlcu.config import RLConfig
+from rlcu.data.prompt_check import checked_prompts, prompt_limit
+from rlcu.engine import LLM
+from rlcu.model.qwen3 import Qwen3
 from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
+from rlcu.parallel import batch as dp
+from rlcu.parallel.comm import world
+from rlcu.parallel.zero import make_optimizer
+from rlcu.rewards import RewardSet, TrainerState, reward_options
 from rlcu.train import losses, sizing
 from rlcu.train import rollout as ro
+from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean
 from rlcu.train.rows import EpochOrder, load_rows
+from rlcu.train.schedule import lr_at
 
 
 class PromptSampler:
@@ -90,10 +99,6 @@ class RLTrainer(Trainer):
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
                  hooks: Hooks | None = None):
-        from rlcu.parallel.zero import make_optimizer
-        from rlcu.rewards import RewardSet, reward_options
-        from rlcu.train.checkpoint import build_model
-
         super().__init__(config, hooks)
         cfg = self.cfg
         self.model = model if model is not None else build_model(cfg.model)
@@ -123,8 +128,6 @@ class RLTrainer(Trainer):
         sizing.log_estimate(self.logger, self._memory_shape(), self.device)
 
     def _load_data(self, dataset, eval_dataset):
-        from rlcu.data.prompt_check import checked_prompts, prompt_limit
-
         d = self.cfg.data
         # every prompt against the context (and max_prompt_tokens): dropped (logged by row) or an error now
         limit = prompt_limit(self.model.cfg.max_position_embeddings, self.cfg.max_new_tokens, d.max_prompt_tokens,
@@ -160,8 +163,6 @@ class RLTrainer(Trainer):
     def _make_ref(self):
         """A frozen copy of the initial policy that shares nothing mutable with it, in its exact
         mode (the reference's logprobs are taken by the policy's kernels)."""
-        from rlcu.model.qwen3 import Qwen3
-
         ref = Qwen3(self.model.cfg, self.model.flat.detach().clone(), self.model.exact)
         ref.gradient_checkpointing = False
         return ref
@@ -171,8 +172,6 @@ class RLTrainer(Trainer):
         set; else, with engine.gpu_memory_utilization set, what that fraction of the device
         leaves (the engine's own sizing); else (the default) one step's sequences or one
         evaluation's, whichever is more, and no more, so that the rollout's peak stays small."""
-        from rlcu.engine import LLM
-
         c, e = self.cfg, self.cfg.engine
         kw = dict(device=str(self.device), max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                   num_kv_blocks=e.num_kv_blocks, block_size=e.block_size, enforce_eager=e.enforce_eager,
@@ -181,8 +180,6 @@ class RLTrainer(Trainer):
         if kw["num_kv_blocks"] is None and e.gpu_memory_utilization is None:
             # RL knows its batch: a pool that holds one step's sequences (or one evaluation's),
             # and no more, so that the generation phase's peak memory stays small
-            from rlcu.parallel.comm import world
-
             longest = max([r.longest for r in self.prompt_reports] + [1])  # over every prompt kept
             kw["num_kv_blocks"] = sizing.rl_kv_blocks(c, world().size, longest,
                                                       min(len(self.eval_rows), c.eval_max_prompts))
@@ -213,8 +210,6 @@ class RLTrainer(Trainer):
 
     def rollout(self, rows: list[dict], n: int, seed: int, temperature: float | None = None,
                 max_tokens: int | None = None, group_offset: int = 0) -> list[ro.Sample]:
-        from rlcu.parallel import batch as dp
-
         c = self.cfg
         lo, hi = dp.rank_block(len(rows))  # this rank's prompts; every rank gets every sample back
         rows = rows[lo:hi]
@@ -240,8 +235,6 @@ class RLTrainer(Trainer):
         pf = self.cfg.data.prompt_field
         prompts = [s.row.get(pf) for s in samples]
         comps = [s.completion_text for s in samples]
-        from rlcu.rewards import TrainerState
-
         state = TrainerState(self.step, self.cfg.steps, self.sampler.pos / max(len(self.rows), 1))
         rewards, breakdown, errors = self.rewards(prompts, comps, [s.row for s in samples], prompt_field=pf,
                                                   completion_ids=[s.completion_ids for s in samples],
@@ -342,8 +335,6 @@ class RLTrainer(Trainer):
                 "truncated_frac": sum(s.truncated for s in samples) / len(samples)}
 
     def _lr(self, update: int, total: int, optim_cfg=None) -> float:
-        from rlcu.train.schedule import lr_at
-
         return lr_at(update, optim_cfg or self.cfg.optim, total)
 
     def _resolve_checkpointing(self) -> None:
@@ -357,8 +348,6 @@ class RLTrainer(Trainer):
                        kl_coef: float, record=None) -> dict:
         """One optimizer step of the policy over the whole batch, micro-batch by micro-batch;
         record(a, b, lp), when given, receives each micro-batch's logprobs (rlcu.train.mismatch)."""
-        from rlcu.parallel import batch as dp
-
         self._resolve_checkpointing()
         c, model = self.cfg, self.model
         n_tok = float(batch.mask.sum())  # of the global batch: every rank holds all of it

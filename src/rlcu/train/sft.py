@@ -34,6 +34,8 @@ from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer
 from rlcu.train.rows import EpochOrder, load_rows
 from rlcu.train.schedule import lr_at
+from rlcu.train.static_batch import misfit, pack, slot_bucket
+from rlcu.train.step_graph import StepGraph, why_not
 
 
 class PackedStream:
@@ -118,8 +120,6 @@ class SFTTrainer(Trainer):
         self._graph_misfits = 0  # steps that ran eagerly because a micro-batch did not fit the graph
 
     def _make_step_graph(self):
-        from rlcu.train.step_graph import StepGraph, why_not
-
         reason = why_not(self.model, self.optimizer)
         if reason is None and world().size > 1:
             reason = "data parallel across ranks"
@@ -242,8 +242,6 @@ class SFTTrainer(Trainer):
     def _graph_batches(self, batches, n_tok: int) -> list[dict] | None:
         """The step's micro-batches packed for the step graph (host tensors), or None when one
         does not fit its budget (logged the first time; the step then runs eagerly)."""
-        from rlcu.train.static_batch import misfit, pack, slot_bucket
-
         g, out = self.step_graph, []
         for tokens, cu, mask, _ in batches:
             S = cu.numel() - 1

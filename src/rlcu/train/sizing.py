@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from rlcu.engine.kv_pool import dtype_bytes, engine_shape
+from rlcu.hub import model_folder
 from rlcu.memory import JobShape, checkpointing_name, job_memory
 from rlcu.memory.fit import fit_checkpointing, step_kv_blocks
 from rlcu.model.config import Qwen3Config
@@ -23,8 +24,6 @@ def model_config(mc) -> Qwen3Config:
     if mc.tiny is not None:
         return Qwen3Config(**mc.tiny)
     if mc.path is not None:
-        from rlcu.hub import model_folder
-
         return Qwen3Config.from_file(model_folder(mc.path, mc.revision, "model.path", ("config.json",)) / "config.json")
     return Qwen3Config()
 
