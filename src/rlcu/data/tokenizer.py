@@ -4,7 +4,9 @@ transformers at run time.
 
 Loading follows transformers: chat_template.jinja (and chat_templates/<name>.jinja) win over
 the template in tokenizer_config.json, named and extra special tokens missing from tokenizer.json
-are added as special tokens, `split_special_tokens` and `clean_up_tokenization_spaces` are honoured.
+are added as special tokens, `split_special_tokens` and `clean_up_tokenization_spaces` are honoured,
+and a named tokenizer class is rebuilt as transformers 5 rebuilds it (`rlcu.data.tokenizer_classes`:
+Mistral's and Llama 2's files would otherwise encode differently after every control token).
 `apply_chat_template` passes each named special token as a template variable (bos_token,
 eos_token, ..., plus any other `*_token` of the config), then the caller's kwargs.
 """
@@ -25,6 +27,7 @@ from rlcu.data.chat_template import (  # noqa: F401
     render_chat,
     select_template,
 )
+from rlcu.data.tokenizer_classes import as_transformers_builds
 
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -100,6 +103,7 @@ class Tokenizer:
                 have.add(content)
         for tok in to_add:
             (backend.add_special_tokens if tok.special else backend.add_tokens)([tok])
+        as_transformers_builds(backend, cfg)
         backend.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
         # transformers skips this WordPiece-era cleanup for BPE models, where it corrupts text
         self._clean_up = bool(cfg.get("clean_up_tokenization_spaces")) and not isinstance(backend.model, models.BPE)
