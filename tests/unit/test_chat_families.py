@@ -211,3 +211,25 @@ def test_class_rebuild_options(tmp_path):
                 assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
             ids = hf.encode(text)
             assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("chat", list(CHATS))
+def test_sft_ids_are_the_templates(family, chat):
+    """An SFT conversation's ids are transformers' apply_chat_template ids (the whole text encoded at
+    once), and its mask covers each assistant message and the end-of-turn token after it, also where the
+    template moves the system prompt (Mistral: to the last user message) or trims the content."""
+    from rlcu.data.datasets import encode_sft_row
+
+    name, _, ours, hf = family
+    msgs = CHATS[chat] + ([{"role": "assistant", "content": " Fine. "}] if CHATS[chat][-1]["role"] != "assistant"
+                          else [])
+    ids, mask = encode_sft_row({"messages": msgs}, ours)
+    assert ids == hf.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    trained = ours.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False)
+    last = msgs[-1]["content"].strip()
+    assert last in trained and "add 1 and 2" not in trained and "What is" not in trained
+    if name in END_OF_TURN:
+        eot = END_OF_TURN[name]
+        trained = trained.rstrip("\n")
+        assert trained.endswith(eot) and trained[:-len(eot)].strip().endswith(last)
+    assert mask[0] == 0

@@ -203,10 +203,22 @@ def filter_long(rows: list[dict], tokenizer, max_tokens: int | None, prompt_fiel
     return kept, len(rows) - len(kept)
 
 
+def _find(full: str, content: str, start: int) -> tuple[int, int]:
+    """(start, end) of an assistant message's content in the rendered chat from `start`, or (-1, -1);
+    templates that trim the content (Llama 3's, Mistral's) are found by the trimmed text."""
+    for text in (content, content.strip()):
+        s = full.find(text, start) if text else -1
+        if s >= 0:
+            return s, s + len(text)
+    return -1, -1
+
+
 def _chat_spans(tokenizer, msgs: list[dict], first: int, kw: dict) -> tuple[str, list[tuple[int, int]]]:
     """Render a conversation; return its text and the character spans of the assistant
     turns at index >= first (each from where the generation prompt ends to the end of the
-    turn, end-of-turn token included)."""
+    turn, end-of-turn token included). Where the rendering of the turns before is not a prefix
+    of the whole (Mistral's system prompt goes with the last user message), the span is found
+    by the message's content."""
     full = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False, **kw)
     eos = getattr(tokenizer, "eos_token", None)
     spans, cur = [], 0
@@ -220,22 +232,34 @@ def _chat_spans(tokenizer, msgs: list[dict], first: int, kw: dict) -> tuple[str,
             if full.startswith(pre) and len(pre) >= cur:
                 s = len(pre)
         if s < 0:
-            s = full.find(content, cur)
+            s = _find(full, content, cur)[0]
             if s < 0:
                 raise ValueError(f"cannot find assistant turn {i} in the rendered chat template")
         upto = tokenizer.apply_chat_template(msgs[:i + 1], add_generation_prompt=False, tokenize=False, **kw)
         if full.startswith(upto) and len(upto) > s:
             e = len(upto)
         else:
-            e = full.find(content, s)
+            e = _find(full, content, s)[1]
             if e < 0:
                 raise ValueError(f"cannot find the end of assistant turn {i} in the rendered chat template")
-            e += len(content)
             if eos and full.startswith(eos, e):
                 e += len(eos)
         spans.append((s, e))
         cur = e
     return full, spans
+
+
+def _mask_by_offsets(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """The whole text encoded at once (the ids apply_chat_template(tokenize=True) gives), mask 1 on
+    each token that overlaps a span (a token across a span's edge, Mistral's "▁Fine" after [/INST],
+    is trained on)."""
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    mask, k = [], 0
+    for a, b in offsets:
+        while k < len(spans) and a >= spans[k][1]:
+            k += 1
+        mask.append(int(k < len(spans) and b > spans[k][0] and b > a))
+    return ids, mask
 
 
 def encode_sft_row(row: dict, tokenizer, prompt_field="prompt", completion_field="completion",
@@ -264,7 +288,9 @@ def encode_sft_row(row: dict, tokenizer, prompt_field="prompt", completion_field
             comp = [{"role": "assistant", "content": comp}]
         msgs, first = list(prompt) + list(comp), len(prompt)
     text, spans = _chat_spans(tokenizer, msgs, first, template_kwargs)
-    ids: list[int] = []
+    if callable(getattr(tokenizer, "encode_with_offsets", None)):
+        return _mask_by_offsets(tokenizer, text, spans)
+    ids: list[int] = []  # a tokenizer without offsets: encoded piece by piece
     mask: list[int] = []
     cur = 0
     for s, e in spans:

@@ -221,6 +221,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = False) -> tuple[list[int], list[tuple]]:
+        """(ids, the (start, end) character span of `text` each token came from; (0, 0) for a token the
+        post-processor added)."""
+        enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, enc.offsets
+
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
