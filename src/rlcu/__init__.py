@@ -1,7 +1,8 @@
-"""rlcu: LLM reinforcement-learning post-training for Qwen3 with hand-written kernels.
+"""rlcu: LLM reinforcement-learning post-training with hand-written kernels, for the Qwen3, Qwen2/2.5,
+Llama 3.x and Mistral families (docs/models.md).
 
     import rlcu
-    m = rlcu.Qwen3.from_pretrained(path)            # the model, weights in one flat buffer
+    m = rlcu.from_pretrained(path)                   # the model (any family), weights in one flat buffer
     llm = rlcu.LLM(m)                                # the paged engine, sharing m's weights
     m.exact = True                                   # exact mode, the model's: llm's logprobs == m.forward's
     rlcu.GRPOTrainer(config, dataset, rewards).train()
@@ -9,8 +10,10 @@
 
 __version__ = "0.1.0"
 
-from rlcu.model.config import Qwen3Config  # noqa: E402,F401
-from rlcu.model.qwen3 import Qwen3  # noqa: E402,F401
+from rlcu.model.config import CausalLMConfig, Qwen3Config  # noqa: E402,F401
+from rlcu.model.qwen3 import CausalLM, Qwen3  # noqa: E402,F401
+
+from_pretrained = CausalLM.from_pretrained  # the family from config.json's architectures
 
 # heavier subsystems load on first use
 _LAZY = {

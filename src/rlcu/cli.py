@@ -83,7 +83,8 @@ def _drop_output() -> None:
 def _dispatch(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: rlcu COMMAND [options]\n\nLLM RL post-training for Qwen3 with hand-written kernels.\n\ncommands:")
+        print("usage: rlcu COMMAND [options]\n\nLLM RL post-training (Qwen3, Qwen2/2.5, Llama 3.x, Mistral) with "
+              "hand-written kernels.\n\ncommands:")
         for name, (_, text) in COMMANDS.items():
             print(f"  {name:<10} {text}")
         print("\n`rlcu COMMAND --help` lists a command's options.")

@@ -38,3 +38,33 @@ def make_hf_model(tmp_path, tied=False, seed=0, **kw):
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# the families beside Qwen3 (model/family.py) at odd shapes: hidden 96, 6 heads over 2 KV, head_dim 16
+FAMILY_CASES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+}
+
+
+def make_family_model(tmp_path, case: str, seed=0, **kw):
+    """A tiny random HF model of one FAMILY_CASES family saved under tmp_path/case; returns
+    (model, folder). Norms and biases are randomised too, so that every parameter matters."""
+    import transformers
+
+    cfg_cls, model_cls, extra = FAMILY_CASES[case]
+    torch.manual_seed(seed)
+    d = dict(vocab_size=333, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+             num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+             rope_theta=10000.0, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+             attn_implementation="eager", **extra)
+    d.update(kw)
+    m = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**d)).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.05 * torch.randn_like(p))
+    folder = tmp_path / case
+    m.save_pretrained(folder)
+    return m, folder

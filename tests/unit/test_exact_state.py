@@ -103,7 +103,7 @@ def test_exact_is_a_bool_of_the_model():
     assert Qwen3(cfg, m.flat, exact=True).exact and not m.exact  # one model's mode is not another's
     m.exact = True
     assert m.exact
-    with pytest.raises(TypeError, match="Qwen3.exact must be True or False, got 1"):
+    with pytest.raises(TypeError, match="exact must be True or False, got 1"):
         m.exact = 1
     with pytest.raises(TypeError, match="got 'yes'"):
         Qwen3(cfg, torch.zeros_like(m.flat), exact="yes")

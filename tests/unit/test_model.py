@@ -236,10 +236,10 @@ def test_missing_shard(tmp_path):
 def test_unsupported_architecture(tmp_path):
     _, folder = make_hf_model(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg["model_type"] = "llama"
+    cfg["architectures"] = ["GemmaForCausalLM"]
+    cfg["model_type"] = "gemma"
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported architecture.*GemmaForCausalLM.*LlamaForCausalLM"):
         rlcu.Qwen3.from_pretrained(folder)
 
 

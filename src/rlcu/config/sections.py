@@ -17,8 +17,9 @@ CHECKPOINTING_MODES = ("full", "attention", "none", "auto")
 
 @dataclasses.dataclass
 class ModelConfig(Section):
-    path: str | None = opt(None, "HF folder of a Qwen3 checkpoint (config.json + safetensors), or its Hugging Face "
-                                 "Hub id (e.g. Qwen/Qwen3-0.6B, fetched into the Hub's cache; ID@revision pins "
+    path: str | None = opt(None, "HF folder of a Qwen3, Qwen2/2.5, Llama 3.x or Mistral checkpoint (config.json + "
+                                 "safetensors; docs/models.md), or its Hugging Face Hub id (e.g. Qwen/Qwen3-0.6B, "
+                                 "fetched into the Hub's cache; ID@revision pins "
                                  "one); null with `tiny` for a model made from scratch")
     revision: str | None = opt(None, "the Hub revision (branch, tag or commit) of a model.path that is a Hub id "
                                      "(and of its tokenizer); null: main")

@@ -28,16 +28,16 @@ FP32, INDEX = 4, 8
 
 @functools.lru_cache(maxsize=64)
 def _layout(dims: tuple) -> tuple[int, list[int]]:
-    V, H, I, L, Hq, Hk, D, tied = dims
+    V, H, I, L, Hq, Hk, D, tied, family = dims  # the family decides the q/k norm and q/k/v bias slots
     lay = ParamLayout(Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
                                   num_attention_heads=Hq, num_key_value_heads=Hk, head_dim=D,
-                                  tie_word_embeddings=tied))
+                                  tie_word_embeddings=tied, family=family))
     return lay.numel, lay.layer_bounds()
 
 
 def _dims(cfg: Qwen3Config) -> tuple:
     return (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, bool(cfg.tie_word_embeddings))
+            cfg.num_key_value_heads, cfg.head_dim, bool(cfg.tie_word_embeddings), cfg.family)
 
 
 def params(cfg: Qwen3Config) -> int:

@@ -1,1 +1,2 @@
-"""Qwen3: config, flat weight layout, HF folder I/O, forward and manual backward."""
+"""The causal LM of every supported family (family.py): config, flat weight layout, HF folder I/O,
+forward and manual backward."""

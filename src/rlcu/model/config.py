@@ -1,9 +1,11 @@
-"""Qwen3 model configuration, read from and written to HF's config.json.
+"""The model's configuration (any family of model/family.py), read from and written to HF's
+config.json.
 
 Two forms of the rotary base exist in the wild: a top-level `rope_theta` (the published
 checkpoints) and `rope_parameters: {rope_theta, rope_type}` (transformers 5). Both are
-read; the published form is written. A missing `tie_word_embeddings` means untied (HF's
-default for Qwen3).
+read; the published form of the family is written. A missing `tie_word_embeddings` means
+the family's transformers default (untied for all four). `Qwen3Config` is the same class (its
+name before the other families).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+from rlcu.model.family import FAMILIES, SUPPORTED_ARCHITECTURES, Family, family_of, refuse_unsupported
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "CausalLMConfig", "Qwen3Config", "checkpointed_layers", "layer_keeps"]
 
 
 def checkpointed_layers(mode) -> int | None:
@@ -48,7 +52,9 @@ def layer_keeps(mode, num_layers: int) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass
-class Qwen3Config:
+class CausalLMConfig:
+    """One model's shape and family (the defaults: Qwen3-0.6B)."""
+
     vocab_size: int = 151936
     hidden_size: int = 1024
     intermediate_size: int = 3072
@@ -62,23 +68,31 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     bos_token_id: int | None = 151643
     eos_token_id: int | list[int] | None = 151645
+    family: str = "qwen3"  # a key of model/family.py FAMILIES
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"CausalLMConfig.family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             val = getattr(self, f)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"Qwen3Config.{f} must be a positive integer, got {val!r}")
+                raise ValueError(f"CausalLMConfig.{f} must be a positive integer, got {val!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"Qwen3Config.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"CausalLMConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
-            raise ValueError(f"Qwen3Config.head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise ValueError(f"CausalLMConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not self.rms_norm_eps > 0:
-            raise ValueError(f"Qwen3Config.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+            raise ValueError(f"CausalLMConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
         if not self.rope_theta > 0:
-            raise ValueError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta!r}")
+            raise ValueError(f"CausalLMConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+
+    @property
+    def fam(self) -> Family:
+        """The family description (model/family.py): q/k norm, q/k/v bias, published fields."""
+        return FAMILIES[self.family]
 
     # derived sizes
     @property
@@ -95,13 +109,11 @@ class Qwen3Config:
         return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
     @classmethod
-    def from_hf_dict(cls, d: dict, source: str = "config.json") -> Qwen3Config:
-        archs = d.get("architectures") or []
-        mt = d.get("model_type")
-        if not (any(a in SUPPORTED_ARCHITECTURES for a in archs) or (not archs and mt == "qwen3")):
-            raise ValueError(
-                f"{source}: unsupported architecture {archs or mt!r}; rlcu supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'qwen3')")
+    def from_hf_dict(cls, d: dict, source: str = "config.json") -> CausalLMConfig:
+        """Any config.json form transformers writes for a supported family; a ValueError naming
+        the field of any other."""
+        fam = family_of(d, source)
+        refuse_unsupported(fam, d, source)
         theta = d.get("rope_theta")
         rp = d.get("rope_parameters") or {}
         if theta is None:
@@ -121,9 +133,9 @@ class Qwen3Config:
             head_dim=d.get("head_dim") or d["hidden_size"] // nh,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta if theta is not None else 10000.0),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", fam.tie_default)),
             max_position_embeddings=d.get("max_position_embeddings", 40960),
-            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), family=fam.name,
         )
         try:
             return cls(**kw)
@@ -131,7 +143,7 @@ class Qwen3Config:
             raise ValueError(f"{source}: {e}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Qwen3Config:
+    def from_file(cls, path: str | Path) -> CausalLMConfig:
         path = Path(path)
         try:
             d = json.loads(path.read_text())
@@ -142,9 +154,11 @@ class Qwen3Config:
         return cls.from_hf_dict(d, source=str(path))
 
     def to_hf_dict(self) -> dict:
-        return {
-            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-            "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
+        """The config.json the family's published checkpoints write."""
+        fam = self.fam
+        d = {
+            "architectures": [fam.architecture], "model_type": fam.model_type,
+            "attention_dropout": 0.0, "hidden_act": "silu",
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
@@ -152,7 +166,12 @@ class Qwen3Config:
             "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "rope_scaling": None, "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "max_window_layers": self.num_hidden_layers, "sliding_window": None,
-            "use_sliding_window": False, "use_cache": True, "initializer_range": 0.02,
-            "torch_dtype": "bfloat16",
+            "use_cache": True, "initializer_range": 0.02, "torch_dtype": "bfloat16",
         }
+        if fam.name.startswith("qwen"):
+            d["max_window_layers"] = self.num_hidden_layers
+        d.update(fam.published)
+        return d
+
+
+Qwen3Config = CausalLMConfig  # the name from before the other families

@@ -1,5 +1,6 @@
-"""Reading and writing HF Qwen3 folders: config.json plus model.safetensors or shards listed
-in model.safetensors.index.json. Tensors are copied straight into the flat buffer's views.
+"""Reading and writing HF model folders (any family of model/family.py): config.json plus
+model.safetensors or shards listed in model.safetensors.index.json. Tensors are copied straight
+into the flat buffer's views.
 
 Loading names the file of every problem: a file that is not valid safetensors (truncated,
 corrupted), a tensor of the wrong shape, a missing or unexpected tensor, and a tensor holding

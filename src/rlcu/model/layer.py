@@ -2,8 +2,9 @@
 
 `layer_fwd` states the layer's math in order:
     h1 = rmsnorm(x)                              input norm
-    qkv = h1 Wqkv^T                              QKV projection, [N, (Hq + 2 Hk) D]
+    qkv = h1 Wqkv^T (+ b)                        QKV projection, [N, (Hq + 2 Hk) D] (b: Qwen2's q/k/v bias)
     q, k = rope(rmsnorm(q)), rope(rmsnorm(k))    q/k norm + rope, K/V placed where attention reads them
+                                                 (rope alone where the family has no q/k norm)
     o = attention(q, K, V)
     x2 = x + o Wo^T                              O projection + residual
     h2 = rmsnorm(x2)                             post norm
@@ -13,8 +14,9 @@ What differs between runners is passed in, never written again:
   trainer's packed q/k/v of the step's own tokens, varlen attention, the default or exact mode's)
   or the engine's paged cache (engine/paged_forward.py `PagedKV`: k/v written to their kv slots,
   paged attention, exact mode's over the cache). model/ imports nothing of the engine, so the
-  engine passes its own. Protocol: `place(i, qkv, q_w, k_w, pos) -> (q, k, v, rq, rk)` (k, v, rq,
-  rk may be None where the cache holds them and nothing is kept) and `attend(i, q, k, v) -> (o, lse)`.
+  engine passes its own. Protocol: `place(i, qkv, q_w, k_w, pos, bias) -> (q, k, v, rq, rk)` (k, v,
+  rq, rk may be None where the cache holds them, nothing is kept or there is no norm; q_w = k_w =
+  None: no q/k norm; bias None: none) and `attend(i, q, k, v) -> (o, lse)`.
 - `ops`, which kernel runs each step: `Kernels` here (one op a step; the GEMM cuBLAS's or, in exact
   mode, the batch-invariant one; the residual a new tensor, or updated in place where nothing is
   kept), or the engine's fused small-step schedule (engine/paged_forward.py `Fused`), which defers a
@@ -43,7 +45,7 @@ from rlcu.ops.attention_exact import attention_exact_varlen
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.qkv_prep import qk_norm_rope
 from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
-from rlcu.ops.rope import rope_bwd
+from rlcu.ops.rope import rope_bwd, rope_fwd
 from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 KEEP = ("none", "inputs", "attention", "all")
@@ -83,8 +85,10 @@ class Packed:
         self.cfg, self.model_exact = model.cfg, model.exact
         self.cu, self.max_seqlen, self.exact, self.saved = cu_seqlens, max_seqlen, exact, saved
 
-    def place(self, i: int, qkv, q_w, k_w, pos):
+    def place(self, i: int, qkv, q_w, k_w, pos, bias=None):
         c = self.cfg
+        if q_w is None or bias is not None:
+            return (*rope_plain(c, qkv, pos, bias), None, None)
         return qk_norm_rope(qkv, q_w, k_w, pos, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                             c.rms_norm_eps, c.rope_theta, exact=self.model_exact)
 
@@ -95,6 +99,18 @@ class Packed:
         return attend(q, k, v, self.cu, self.max_seqlen, self.cfg.head_dim**-0.5)
 
 
+def rope_plain(c, qkv, pos, bias=None):
+    """The families without q/k norm (Llama, Mistral, Qwen2): qkv (+ bias) -> (q [N, Hq, D], k, v
+    [N, Hk, D]), q and k rotated, by rope's kernel; the trainer and the engine both run it, so
+    their rows agree bit for bit."""
+    N, qs, ks = qkv.shape[0], c.q_size, c.kv_size
+    if bias is not None:
+        qkv = qkv + bias
+    q = rope_fwd(qkv[:, :qs].reshape(N, c.num_attention_heads, c.head_dim), pos, c.rope_theta)
+    k = rope_fwd(qkv[:, qs:qs + ks].reshape(N, c.num_key_value_heads, c.head_dim), pos, c.rope_theta)
+    return q, k, qkv[:, qs + ks:].reshape(N, c.num_key_value_heads, c.head_dim).contiguous()
+
+
 def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: str = "none"):
     """Layer i of `model` (its cfg and weight views w) on the residual stream x [N, hidden] at
     positions pos [N] -> (y [N, hidden], kept): kept is None ('none'), {x} ('inputs': checkpointed),
@@ -103,7 +119,7 @@ def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: 
     N, eps = x.shape[0], c.rms_norm_eps
     h1, r1 = ops.norm(x, w[p + "input_norm"], eps)
     qkv = ops.linear(h1, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
-    q, k, v, rq, rk = kv.place(i, qkv, w[p + "q_norm"], w[p + "k_norm"], pos)
+    q, k, v, rq, rk = kv.place(i, qkv, w.get(p + "q_norm"), w.get(p + "k_norm"), pos, w.get(p + "qkv_bias"))
     o, lse = kv.attend(i, q, k, v)
     x2 = ops.linear(o.view(N, c.q_size), w[p + "o"], x)
     h2, r2 = ops.norm(x2, w[p + "post_norm"], eps)
@@ -143,13 +159,16 @@ def layer_bwd(model, i: int, dy: torch.Tensor, s: dict, pos, cu, max_seqlen: int
     acc_wgrad(g[p + "o"], dx2, s["o"].view(N, c.q_size))
     do = (dx2 @ w[p + "o"]).view(N, Hq, D)
     dq, dk, dv = attention_bwd(do, s["q"], s["k"], s["v"], s["o"], s["lse"], cu, max_seqlen, D**-0.5)
-    dqn = rope_bwd(dq, pos, c.rope_theta).reshape(N * Hq, D)
-    dkn = rope_bwd(dk, pos, c.rope_theta).reshape(N * Hk, D)
-    dq0, dw = rmsnorm_bwd(dqn, s["q0"].reshape(N * Hq, D), w[p + "q_norm"], s["rq"])
-    g[p + "q_norm"] += dw
-    dk0, dw = rmsnorm_bwd(dkn, s["k0"].reshape(N * Hk, D), w[p + "k_norm"], s["rk"])
-    g[p + "k_norm"] += dw
+    dq0 = rope_bwd(dq, pos, c.rope_theta).reshape(N * Hq, D)
+    dk0 = rope_bwd(dk, pos, c.rope_theta).reshape(N * Hk, D)
+    if c.fam.qk_norm:
+        dq0, dw = rmsnorm_bwd(dq0, s["q0"].reshape(N * Hq, D), w[p + "q_norm"], s["rq"])
+        g[p + "q_norm"] += dw
+        dk0, dw = rmsnorm_bwd(dk0, s["k0"].reshape(N * Hk, D), w[p + "k_norm"], s["rk"])
+        g[p + "k_norm"] += dw
     dqkv = torch.cat([dq0.view(N, c.q_size), dk0.view(N, c.kv_size), dv.reshape(N, c.kv_size)], 1)
+    if c.fam.qkv_bias:  # qkv = h1 Wqkv^T + b: db = the sum over tokens
+        g[p + "qkv_bias"] += dqkv.sum(0, dtype=torch.float32).to(g[p + "qkv_bias"].dtype)
     acc_wgrad(g[p + "qkv"], dqkv, s["h1"])
     dh1 = dqkv @ w[p + "qkv"]
     dx, dw = rmsnorm_bwd(dh1, s["x"], w[p + "input_norm"], s["r1"], dx2)  # + dx2: the residual

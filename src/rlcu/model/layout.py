@@ -6,7 +6,9 @@ layout, so the optimizer is one launch and a checkpoint one copy. Each tensor st
 multiple of `ALIGN` elements so that kernels see aligned rows.
 
 HF parameter names map onto row ranges of the fused tensors; a row range of a row-major
-matrix is contiguous, so `q_proj.weight` is itself a plain view.
+matrix is contiguous, so `q_proj.weight` is itself a plain view. The family (model/family.py)
+decides which slots exist: `q_norm`/`k_norm` only where it has q/k norms (Qwen3), `qkv_bias`
+(q, k and v biases fused as qkv is) only where it has them (Qwen2), `lm_head` only untied.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import dataclasses
 
 import torch
 
-from rlcu.model.config import Qwen3Config
+from rlcu.model.config import CausalLMConfig
 
 ALIGN = 64
 
@@ -35,17 +37,18 @@ class Slot:
 
 
 class ParamLayout:
-    def __init__(self, cfg: Qwen3Config):
+    def __init__(self, cfg: CausalLMConfig):
         self.cfg = cfg
         H, D, I, V = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+        QKV, fam = cfg.q_size + 2 * cfg.kv_size, cfg.fam
         shapes: list[tuple[str, tuple[int, ...]]] = [("embed", (V, H))]
         for i in range(cfg.num_hidden_layers):
             p = f"layers.{i}."
-            shapes += [
-                (p + "input_norm", (H,)), (p + "qkv", (cfg.q_size + 2 * cfg.kv_size, H)),
-                (p + "q_norm", (D,)), (p + "k_norm", (D,)), (p + "o", (H, cfg.q_size)),
-                (p + "post_norm", (H,)), (p + "gate_up", (2 * I, H)), (p + "down", (H, I)),
-            ]
+            shapes += [(p + "input_norm", (H,)), (p + "qkv", (QKV, H))]
+            shapes += [(p + "qkv_bias", (QKV,))] if fam.qkv_bias else []
+            shapes += [(p + "q_norm", (D,)), (p + "k_norm", (D,))] if fam.qk_norm else []
+            shapes += [(p + "o", (H, cfg.q_size)), (p + "post_norm", (H,)), (p + "gate_up", (2 * I, H)),
+                       (p + "down", (H, I))]
         shapes.append(("final_norm", (H,)))
         if not cfg.tie_word_embeddings:
             shapes.append(("lm_head", (V, H)))
@@ -71,6 +74,7 @@ class ParamLayout:
         """HF name -> (slot name, first row, end row) of the fused tensor."""
         c = self.cfg
         q, kv, I = c.q_size, c.kv_size, c.intermediate_size
+        fam = c.fam
         m = {"model.embed_tokens.weight": ("embed", 0, c.vocab_size)}
         for i in range(c.num_hidden_layers):
             p, s = f"model.layers.{i}.", f"layers.{i}."
@@ -80,13 +84,18 @@ class ParamLayout:
                 p + "self_attn.k_proj.weight": (s + "qkv", q, q + kv),
                 p + "self_attn.v_proj.weight": (s + "qkv", q + kv, q + 2 * kv),
                 p + "self_attn.o_proj.weight": (s + "o", 0, c.hidden_size),
-                p + "self_attn.q_norm.weight": (s + "q_norm", 0, c.head_dim),
-                p + "self_attn.k_norm.weight": (s + "k_norm", 0, c.head_dim),
                 p + "post_attention_layernorm.weight": (s + "post_norm", 0, c.hidden_size),
                 p + "mlp.gate_proj.weight": (s + "gate_up", 0, I),
                 p + "mlp.up_proj.weight": (s + "gate_up", I, 2 * I),
                 p + "mlp.down_proj.weight": (s + "down", 0, c.hidden_size),
             })
+            if fam.qk_norm:
+                m[p + "self_attn.q_norm.weight"] = (s + "q_norm", 0, c.head_dim)
+                m[p + "self_attn.k_norm.weight"] = (s + "k_norm", 0, c.head_dim)
+            if fam.qkv_bias:
+                m[p + "self_attn.q_proj.bias"] = (s + "qkv_bias", 0, q)
+                m[p + "self_attn.k_proj.bias"] = (s + "qkv_bias", q, q + kv)
+                m[p + "self_attn.v_proj.bias"] = (s + "qkv_bias", q + kv, q + 2 * kv)
         m["model.norm.weight"] = ("final_norm", 0, c.hidden_size)
         if not c.tie_word_embeddings:
             m["lm_head.weight"] = ("lm_head", 0, c.vocab_size)

@@ -1,4 +1,7 @@
-"""Qwen3 (dense) with a hand-written backward over packed sequences.
+"""The causal LM of every supported family (model/family.py: Qwen3, Qwen2/2.5, Llama 3.x, Mistral)
+with a hand-written backward over packed sequences. `Qwen3` is the same class (its name before
+the other families); what differs between families is its config's `fam`, read by the layout
+and the layer.
 
 The decoder layer is model/layer.py's, the one the engine runs too: `_layer_fwd` runs it over
 packed sequences (varlen attention over the tokens' own K/V) and keeps what the checkpointing
@@ -32,7 +35,7 @@ import torch
 
 from rlcu import files
 from rlcu.model import io, layer
-from rlcu.model.config import Qwen3Config, layer_keeps
+from rlcu.model.config import CausalLMConfig, layer_keeps
 from rlcu.model.layout import ParamLayout
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
@@ -45,10 +48,10 @@ _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.jso
                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
-class Qwen3:
-    """A Qwen3 causal LM whose weights live in one flat buffer (`self.flat`)."""
+class CausalLM:
+    """A causal LM of any supported family whose weights live in one flat buffer (`self.flat`)."""
 
-    def __init__(self, cfg: Qwen3Config, flat: torch.Tensor, exact: bool = False):
+    def __init__(self, cfg: CausalLMConfig, flat: torch.Tensor, exact: bool = False):
         self.cfg = cfg
         self.exact = exact  # exact on-policy mode (ops/exact.py), this model's and its engine's
         self.layout = ParamLayout(cfg)
@@ -89,7 +92,7 @@ class Qwen3:
     @exact.setter
     def exact(self, on: bool) -> None:
         if not isinstance(on, bool):
-            raise TypeError(f"Qwen3.exact must be True or False, got {on!r}")
+            raise TypeError(f"CausalLM.exact must be True or False, got {on!r}")
         self._exact = on
 
     @property
@@ -98,9 +101,10 @@ class Qwen3:
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, revision: str | None = None,
-                        exact: bool = False) -> Qwen3:
+                        exact: bool = False) -> CausalLM:
         """A model folder here, or a Hugging Face Hub id ('Qwen/Qwen3-0.6B', 'ID@revision'), fetched
-        into the Hub's cache (rlcu.hub). exact: exact on-policy mode (ops/exact.py)."""
+        into the Hub's cache (rlcu.hub); its config.json's architectures pick the family. exact:
+        exact on-policy mode (ops/exact.py)."""
         from rlcu.hub import model_folder
 
         path = model_folder(path, revision)
@@ -114,8 +118,8 @@ class Qwen3:
         return m
 
     @classmethod
-    def from_config(cls, cfg: Qwen3Config, device="cpu", dtype=torch.float32, seed: int = 0,
-                    init_std: float = 0.02, exact: bool = False) -> Qwen3:
+    def from_config(cls, cfg: CausalLMConfig, device="cpu", dtype=torch.float32, seed: int = 0,
+                    init_std: float = 0.02, exact: bool = False) -> CausalLM:
         """Random initialisation as HF does it: N(0, init_std) matrices, unit norms. exact: exact
         on-policy mode (ops/exact.py)."""
         layout = ParamLayout(cfg)
@@ -391,3 +395,6 @@ class Qwen3:
         del hs
         self._rows_backward(N, rows, dhs)
         return self._per_token(N, tgt, lp_r, ent_r)
+
+
+Qwen3 = CausalLM  # the name from before the other families
