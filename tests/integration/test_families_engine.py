@@ -72,3 +72,21 @@ def test_engine_on_kernels_equals_twins(pair, monkeypatch):
         x, y = a.outputs[0], b.outputs[0]
         assert x.token_ids == y.token_ids
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < (1e-5 if INTERPRET else 1e-3)
+
+
+def test_rlcu_generate_takes_the_folder(pair, tmp_path):
+    """`rlcu generate --model FOLDER` picks the family from config.json: greedy tokens as HF's."""
+    import json
+
+    from rlcu.engine.cli import main
+
+    hf, folder = pair
+    prompt = PROMPTS[1]
+    inp, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    inp.write_text(json.dumps({"prompt_token_ids": prompt}) + "\n")
+    assert main(["generate", "--model", str(folder), "--input", str(inp), "--output", str(out), "--max-tokens", "6",
+                 "--temperature", "0", "--ignore-eos", "--no-progress", "--num-kv-blocks", "16", "--dtype", "float32",
+                 "--enforce-eager"]) == 0
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    assert json.loads(out.read_text())["outputs"][0]["token_ids"] == ref.tolist()
