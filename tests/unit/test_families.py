@@ -126,3 +126,21 @@ def test_config_forms_and_defaults():
 def test_refused_configs_name_the_field(fields, msg):
     with pytest.raises(ValueError, match=msg):
         CausalLMConfig.from_hf_dict(_published(**fields), source="x/config.json")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_memory_model_counts_what_the_layer_keeps(family):
+    """rlcu.memory's per-token activations of a layer (`layer_acts`) are the bytes of the distinct
+    tensors `layer_fwd(keep="all")` keeps beside its input, for each family's layer."""
+    from rlcu.memory.parts import layer_acts
+
+    cfg = CausalLMConfig(family=family, vocab_size=50, hidden_size=48, intermediate_size=80, num_hidden_layers=1,
+                         num_attention_heads=3, num_key_value_heads=1, head_dim=16)
+    m = rlcu.CausalLM.from_config(cfg)
+    N = 7
+    x = torch.randn(N, 48)
+    cu = torch.tensor([0, N], dtype=torch.int32)
+    _, kept = m._layer_fwd(0, x, torch.arange(N, dtype=torch.int32), cu, N, "all")
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for k, t in kept.items() if t is not None and k != "x"}
+    assert sum(storages.values()) == N * layer_acts(cfg, 4)

@@ -126,9 +126,13 @@ def init_staging(s: JobShape) -> int:
 # ---------------------------------------------------------------- activations, per token
 def layer_acts(cfg: Qwen3Config, ab: int) -> int:
     """What model/layer.py `layer_fwd(keep="all")` keeps beside its input x: h1, qkv, q, k, v, o, x2, h2 (H, q+2kv,
-    q, kv, kv, q, H, H), gu 2I, a I; fp32 r1, r2, rq Hq, rk Hk, lse Hq."""
+    q, kv, kv, q, H, H), gu 2I, a I; fp32 r1, r2, rq Hq, rk Hk, lse Hq. A family without q/k norm
+    (model/family.py) keeps neither qkv (the norms' input) nor rq, rk."""
     H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return ab * (3 * H + 3 * q + 4 * kv + 3 * I) + FP32 * (2 + 2 * cfg.num_attention_heads + cfg.num_key_value_heads)
+    Hq, Hk = cfg.num_attention_heads, cfg.num_key_value_heads
+    if not cfg.fam.qk_norm:
+        return ab * (3 * H + 2 * q + 2 * kv + 3 * I) + FP32 * (2 + Hq)
+    return ab * (3 * H + 3 * q + 4 * kv + 3 * I) + FP32 * (2 + 2 * Hq + Hk)
 
 
 def kept(cfg: Qwen3Config, ab: int, keep: str) -> int:

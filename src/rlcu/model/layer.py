@@ -135,8 +135,10 @@ def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: 
     if keep != "all":
         raise ValueError(f"keep must be one of {', '.join(KEEP)}; got {keep!r}")
     Hq, Hk, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    q0 = qkv[:, : c.q_size].view(N, Hq, D)  # the q/k norms' inputs, views (copied in the backward)
-    k0 = qkv[:, c.q_size : c.q_size + c.kv_size].view(N, Hk, D)
+    q0 = k0 = None  # the q/k norms' inputs, views (copied in the backward); without norms qkv is not kept
+    if c.fam.qk_norm:
+        q0 = qkv[:, : c.q_size].view(N, Hq, D)
+        k0 = qkv[:, c.q_size : c.q_size + c.kv_size].view(N, Hk, D)
     return y, dict(x=x, h1=h1, r1=r1, q0=q0, k0=k0, v=v, rq=rq, rk=rk, q=q, k=k, o=o, lse=lse,
                    x2=x2, h2=h2, r2=r2, gu=gu, a=a)
 
