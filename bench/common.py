@@ -120,12 +120,20 @@ def write_json(name: str, payload: dict) -> Path:
     return path
 
 
-SHAPES = {  # published Qwen3 shapes, by name (0.6B: Qwen3Config's defaults)
+SHAPES = {  # published shapes, by name: Qwen3's (0.6B: Qwen3Config's defaults), and the other families' 7-8B
     "0.6b": {},
     "4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=9728, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=12288, tie_word_embeddings=False),
+    "llama3.1-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+                        bos_token_id=128000, eos_token_id=128001),
+    "qwen2.5-7b": dict(family="qwen2", vocab_size=152064, hidden_size=3584, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, head_dim=128, intermediate_size=18944,
+                       rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+                       bos_token_id=151643, eos_token_id=151643),
 }
 # the optimizer's precisions: default (fp32 master, m, v and gradients) and the bf16 memory mode
 MEMORY_MODES = {"default": dict(master_weights=True, state_dtype="float32"),
@@ -143,6 +151,17 @@ def qwen3_06b_config(**kw):
     from rlcu.model.config import Qwen3Config
 
     return Qwen3Config(**kw)
+
+
+def hf_model(cfg, attn: str = "sdpa"):
+    """An HF model of cfg's family (transformers' class for its architectures), random weights,
+    on the current default device: the peer the benches run beside rlcu's."""
+    import transformers
+
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "torch_dtype")}
+    hcfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    hcfg._attn_implementation = attn
+    return getattr(transformers, cfg.fam.architecture)(hcfg)
 
 
 def scale_to_entropy(model, target: float, seed: int = 0, tokens: int = 4096) -> tuple[float, float]:

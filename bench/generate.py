@@ -17,8 +17,8 @@ wait for the device, postprocess) and the prefill/decode split say where the res
                              [--no-prefill-graphs] [--split-cap] [--fused-linear [TABLE]] [--pdl]
                              [--split-kernel]
 
---shape picks another published Qwen3 shape (JSON generate_<shape>.json); --no-prefill-graphs
-runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
+--shape picks another published shape, llama3.1-8b and qwen2.5-7b too (JSON generate_<shape>.json);
+--no-prefill-graphs runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
 --split-cap caps the decode attention's splits (ops/paged_attention.py decode_splits, max_part
 512: past the 1k context bucket no split longer than 512 keys below 12 programs an SM; JSON
 *_split_cap.json); --fused-linear runs the projections of steps of <= 256 tokens through
@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, measure_ceilings, qwen3_06b_config, random_prompts, write_json  # noqa: E402
+from bench.common import SHAPES, hf_model, measure_ceilings, qwen3_06b_config, random_prompts, write_json  # noqa: E402
 
 MATMUL_PEAK = 790e12  # bf16 dense, measured on the H200 (BENCHMARKS.md section 4)
 
@@ -64,16 +64,9 @@ def random_model(cfg, device, seed=0):
 
 
 def hf_twin(m):
-    """The same weights in an HF Qwen3ForCausalLM (bf16, SDPA)."""
-    from transformers import Qwen3Config as HFConfig
-    from transformers import Qwen3ForCausalLM
-
-    d = m.cfg.to_hf_dict()
-    d.pop("architectures", None)
-    d.pop("model_type", None)
-    d.pop("torch_dtype", None)
+    """The same weights in the HF model of m's family (bf16, SDPA)."""
     with torch.device(m.device):
-        hf = Qwen3ForCausalLM(HFConfig(**d)).to(torch.bfloat16).eval()
+        hf = hf_model(m.cfg).to(torch.bfloat16).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():  # (a tied lm_head is not listed: it is the embedding)
             p.copy_(m.params[name])
@@ -162,7 +155,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--sync-scheduling", action="store_true", help="no one-step lookahead")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="a published Qwen3 shape")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="a published shape (bench/common.py SHAPES)")
     p.add_argument("--no-prefill-graphs", action="store_true", help="prefill and mixed steps eagerly")
     p.add_argument("--split-cap", action="store_true",
                    help="the decode attention's splits capped at 512 keys past the 1k context bucket")

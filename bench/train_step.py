@@ -1,11 +1,12 @@
 """Training-step benchmark (BENCHMARKS.md section 2): batch 32 x 1024 tokens, next-token loss
 on all tokens, AdamW step, Qwen3-0.6B shape with random bf16 weights (--shape 4b | 8b: the
-larger published shapes, e.g. 8 x 2048 in the bf16 memory mode).
+larger published shapes, e.g. 8 x 2048 in the bf16 memory mode; llama3.1-8b | qwen2.5-7b: the
+other families').
 
 rlcu: bf16 weights, rlcu's FlatAdamW (fp32 master + moments, or the bf16 memory mode), the
 fused logprob head, Triton kernels; three sides by gradient checkpointing: full, keeping the
 attention outputs, and auto (the fewest checkpointed layers whose estimated peak fits the GPU,
-rlcu.memory). Peer (same run): HF transformers Qwen3ForCausalLM in bf16, SDPA attention,
+rlcu.memory). Peer (same run): HF transformers' model of the family in bf16, SDPA attention,
 torch.optim.AdamW(fused=True), without checkpointing (gradient accumulation if the batch does
 not fit) and with it (hf_ckpt); speedups are against the faster of the two.
 MFU = 3 x forward FLOPs x tokens / time / 989e12 (recomputation is not counted as work).
@@ -33,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import MEMORY_MODES, SHAPES, replay_ms, write_json  # noqa: E402
+from bench.common import MEMORY_MODES, SHAPES, hf_model, replay_ms, write_json  # noqa: E402
 
 PEAK_FLOPS = 989e12
 
@@ -120,15 +121,9 @@ def bench_rlcu(cfg, B, T, steps, warmup, ckpt="full", fused=False, memory_mode="
 
 
 def bench_hf(cfg, B, T, steps, warmup, checkpointing=False):
-    from transformers import Qwen3Config as HFConfig
-    from transformers import Qwen3ForCausalLM
-
-    hcfg = HFConfig(**{k: v for k, v in cfg.to_hf_dict().items()
-                       if k not in ("architectures", "model_type", "torch_dtype")})
-    hcfg._attn_implementation = "sdpa"
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    model = Qwen3ForCausalLM(hcfg).to("cuda", torch.bfloat16)
+    model = hf_model(cfg).to("cuda", torch.bfloat16)
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -213,7 +208,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--sides", default="rlcu,rlcu_fast,rlcu_auto,hf")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="a published Qwen3 shape")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="a published shape (common.py SHAPES)")
     ap.add_argument("--memory-mode", choices=sorted(MEMORY_MODES), default="default",
                     help="rlcu's optimizer precisions (bf16: no master, bf16 m, v and gradients)")
     ap.add_argument("--profile", action="store_true", help="rlcu sides: the kernels of one more step, by class")
