@@ -72,12 +72,14 @@ def _timed(fns, inner: int = 12, reps: int = 7) -> float:
 
 def qkv_context(mcfg, M: int) -> tuple:
     """The qkv op's other operands at model config mcfg: (q_w, k_w, pos, slots, k_cache, v_cache,
-    Hq, Hk, D, theta), the M rows at distinct slots of a small cache."""
+    Hq, Hk, D, inv_freq), the M rows at distinct slots of a small cache."""
+    from rlcu.model.rope import inv_freq
+
     d, bf, D, Hk = "cuda", torch.bfloat16, mcfg.head_dim, mcfg.num_key_value_heads
     kc = torch.zeros(-(-M // 16), 16, Hk, D, device=d, dtype=bf)
     return (1 + 0.1 * torch.randn(D, device=d, dtype=bf), 1 + 0.1 * torch.randn(D, device=d, dtype=bf),
             torch.randint(0, 4096, (M,), device=d, dtype=torch.int32), torch.arange(M, device=d), kc,
-            torch.zeros_like(kc), mcfg.num_attention_heads, Hk, D, mcfg.rope_theta)
+            torch.zeros_like(kc), mcfg.num_attention_heads, Hk, D, inv_freq(mcfg.rope, D, d))
 
 
 def unfused(op: str, eps: float, ctx=None):
@@ -88,9 +90,9 @@ def unfused(op: str, eps: float, ctx=None):
     from rlcu.ops.swiglu import swiglu_fwd
 
     if op == "qkv":
-        q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, theta = ctx
+        q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, f = ctx
         return lambda x, w, g, r: qkv_prep(rmsnorm_fwd(x, g, eps)[0] @ w.t(), q_w, k_w, pos, slots, kc, vc, Hq, Hk, D,
-                                           eps, theta)
+                                           eps, f)
     if op == "gate_up":
         return lambda x, w, g, r: swiglu_fwd(rmsnorm_fwd(x, g, eps)[0] @ w.t())
     return lambda x, w, g, r: r.addmm_(x, w.t())

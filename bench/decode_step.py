@@ -172,7 +172,8 @@ def hot(model):
     import types
 
     w = {k: model.w[re.sub(r"^layers\.\d+\.", "layers.0.", k)] for k in model.w}
-    return types.SimpleNamespace(cfg=model.cfg, w=w, lm_head=model.lm_head, exact=False)
+    return types.SimpleNamespace(cfg=model.cfg, w=w, lm_head=model.lm_head, exact=False, inv_freq=model.inv_freq,
+                                 rope_mscale=model.rope_mscale)
 
 
 def run_case(model, B: int, copy_Bps: float, fused_table: dict | None = None, split_kernel: bool = False,

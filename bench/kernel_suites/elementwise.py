@@ -45,6 +45,7 @@ def _time_compiled(twin, args):
 
 def _cases():
     """(name, kernel, twin, args, bytes) for every op and direction."""
+    from rlcu.model.rope import RopeSpec, inv_freq
     from rlcu.ops import embedding, rmsnorm, rope, swiglu
 
     bf, dev = torch.bfloat16, "cuda"
@@ -65,12 +66,13 @@ def _cases():
 
     cu = torch.arange(0, N + 1, 1024, device=dev, dtype=torch.int32)
     pos = rope.positions_from_cu_seqlens(cu, N)
+    f = inv_freq(RopeSpec(theta=THETA), HEAD_DIM, dev)
     for tag, H in (("q", HQ), ("k", HK)):
         x = torch.randn(N, H, HEAD_DIM, device=dev, dtype=bf)
         nbytes = 2 * N * H * HEAD_DIM * e + N * 4
         shape = f"{N}x{H}x{HEAD_DIM}"
-        cases.append((f"rope_{tag}_fwd[{shape}]", rope.rope_fwd_triton, rope.rope_fwd_ref, (x, pos, THETA), nbytes))
-        cases.append((f"rope_{tag}_bwd[{shape}]", rope.rope_bwd_triton, rope.rope_bwd_ref, (x, pos, THETA), nbytes))
+        cases.append((f"rope_{tag}_fwd[{shape}]", rope.rope_fwd_triton, rope.rope_fwd_ref, (x, pos, f), nbytes))
+        cases.append((f"rope_{tag}_bwd[{shape}]", rope.rope_bwd_triton, rope.rope_bwd_ref, (x, pos, f), nbytes))
 
     gu = torch.randn(N, 2 * INTER, device=dev, dtype=bf)
     da = torch.randn(N, INTER, device=dev, dtype=bf)

@@ -90,6 +90,7 @@ def _install():
 
 def calls():
     """The ops at small model-like shapes (Qwen3 heads: D = 128, GQA 2:1), each path once."""
+    from rlcu.model.rope import RopeSpec, inv_freq
     from rlcu.ops import paged_attention as pa
     from rlcu.ops.adamw import adamw_step
     from rlcu.ops.attention import attention_bwd, attention_fwd
@@ -116,7 +117,8 @@ def calls():
     yield "swiglu", lambda: swiglu_bwd(swiglu_fwd(gu), gu)
     pos = torch.arange(T, dtype=torch.int32)
     q = torch.randn(T, Hq, D).to(bf)
-    yield "rope", lambda: rope_bwd(rope_fwd(q, pos, 1e6), pos, 1e6)
+    freqs = inv_freq(RopeSpec(theta=1e6), D)
+    yield "rope", lambda: rope_bwd(rope_fwd(q, pos, freqs), pos, freqs)
     cu = torch.tensor([0, 100, T], dtype=torch.int32)
     k, v = torch.randn(T, Hk, D).to(bf), torch.randn(T, Hk, D).to(bf)
 
@@ -133,7 +135,7 @@ def calls():
         big = torch.randn(T, (hq + 2 * Hk) * D).to(bf)  # a decode step's rows, and the trainer's (stats)
         for stats in (False, True):
             yield f"qkv_prep_{hq}_heads{'_stats' if stats else ''}", lambda big=big, hq=hq, stats=stats: qkv_prep(
-                big, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), pos, slots, kc, vc, hq, Hk, D, 1e-6, 1e6,
+                big, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), pos, slots, kc, vc, hq, Hk, D, 1e-6, freqs,
                 stats)
     S = 8
     tables = torch.arange(S * 8, dtype=torch.int32).view(S, 8) % NB
@@ -225,9 +227,9 @@ def calls():
 
         wq, hd = torch.randn((Hq + 2 * Hk) * D, H).to(bf), torch.ones(D, dtype=bf)
         for M in (1, 64, 256):
-            decode_qkv(torch.randn(M, H).to(bf), wq, w, 1e-6, hd, hd, pos[:M], slots[:M], kc, vc, Hq, Hk, D, 1e6)
+            decode_qkv(torch.randn(M, H).to(bf), wq, w, 1e-6, hd, hd, pos[:M], slots[:M], kc, vc, Hq, Hk, D, freqs)
         dl.CONFIGS.update(pdl=True)
-        decode_qkv(x[:64], wq, w, 1e-6, hd, hd, pos[:64], slots[:64], kc, vc, Hq, Hk, D, 1e6)
+        decode_qkv(x[:64], wq, w, 1e-6, hd, hd, pos[:64], slots[:64], kc, vc, Hq, Hk, D, freqs)
 
     yield "decode_qkv", heuristic_tiles(fused_qkv)
 

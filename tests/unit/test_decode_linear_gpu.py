@@ -55,6 +55,7 @@ def test_qkv_prep_fused_matches_unfused(M):
     """ops/decode_qkv.py at the 0.6B attention shape: q and the cache rows against rmsnorm,
     cuBLAS and qkv_prep, at the heuristic tiles and a few splits (the same bits launch after
     launch)."""
+    from rlcu.model.rope import RopeSpec, inv_freq
     from rlcu.ops import decode_qkv as dq
     from rlcu.ops.qkv_prep import qkv_prep
 
@@ -66,11 +67,12 @@ def test_qkv_prep_fused_matches_unfused(M):
     slots = torch.randperm(4 * M, device="cuda", generator=g)[:M]
     kc = torch.zeros(M, 4, Hk, D, device="cuda", dtype=torch.bfloat16)
     kr, vr = kc.clone(), kc.clone()
-    ref = qkv_prep(rmsnorm_fwd(x, nw, 1e-6)[0] @ w.t(), *hw, pos, slots, kr, vr, Hq, Hk, D, 1e-6, 1e6)
+    f = inv_freq(RopeSpec(theta=1e6), D, "cuda")
+    ref = qkv_prep(rmsnorm_fwd(x, nw, 1e-6)[0] @ w.t(), *hw, pos, slots, kr, vr, Hq, Hk, D, 1e-6, f)
     heur = dq.heads_config(M, Hq + 2 * Hk, K)
     for cfg in (heur, heur[:3] + (1,) + heur[4:], heur[:3] + (4,) + heur[4:]):
         kc2, vc2 = kc.clone(), kc.clone()
-        outs = [dq.decode_qkv(x, w, nw, 1e-6, *hw, pos, slots, kc2, vc2, Hq, Hk, D, 1e6, cfg) for _ in range(3)]
+        outs = [dq.decode_qkv(x, w, nw, 1e-6, *hw, pos, slots, kc2, vc2, Hq, Hk, D, f, cfg) for _ in range(3)]
         assert all(torch.equal(o, outs[0]) for o in outs[1:])
         assert _rel(outs[0], ref) < 1e-2 and _rel(kc2, kr) < 1e-2 and _rel(vc2, vr) < 1e-2, (M, cfg)
 

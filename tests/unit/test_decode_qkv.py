@@ -5,10 +5,12 @@ a cache slot; the fallbacks to the twin. On the CPU through TRITON_INTERPRET=1."
 import pytest
 import torch
 
+from rlcu.model.rope import RopeSpec, inv_freq
 from rlcu.ops import decode_linear as dl
 from rlcu.ops import decode_qkv as dq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+F = {D: inv_freq(RopeSpec(theta=1e6), D) for D in (24, 32)}  # the frequency tables of the heads here
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # fp32: the GEMM's order and qkv_prep's angles (its own 1e-5)
 
 
@@ -34,8 +36,8 @@ def _case(M, K, Hq, Hk, D, dtype, seed=0):
 def _both(case, Hq, Hk, D, cfg):
     x, w, nw, qw, kw, pos, slots, kc, vc = case
     kr, vr = kc.clone(), vc.clone()
-    ref = dq.decode_qkv_ref(x, w, nw, 1e-6, qw, kw, pos, slots, kr, vr, Hq, Hk, D, 1e6)
-    out = dq.decode_qkv_triton(x, w, nw, 1e-6, qw, kw, pos, slots, kc, vc, Hq, Hk, D, 1e6, cfg)
+    ref = dq.decode_qkv_ref(x, w, nw, 1e-6, qw, kw, pos, slots, kr, vr, Hq, Hk, D, F[D])
+    out = dq.decode_qkv_triton(x, w, nw, 1e-6, qw, kw, pos, slots, kc, vc, Hq, Hk, D, F[D], cfg)
     return (out, kc, vc), (ref, kr, vr)
 
 
@@ -74,11 +76,11 @@ def test_falls_back_to_the_twin(monkeypatch):
     Hq, Hk, D = 4, 2, 32
     case = _case(3, 64, Hq, Hk, D, torch.float32)
     monkeypatch.setattr(dq, "config_for", lambda *a: None)
-    dq.decode_qkv_triton(*case[:3], 1e-6, *case[3:], Hq, Hk, D, 1e6)
+    dq.decode_qkv_triton(*case[:3], 1e-6, *case[3:], Hq, Hk, D, F[D])
     monkeypatch.setattr(dl, "_MAX_TILES", 2)
-    dq.decode_qkv_triton(*case[:3], 1e-6, *case[3:], Hq, Hk, D, 1e6, (16, 0, 32, 2, 4, 1))
+    dq.decode_qkv_triton(*case[:3], 1e-6, *case[3:], Hq, Hk, D, F[D], (16, 0, 32, 2, 4, 1))
     case = _case(3, 64, 2, 1, 24, torch.float32)
-    dq.decode_qkv_triton(*case[:3], 1e-6, *case[3:], 2, 1, 24, 1e6, (16, 0, 32, 1, 4, 1))
+    dq.decode_qkv_triton(*case[:3], 1e-6, *case[3:], 2, 1, 24, F[24], (16, 0, 32, 1, 4, 1))
     assert len(calls) == 3
 
 
@@ -86,6 +88,8 @@ def test_checks_shapes():
     Hq, Hk, D = 4, 2, 32
     x, w, nw, *rest = _case(3, 64, Hq, Hk, D, torch.float32)
     with pytest.raises(ValueError, match=r"w \[\(Hq \+ 2 Hk\) D, K\] = \[256, K\]"):
-        dq.decode_qkv(x, w[:200], nw, 1e-6, *rest, Hq, Hk, D, 1e6)
+        dq.decode_qkv(x, w[:200], nw, 1e-6, *rest, Hq, Hk, D, F[D])
     with pytest.raises(ValueError, match="norm_w must be"):
-        dq.decode_qkv(x, w, nw[:5], 1e-6, *rest, Hq, Hk, D, 1e6)
+        dq.decode_qkv(x, w, nw[:5], 1e-6, *rest, Hq, Hk, D, F[D])
+    with pytest.raises(ValueError, match=r"decode_qkv: inv_freq must be a float32 \[16\]"):
+        dq.decode_qkv(x, w, nw, 1e-6, *rest, Hq, Hk, D, F[D].double())

@@ -14,14 +14,19 @@ import rlcu.ops.embedding as emb
 import rlcu.ops.rmsnorm as rms
 import rlcu.ops.rope as rope
 import rlcu.ops.swiglu as swi
+from rlcu.model.rope import RopeSpec, inv_freq
 
 # tests/conftest.py sets TRITON_INTERPRET=1 without a GPU, before triton is first imported (triton
 # decides at decoration time whether a kernel is interpreted), and patches the interpreter
 INTERPRET = isinstance(rms._rmsnorm_fwd_kernel, _interp.InterpretedFunction)
 
 cpu = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set before triton is imported")
-TOL32 = 2e-5  # fp32 kernel vs fp32 twin (rope angles differ in the last bits)
+TOL32 = 2e-5  # fp32 kernel vs fp32 twin (rope's cos/sin differ in the last bits)
 TOL16 = 2e-2  # bf16 outputs
+
+
+def freqs(theta, D, device="cpu"):
+    return inv_freq(RopeSpec(theta=theta), D, device)
 
 
 def _seed(s=0):
@@ -46,8 +51,13 @@ def test_rope_twin_bwd_matches_autograd():
     x = torch.randn(63, 3, 96, dtype=torch.float64, requires_grad=True)
     pos = torch.randint(0, 500, (63,), dtype=torch.int32)
     dy = torch.randn(63, 3, 96, dtype=torch.float64)
-    rope.rope_fwd_ref(x, pos, 1e4).backward(dy)
-    assert rel_err(rope.rope_bwd_ref(dy, pos, 1e4), x.grad) < 1e-6
+    f = freqs(1e4, 96)
+    rope.rope_fwd_ref(x, pos, f).backward(dy)
+    assert rel_err(rope.rope_bwd_ref(dy, pos, f), x.grad) < 1e-6
+    # with a factor on cos and sin (YaRN's) the backward is the transpose, no longer the inverse
+    x.grad = None
+    rope.rope_fwd_ref(x, pos, f, 1.3).backward(dy)
+    assert rel_err(rope.rope_bwd_ref(dy, pos, f, 1.3), x.grad) < 1e-6
 
 
 def test_swiglu_twin_bwd_matches_autograd():
@@ -134,9 +144,10 @@ def test_rope_kernel(N, H, D, strided):
     _seed(N)
     x = torch.randn(N, H + 2, D)[:, 1 : H + 1] if strided else torch.randn(N, H, D)
     pos = torch.randint(0, 512, (N,), dtype=torch.int32)
-    theta = 1e6 if strided else 1e4
-    assert rel_err(rope.rope_fwd_triton(x, pos, theta), rope.rope_fwd_ref(x, pos, theta)) < TOL32
-    assert rel_err(rope.rope_bwd_triton(x, pos, theta), rope.rope_bwd_ref(x, pos, theta)) < TOL32
+    f = freqs(1e6 if strided else 1e4, D)
+    for m in (1.0, 1.25):
+        assert rel_err(rope.rope_fwd_triton(x, pos, f, m), rope.rope_fwd_ref(x, pos, f, m)) < TOL32
+        assert rel_err(rope.rope_bwd_triton(x, pos, f, m), rope.rope_bwd_ref(x, pos, f, m)) < TOL32
 
 
 @cpu
@@ -144,8 +155,9 @@ def test_rope_kernel_inverts():
     _seed()
     x = torch.randn(31, 4, 64)
     pos = torch.arange(31, dtype=torch.int32) * 37
-    y = rope.rope_fwd_triton(x, pos, 1e6)
-    assert rel_err(rope.rope_bwd_triton(y, pos, 1e6), x) < 1e-6
+    f = freqs(1e6, 64)
+    y = rope.rope_fwd_triton(x, pos, f)
+    assert rel_err(rope.rope_bwd_triton(y, pos, f), x) < 1e-6
 
 
 @cpu
@@ -221,8 +233,8 @@ def _all_ops(x, w, dy, xr, pos, gu, da, ids, W, dW, suffix):
     f = lambda m, name: getattr(m, name + suffix)  # noqa: E731
     y, rstd = f(rms, "rmsnorm_fwd")(x, w, 1e-6)
     f(emb, "embedding_bwd")(gu[:, :24], ids, dW)
-    return [y, rstd, *f(rms, "rmsnorm_bwd")(dy, x, w, rstd), f(rope, "rope_fwd")(xr, pos, 1e4),
-            f(rope, "rope_bwd")(xr, pos, 1e4), f(swi, "swiglu_fwd")(gu), f(swi, "swiglu_bwd")(da, gu),
+    return [y, rstd, *f(rms, "rmsnorm_bwd")(dy, x, w, rstd), f(rope, "rope_fwd")(xr, pos, freqs(1e4, 24)),
+            f(rope, "rope_bwd")(xr, pos, freqs(1e4, 24)), f(swi, "swiglu_fwd")(gu), f(swi, "swiglu_bwd")(da, gu),
             f(emb, "embedding_fwd")(ids, W), dW]
 
 
@@ -255,7 +267,9 @@ def test_launcher_checks():
     with pytest.raises(ValueError, match="w must have shape"):
         rms.rmsnorm_fwd_triton(torch.randn(4, 8), torch.ones(7), 1e-6)
     with pytest.raises(ValueError, match="must be even"):
-        rope.rope_fwd_triton(torch.randn(4, 2, 7), torch.zeros(4, dtype=torch.int32), 1e4)
+        rope.rope_fwd_triton(torch.randn(4, 2, 7), torch.zeros(4, dtype=torch.int32), freqs(1e4, 6))
+    with pytest.raises(ValueError, match=r"inv_freq must be a float32 \[4\] tensor"):
+        rope.rope_fwd(torch.randn(4, 2, 8), torch.zeros(4, dtype=torch.int32), freqs(1e4, 10))
     with pytest.raises(ValueError, match="odd width"):
         swi.swiglu_fwd_triton(torch.randn(4, 7))
     with pytest.raises(TypeError, match="fp32"):
@@ -304,9 +318,9 @@ def test_gpu_rope(H):
     cu = torch.arange(0, N_GPU + 1, 1024, device="cuda", dtype=torch.int32)
     pos = rope.positions_from_cu_seqlens(cu, N_GPU)
     x = _bf16(N_GPU, H, 128)
-    theta = 1e6
-    assert rel_err(rope.rope_fwd(x, pos, theta), rope.rope_fwd_ref(x.float(), pos, theta)) < TOL16
-    assert rel_err(rope.rope_bwd(x, pos, theta), rope.rope_bwd_ref(x.float(), pos, theta)) < TOL16
+    f = freqs(1e6, 128, "cuda")
+    assert rel_err(rope.rope_fwd(x, pos, f), rope.rope_fwd_ref(x.float(), pos, f)) < TOL16
+    assert rel_err(rope.rope_bwd(x, pos, f), rope.rope_bwd_ref(x.float(), pos, f)) < TOL16
 
 
 @gpu
@@ -319,8 +333,9 @@ def test_gpu_rope_long_positions_fp32():
     ang = pos.double()[:, None, None] * inv_freq  # [N, 1, 64], fp64 throughout
     x1, x2 = x.double()[..., :64], x.double()[..., 64:]
     truth = torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
-    err_k = rel_err(rope.rope_fwd(x, pos, 1e6), truth)
-    err_t = rel_err(rope.rope_fwd_ref(x, pos, 1e6), truth)
+    f = freqs(1e6, 128, "cuda")
+    err_k = rel_err(rope.rope_fwd(x, pos, f), truth)
+    err_t = rel_err(rope.rope_fwd_ref(x, pos, f), truth)
     assert err_k < max(4 * err_t, 1e-5)
 
 

@@ -13,6 +13,7 @@ import torch
 from support.hf_util import rel_err
 
 import rlcu.ops.qkv_prep as qp
+from rlcu.model.rope import RopeSpec, inv_freq
 from rlcu.ops.kv_cache import kv_write
 from rlcu.ops.rmsnorm import rmsnorm_fwd
 from rlcu.ops.rope import rope_fwd
@@ -22,6 +23,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu = pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1 set before triton is imported")
 gpu = pytest.mark.gpu
 EPS, THETA = 1e-6, 1e6
+
+
+def freqs(D, device="cpu"):
+    return inv_freq(RopeSpec(theta=THETA), D, device)
 
 
 @pytest.fixture
@@ -49,14 +54,14 @@ def _inputs(N, Hq, Hk, D, dtype=torch.float32, device="cpu", BS=16, seed=0, pad_
     return qkv, q_w, k_w, pos, slots, kc, vc
 
 
-def _unfused(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, eps, theta):
+def _unfused(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, eps, f):
     """The sequence of ops of paged_forward.hidden (before fusion)."""
     N, qs, ks = qkv.shape[0], Hq * D, Hk * D
     q, _ = rmsnorm_fwd(qkv[:, :qs].reshape(N * Hq, D), q_w, eps)
     k, _ = rmsnorm_fwd(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, eps)
     v = qkv[:, qs + ks:].view(N, Hk, D)
-    q = rope_fwd(q.view(N, Hq, D), pos, theta)
-    k = rope_fwd(k.view(N, Hk, D), pos, theta)
+    q = rope_fwd(q.view(N, Hq, D), pos, f)
+    k = rope_fwd(k.view(N, Hk, D), pos, f)
     kv_write(k, v, kc, vc, slots)
     return q
 
@@ -65,8 +70,9 @@ def _both(fn_a, fn_b, args, Hq, Hk, D):
     """Run two implementations on the same inputs with their own copies of the caches."""
     qkv, q_w, k_w, pos, slots, kc, vc = args
     kc_a, vc_a, kc_b, vc_b = kc.clone(), vc.clone(), kc.clone(), vc.clone()
-    qa = fn_a(qkv, q_w, k_w, pos, slots, kc_a, vc_a, Hq, Hk, D, EPS, THETA)
-    qb = fn_b(qkv, q_w, k_w, pos, slots, kc_b, vc_b, Hq, Hk, D, EPS, THETA)
+    f = freqs(D, qkv.device)
+    qa = fn_a(qkv, q_w, k_w, pos, slots, kc_a, vc_a, Hq, Hk, D, EPS, f)
+    qb = fn_b(qkv, q_w, k_w, pos, slots, kc_b, vc_b, Hq, Hk, D, EPS, f)
     return (qa, kc_a, vc_a), (qb, kc_b, vc_b)
 
 
@@ -118,11 +124,11 @@ def test_kernel_empty_and_no_slots(triton_backend):
     Hq, Hk, D = 4, 2, 32
     qkv, q_w, k_w, pos, slots, kc, vc = _inputs(7, Hq, Hk, D)
     kc0, vc0 = kc.clone(), vc.clone()
-    q = qp.qkv_prep(qkv[:0], q_w, k_w, pos[:0], slots[:0], kc, vc, Hq, Hk, D, EPS, THETA)
+    q = qp.qkv_prep(qkv[:0], q_w, k_w, pos[:0], slots[:0], kc, vc, Hq, Hk, D, EPS, freqs(D, qkv.device))
     assert q.shape == (0, Hq, D)
     slots = torch.full_like(slots, -1)
-    q = qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, THETA)
-    q_ref = qp.qkv_prep_ref(qkv, q_w, k_w, pos, slots, kc0.clone(), vc0.clone(), Hq, Hk, D, EPS, THETA)
+    q = qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, freqs(D, qkv.device))
+    q_ref = qp.qkv_prep_ref(qkv, q_w, k_w, pos, slots, kc0.clone(), vc0.clone(), Hq, Hk, D, EPS, freqs(D, qkv.device))
     assert rel_err(q, q_ref) < 1e-5 and torch.equal(kc, kc0) and torch.equal(vc, vc0)
 
 
@@ -142,18 +148,20 @@ def test_errors():
     Hq, Hk, D = 4, 2, 32
     qkv, q_w, k_w, pos, slots, kc, vc = _inputs(7, Hq, Hk, D)
     with pytest.raises(ValueError, match="qkv must be"):
-        qp.qkv_prep(qkv[:, :-1], q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, THETA)
+        qp.qkv_prep(qkv[:, :-1], q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, freqs(D, qkv.device))
     with pytest.raises(ValueError, match="head_dim"):
         qp.qkv_prep(torch.randn(7, 42), q_w[:7], k_w[:7], pos, slots, kc[..., :7], vc[..., :7], 4, 1, 7, EPS,
-                    THETA)
+                    freqs(6))
     with pytest.raises(ValueError, match="k_w"):
-        qp.qkv_prep(qkv, q_w, k_w[:-1], pos, slots, kc, vc, Hq, Hk, D, EPS, THETA)
+        qp.qkv_prep(qkv, q_w, k_w[:-1], pos, slots, kc, vc, Hq, Hk, D, EPS, freqs(D, qkv.device))
     with pytest.raises(ValueError, match="caches"):
-        qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc[..., :16], vc[..., :16], Hq, Hk, D, EPS, THETA)
+        qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc[..., :16], vc[..., :16], Hq, Hk, D, EPS, freqs(D, qkv.device))
     with pytest.raises(ValueError, match="slots"):
-        qp.qkv_prep(qkv, q_w, k_w, pos, slots[:-1], kc, vc, Hq, Hk, D, EPS, THETA)
-    with pytest.raises(ValueError, match="theta"):
-        qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, 0.0)
+        qp.qkv_prep(qkv, q_w, k_w, pos, slots[:-1], kc, vc, Hq, Hk, D, EPS, freqs(D, qkv.device))
+    with pytest.raises(ValueError, match=r"inv_freq must be a float32 \[16\]"):
+        qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, freqs(D)[:-1])
+    with pytest.raises(ValueError, match="inv_freq must be"):
+        qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, 1e6)
 
 
 # ------------------------------------------------------------------ GPU
@@ -193,7 +201,7 @@ def test_gpu_fp32_matches_twin_and_does_not_recompile(monkeypatch):
     for N in (1, 63, 1000, 3000):  # two launches (qkv_prep.launch): decode rows, then bulk
         args = _inputs(N, Hq, Hk, D, torch.float32, "cuda", seed=N)
         (q, kc, vc), (q_ref, kc_ref, vc_ref) = _both(qp.qkv_prep, qp.qkv_prep_ref, args, Hq, Hk, D)
-        # the twin's angles use pow, the kernels' exp2 (as rope.py's): measured 2.5e-5 at p ~ 3000
+        # one frequency table; the angles' cos/sin are the GPU's and torch's
         print(f"N={N}: rel err vs twin q {rel_err(q, q_ref):.2e} k {rel_err(kc, kc_ref):.2e}")
         assert rel_err(q, q_ref) < 1e-4 and rel_err(kc, kc_ref) < 1e-4 and torch.equal(vc, vc_ref)
         _, (q_op, kc_op, _) = _both(qp.qkv_prep, _unfused, args, Hq, Hk, D)
@@ -212,7 +220,8 @@ def _stats_twin(qkv, q_w, k_w, pos, Hq, Hk, D):
     N, qs, ks = qkv.shape[0], Hq * D, Hk * D
     q, rq = rmsnorm_fwd(qkv[:, :qs].reshape(N * Hq, D), q_w, EPS)
     k, rk = rmsnorm_fwd(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, EPS)
-    q, k = rope_fwd(q.view(N, Hq, D), pos, THETA), rope_fwd(k.view(N, Hk, D), pos, THETA)
+    f = freqs(D, qkv.device)
+    q, k = rope_fwd(q.view(N, Hq, D), pos, f), rope_fwd(k.view(N, Hk, D), pos, f)
     return q, k, qkv[:, qs + ks:].reshape(N, Hk, D), rq, rk
 
 
@@ -227,8 +236,8 @@ def _check_stats(got, want, tol):
 
 def _rows_alone(qkv, q_w, k_w, pos, Hq, Hk, D, lo, hi):
     """Rows lo:hi given alone (another N, another program and place in it): same bits."""
-    full = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, THETA)
-    part = qp.qk_norm_rope(qkv[lo:hi].clone(), q_w, k_w, pos[lo:hi].clone(), Hq, Hk, D, EPS, THETA)
+    full = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, freqs(D, qkv.device))
+    part = qp.qk_norm_rope(qkv[lo:hi].clone(), q_w, k_w, pos[lo:hi].clone(), Hq, Hk, D, EPS, freqs(D, qkv.device))
     for name, a, b in zip(("q", "k", "v"), full, part):
         assert torch.equal(a[lo:hi], b), name
     assert torch.equal(full[3].view(-1, Hq)[lo:hi], part[3].view(-1, Hq))
@@ -239,7 +248,7 @@ def test_qk_norm_rope_twin_is_the_unfused_ops(monkeypatch):
     monkeypatch.setenv("RLCU_BACKEND", "torch")
     Hq, Hk, D = 4, 2, 32
     qkv, q_w, k_w, pos, *_ = _inputs(21, Hq, Hk, D, seed=4)
-    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, THETA)
+    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, freqs(D, qkv.device))
     for a, b in zip(got, _stats_twin(qkv, q_w, k_w, pos, Hq, Hk, D)):
         assert torch.equal(a, b)
 
@@ -251,11 +260,11 @@ def test_qk_norm_rope_kernel_matches_twin_and_engine(N, Hq, Hk, D, triton_backen
     batch; and the engine's call (`qkv_prep(..., stats=True)` into a paged cache) gives the
     trainer's q and k bit for bit."""
     qkv, q_w, k_w, pos, slots, kc, vc = _inputs(N, Hq, Hk, D, seed=N)
-    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, THETA)
+    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, freqs(D, qkv.device))
     _check_stats(got, _stats_twin(qkv, q_w, k_w, pos, Hq, Hk, D), 1e-5)
     _rows_alone(qkv, q_w, k_w, pos, Hq, Hk, D, 3, 8)
     slots = torch.randperm(kc.shape[0] * kc.shape[1])[:N]  # every token has a slot here
-    q, rq, rk = qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, THETA, True)
+    q, rq, rk = qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, freqs(D, qkv.device), True)
     assert torch.equal(q, got[0]) and torch.equal(rq, got[3]) and torch.equal(rk, got[4])
     assert torch.equal(kc.view(-1, Hk, D)[slots], got[1]) and torch.equal(vc.view(-1, Hk, D)[slots], got[2])
 
@@ -267,11 +276,11 @@ def test_gpu_qk_norm_rope_engine_rows_equal_trainer_rows(monkeypatch):
     monkeypatch.delenv("RLCU_BACKEND", raising=False)
     Hq, Hk, D = 16, 8, 128
     qkv, q_w, k_w, pos, _, kc, vc = _inputs(8192, Hq, Hk, D, torch.bfloat16, "cuda", seed=7)
-    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, THETA)
+    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, freqs(D, qkv.device))
     _check_stats(got, _stats_twin(qkv, q_w, k_w, pos, Hq, Hk, D), 2e-3)
     rows = torch.randperm(8192, device="cuda")[:64]
     slots = torch.randperm(kc.shape[0] * kc.shape[1], device="cuda")[:64]
-    q, rq, rk = qp.qkv_prep(qkv[rows], q_w, k_w, pos[rows], slots, kc, vc, Hq, Hk, D, EPS, THETA, True)
+    q, rq, rk = qp.qkv_prep(qkv[rows], q_w, k_w, pos[rows], slots, kc, vc, Hq, Hk, D, EPS, freqs(D, qkv.device), True)
     assert torch.equal(q, got[0][rows])
     assert torch.equal(kc.view(-1, Hk, D)[slots], got[1][rows])
     assert torch.equal(rq.view(-1, Hq), got[3].view(-1, Hq)[rows])

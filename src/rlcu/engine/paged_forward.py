@@ -87,6 +87,7 @@ class PagedKV:
     def __init__(self, model: Qwen3, kv, kv_slots, block_tables, cu_q, seq_lens, max_q: int, max_k: int,
                  tiles=None, work=None):
         self.cfg, self.exact, self.slots = model.cfg, model.exact, kv_slots
+        self.inv_freq, self.mscale = model.inv_freq, model.rope_mscale
         self.tables, self.cu_q, self.seq_lens, self.max_q, self.max_k = block_tables, cu_q, seq_lens, max_q, max_k
         self.tiles, self.work = tiles, work
         self.caches = [(kv[0, i], kv[1, i]) for i in range(model.cfg.num_hidden_layers)]  # layer i's K, V
@@ -94,14 +95,15 @@ class PagedKV:
     def place(self, i: int, qkv, q_w, k_w, pos, bias=None):
         c, (kc, vc) = self.cfg, self.caches[i]
         if q_w is None or bias is not None:  # no q/k norm, or a bias: rope alone, as the trainer's
-            q, k, v = layer.rope_plain(c, qkv, pos, bias)
+            q, k, v = layer.rope_plain(c, qkv, pos, self.inv_freq, self.mscale, bias)
             kv_write(k, v, kc, vc, self.slots)
             return q, None, None, None, None
         args = (pos, self.slots, kc, vc, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         if isinstance(qkv, Projected):  # the input norm, the GEMM and qkv_prep in one kernel
-            q = decode_qkv(qkv.x, qkv.w, qkv.norm_w, qkv.eps, q_w, k_w, *args, c.rope_theta)
+            q = decode_qkv(qkv.x, qkv.w, qkv.norm_w, qkv.eps, q_w, k_w, *args, self.inv_freq, mscale=self.mscale)
         else:  # exact mode asks for the stats: the variant the trainer's qk_norm_rope runs
-            q = qkv_prep(qkv, q_w, k_w, *args, c.rms_norm_eps, c.rope_theta, self.exact, exact=self.exact)
+            q = qkv_prep(qkv, q_w, k_w, *args, c.rms_norm_eps, self.inv_freq, self.exact, exact=self.exact,
+                         mscale=self.mscale)
             q = q[0] if self.exact else q
         return q, None, None, None, None
 

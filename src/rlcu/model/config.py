@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from rlcu.model.family import FAMILIES, SUPPORTED_ARCHITECTURES, Family, family_of, refuse_unsupported
+from rlcu.model.rope import RopeSpec
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLMConfig", "Qwen3Config", "checkpointed_layers", "layer_keeps"]
 
@@ -93,6 +94,11 @@ class CausalLMConfig:
     def fam(self) -> Family:
         """The family description (model/family.py): q/k norm, q/k/v bias, published fields."""
         return FAMILIES[self.family]
+
+    @property
+    def rope(self) -> RopeSpec:
+        """The rotary variant (model/rope.py), which the model's frequency table is made from."""
+        return RopeSpec(theta=self.rope_theta)
 
     # derived sizes
     @property

@@ -83,14 +83,15 @@ class Packed:
 
     def __init__(self, model, cu_seqlens, max_seqlen: int, exact: bool, saved=None):
         self.cfg, self.model_exact = model.cfg, model.exact
+        self.inv_freq, self.mscale = model.inv_freq, model.rope_mscale
         self.cu, self.max_seqlen, self.exact, self.saved = cu_seqlens, max_seqlen, exact, saved
 
     def place(self, i: int, qkv, q_w, k_w, pos, bias=None):
         c = self.cfg
         if q_w is None or bias is not None:
-            return (*rope_plain(c, qkv, pos, bias), None, None)
+            return (*rope_plain(c, qkv, pos, self.inv_freq, self.mscale, bias), None, None)
         return qk_norm_rope(qkv, q_w, k_w, pos, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                            c.rms_norm_eps, c.rope_theta, exact=self.model_exact)
+                            c.rms_norm_eps, self.inv_freq, exact=self.model_exact, mscale=self.mscale)
 
     def attend(self, i: int, q, k, v):
         if self.saved is not None:
@@ -99,15 +100,15 @@ class Packed:
         return attend(q, k, v, self.cu, self.max_seqlen, self.cfg.head_dim**-0.5)
 
 
-def rope_plain(c, qkv, pos, bias=None):
+def rope_plain(c, qkv, pos, inv_freq, mscale: float = 1.0, bias=None):
     """The families without q/k norm (Llama, Mistral, Qwen2): qkv (+ bias) -> (q [N, Hq, D], k, v
     [N, Hk, D]), q and k rotated, by rope's kernel; the trainer and the engine both run it, so
     their rows agree bit for bit."""
     N, qs, ks = qkv.shape[0], c.q_size, c.kv_size
     if bias is not None:
         qkv = qkv + bias
-    q = rope_fwd(qkv[:, :qs].reshape(N, c.num_attention_heads, c.head_dim), pos, c.rope_theta)
-    k = rope_fwd(qkv[:, qs:qs + ks].reshape(N, c.num_key_value_heads, c.head_dim), pos, c.rope_theta)
+    q = rope_fwd(qkv[:, :qs].reshape(N, c.num_attention_heads, c.head_dim), pos, inv_freq, mscale)
+    k = rope_fwd(qkv[:, qs:qs + ks].reshape(N, c.num_key_value_heads, c.head_dim), pos, inv_freq, mscale)
     return q, k, qkv[:, qs + ks:].reshape(N, c.num_key_value_heads, c.head_dim).contiguous()
 
 
@@ -161,8 +162,8 @@ def layer_bwd(model, i: int, dy: torch.Tensor, s: dict, pos, cu, max_seqlen: int
     acc_wgrad(g[p + "o"], dx2, s["o"].view(N, c.q_size))
     do = (dx2 @ w[p + "o"]).view(N, Hq, D)
     dq, dk, dv = attention_bwd(do, s["q"], s["k"], s["v"], s["o"], s["lse"], cu, max_seqlen, D**-0.5)
-    dq0 = rope_bwd(dq, pos, c.rope_theta).reshape(N * Hq, D)
-    dk0 = rope_bwd(dk, pos, c.rope_theta).reshape(N * Hk, D)
+    dq0 = rope_bwd(dq, pos, model.inv_freq, model.rope_mscale).reshape(N * Hq, D)
+    dk0 = rope_bwd(dk, pos, model.inv_freq, model.rope_mscale).reshape(N * Hk, D)
     if c.fam.qk_norm:
         dq0, dw = rmsnorm_bwd(dq0, s["q0"].reshape(N * Hq, D), w[p + "q_norm"], s["rq"])
         g[p + "q_norm"] += dw

@@ -37,6 +37,7 @@ from rlcu import files
 from rlcu.model import io, layer
 from rlcu.model.config import CausalLMConfig, layer_keeps
 from rlcu.model.layout import ParamLayout
+from rlcu.model.rope import inv_freq, mscale
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
 from rlcu.ops.matmul_invariant import mm as mm_invariant
@@ -58,6 +59,10 @@ class CausalLM:
         self.flat = flat
         self.w = self.layout.views(flat)  # slot name -> view
         self.params = self.layout.hf_views(flat)  # HF name -> view
+        # the rope's frequency table [D/2] (fp32) and factor on cos/sin, made once: every rotating
+        # kernel reads this tensor (a CUDA graph captures its address)
+        self.inv_freq = inv_freq(cfg.rope, cfg.head_dim, flat.device)
+        self.rope_mscale = mscale(cfg.rope)
         self.grad_flat: torch.Tensor | None = None
         self.grad_dtype = torch.float32  # bf16 halves the buffer (optim.grad_dtype)
         self.grads: dict[str, torch.Tensor] = {}

@@ -26,14 +26,14 @@ from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.decode_linear import _mainloop, _pdl_begin, _split_arrive
 from rlcu.ops.qkv_prep import norm_rope_halves, qkv_prep
 from rlcu.ops.rmsnorm import rmsnorm_fwd
-from rlcu.ops.rope import cos_sin, freq_scale_of
+from rlcu.ops.rope import check_inv_freq, cos_sin
 
 KIND = "qkv"  # the third element of this op's keys in decode_linear.CONFIGS["table"]
 
 
 @triton.jit
 def _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, Q, KC, VC, stride_cs, stride_ch,
-                    freq_scale, Hq, Hk, D: tl.constexpr, D2: tl.constexpr):
+                    INV, mscale, Hq, Hk, D: tl.constexpr, D2: tl.constexpr):
     dt = Q.dtype.element_ty
     mmask = offs_m < M
     rstd = tl.rsqrt(ss / K + eps)[:, None]  # the input norm's
@@ -41,7 +41,7 @@ def _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, 
     x2 = (acc2 * rstd).to(dt).to(tl.float32)[:, None, :]
     mask = mmask[:, None, None] & (i < D2)[None, None, :]
     if h < Hq + Hk:  # a q or k head: norm and rotation, the angles as rope.py forms them
-        cos, sin = cos_sin(tl.load(POS + offs_m, mask=mmask, other=0).to(tl.float32), i, freq_scale)
+        cos, sin = cos_sin(tl.load(POS + offs_m, mask=mmask, other=0).to(tl.float32), i, INV, D2, mscale)
         if h < Hq:
             y1, y2, _ = norm_rope_halves(x1, x2, QW, i, D, D2, eps, cos, sin, dt)
             q_off = offs_m[:, None, None] * (Hq * D) + h * D + i[None, None, :]
@@ -64,7 +64,7 @@ def _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, 
 
 @triton.jit(do_not_specialize=["M"])
 def _qkv_kernel(X, W, G, QW, KW, POS, SLOT, Q, KC, VC, P, PSS, CNT, M, K, K_SPLIT, stride_x, stride_w, stride_cs,
-                stride_ch, eps, freq_scale, Hq, Hk, PARTIAL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                stride_ch, eps, INV, mscale, Hq, Hk, PARTIAL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
                 PDL: tl.constexpr, PREFETCH: tl.constexpr, KL: tl.constexpr, LINE: tl.constexpr, D: tl.constexpr,
                 D2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     h = tl.program_id(0)  # the head: Hq q heads, then Hk k heads, then Hk v heads
@@ -86,10 +86,10 @@ def _qkv_kernel(X, W, G, QW, KW, POS, SLOT, Q, KC, VC, P, PSS, CNT, M, K, K_SPLI
                                              True, BM, D2)
         if last:
             _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, Q, KC, VC, stride_cs,
-                            stride_ch, freq_scale, Hq, Hk, D, D2)
+                            stride_ch, INV, mscale, Hq, Hk, D, D2)
     else:
         _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, Q, KC, VC, stride_cs, stride_ch,
-                        freq_scale, Hq, Hk, D, D2)
+                        INV, mscale, Hq, Hk, D, D2)
 
 
 def heads_config(M: int, heads: int, K: int) -> tuple:
@@ -105,21 +105,25 @@ def config_for(M: int, N: int, K: int, heads: int):
 
 
 def decode_qkv_triton(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                      theta: float, cfg=None):
+                      inv_freq, cfg=None, mscale: float = 1.0):
+    def unfused():  # the twin (positional: tests count its calls)
+        return decode_qkv_ref(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, inv_freq, None,
+                              mscale)
+
     M, K = x.shape
     D2 = D // 2
     if M == 0 or D2 < 16 or D2 & (D2 - 1):  # a head's half must be one power-of-two tile
-        return decode_qkv_ref(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, theta)
+        return unfused()
     heads = Hq + 2 * Hk
     cfg = cfg or config_for(M, heads * D, K, heads)
     if cfg is None:  # the table's word: the unfused ops are faster at this shape and M
-        return decode_qkv_ref(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, theta)
+        return unfused()
     BM, _, BK, split, warps, stages = cfg
     k_split, split, kw = dl.launch_args(x, K, BK, split, warps, stages)
     grid = (heads, triton.cdiv(M, BM), split)
     cnt = dl._counters(x.device, grid[0] * grid[1]) if split > 1 else None
     if split > 1 and cnt is None:  # no counters for the inline reduce: the unfused ops
-        return decode_qkv_ref(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, theta)
+        return unfused()
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     q = torch.empty(M, Hq, D, device=x.device, dtype=x.dtype)
@@ -130,26 +134,28 @@ def decode_qkv_triton(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache,
     kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
     _qkv_kernel[grid](
         x, w, norm_w, q_w, k_w, pos, slots, q, kc, vc, part, pss, cnt if cnt is not None else q, M, K, k_split,
-        x.stride(0), w.stride(0), kc.stride(0), kc.stride(1), eps, freq_scale_of(theta, D), Hq, Hk,
+        x.stride(0), w.stride(0), kc.stride(0), kc.stride(1), eps, inv_freq, float(mscale), Hq, Hk,
         PARTIAL=split > 1, D=D, D2=D2, BM=BM, BK=BK, **kw)
     return q
 
 
 def decode_qkv_ref(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                   theta: float, cfg=None):
+                   inv_freq, cfg=None, mscale: float = 1.0):
     qkv = rmsnorm_fwd(x, norm_w, eps)[0] @ w.t()
-    return qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, eps, theta)
+    return qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, eps, inv_freq, mscale=mscale)
 
 
 @dispatch(decode_qkv_triton, decode_qkv_ref, on="x")
-def decode_qkv(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, theta: float,
-               cfg=None):
+def decode_qkv(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, inv_freq,
+               cfg=None, mscale: float = 1.0):
     """x [M, hidden], w [(Hq + 2 Hk) D, hidden] (q heads, k heads, v heads), norm_w [hidden] (the
     input norm), q_w, k_w [D], pos [M] int32, slots [M] int64 (< 0: write nowhere), k_cache,
-    v_cache [num_blocks, block_size, Hk, D] (written in place) -> q [M, Hq, D]: as qkv_prep of
-    rmsnorm(x; norm_w) w^T. cfg: a (BM, -, BK, SPLIT, warps, stages) instead of the table's."""
+    v_cache [num_blocks, block_size, Hk, D] (written in place), inv_freq [D/2] fp32 and mscale (the
+    rope's, model/rope.py) -> q [M, Hq, D]: as qkv_prep of rmsnorm(x; norm_w) w^T. cfg: a
+    (BM, -, BK, SPLIT, warps, stages) instead of the table's."""
     if x.dim() != 2 or w.shape != ((Hq + 2 * Hk) * D, x.shape[1]) or x.dtype != w.dtype:
         raise ValueError(f"decode_qkv: x must be [M, K] and w [(Hq + 2 Hk) D, K] = [{(Hq + 2 * Hk) * D}, K] of "
                          f"x's dtype, got {x.dtype} {list(x.shape)} and {w.dtype} {list(w.shape)}")
     if norm_w.shape != (x.shape[1],):
         raise ValueError(f"decode_qkv: norm_w must be [{x.shape[1]}], got {list(norm_w.shape)}")
+    check_inv_freq("decode_qkv", inv_freq, D, x.device)

@@ -37,7 +37,7 @@ import torch
 from rlcu.ops._backend import dispatch, tl, triton
 from rlcu.ops.kv_cache import kv_write_ref
 from rlcu.ops.rmsnorm import rmsnorm_fwd_ref
-from rlcu.ops.rope import cos_sin, freq_scale_of, rope_fwd_ref
+from rlcu.ops.rope import check_inv_freq, cos_sin, rope_fwd_ref
 
 MAX_D = 256  # head_dim: a program holds BT x (Hq + 2 Hk) x D elements
 # Two launches (`launch`), measured on the H200 (one token row = (Hq + 2 Hk) D elements padded to
@@ -82,7 +82,7 @@ def _halves(X, t, h, i, mask, stride_x, D, D2):
 
 @triton.jit(do_not_specialize=["N"])
 def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, RQ, RK, N, Hq, Hk, D, D2, stride_qkv,
-                     stride_cs, stride_ch, eps, freq_scale, BT: tl.constexpr, BHQ: tl.constexpr,
+                     stride_cs, stride_ch, eps, INV, mscale, BT: tl.constexpr, BHQ: tl.constexpr,
                      BHK: tl.constexpr, BD2: tl.constexpr, STATS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     t = pid * BT + tl.arange(0, BT)  # [BT] tokens
@@ -101,7 +101,7 @@ def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, RQ, RK, N, Hq, Hk, D, D2
     q1, q2 = _halves(QKV, t, hq, i, qmask, stride_qkv, D, D2)
     k1, k2 = _halves(QKV + Hq * D, t, hk, i, rmask, stride_qkv, D, D2)
     v1, v2 = _halves(QKV + (Hq + Hk) * D, t, hk, i, rmask, stride_qkv, D, D2)
-    cos, sin = cos_sin(pos, i, freq_scale)  # [BT, 1, BD2], as rope.py forms them
+    cos, sin = cos_sin(pos, i, INV, D2, mscale)  # [BT, 1, BD2], as rope.py forms them
     dt = QKV.dtype.element_ty
 
     # q: every token row
@@ -124,7 +124,7 @@ def _qkv_prep_kernel(QKV, QW, KW, POS, SLOT, Q, KC, VC, RQ, RK, N, Hq, Hk, D, D2
     tl.store(VC + c_off + D2, v2.to(VC.dtype.element_ty), mask=kmask)
 
 
-def _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, theta: float):
+def _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, inv_freq):
     if qkv.dim() != 2 or qkv.shape[1] != (Hq + 2 * Hk) * D:
         raise ValueError(f"qkv_prep: qkv must be [N, (Hq + 2 Hk) D] = [N, {(Hq + 2 * Hk) * D}] "
                          f"(Hq={Hq}, Hk={Hk}, D={D}), got shape {list(qkv.shape)}")
@@ -150,8 +150,7 @@ def _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int
                     ("v_cache", v_cache)):
         if x.device != qkv.device:
             raise ValueError(f"qkv_prep: {name} is on {x.device}, qkv on {qkv.device}")
-    if not theta > 0:
-        raise ValueError(f"qkv_prep: theta must be > 0, got {theta}")
+    check_inv_freq("qkv_prep", inv_freq, D, qkv.device)
 
 
 def launch(N: int, row: int, stats: bool) -> tuple[int, int]:
@@ -168,7 +167,7 @@ def launch(N: int, row: int, stats: bool) -> tuple[int, int]:
 
 
 def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                    eps: float, theta: float, stats: bool = False, exact: bool = False):
+                    eps: float, inv_freq, stats: bool = False, exact: bool = False, mscale: float = 1.0):
     # one kernel in both modes (exact mode's engine asks for stats, so that it runs the trainer's variant)
     N = qkv.shape[0]
     q = torch.empty(N, Hq, D, device=qkv.device, dtype=qkv.dtype)
@@ -187,36 +186,38 @@ def qkv_prep_triton(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: in
         _qkv_prep_kernel[(triton.cdiv(N, BT),)](
             qkv, q_w.contiguous(), k_w.contiguous(), pos.to(torch.int32).contiguous(), slots.contiguous(), q, kc, vc,
             rq, rk, N, Hq, Hk, D, D2, qkv.stride(0), kc.stride(0), kc.stride(1), eps,
-            freq_scale_of(theta, D), BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, STATS=stats, num_warps=num_warps)
+            inv_freq, float(mscale), BT=BT, BHQ=BHQ, BHK=BHK, BD2=BD2, STATS=stats, num_warps=num_warps)
     return (q, rq, rk) if stats else q
 
 
 def qkv_prep_ref(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                 eps: float, theta: float, stats: bool = False, exact: bool = False):
+                 eps: float, inv_freq, stats: bool = False, exact: bool = False, mscale: float = 1.0):
     N, qs, ks = qkv.shape[0], Hq * D, Hk * D
     q, rq = rmsnorm_fwd_ref(qkv[:, :qs].reshape(N * Hq, D), q_w, eps, exact)
     k, rk = rmsnorm_fwd_ref(qkv[:, qs:qs + ks].reshape(N * Hk, D), k_w, eps, exact)
     v = qkv[:, qs + ks:].view(N, Hk, D)
-    q = rope_fwd_ref(q.view(N, Hq, D), pos, theta)
-    k = rope_fwd_ref(k.view(N, Hk, D), pos, theta)
+    q = rope_fwd_ref(q.view(N, Hq, D), pos, inv_freq, mscale)
+    k = rope_fwd_ref(k.view(N, Hk, D), pos, inv_freq, mscale)
     kv_write_ref(k, v, k_cache, v_cache, slots)
     return (q, rq, rk) if stats else q
 
 
 @dispatch(qkv_prep_triton, qkv_prep_ref, on="qkv")
 def qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, eps: float,
-             theta: float, stats: bool = False, exact: bool = False):
+             inv_freq: torch.Tensor, stats: bool = False, exact: bool = False, mscale: float = 1.0):
     """qkv: [N, (Hq + 2 Hk) D] (the fused projection; any row stride), q_w, k_w: [D] (the
-    q/k RMSNorm weights), pos: [N] int32, slots: [N] int64 (block * block_size + offset, < 0:
+    q/k RMSNorm weights), pos: [N] int32, inv_freq [D/2] fp32 and mscale: the rope's table and
+    factor on cos/sin (model/rope.py), slots: [N] int64 (block * block_size + offset, < 0:
     write nowhere), k_cache, v_cache: [num_blocks, block_size, Hk, D] (written in place)
     -> q [N, Hq, D] (contiguous, qkv's dtype): normed and rotated; with stats, (q, rq [N Hq],
     rk [N Hk]): the heads' rstd (fp32; rk only where slot >= 0), as exact mode runs it. exact: exact
     mode's twin (its norms' fixed-tree sums; the kernel is the same in both modes)."""
-    _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, theta)
+    _check(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, inv_freq)
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, pos: torch.Tensor, Hq: int,
-                 Hk: int, D: int, eps: float, theta: float, exact: bool = False):
+                 Hk: int, D: int, eps: float, inv_freq: torch.Tensor, *, exact: bool = False,
+                 mscale: float = 1.0):
     """The trainer's q/k norm and rope, by the engine's kernel: qkv [N, (Hq + 2 Hk) D]
     -> (q [N, Hq, D], k [N, Hk, D], v [N, Hk, D] (a copy), rq [N Hq], rk [N Hk] (fp32 rstd)).
     k and v are written as a cache of N blocks of one token (slot n = token n), so that each token
@@ -226,5 +227,5 @@ def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, pos: t
     k = torch.empty(N, 1, Hk, D, device=qkv.device, dtype=qkv.dtype)
     v = torch.empty_like(k)
     slots = torch.arange(N, device=qkv.device, dtype=torch.int64)
-    q, rq, rk = qkv_prep(qkv, q_w, k_w, pos, slots, k, v, Hq, Hk, D, eps, theta, True, exact=exact)
+    q, rq, rk = qkv_prep(qkv, q_w, k_w, pos, slots, k, v, Hq, Hk, D, eps, inv_freq, True, exact=exact, mscale=mscale)
     return q, k.view(N, Hk, D), v.view(N, Hk, D), rq, rk
