@@ -109,13 +109,15 @@ def _added(tk: Backend) -> dict:
             for i, t in sorted(tk.get_added_tokens_decoder().items())}
 
 
-def _write(folder: Path, tk: Backend, tok_config: dict, eos_ids, gen_eos, bos_id) -> Path:
+def _write(folder: Path, tk: Backend, tok_config: dict, eos_ids, gen_eos, bos_id, arch: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tk.save(str(folder / "tokenizer.json"))
     tok_config = {"added_tokens_decoder": _added(tk), **tok_config}
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": bos_id, "eos_token_id": gen_eos}))
-    (folder / "config.json").write_text(json.dumps({"bos_token_id": bos_id, "eos_token_id": eos_ids}))
+    model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}[arch]
+    (folder / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type,
+                                                    "bos_token_id": bos_id, "eos_token_id": eos_ids}))
     return folder
 
 
@@ -127,7 +129,7 @@ def llama3_folder(folder: Path, template: str = LLAMA31) -> Path:
     cfg = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": template,
            "clean_up_tokenization_spaces": True, "model_input_names": ["input_ids", "attention_mask"],
            "model_max_length": 131072, "tokenizer_class": "PreTrainedTokenizerFast"}
-    return _write(folder, tk, cfg, eos, eos, tk.token_to_id("<|begin_of_text|>"))
+    return _write(folder, tk, cfg, eos, eos, tk.token_to_id("<|begin_of_text|>"), "LlamaForCausalLM")
 
 
 def llama3_base_folder(folder: Path) -> Path:
@@ -138,18 +140,24 @@ def llama3_base_folder(folder: Path) -> Path:
            "clean_up_tokenization_spaces": True, "model_max_length": 131072,
            "tokenizer_class": "PreTrainedTokenizerFast"}
     eos = tk.token_to_id("<|end_of_text|>")
-    return _write(folder, tk, cfg, eos, eos, tk.token_to_id("<|begin_of_text|>"))
+    return _write(folder, tk, cfg, eos, eos, tk.token_to_id("<|begin_of_text|>"), "LlamaForCausalLM")
 
 
-def mistral_folder(folder: Path, legacy: bool = True) -> Path:
-    """Mistral 7B Instruct v0.3: LlamaTokenizer class, add_bos_token true, eos </s>, no pad token."""
+def mistral_folder(folder: Path, legacy: bool = True, model: bool = True) -> Path:
+    """Mistral 7B Instruct v0.3: LlamaTokenizer class, add_bos_token true, eos </s>, no pad token.
+    model: with config.json and generation_config.json (model_type mistral: transformers 5 reads
+    tokenizer.json as it is), else the tokenizer's files alone (transformers rebuilds a LlamaTokenizer)."""
     tk = mistral_backend(legacy)
     cfg = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
            "unk_token": "<unk>", "chat_template": MISTRAL_V03, "clean_up_tokenization_spaces": False,
            "legacy": False, "model_max_length": 1000000000000000019884624838656, "pad_token": None,
            "sp_model_kwargs": {}, "spaces_between_special_tokens": False, "tokenizer_class": "LlamaTokenizer",
            "use_default_system_prompt": False}
-    return _write(folder, tk, cfg, 2, 2, 1)
+    _write(folder, tk, cfg, 2, 2, 1, "MistralForCausalLM")
+    if not model:
+        (folder / "config.json").unlink()
+        (folder / "generation_config.json").unlink()
+    return folder
 
 
 def qwen25_folder(folder: Path) -> Path:
@@ -161,4 +169,4 @@ def qwen25_folder(folder: Path) -> Path:
            "chat_template": QWEN25, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
            "errors": "replace", "model_max_length": 131072, "pad_token": "<|endoftext|>",
            "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
-    return _write(folder, tk, cfg, im_end, [im_end, eot], None)
+    return _write(folder, tk, cfg, im_end, [im_end, eot], None, "Qwen2ForCausalLM")

@@ -13,6 +13,7 @@ from support import chat_families as cf
 from rlcu.data.tokenizer import ChatTemplateError, Tokenizer
 
 FOLDERS = {"llama31": cf.llama3_folder, "llama32_base": cf.llama3_base_folder, "mistral": cf.mistral_folder,
+           "mistral_tokenizer": lambda f: cf.mistral_folder(f, model=False),
            "mistral_metaspace": lambda f: cf.mistral_folder(f, legacy=False), "qwen25": cf.qwen25_folder}
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add <two> numbers & return",
                                            "parameters": {"type": "object", "properties": {
@@ -30,9 +31,10 @@ CHATS = {
                   {"role": "assistant", "content": "", "tool_calls": [CALL]},
                   {"role": "tool", "content": "3", "tool_call_id": "call12345"}],
 }
-END_OF_TURN = {"llama31": "<|eot_id|>", "mistral": "</s>", "mistral_metaspace": "</s>", "qwen25": "<|im_end|>"}
+END_OF_TURN = {"llama31": "<|eot_id|>", "mistral": "</s>", "mistral_tokenizer": "</s>", "mistral_metaspace": "</s>",
+               "qwen25": "<|im_end|>"}
 BOS = {"llama31": "<|begin_of_text|>", "llama32_base": "<|begin_of_text|>", "mistral": "<s>",
-       "mistral_metaspace": "<s>", "qwen25": None}
+       "mistral_tokenizer": "<s>", "mistral_metaspace": "<s>", "qwen25": None}
 
 
 @pytest.fixture(scope="module", params=list(FOLDERS))
@@ -158,7 +160,7 @@ def test_stop_ids_hold_the_end_of_turn_token(family):
     from rlcu.train.rollout import stop_ids
 
     name, folder, ours, _ = family
-    if name not in END_OF_TURN:
+    if name not in END_OF_TURN or not (folder / "config.json").is_file():
         pytest.skip("a base checkpoint's EOS is <|end_of_text|>; its template's turns end with <|eot_id|>")
     text = ours.apply_chat_template(CHATS["multi_done"])
     eot = END_OF_TURN[name]
@@ -176,12 +178,14 @@ def test_stop_ids_hold_the_end_of_turn_token(family):
 
 
 def test_save_and_reload(family, tmp_path):
-    """A folder rlcu saves encodes the same in rlcu and in transformers (Mistral's is saved as rlcu and
-    transformers 5 encode it: the Metaspace form, which older transformers read as it is)."""
+    """A folder rlcu saves (beside the model's config.json, as a checkpoint has it) encodes the same in
+    rlcu and in transformers (a rebuilt LlamaTokenizer is saved rebuilt: the Metaspace form)."""
     from transformers import AutoTokenizer
 
-    _, _, ours, hf = family
+    _, folder, ours, hf = family
     ours.save_pretrained(tmp_path)
+    if (folder / "config.json").is_file():
+        (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
     again, hf_again = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
     for chat in CHATS.values():
         ids = hf.apply_chat_template(chat, tokenize=True, return_dict=False, add_generation_prompt=True)
@@ -233,3 +237,35 @@ def test_sft_ids_are_the_templates(family, chat):
         trained = trained.rstrip("\n")
         assert trained.endswith(eot) and trained[:-len(eot)].strip().endswith(last)
     assert mask[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["llama3", "mistral", "qwen25"])
+@pytest.mark.parametrize("named", ["LlamaTokenizerFast", "PreTrainedTokenizerFast", "Qwen2Tokenizer", None])
+@pytest.mark.parametrize("model_type", [None, "llama", "mistral", "qwen2", "qwen3"])
+def test_the_class_transformers_picks(tmp_path, kind, named, model_type):
+    """AutoTokenizer's class comes from tokenizer_config.json's tokenizer_class and config.json's
+    model_type (Qwen2's own class always wins, Mistral's reads the file as it is, a byte-level file said
+    to be a LlamaTokenizer is read as it is): rlcu picks the same and encodes the same."""
+    from transformers import AutoTokenizer
+
+    if model_type == "qwen2" and kind != "qwen25":
+        pytest.skip("Qwen2Tokenizer forced onto another family's vocabulary")
+    if kind == "mistral" and (named == "Qwen2Tokenizer" and model_type in (None, "llama", "qwen3")
+                              or named is None and model_type == "qwen3"):
+        pytest.skip("a byte-level pre-tokenizer over a ▁ vocabulary")
+    folder = {"llama3": cf.llama3_folder, "mistral": cf.mistral_folder, "qwen25": cf.qwen25_folder}[kind](tmp_path)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config = {k: v for k, v in config.items() if k != "tokenizer_class"} | ({} if named is None else
+                                                                          {"tokenizer_class": named})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if model_type is None:
+        (folder / "config.json").unlink()
+    else:
+        model = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**model, "model_type": model_type}))
+    ours, hf = Tokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert ours.hf_class == type(hf).__name__
+    for text in ["Hello  world", "<s>[INST] Hi there[/INST] yes</s>", "<|im_start|>user\nHi<|im_end|>", " x"]:
+        ids = hf.encode(text, add_special_tokens=False)
+        assert ours.encode(text) == ids
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)

@@ -66,11 +66,13 @@ def _clean_up_spaces(text: str) -> str:
 # ----------------------------------------------------------------------------- the tokenizer
 
 class Tokenizer:
-    """`backend` is a `tokenizers.Tokenizer`; `config` is the content of tokenizer_config.json.
+    """`backend` is a `tokenizers.Tokenizer`; `config` is the content of tokenizer_config.json;
+    `model_type` is config.json's (None: no config.json), which with the config decides the class
+    transformers would load and so how the backend is rebuilt (`hf_class`, rlcu.data.tokenizer_classes).
     `chat_template` is a string, a dict name -> template (one of them "default", or "tool_use"
     picked when tools are given), or None."""
 
-    def __init__(self, backend: _Backend, config: Mapping | None = None):
+    def __init__(self, backend: _Backend, config: Mapping | None = None, model_type: str | None = None):
         self.backend = backend
         self.config = dict(config or {})
         template = self.config.pop("chat_template", None)
@@ -103,7 +105,7 @@ class Tokenizer:
                 have.add(content)
         for tok in to_add:
             (backend.add_special_tokens if tok.special else backend.add_tokens)([tok])
-        as_transformers_builds(backend, cfg)
+        self.hf_class = as_transformers_builds(backend, cfg, model_type)
         backend.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
         # transformers skips this WordPiece-era cleanup for BPE models, where it corrupts text
         self._clean_up = bool(cfg.get("clean_up_tokenization_spaces")) and not isinstance(backend.model, models.BPE)
@@ -145,7 +147,9 @@ class Tokenizer:
                 templates[f.name.removesuffix(".jinja")] = f.read_text(encoding="utf-8")
         if templates:
             config["chat_template"] = templates["default"] if list(templates) == ["default"] else templates
-        return cls(backend, config)
+        model = _read_json(folder / "config.json") if (folder / "config.json").is_file() else None
+        model_type = model.get("model_type") if isinstance(model, dict) else None
+        return cls(backend, config, model_type)
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (chat template inside, the form every
