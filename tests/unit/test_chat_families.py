@@ -269,3 +269,17 @@ def test_the_class_transformers_picks(tmp_path, kind, named, model_type):
         ids = hf.encode(text, add_special_tokens=False)
         assert ours.encode(text) == ids
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_prompt_ids_are_the_templates(family):
+    """A chat prompt's ids where rlcu makes them (data.datasets.encode_prompt for the length checks,
+    train.rollout.encode_prompt for GRPO / PPO rollouts, the engine's LLM.chat through
+    apply_chat_template) are transformers' apply_chat_template ids with the generation prompt."""
+    from rlcu.data.datasets import encode_prompt
+    from rlcu.train import rollout
+
+    _, _, ours, hf = family
+    for chat in (CHATS["single"], CHATS["system_multi"]):
+        ref = hf.apply_chat_template(chat, tokenize=True, return_dict=False, add_generation_prompt=True)
+        assert encode_prompt(ours, chat) == ref
+        assert rollout.encode_prompt(ours, chat)[0] == ref
