@@ -8,6 +8,11 @@ model's FRAGMENTATION) and the device memory outside the allocator (its CONTEXT_
 writes them to $OUT/memory_gpu.json when OUT is set.
 
     python3 -m pytest -m gpu -q -p no:cacheprovider tests/integration/test_memory_gpu.py -s
+
+On an H200 (torch 2.11), GiB measured / estimated: 0.6B train steps 11.31 / 11.34 (full
+checkpointing), 20.72 / 20.75 (none), 6.58 / 6.64 (bf16 mode, attention), rollout 18.97 / 19.41;
+4B train steps 70.82 / 70.89, 99.30 / 99.40, 35.58 / 35.65, rollout 66.99 / 68.14; reserved over
+allocated 1.000 to 1.015; 0.77 GiB outside the allocator.
 """
 
 from __future__ import annotations

@@ -27,11 +27,12 @@ from rlcu.memory import parts
 from rlcu.memory.shape import JobShape
 
 GiB = 1 << 30
-# torch's reserved over allocated bytes at a step's peak (its 2 MiB and 20 MiB segments, blocks
-# split and cached): at most 1.05 over the train steps and rollouts of tests/integration/test_memory_gpu.py on an H200
+# torch's reserved over allocated bytes at a phase's peak (its 2 MiB and 20 MiB segments, blocks
+# split and cached): 1.000 to 1.015 over the train steps and rollouts of tests/integration/test_memory_gpu.py
+# (0.6B and 4B, H200); 1.05 leaves room for a long run's churn of segments
 FRAGMENTATION = 1.05
-# the device memory a process uses outside torch's allocator (the CUDA context, the modules of the
-# kernels loaded, cuBLAS's and NCCL's own): 1.5 GiB covers it on an H200 (the GPU test measures it)
+# the device memory a process uses outside torch's allocator (the CUDA context, the kernels' modules,
+# cuBLAS's own): 0.77 GiB in one process in the same test; 1.5 GiB leaves room for NCCL's buffers across ranks
 CONTEXT_BYTES = int(1.5 * GiB)
 
 RESIDENT = ("weights", "master", "optimizer_state", "gradients", "reference", "critic", "critic_gradients",
