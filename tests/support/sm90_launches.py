@@ -137,6 +137,10 @@ def calls():
             yield f"qkv_prep_{hq}_heads{'_stats' if stats else ''}", lambda big=big, hq=hq, stats=stats: qkv_prep(
                 big, torch.ones(D, dtype=bf), torch.ones(D, dtype=bf), pos, slots, kc, vc, hq, Hk, D, 1e-6, freqs,
                 stats)
+    big, bias = torch.randn(T, (Hq + 2 * Hk) * D).to(bf), torch.randn((Hq + 2 * Hk) * D).to(bf)
+    for stats in (False, True):  # rope alone with Qwen2's q/k/v bias (Llama's: without it)
+        yield f"qkv_prep_rope_bias{'_stats' if stats else ''}", lambda stats=stats: [qkv_prep(
+            big, None, None, pos, slots, kc, vc, Hq, Hk, D, 1e-6, freqs, stats, bias=b) for b in (bias, None)]
     S = 8
     tables = torch.arange(S * 8, dtype=torch.int32).view(S, 8) % NB
     lens = torch.full((S,), 100, dtype=torch.int32)
@@ -228,6 +232,10 @@ def calls():
         wq, hd = torch.randn((Hq + 2 * Hk) * D, H).to(bf), torch.ones(D, dtype=bf)
         for M in (1, 64, 256):
             decode_qkv(torch.randn(M, H).to(bf), wq, w, 1e-6, hd, hd, pos[:M], slots[:M], kc, vc, Hq, Hk, D, freqs)
+        # rope alone with Qwen2's bias; rope alone without it (Llama's) spills 4 bytes at these 64-row
+        # heuristic tiles (255 registers, as Qwen3's), so the engine does not fuse that family's step yet
+        bias = torch.randn((Hq + 2 * Hk) * D).to(bf)
+        decode_qkv(x[:64], wq, w, 1e-6, None, None, pos[:64], slots[:64], kc, vc, Hq, Hk, D, freqs, bias=bias)
         dl.CONFIGS.update(pdl=True)
         decode_qkv(x[:64], wq, w, 1e-6, hd, hd, pos[:64], slots[:64], kc, vc, Hq, Hk, D, freqs)
 

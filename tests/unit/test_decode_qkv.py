@@ -93,3 +93,32 @@ def test_checks_shapes():
         dq.decode_qkv(x, w, nw[:5], 1e-6, *rest, Hq, Hk, D, F[D])
     with pytest.raises(ValueError, match=r"decode_qkv: inv_freq must be a float32 \[16\]"):
         dq.decode_qkv(x, w, nw, 1e-6, *rest, Hq, Hk, D, F[D].double())
+
+
+@pytest.mark.parametrize("norm,biased", [(False, False), (False, True), (True, True)])
+@pytest.mark.parametrize("cfg", [None, (16, 0, 32, 3, 4, 1)], ids=["unsplit", "split3"])
+def test_rope_alone_and_bias_match_twin(norm, biased, cfg):
+    """q_w = k_w = None (Llama, Mistral, Qwen2: rope alone) and a q/k/v bias (Qwen2's, in the
+    epilogue), split and unsplit, against the unfused ops (rmsnorm, the GEMM, qkv_prep with both)."""
+    Hq, Hk, D = 7, 1, 32
+    x, w, nw, qw, kw, pos, slots, kc, vc = _case(9, 48, Hq, Hk, D, torch.float32, seed=5)
+    qw, kw = (qw, kw) if norm else (None, None)
+    bias = torch.randn((Hq + 2 * Hk) * D) if biased else None
+    kr, vr = kc.clone(), vc.clone()
+    ref = dq.decode_qkv_ref(x, w, nw, 1e-6, qw, kw, pos, slots, kr, vr, Hq, Hk, D, F[D], None, 1.0, bias)
+    out = dq.decode_qkv_triton(x, w, nw, 1e-6, qw, kw, pos, slots, kc, vc, Hq, Hk, D, F[D], cfg, 1.0, bias)
+    for a, b, name in ((out, ref, "q"), (kc, kr, "k_cache"), (vc, vr, "v_cache")):
+        assert _rel(a, b) < TOL[torch.float32], name
+    if biased:  # the bias reached every head kind
+        k0, v0 = kc.clone(), vc.clone()
+        plain = dq.decode_qkv_ref(x, w, nw, 1e-6, qw, kw, pos, slots, k0, v0, Hq, Hk, D, F[D])
+        assert _rel(plain, ref) > 1e-2 and _rel(k0, kr) > 1e-2 and _rel(v0, vr) > 1e-2
+
+
+def test_rope_alone_and_bias_checks():
+    Hq, Hk, D = 4, 2, 32
+    x, w, nw, qw, kw, *rest = _case(3, 64, Hq, Hk, D, torch.float32)
+    with pytest.raises(ValueError, match="q_w and k_w must both be tensors"):
+        dq.decode_qkv(x, w, nw, 1e-6, qw, None, *rest, Hq, Hk, D, F[D])
+    with pytest.raises(ValueError, match=r"bias must be a contiguous \[\(Hq \+ 2 Hk\) D\] = \[256\]"):
+        dq.decode_qkv(x, w, nw, 1e-6, None, None, *rest, Hq, Hk, D, F[D], bias=torch.zeros(128))

@@ -285,3 +285,81 @@ def test_gpu_qk_norm_rope_engine_rows_equal_trainer_rows(monkeypatch):
     assert torch.equal(kc.view(-1, Hk, D)[slots], got[1][rows])
     assert torch.equal(rq.view(-1, Hq), got[3].view(-1, Hq)[rows])
     _rows_alone(qkv, q_w, k_w, pos, Hq, Hk, D, 1000, 1037)
+
+
+# ------------------------------------------------------------------ rope alone, the q/k/v bias
+def _bias_twin(qkv, bias, pos, Hq, Hk, D, q_w=None, k_w=None):
+    """(q, k, v) of the unfused ops: qkv + bias (fp32, rounded once), then norm where q_w is
+    given, rope; what the families' layers compute."""
+    N, qs, ks = qkv.shape[0], Hq * D, Hk * D
+    x = qkv if bias is None else (qkv.float() + bias.float()).to(qkv.dtype)
+    q, k = x[:, :qs].reshape(N * Hq, D), x[:, qs:qs + ks].reshape(N * Hk, D)
+    if q_w is not None:
+        q, k = rmsnorm_fwd(q, q_w, EPS)[0], rmsnorm_fwd(k, k_w, EPS)[0]
+    f = freqs(D, qkv.device)
+    return rope_fwd(q.view(N, Hq, D), pos, f), rope_fwd(k.view(N, Hk, D), pos, f), x[:, qs + ks:].reshape(N, Hk, D)
+
+
+@cpu
+@pytest.mark.parametrize("N,Hq,Hk,D", [(19, 7, 1, 20), (33, 4, 2, 32), (5, 3, 3, 6)])
+@pytest.mark.parametrize("norm,biased", [(False, False), (False, True), (True, True)])
+def test_kernel_rope_alone_and_bias(N, Hq, Hk, D, norm, biased, triton_backend):
+    """q_w = k_w = None (Llama, Mistral, Qwen2) and a q/k/v bias (Qwen2), both launches (a few rows
+    and stats' bulk), against the twin and the unfused ops; rows without a slot write nowhere."""
+    qkv, q_w, k_w, pos, slots, kc, vc = _inputs(N, Hq, Hk, D, seed=N, pad_cols=3)
+    q_w, k_w = (q_w, k_w) if norm else (None, None)
+    bias = torch.randn((Hq + 2 * Hk) * D) if biased else None
+    f = freqs(D)
+    for stats in (False, True):
+        kc_a, vc_a, kc_b, vc_b = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        got = qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc_a, vc_a, Hq, Hk, D, EPS, f, stats, bias=bias)
+        want = qp.qkv_prep_ref(qkv, q_w, k_w, pos, slots, kc_b, vc_b, Hq, Hk, D, EPS, f, stats, bias=bias)
+        q, q_ref = (got[0], want[0]) if stats else (got, want)
+        assert rel_err(q, q_ref) < 1e-5 and rel_err(kc_a, kc_b) < 1e-5 and torch.equal(vc_a, vc_b)
+        if stats and not norm:
+            assert got[1:] == want[1:] == (None, None)
+    q_op, k_op, v_op = _bias_twin(qkv, bias, pos, Hq, Hk, D, q_w, k_w)
+    has = slots >= 0
+    assert rel_err(q_ref, q_op) < 1e-6 and torch.equal(vc_b.view(-1, Hk, D)[slots[has]], v_op[has])
+    assert rel_err(kc_b.view(-1, Hk, D)[slots[has]], k_op[has]) < 1e-6
+
+
+@cpu
+def test_kernel_rope_alone_is_rope_kernel_bits(triton_backend):
+    """Without a norm the kernel rotates as rope.py's kernel does: the same bits (one cos_sin)."""
+    N, Hq, Hk, D = 21, 5, 1, 20
+    qkv, _, _, pos, slots, kc, vc = _inputs(N, Hq, Hk, D, seed=2)
+    f = freqs(D)
+    q = qp.qkv_prep(qkv, None, None, pos, slots, kc, vc, Hq, Hk, D, EPS, f, mscale=1.3)
+    assert torch.equal(q, rope_fwd(qkv[:, :Hq * D].reshape(N, Hq, D), pos, f, 1.3))
+
+
+@cpu
+@pytest.mark.parametrize("norm", [False, True])
+def test_qk_norm_rope_bias_engine_rows_equal_trainer_rows(norm, triton_backend):
+    """The trainer's qk_norm_rope and the engine's qkv_prep(stats=True) with a bias, with and
+    without the norm: the same bits (one kernel); rows alone give the bits they give in the batch."""
+    N, Hq, Hk, D = 17, 7, 1, 20
+    qkv, q_w, k_w, pos, _, kc, vc = _inputs(N, Hq, Hk, D, seed=9)
+    q_w, k_w = (q_w, k_w) if norm else (None, None)
+    bias, f = torch.randn((Hq + 2 * Hk) * D), freqs(D)
+    got = qp.qk_norm_rope(qkv, q_w, k_w, pos, Hq, Hk, D, EPS, f, bias=bias)
+    want = _bias_twin(qkv, bias, pos, Hq, Hk, D, q_w, k_w)
+    for a, b in zip(got[:3], want):
+        assert rel_err(a, b) < 1e-5
+    assert (got[3] is None) == (not norm)
+    slots = torch.randperm(kc.shape[0] * kc.shape[1])[:N]
+    q = qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc, vc, Hq, Hk, D, EPS, f, True, bias=bias)[0]
+    assert torch.equal(q, got[0]) and torch.equal(kc.view(-1, Hk, D)[slots], got[1])
+    assert torch.equal(vc.view(-1, Hk, D)[slots], got[2])
+    part = qp.qk_norm_rope(qkv[4:9].clone(), q_w, k_w, pos[4:9].clone(), Hq, Hk, D, EPS, f, bias=bias)
+    assert all(torch.equal(a[4:9], b) for a, b in zip(got[:3], part[:3]))
+
+
+def test_rope_alone_and_bias_errors():
+    Hq, Hk, D = 4, 2, 32
+    qkv, q_w, k_w, pos, slots, kc, vc = _inputs(7, Hq, Hk, D)
+    with pytest.raises(ValueError, match="q_w and k_w must both be tensors"):
+        qp.qkv_prep(qkv, q_w, None, pos, slots, kc, vc, Hq, Hk, D, EPS, freqs(D))
+    with pytest.raises(ValueError, match=r"bias must be \[\(Hq \+ 2 Hk\) D\] = \[256\]"):
+        qp.qkv_prep(qkv, None, None, pos, slots, kc, vc, Hq, Hk, D, EPS, freqs(D), bias=torch.zeros(255))

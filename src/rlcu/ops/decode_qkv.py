@@ -12,9 +12,10 @@ layer fewer: bench/results/profile_engine.json). The GEMM is decode_linear.py's 
 the input norm inside it, split-K added by each tile's last program, optional PDL); the
 epilogue first rounds qkv to the model's dtype, as the GEMM's output was, then runs
 qkv_prep's norm and rotation (`qkv_prep.norm_rope_halves`), so the two paths differ only by
-the GEMM's sums. Split-K needs decode_linear's inline reduce (its counters); where they cannot
-serve, or the tile table says None, the call runs the unfused ops (its twin). Exact mode
-never runs it.
+the GEMM's sums. The families without q/k norm compile NORM=False (rope alone), and a q/k/v bias
+(Qwen2's) is added to the rounded qkv there, as qkv_prep adds it on load. Split-K needs
+decode_linear's inline reduce (its counters); where they cannot serve, or the tile table says
+None, the call runs the unfused ops (its twin). Exact mode never runs it.
 """
 
 from __future__ import annotations
@@ -32,23 +33,27 @@ KIND = "qkv"  # the third element of this op's keys in decode_linear.CONFIGS["ta
 
 
 @triton.jit
-def _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, Q, KC, VC, stride_cs, stride_ch,
-                    INV, mscale, Hq, Hk, D: tl.constexpr, D2: tl.constexpr):
+def _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, BIAS, POS, SLOT, Q, KC, VC, stride_cs,
+                    stride_ch, INV, mscale, Hq, Hk, D: tl.constexpr, D2: tl.constexpr, NORM: tl.constexpr,
+                    BIASED: tl.constexpr):
     dt = Q.dtype.element_ty
     mmask = offs_m < M
     rstd = tl.rsqrt(ss / K + eps)[:, None]  # the input norm's
     x1 = (acc1 * rstd).to(dt).to(tl.float32)[:, None, :]  # qkv, rounded as the GEMM's output: [BM, 1, D2]
     x2 = (acc2 * rstd).to(dt).to(tl.float32)[:, None, :]
+    if BIASED:  # the projection's bias, added to the rounded output as qkv_prep adds it on load
+        x1 = (x1 + tl.load(BIAS + h * D + i).to(tl.float32)[None, None, :]).to(dt).to(tl.float32)
+        x2 = (x2 + tl.load(BIAS + h * D + D2 + i).to(tl.float32)[None, None, :]).to(dt).to(tl.float32)
     mask = mmask[:, None, None] & (i < D2)[None, None, :]
     if h < Hq + Hk:  # a q or k head: norm and rotation, the angles as rope.py forms them
         cos, sin = cos_sin(tl.load(POS + offs_m, mask=mmask, other=0).to(tl.float32), i, INV, D2, mscale)
         if h < Hq:
-            y1, y2, _ = norm_rope_halves(x1, x2, QW, i, D, D2, eps, cos, sin, dt)
+            y1, y2, _ = norm_rope_halves(x1, x2, QW, i, D, D2, eps, cos, sin, dt, NORM)
             q_off = offs_m[:, None, None] * (Hq * D) + h * D + i[None, None, :]
             tl.store(Q + q_off, y1, mask=mask)
             tl.store(Q + q_off + D2, y2, mask=mask)
         else:
-            y1, y2, _ = norm_rope_halves(x1, x2, KW, i, D, D2, eps, cos, sin, dt)
+            y1, y2, _ = norm_rope_halves(x1, x2, KW, i, D, D2, eps, cos, sin, dt, NORM)
             slot = tl.load(SLOT + offs_m, mask=mmask, other=-1).to(tl.int64)
             c_off = slot[:, None, None] * stride_cs + (h - Hq) * stride_ch + i[None, None, :]
             kmask = mask & (slot >= 0)[:, None, None]
@@ -63,10 +68,11 @@ def _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, 
 
 
 @triton.jit(do_not_specialize=["M"])
-def _qkv_kernel(X, W, G, QW, KW, POS, SLOT, Q, KC, VC, P, PSS, CNT, M, K, K_SPLIT, stride_x, stride_w, stride_cs,
-                stride_ch, eps, INV, mscale, Hq, Hk, PARTIAL: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                PDL: tl.constexpr, PREFETCH: tl.constexpr, KL: tl.constexpr, LINE: tl.constexpr, D: tl.constexpr,
-                D2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+def _qkv_kernel(X, W, G, QW, KW, BIAS, POS, SLOT, Q, KC, VC, P, PSS, CNT, M, K, K_SPLIT, stride_x, stride_w,
+                stride_cs, stride_ch, eps, INV, mscale, Hq, Hk, PARTIAL: tl.constexpr, SPLIT: tl.constexpr,
+                IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, KL: tl.constexpr, LINE: tl.constexpr,
+                D: tl.constexpr, D2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
+                BIASED: tl.constexpr):
     h = tl.program_id(0)  # the head: Hq q heads, then Hk k heads, then Hk v heads
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -85,11 +91,11 @@ def _qkv_kernel(X, W, G, QW, KW, POS, SLOT, Q, KC, VC, P, PSS, CNT, M, K, K_SPLI
                                              pid_m * n_tiles + h, h, pid_k, n_tiles, SPLIT, True, True,
                                              True, BM, D2)
         if last:
-            _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, Q, KC, VC, stride_cs,
-                            stride_ch, INV, mscale, Hq, Hk, D, D2)
+            _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, BIAS, POS, SLOT, Q, KC, VC, stride_cs,
+                            stride_ch, INV, mscale, Hq, Hk, D, D2, NORM, BIASED)
     else:
-        _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, POS, SLOT, Q, KC, VC, stride_cs, stride_ch,
-                        INV, mscale, Hq, Hk, D, D2)
+        _heads_epilogue(acc1, acc2, ss, h, offs_m, i, M, K, eps, QW, KW, BIAS, POS, SLOT, Q, KC, VC, stride_cs,
+                        stride_ch, INV, mscale, Hq, Hk, D, D2, NORM, BIASED)
 
 
 def heads_config(M: int, heads: int, K: int) -> tuple:
@@ -105,10 +111,10 @@ def config_for(M: int, N: int, K: int, heads: int):
 
 
 def decode_qkv_triton(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                      inv_freq, cfg=None, mscale: float = 1.0):
+                      inv_freq, cfg=None, mscale: float = 1.0, bias=None):
     def unfused():  # the twin (positional: tests count its calls)
         return decode_qkv_ref(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, inv_freq, None,
-                              mscale)
+                              mscale, bias)
 
     M, K = x.shape
     D2 = D // 2
@@ -133,29 +139,36 @@ def decode_qkv_triton(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache,
         pss = torch.empty(split, heads, M, device=x.device, dtype=torch.float32)
     kc, vc = k_cache.view(-1, Hk, D), v_cache.view(-1, Hk, D)  # [slots, Hk, D]
     _qkv_kernel[grid](
-        x, w, norm_w, q_w, k_w, pos, slots, q, kc, vc, part, pss, cnt if cnt is not None else q, M, K, k_split,
-        x.stride(0), w.stride(0), kc.stride(0), kc.stride(1), eps, inv_freq, float(mscale), Hq, Hk,
-        PARTIAL=split > 1, D=D, D2=D2, BM=BM, BK=BK, **kw)
+        x, w, norm_w, q if q_w is None else q_w, q if k_w is None else k_w, q if bias is None else bias, pos, slots,
+        q, kc, vc, part, pss, cnt if cnt is not None else q, M, K, k_split, x.stride(0), w.stride(0), kc.stride(0),
+        kc.stride(1), eps, inv_freq, float(mscale), Hq, Hk, PARTIAL=split > 1, D=D, D2=D2, BM=BM, BK=BK,
+        NORM=q_w is not None, BIASED=bias is not None, **kw)
     return q
 
 
 def decode_qkv_ref(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int,
-                   inv_freq, cfg=None, mscale: float = 1.0):
+                   inv_freq, cfg=None, mscale: float = 1.0, bias=None):
     qkv = rmsnorm_fwd(x, norm_w, eps)[0] @ w.t()
-    return qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, eps, inv_freq, mscale=mscale)
+    return qkv_prep(qkv, q_w, k_w, pos, slots, k_cache, v_cache, Hq, Hk, D, eps, inv_freq, mscale=mscale, bias=bias)
 
 
 @dispatch(decode_qkv_triton, decode_qkv_ref, on="x")
 def decode_qkv(x, w, norm_w, eps, q_w, k_w, pos, slots, k_cache, v_cache, Hq: int, Hk: int, D: int, inv_freq,
-               cfg=None, mscale: float = 1.0):
+               cfg=None, mscale: float = 1.0, bias=None):
     """x [M, hidden], w [(Hq + 2 Hk) D, hidden] (q heads, k heads, v heads), norm_w [hidden] (the
-    input norm), q_w, k_w [D], pos [M] int32, slots [M] int64 (< 0: write nowhere), k_cache,
-    v_cache [num_blocks, block_size, Hk, D] (written in place), inv_freq [D/2] fp32 and mscale (the
-    rope's, model/rope.py) -> q [M, Hq, D]: as qkv_prep of rmsnorm(x; norm_w) w^T. cfg: a
-    (BM, -, BK, SPLIT, warps, stages) instead of the table's."""
+    input norm), q_w, k_w [D] (both None: no q/k norm, rope alone), pos [M] int32, slots [M] int64
+    (< 0: write nowhere), k_cache, v_cache [num_blocks, block_size, Hk, D] (written in place),
+    inv_freq [D/2] fp32 and mscale (the rope's, model/rope.py) -> q [M, Hq, D]: as qkv_prep of
+    rmsnorm(x; norm_w) w^T. cfg: a (BM, -, BK, SPLIT, warps, stages) instead of the table's. bias
+    [(Hq + 2 Hk) D] or None: the projection's (Qwen2's q/k/v bias), added in the GEMM's epilogue."""
     if x.dim() != 2 or w.shape != ((Hq + 2 * Hk) * D, x.shape[1]) or x.dtype != w.dtype:
         raise ValueError(f"decode_qkv: x must be [M, K] and w [(Hq + 2 Hk) D, K] = [{(Hq + 2 * Hk) * D}, K] of "
                          f"x's dtype, got {x.dtype} {list(x.shape)} and {w.dtype} {list(w.shape)}")
     if norm_w.shape != (x.shape[1],):
         raise ValueError(f"decode_qkv: norm_w must be [{x.shape[1]}], got {list(norm_w.shape)}")
     check_inv_freq("decode_qkv", inv_freq, D, x.device)
+    if (q_w is None) != (k_w is None):
+        raise ValueError("decode_qkv: q_w and k_w must both be tensors (q/k norm) or both None (rope alone)")
+    if bias is not None and (bias.shape != w.shape[:1] or not bias.is_contiguous()):
+        raise ValueError(f"decode_qkv: bias must be a contiguous [(Hq + 2 Hk) D] = [{w.shape[0]}], got "
+                         f"{list(bias.shape)}")
