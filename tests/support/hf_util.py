@@ -46,6 +46,13 @@ FAMILY_CASES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+    # Llama 3.1's rope scaling, over a short original context so that every band of pairs is hit
+    "llama3.1": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    # Qwen2.5's long-context YaRN (mscale on cos and sin)
+    "qwen2.5-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64))),
 }
 
 
@@ -61,6 +68,8 @@ def make_family_model(tmp_path, case: str, seed=0, **kw):
              rope_theta=10000.0, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
              attn_implementation="eager", **extra)
     d.update(kw)
+    if "rope_parameters" in d:
+        del d["rope_theta"]
     m = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**d)).float().eval()
     with torch.no_grad():
         for n, p in m.named_parameters():

@@ -112,6 +112,13 @@ def test_config_forms_and_defaults():
     c = CausalLMConfig.from_hf_dict({k: v for k, v in _published(model_type="qwen2").items() if k != "architectures"})
     assert c.family == "qwen2"
     assert CausalLMConfig.from_hf_dict(c.to_hf_dict()) == c
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    c = CausalLMConfig.from_hf_dict(_published(rope_scaling=scaling))  # Llama 3.1's published form
+    assert (c.rope.type, c.rope.factor, c.rope_theta) == ("llama3", 8.0, 500000.0)
+    assert c.to_hf_dict()["rope_scaling"] == scaling and CausalLMConfig.from_hf_dict(c.to_hf_dict()) == c
+    tiny = CausalLMConfig(family="llama", rope=dict(type="linear", theta=100.0, factor=2.0))  # model.tiny's form
+    assert tiny.rope_theta == 100.0 and tiny.rope.factor == 2.0
 
 
 @pytest.mark.parametrize("fields,msg", [
@@ -121,6 +128,7 @@ def test_config_forms_and_defaults():
     (dict(mlp_bias=True), "mlp_bias true"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True), "use_sliding_window true"),
+    (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), "rope_scaling: rope_type 'dynamic' is not supported"),
     (dict(architectures=["GemmaForCausalLM"], model_type="gemma"), "unsupported architecture.*MistralForCausalLM"),
 ])
 def test_refused_configs_name_the_field(fields, msg):

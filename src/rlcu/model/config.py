@@ -1,11 +1,11 @@
 """The model's configuration (any family of model/family.py), read from and written to HF's
 config.json.
 
-Two forms of the rotary base exist in the wild: a top-level `rope_theta` (the published
-checkpoints) and `rope_parameters: {rope_theta, rope_type}` (transformers 5). Both are
-read; the published form of the family is written. A missing `tie_word_embeddings` means
-the family's transformers default (untied for all four). `Qwen3Config` is the same class (its
-name before the other families).
+The rotary variant is `rope`, a model/rope.py RopeSpec read from every form transformers writes
+(a top-level `rope_theta` with `rope_scaling`, or transformers 5's `rope_parameters`) and written
+in the published form; `rope_theta` is its base, the shorthand for the default variant. A missing
+`tie_word_embeddings` means the family's transformers default (untied for all four).
+`Qwen3Config` is the same class (its name before the other families).
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ class CausalLMConfig:
     bos_token_id: int | None = 151643
     eos_token_id: int | list[int] | None = 151645
     family: str = "qwen3"  # a key of model/family.py FAMILIES
+    # the rotary variant; None: the default one at rope_theta. Given (a RopeSpec, or its fields as a
+    # dict: model.tiny in a run's config), it wins and rope_theta becomes its theta
+    rope: RopeSpec | dict | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -87,18 +90,23 @@ class CausalLMConfig:
             raise ValueError(f"CausalLMConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"CausalLMConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"CausalLMConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        if isinstance(self.rope, dict):
+            try:
+                self.rope = RopeSpec(**self.rope)
+            except TypeError as e:
+                raise ValueError(f"CausalLMConfig.rope: {e}") from None
+        if self.rope is None:
+            if not self.rope_theta > 0:
+                raise ValueError(f"CausalLMConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+            self.rope = RopeSpec(theta=float(self.rope_theta))
+        elif not isinstance(self.rope, RopeSpec):
+            raise ValueError(f"CausalLMConfig.rope must be a RopeSpec or a dict of its fields, got {self.rope!r}")
+        self.rope_theta = self.rope.theta
 
     @property
     def fam(self) -> Family:
         """The family description (model/family.py): q/k norm, q/k/v bias, published fields."""
         return FAMILIES[self.family]
-
-    @property
-    def rope(self) -> RopeSpec:
-        """The rotary variant (model/rope.py), which the model's frequency table is made from."""
-        return RopeSpec(theta=self.rope_theta)
 
     # derived sizes
     @property
@@ -120,13 +128,6 @@ class CausalLMConfig:
         the field of any other."""
         fam = family_of(d, source)
         refuse_unsupported(fam, d, source)
-        theta = d.get("rope_theta")
-        rp = d.get("rope_parameters") or {}
-        if theta is None:
-            theta = rp.get("rope_theta")
-        rtype = rp.get("rope_type", "default") if rp else (d.get("rope_scaling") or {}).get("rope_type", "default")
-        if rtype not in ("default", None):
-            raise ValueError(f"{source}: rope_type {rtype!r} is not supported (only 'default')")
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
         missing = [k for k in required if k not in d]
         if missing:
@@ -138,7 +139,7 @@ class CausalLMConfig:
             num_attention_heads=nh, num_key_value_heads=d.get("num_key_value_heads", nh),
             head_dim=d.get("head_dim") or d["hidden_size"] // nh,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta if theta is not None else 10000.0),
+            rope=RopeSpec.from_hf(d, source),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", fam.tie_default)),
             max_position_embeddings=d.get("max_position_embeddings", 40960),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), family=fam.name,
@@ -169,8 +170,8 @@ class CausalLMConfig:
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "rope_scaling": None, "tie_word_embeddings": self.tie_word_embeddings,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, **self.rope.to_hf(),
+            "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "use_cache": True, "initializer_range": 0.02, "torch_dtype": "bfloat16",
         }

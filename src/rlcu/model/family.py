@@ -3,7 +3,8 @@
 Every supported family is the same decoder (model/layer.py): RMSNorm, GQA attention with rotary
 embeddings, SwiGLU MLP. What differs is stated here and read by the layout (which slots exist),
 the layer (q/k norm or rope alone, a q/k/v bias), the config reader (which fields it must refuse)
-and the writer (the published config.json form):
+and the writer (the published config.json form). The rope variant is the config's, any family's
+(model/rope.py: Llama 3.1's llama3 scaling, Qwen2.5's YaRN for long contexts, ...):
 - Qwen3: per-head q/k RMSNorm, no bias.
 - Qwen2 (Qwen2 and Qwen2.5): q/k/v biases, no q/k norm.
 - Llama (3, 3.1, 3.2, 3.3): neither; `attention_bias` / `mlp_bias` true is refused.
@@ -23,7 +24,6 @@ class Family:
     qk_norm: bool  # per-head RMSNorm of q and k before rope
     qkv_bias: bool  # biases on the q, k and v projections
     tie_default: bool  # tie_word_embeddings when config.json omits it (transformers' default)
-    rope_types: tuple[str, ...]  # the rope_scaling types published checkpoints of the family use
     published: tuple[tuple[str, object], ...] = ()  # fixed fields its config.json carries
 
     @property
@@ -33,16 +33,13 @@ class Family:
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, qkv_bias=False, tie_default=False,
-           rope_types=("default", "yarn"),
            published=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None))),
     Family("qwen2", "Qwen2ForCausalLM", qk_norm=False, qkv_bias=True, tie_default=False,
-           rope_types=("default", "yarn"),
            published=(("use_sliding_window", False), ("sliding_window", None))),
     Family("llama", "LlamaForCausalLM", qk_norm=False, qkv_bias=False, tie_default=False,
-           rope_types=("default", "llama3", "linear", "dynamic"),
            published=(("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1))),
     Family("mistral", "MistralForCausalLM", qk_norm=False, qkv_bias=False, tie_default=False,
-           rope_types=("default",), published=(("sliding_window", None),)),
+           published=(("sliding_window", None),)),
 )}
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 SUPPORTED_ARCHITECTURES = tuple(BY_ARCHITECTURE)
