@@ -122,3 +122,13 @@ def test_rope_alone_and_bias_checks():
         dq.decode_qkv(x, w, nw, 1e-6, qw, None, *rest, Hq, Hk, D, F[D])
     with pytest.raises(ValueError, match=r"bias must be a contiguous \[\(Hq \+ 2 Hk\) D\] = \[256\]"):
         dq.decode_qkv(x, w, nw, 1e-6, None, None, *rest, Hq, Hk, D, F[D], bias=torch.zeros(128))
+
+
+def test_yarn_factor_matches_twin():
+    """The factor on cos/sin (YaRN's) in the epilogue's rotation, against the unfused ops."""
+    Hq, Hk, D = 4, 2, 32
+    x, w, nw, qw, kw, pos, slots, kc, vc = _case(5, 48, Hq, Hk, D, torch.float32, seed=7)
+    kr, vr = kc.clone(), vc.clone()
+    ref = dq.decode_qkv_ref(x, w, nw, 1e-6, qw, kw, pos, slots, kr, vr, Hq, Hk, D, F[D], None, 1.1386)
+    out = dq.decode_qkv_triton(x, w, nw, 1e-6, qw, kw, pos, slots, kc, vc, Hq, Hk, D, F[D], None, 1.1386)
+    assert all(_rel(a, b) < TOL[torch.float32] for a, b in ((out, ref), (kc, kr), (vc, vr)))

@@ -363,3 +363,26 @@ def test_rope_alone_and_bias_errors():
         qp.qkv_prep(qkv, q_w, None, pos, slots, kc, vc, Hq, Hk, D, EPS, freqs(D))
     with pytest.raises(ValueError, match=r"bias must be \[\(Hq \+ 2 Hk\) D\] = \[256\]"):
         qp.qkv_prep(qkv, None, None, pos, slots, kc, vc, Hq, Hk, D, EPS, freqs(D), bias=torch.zeros(255))
+
+
+@cpu
+@pytest.mark.parametrize("norm", [False, True])
+def test_kernel_yarn_table_and_factor(norm, triton_backend):
+    """A YaRN table and its factor on cos/sin (Qwen's long-context form) through the kernel, both
+    launches, against the twin; the factor scales q and k, never v."""
+    from rlcu.model.rope import mscale
+
+    N, Hq, Hk, D = 13, 7, 1, 20
+    spec = RopeSpec.from_hf({"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 32768}})
+    f, m = inv_freq(spec, D), mscale(spec)
+    qkv, q_w, k_w, pos, slots, kc, vc = _inputs(N, Hq, Hk, D, seed=3)
+    q_w, k_w = (q_w, k_w) if norm else (None, None)
+    for stats in (False, True):
+        kc_a, vc_a, kc_b, vc_b = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        got = qp.qkv_prep(qkv, q_w, k_w, pos, slots, kc_a, vc_a, Hq, Hk, D, EPS, f, stats, mscale=m)
+        want = qp.qkv_prep_ref(qkv, q_w, k_w, pos, slots, kc_b, vc_b, Hq, Hk, D, EPS, f, stats, mscale=m)
+        q, q_ref = (got[0], want[0]) if stats else (got, want)
+        assert rel_err(q, q_ref) < 1e-5 and rel_err(kc_a, kc_b) < 1e-5 and torch.equal(vc_a, vc_b)
+    plain = qp.qkv_prep_ref(qkv, q_w, k_w, pos, slots, kc.clone(), vc.clone(), Hq, Hk, D, EPS, f)
+    assert rel_err(q_ref, plain * m) < 1e-6
