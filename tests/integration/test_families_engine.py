@@ -1,7 +1,7 @@
 """The families beside Qwen3 (Qwen2, Llama untied and tied, Mistral) end to end on the CPU: the
 engine's greedy tokens against HF transformers' `generate`, exact mode's engine logprobs equal to
 the trainer's forward bit for bit, the engine through the Triton kernels (interpreted) equal to the
-twins, and a short GRPO run from a Qwen2 folder."""
+twins (decode_qkv's fused schedule too), and `rlcu generate --model FOLDER`."""
 
 import os
 
@@ -12,6 +12,7 @@ from support.hf_util import FAMILY_CASES, make_family_model
 
 import rlcu
 from rlcu.engine import LLM, SamplingParams
+from rlcu.ops.decode_linear import CONFIGS as DL_CONFIGS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -59,7 +60,14 @@ def test_exact_engine_equals_trainer_bit_for_bit(pair):
         assert torch.equal(torch.tensor(lps, dtype=torch.float32), lp[start:start + len(lps)]), k
 
 
-def test_engine_on_kernels_equals_twins(pair, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "decode_qkv"])
+def test_engine_on_kernels_equals_twins(pair, monkeypatch, fused):
+    """fused: the decode steps' input norm, QKV GEMM (+ bias) and rope (+ q/k norm) in decode_qkv."""
+    import rlcu.engine.paged_forward as pf
+
+    monkeypatch.setitem(DL_CONFIGS, "enabled", fused)
+    calls, decode_qkv = [], pf.decode_qkv
+    monkeypatch.setattr(pf, "decode_qkv", lambda *a, **k: calls.append(k.get("bias")) or decode_qkv(*a, **k))
     _, folder = pair
     m = rlcu.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
     sp = SamplingParams(n=1, temperature=0.8, max_tokens=3, ignore_eos=True, seed=3, logprobs=True)
@@ -72,6 +80,7 @@ def test_engine_on_kernels_equals_twins(pair, monkeypatch):
         x, y = a.outputs[0], b.outputs[0]
         assert x.token_ids == y.token_ids
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < (1e-5 if INTERPRET else 1e-3)
+    assert bool(calls) == fused and all((b is not None) == m.cfg.fam.qkv_bias for b in calls)
 
 
 def test_rlcu_generate_takes_the_folder(pair, tmp_path):

@@ -11,14 +11,13 @@ the step, with the engine's own parts passed in:
 - `PagedKV`: qkv_prep norms and rotates q and k and writes k and v to their kv slots of the pool;
   attention reads the cache (paged_attention; in exact mode attention_exact_paged, whose
   reduction order is the trainer's varlen one, and qkv_prep with its stats, the variant the
-  trainer's qk_norm_rope runs). A family without q/k norm or with a q/k/v bias (model/family.py)
-  runs layer.rope_plain, the trainer's too, and writes k and v with kv_write.
+  trainer's qk_norm_rope runs); a family without q/k norm passes q_w = k_w = None (rope alone), one
+  with q/k/v biases (Qwen2) passes them in, both to the same kernels (model/family.py).
 - the schedule (`schedule`): in exact mode (the model's `exact`, read at every step; ops/exact.py)
   the trainer's kernels with the batch-invariant GEMM, so the engine's sampled-token logprob
   (taken by the trainer's head kernel, `sample_rows`) is the trainer's bit for bit; in the default
   mode cuBLAS, the residual updated in place; and for a default-mode step of <= 256 tokens with
-  ops/decode_linear.py's CONFIGS["enabled"] (and a family with q/k norm and no bias, until
-  decode_qkv takes the others), `Fused`: the same steps, but a norm and the GEMM after
+  ops/decode_linear.py's CONFIGS["enabled"], `Fused`: the same steps, but a norm and the GEMM after
   it are deferred to the step that consumes them, which then runs one kernel for all three (the
   input norm, the QKV GEMM and qkv_prep in ops/decode_qkv.py; the post norm, gate_up and SwiGLU in
   one decode_linear), and the residual adds go into o's and down's epilogues: five launches a
@@ -39,7 +38,6 @@ from rlcu.ops.attention_exact import attention_exact_paged
 from rlcu.ops.decode_linear import decode_linear, fused_for
 from rlcu.ops.decode_qkv import decode_qkv
 from rlcu.ops.embedding import embedding_fwd
-from rlcu.ops.kv_cache import kv_write
 from rlcu.ops.logprob import token_logprob
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.paged_attention import decode_work, paged_attention
@@ -67,8 +65,7 @@ def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_
 
 def schedule(model: Qwen3, N: int):
     """The kernels a step of N tokens runs its layers' steps with (see the module docstring)."""
-    fam = model.cfg.fam
-    if not model.exact and fused_for(N) and fam.qk_norm and not fam.qkv_bias:
+    if not model.exact and fused_for(N):
         return FUSED
     return layer.Kernels(model.exact, in_place=True)
 
@@ -94,16 +91,13 @@ class PagedKV:
 
     def place(self, i: int, qkv, q_w, k_w, pos, bias=None):
         c, (kc, vc) = self.cfg, self.caches[i]
-        if q_w is None or bias is not None:  # no q/k norm, or a bias: rope alone, as the trainer's
-            q, k, v = layer.rope_plain(c, qkv, pos, self.inv_freq, self.mscale, bias)
-            kv_write(k, v, kc, vc, self.slots)
-            return q, None, None, None, None
         args = (pos, self.slots, kc, vc, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         if isinstance(qkv, Projected):  # the input norm, the GEMM and qkv_prep in one kernel
-            q = decode_qkv(qkv.x, qkv.w, qkv.norm_w, qkv.eps, q_w, k_w, *args, self.inv_freq, mscale=self.mscale)
+            q = decode_qkv(qkv.x, qkv.w, qkv.norm_w, qkv.eps, q_w, k_w, *args, self.inv_freq, mscale=self.mscale,
+                           bias=bias)
         else:  # exact mode asks for the stats: the variant the trainer's qk_norm_rope runs
             q = qkv_prep(qkv, q_w, k_w, *args, c.rms_norm_eps, self.inv_freq, self.exact, exact=self.exact,
-                         mscale=self.mscale)
+                         mscale=self.mscale, bias=bias)
             q = q[0] if self.exact else q
         return q, None, None, None, None
 

@@ -45,7 +45,7 @@ from rlcu.ops.attention_exact import attention_exact_varlen
 from rlcu.ops.matmul_invariant import mm as mm_invariant
 from rlcu.ops.qkv_prep import qk_norm_rope
 from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
-from rlcu.ops.rope import rope_bwd, rope_fwd
+from rlcu.ops.rope import rope_bwd
 from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
 
 KEEP = ("none", "inputs", "attention", "all")
@@ -88,28 +88,14 @@ class Packed:
 
     def place(self, i: int, qkv, q_w, k_w, pos, bias=None):
         c = self.cfg
-        if q_w is None or bias is not None:
-            return (*rope_plain(c, qkv, pos, self.inv_freq, self.mscale, bias), None, None)
         return qk_norm_rope(qkv, q_w, k_w, pos, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                            c.rms_norm_eps, self.inv_freq, exact=self.model_exact, mscale=self.mscale)
+                            c.rms_norm_eps, self.inv_freq, exact=self.model_exact, mscale=self.mscale, bias=bias)
 
     def attend(self, i: int, q, k, v):
         if self.saved is not None:
             return self.saved
         attend = attention_exact_varlen if self.exact else attention_fwd
         return attend(q, k, v, self.cu, self.max_seqlen, self.cfg.head_dim**-0.5)
-
-
-def rope_plain(c, qkv, pos, inv_freq, mscale: float = 1.0, bias=None):
-    """The families without q/k norm (Llama, Mistral, Qwen2): qkv (+ bias) -> (q [N, Hq, D], k, v
-    [N, Hk, D]), q and k rotated, by rope's kernel; the trainer and the engine both run it, so
-    their rows agree bit for bit."""
-    N, qs, ks = qkv.shape[0], c.q_size, c.kv_size
-    if bias is not None:
-        qkv = qkv + bias
-    q = rope_fwd(qkv[:, :qs].reshape(N, c.num_attention_heads, c.head_dim), pos, inv_freq, mscale)
-    k = rope_fwd(qkv[:, qs:qs + ks].reshape(N, c.num_key_value_heads, c.head_dim), pos, inv_freq, mscale)
-    return q, k, qkv[:, qs + ks:].reshape(N, c.num_key_value_heads, c.head_dim).contiguous()
 
 
 def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: str = "none"):
