@@ -1,8 +1,9 @@
 """Exact mode through the Triton kernels (the batch-invariant GEMM, the exact attention over
 packed and paged K/V, the head kernel with per-row temperatures): on the CPU under
 TRITON_INTERPRET=1 at tiny shapes, natively on a GPU. The engine's sampled-token logprobs
-(chunked prefill mixed with decode, n = 2 forks) equal Qwen3.forward's bit for bit, and a
-request generated alone gives the same tokens and bits as in the batch.
+(chunked prefill mixed with decode, n = 2 forks) equal the model's forward bit for bit, for Qwen3,
+Qwen2 (q/k/v bias) and Llama 3.1 (no q/k norm, llama3 rope), and a request generated alone gives
+the same tokens and bits as in the batch.
 
 Under the interpreter tl.dot is numpy's matmul, which gives a row other bits at another row of
 the tile; the kernels then take the dot as an ordered sum (matmul_invariant.dot_invariant), so
@@ -27,9 +28,16 @@ SHAPE = {"vocab_size": 67, "hidden_size": 32, "intermediate_size": 48, "num_hidd
          "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16}
 
 
-def test_engine_on_exact_kernels_equals_forward(monkeypatch):
+FAMILIES = {"qwen3": {}, "qwen2": {"family": "qwen2"},  # Qwen2: q/k/v bias, no q/k norm
+            "llama3.1": {"family": "llama", "rope": {"type": "llama3", "theta": 10000.0, "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 16}}}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_on_exact_kernels_equals_forward(monkeypatch, family):
     monkeypatch.setenv("RLCU_BACKEND", "triton")
-    m = tiny_model("cuda" if torch.cuda.is_available() else "cpu", exact=True, **SHAPE)
+    m = tiny_model("cuda" if torch.cuda.is_available() else "cpu", exact=True, **SHAPE, **FAMILIES[family])
     prompts = [[5, 17, 3, 9, 11], list(range(20, 33))]
     sp = SamplingParams(n=2, temperature=0.8, max_tokens=3, ignore_eos=True, seed=3, logprobs=True)
 
