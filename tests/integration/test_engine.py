@@ -195,7 +195,7 @@ class WordTok:
 
     eos_token_id = None
 
-    def encode(self, text):
+    def encode(self, text, add_special_tokens=False):
         return [int(w) for w in text.split()]
 
     def decode(self, ids, skip_special_tokens=True):

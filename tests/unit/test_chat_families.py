@@ -283,3 +283,21 @@ def test_prompt_ids_are_the_templates(family):
         ref = hf.apply_chat_template(chat, tokenize=True, return_dict=False, add_generation_prompt=True)
         assert encode_prompt(ours, chat) == ref
         assert rollout.encode_prompt(ours, chat)[0] == ref
+
+
+def test_text_prompt_takes_the_bos_as_vllm_encodes_it(family):
+    """LLM.generate("text") encodes a text prompt as vLLM does (tokenizer(text): the post-processor's
+    special tokens, Llama 3's <|begin_of_text|> and Mistral's <s>; Qwen2.5's adds none), so a base model
+    sees the BOS it was trained with; the ids equal transformers' tokenizer(text)."""
+    from rlcu.engine.llm import LLM
+
+    name, folder, ours, hf = family
+    engine = SimpleNamespace(tokenizer=ours, model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=len(ours))),
+                             max_model_len=4096)
+    text = "What is 12 + 30?"
+    want = hf(text)["input_ids"]
+    for prompt in (text, {"prompt": text}):
+        ids, problem = LLM._resolve(engine, 0, prompt)
+        assert problem is None and ids == want, (name, ids, want)
+    if name.startswith(("llama", "mistral")):
+        assert ids[0] == ours.token_to_id("<|begin_of_text|>" if name.startswith("llama") else "<s>")

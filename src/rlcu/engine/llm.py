@@ -124,10 +124,11 @@ class LLM:
     async_scheduling: launch step t+1 before reading back step t's tokens, so that the host's
     scheduling overlaps the device's work (outputs are identical; a sequence that samples a
     stop token costs one wasted row in the next step).
-    tokenizer: an object with encode/decode/apply_chat_template/eos_token_id; default: loaded
-    from the model's folder the first time a prompt is text (or a chat). warmup: at
-    construction, compile the kernels of every step kind and capture every decode graph the
-    engine can replay (engine/warmup.py), so that the first generate does neither; None (the
+    tokenizer: an object with encode(text, add_special_tokens=)/decode/apply_chat_template/
+    eos_token_id (rlcu's Tokenizer, or transformers'); default: loaded from the model's folder
+    the first time a prompt is text (or a chat). warmup: at construction, compile the kernels
+    of every step kind and capture every decode graph the engine can replay (engine/warmup.py),
+    so that the first generate does neither; None (the
     default): on CUDA only. `startup` reports the construction's seconds and the warm-up's.
     prefill_graphs: run prefill and mixed steps by CUDA graphs too (engine/prefill_graphs.py;
     with graphs on): their host launch is ~20 ms a step, longer than a 0.6B step's kernels;
@@ -260,13 +261,16 @@ class LLM:
     # ------------------------------------------------------------------ submission
     def _resolve(self, i: int, p) -> tuple[list[int] | None, str | None]:
         """A prompt -> (token ids, None) or (None, the problem)."""
+        # a text prompt is encoded as vLLM encodes it: with the tokenizer's special tokens (the BOS
+        # of Llama's and Mistral's post-processors; Qwen's adds none); chat() renders the template,
+        # which writes its own BOS, and adds none
         if isinstance(p, str):
-            ids = self.tokenizer.encode(p)
+            ids = self.tokenizer.encode(p, add_special_tokens=True)
         elif isinstance(p, dict):
             if "prompt_token_ids" in p:
                 ids = p["prompt_token_ids"]
             elif isinstance(p.get("prompt"), str):
-                ids = self.tokenizer.encode(p["prompt"])
+                ids = self.tokenizer.encode(p["prompt"], add_special_tokens=True)
             else:
                 return None, "a dict prompt needs 'prompt_token_ids' (a list of ints) or 'prompt' (a str)"
         elif isinstance(p, (list, tuple)):
