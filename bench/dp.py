@@ -98,7 +98,7 @@ def _peak_GiB() -> float:
 def _train_step(a, cfg) -> dict:
     """The SFT-style step on this rank's share of the global batch (--batch x --seqlen)."""
     from rlcu.config import OptimConfig
-    from rlcu.model.qwen3 import Qwen3
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.parallel.comm import all_sum, world
     from rlcu.parallel.zero import make_optimizer
 
@@ -148,7 +148,7 @@ def _check_one_process(a, cfg, flat: torch.Tensor, per_mb: int) -> float:
     """||w_N - w_1|| / ||w_1 - w_0||: rank 0 replays the steps on the whole batch with FlatAdamW
     (no collectives) and compares its weights with the N-rank run's (the same on every rank)."""
     from rlcu.config import OptimConfig
-    from rlcu.model.qwen3 import Qwen3
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.optim import FlatAdamW
     from rlcu.parallel.comm import all_max, world
 
@@ -177,7 +177,7 @@ def _check_one_process(a, cfg, flat: torch.Tensor, per_mb: int) -> float:
 def _grpo_step(a, cfg) -> dict:
     from bench.grpo import _prompts, _word_tokenizer, hash_reward
     from rlcu.config import GRPOConfig, _build
-    from rlcu.model.qwen3 import Qwen3
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.train.grpo import GRPOTrainer
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

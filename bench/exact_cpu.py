@@ -27,7 +27,7 @@ MODELS = {
     "demo": None,  # rlcu.config.MODEL
 }
 PROFILED = ("matmul_invariant.py:mm_ref", "exact.py:tree_sum", "attention_exact.py:attention_exact_paged_ref",
-            "paged_attention.py:paged_attention_ref", "llm.py:generate", "qwen3.py:forward_backward")
+            "paged_attention.py:paged_attention_ref", "llm.py:generate", "causal_lm.py:forward_backward")
 
 
 def trainer(model: dict, exact: bool, steps: int):

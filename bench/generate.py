@@ -49,8 +49,8 @@ MATMUL_PEAK = 790e12  # bf16 dense, measured on the H200 (BENCHMARKS.md section 
 
 def random_model(cfg, device, seed=0):
     """Random bf16 weights straight on the device: N(0, 0.02) matrices, unit norms."""
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.model.layout import ParamLayout
-    from rlcu.model.qwen3 import Qwen3
 
     layout = ParamLayout(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)

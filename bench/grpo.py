@@ -138,7 +138,7 @@ def _buffer_arithmetic(tr, kv_blocks: int, block: int) -> dict:
 def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tokens: int,
                memory_mode: str = "default", exact: bool = False) -> dict:
     from rlcu.config import GRPOConfig, _build
-    from rlcu.model.qwen3 import Qwen3
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.train.grpo import GRPOTrainer
 
     cuda = torch.cuda.is_available()

@@ -90,8 +90,8 @@ def _logs(out: Path):
 def sft(task, seed: int, d: Path, device: str, dtype: torch.dtype) -> dict:
     """The demo's SFT warm-up (rlcu) from seeded random weights; saves d/sft_model."""
     from rlcu.config import SFTConfig, _build
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.model.config import Qwen3Config
-    from rlcu.model.qwen3 import Qwen3
     from rlcu.train.sft import SFTTrainer
 
     t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def grpo_rlcu(task, seed: int, mode: str, steps: int, d: Path, device: str, dtyp
               engine_eval: bool = True) -> dict:
     """rlcu's GRPO in `mode` from d/sft_model; saves d/<mode>_model. engine_eval: also the held-out
     greedy accuracy by rlcu's own engine before and after (a cross-check of the shared evaluator)."""
-    from rlcu.model.qwen3 import Qwen3
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.train.demo import accuracy
     from rlcu.train.grpo import GRPOTrainer
 

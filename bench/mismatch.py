@@ -82,7 +82,7 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (a smoke test)")
     a = ap.parse_args()
-    from rlcu.model.qwen3 import Qwen3
+    from rlcu.model.causal_lm import Qwen3
 
     cuda = torch.cuda.is_available()
     cfg = _model_cfg(a.tiny)

@@ -87,8 +87,8 @@ def base_checkpoint(a) -> Path:
     as RL runs start from a pretrained checkpoint."""
     import torch
 
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.model.config import Qwen3Config
-    from rlcu.model.qwen3 import Qwen3
 
     key = tuple(sorted(tiny_model(a).items())) + (a.cpu,)
     if key not in _BASES:

@@ -10,8 +10,8 @@ Llama 3.x and Mistral families (docs/models.md).
 
 __version__ = "0.1.0"
 
+from rlcu.model.causal_lm import CausalLM, Qwen3  # noqa: E402,F401
 from rlcu.model.config import CausalLMConfig, Qwen3Config  # noqa: E402,F401
-from rlcu.model.qwen3 import CausalLM, Qwen3  # noqa: E402,F401
 
 from_pretrained = CausalLM.from_pretrained  # the family from config.json's architectures
 

@@ -174,8 +174,8 @@ def test_two_models_each_in_its_own_mode(model, exact, monkeypatch):
     GEMM in every forward of the exact one, never in the default one's) and gets its mode's
     bits, with nothing process-wide to switch between them."""
     import rlcu.engine.paged_forward as pf
+    import rlcu.model.causal_lm as q3
     import rlcu.model.layer as layer
-    import rlcu.model.qwen3 as q3
     import rlcu.ops.logprob as lpm
 
     assert exact.exact and not model.exact and torch.equal(exact.flat, model.flat)

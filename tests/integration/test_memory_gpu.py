@@ -31,8 +31,8 @@ from rlcu.config import OptimConfig
 from rlcu.engine import LLM, SamplingParams
 from rlcu.memory import GiB, job_memory
 from rlcu.memory.fit import step_kv_blocks
+from rlcu.model.causal_lm import Qwen3
 from rlcu.model.config import Qwen3Config
-from rlcu.model.qwen3 import Qwen3
 from rlcu.optim import FlatAdamW
 from rlcu.train import sizing
 

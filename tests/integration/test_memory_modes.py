@@ -241,8 +241,8 @@ def test_example_configs_document_the_fields():
 
 # ---------------------------------------------------------------- the gradient buffer
 def _tiny_model(dtype=F32, device="cpu"):
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.model.config import Qwen3Config
-    from rlcu.model.qwen3 import Qwen3
 
     cfg = Qwen3Config(vocab_size=67, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,

@@ -58,7 +58,7 @@ def test_running_moments():
 
 
 def test_critic_matches_hf_autograd(tmp_path):
-    from rlcu.model.qwen3 import Qwen3
+    from rlcu.model.causal_lm import Qwen3
 
     hf, folder = make_hf_model(tmp_path, tied=False)
     pol = Qwen3.from_pretrained(folder)

@@ -214,8 +214,8 @@ def test_jobs_start_from_one_base_checkpoint_or_their_own_random_weights(tmp_pat
 
     import yaml
 
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.model.config import Qwen3Config
-    from rlcu.model.qwen3 import Qwen3
 
     a = types.SimpleNamespace(hidden=64, layers=2, new_tokens=8, cpu=True, init="checkpoint", steps=1, prompts=2,
                               group=2)

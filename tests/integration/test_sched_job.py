@@ -226,8 +226,8 @@ def test_resumable_generate_matches_generate():
     """The engine loop with yields every few steps (generate's yield_check / on_yield, what a
     scheduled job's hooks pass) makes the tokens of a plain generate."""
     from rlcu.engine import LLM, SamplingParams
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.model.config import Qwen3Config
-    from rlcu.model.qwen3 import Qwen3
 
     cfg = config("x")["model"]["tiny"]
     model = Qwen3.from_config(Qwen3Config(**cfg), device="cpu", dtype=torch.float32, seed=3)

@@ -7,9 +7,9 @@ import torch
 
 from bench.decode_step import NoAttention, hot
 from rlcu.engine.paged_forward import final, logits, schedule
+from rlcu.model.causal_lm import Qwen3
 from rlcu.model.config import Qwen3Config
 from rlcu.model.layer import layer_fwd
-from rlcu.model.qwen3 import Qwen3
 
 
 def _rest(m, kv, ids, pos, slots):

@@ -37,8 +37,8 @@ def tiny_model_and_tokenizer(device=None, seed: int = 0):
     import torch
 
     from rlcu.data.tokenizer import make_word_tokenizer
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.model.config import Qwen3Config
-    from rlcu.model.qwen3 import Qwen3
 
     tok = make_word_tokenizer(_TINY_WORDS, _TINY_SPECIALS, chat_template=_TINY_TEMPLATE)
     cfg = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

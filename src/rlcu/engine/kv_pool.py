@@ -21,8 +21,8 @@ from rlcu.engine.graphs import context_bucket
 from rlcu.engine.prefill_graphs import kept_output_rows
 from rlcu.memory import EngineShape, JobShape, parts
 from rlcu.memory.fit import kv_blocks_within
+from rlcu.model.causal_lm import Qwen3
 from rlcu.model.config import Qwen3Config
-from rlcu.model.qwen3 import Qwen3
 
 CPU_KV_BYTES = 1 << 30  # the largest default KV pool on the CPU (gpu_memory_utilization does not apply there)
 

@@ -50,7 +50,7 @@ from rlcu.engine.model_runner import ModelRunner
 from rlcu.engine.params import RequestOutput, SamplingParams
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.step_loop import StepLoop
-from rlcu.model.qwen3 import Qwen3
+from rlcu.model.causal_lm import Qwen3
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}

@@ -32,7 +32,7 @@ from rlcu.engine.decode_state import DecodeState
 from rlcu.engine.graphs import DecodeGraphs
 from rlcu.engine.prefill_graphs import PrefillGraphs
 from rlcu.engine.scheduler import ScheduledBatch
-from rlcu.model.qwen3 import Qwen3
+from rlcu.model.causal_lm import Qwen3
 from rlcu.ops.paged_attention import prefill_tiles
 
 

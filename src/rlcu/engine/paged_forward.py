@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from rlcu.model import layer
-from rlcu.model.qwen3 import Qwen3
+from rlcu.model.causal_lm import Qwen3
 from rlcu.ops.attention_exact import attention_exact_paged
 from rlcu.ops.decode_linear import decode_linear, fused_for
 from rlcu.ops.decode_qkv import decode_qkv

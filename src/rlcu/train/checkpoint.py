@@ -43,8 +43,8 @@ from rlcu.config import ConfigError
 from rlcu.errors import no_space
 from rlcu.hub import model_folder
 from rlcu.model import io
+from rlcu.model.causal_lm import Qwen3
 from rlcu.model.config import Qwen3Config
-from rlcu.model.qwen3 import Qwen3
 from rlcu.parallel.ckpt import load_optimizer, sharded_save
 
 _STEP_RE = re.compile(r"^step-(\d+)$")

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlcu.model.causal_lm import Qwen3
 from rlcu.model.config import Qwen3Config
 from rlcu.model.layout import ALIGN, ParamLayout
-from rlcu.model.qwen3 import Qwen3
 
 HEAD_FILE = "value_head.safetensors"
 

@@ -118,8 +118,8 @@ def run(cfg: DemoConfig) -> dict:
 
         apply(cfg.threads or 1)  # (and the inter-op pool to one: rlcu runs no inter-op work)
     from rlcu.data import synthetic as syn
+    from rlcu.model.causal_lm import Qwen3
     from rlcu.model.config import Qwen3Config
-    from rlcu.model.qwen3 import Qwen3
     from rlcu.ops._backend import backend_name
     from rlcu.train.grpo import GRPOTrainer
     from rlcu.train.sft import SFTTrainer

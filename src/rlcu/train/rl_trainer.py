@@ -35,7 +35,7 @@ import torch
 from rlcu.config import RLConfig
 from rlcu.data.prompt_check import checked_prompts, prompt_limit
 from rlcu.engine import LLM
-from rlcu.model.qwen3 import Qwen3
+from rlcu.model.causal_lm import Qwen3
 from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
 from rlcu.parallel import batch as dp
 from rlcu.parallel.comm import world
