@@ -16,7 +16,7 @@ LAYERS = [
     ("base", {"files", "threads", "hub", "config_hints", "errors"}),
     ("ops", {"ops"}),
     ("model", {"model"}),
-    ("data, rewards", {"data", "rewards"}),
+    ("data, rewards, tools", {"data", "rewards", "tools"}),
     ("config", {"config"}),
     ("optim", {"optim"}),  # the flat AdamW the trainers and the ZeRO optimizer share
     ("memory", {"memory"}),

@@ -16,7 +16,9 @@ inputs it never sees). It repeats `PreTrainedTokenizerBase.apply_chat_template`:
   reasoning_content / thinking / reasoning is offered as both `reasoning_content` (what Qwen3
   reads) and `thinking`;
 - a tokenizer may carry several templates (a dict name -> template): "default", or "tool_use"
-  when tools are given, unless the caller names one (`select_template`).
+  when tools are given, unless the caller names one (`select_template`);
+- tools are JSON-schema dicts or Python functions, which become the schema transformers'
+  `get_json_schema` makes (rlcu.tools.schema).
 
 Errors are `ChatTemplateError`s naming the template line.
 """
@@ -36,6 +38,8 @@ import jinja2.ext
 import jinja2.nodes
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from rlcu.tools.schema import as_tool
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # transformers' apply_chat_template options that rlcu does not implement; refused rather than
@@ -185,7 +189,7 @@ def select_template(templates: str | dict[str, str] | None, chat_template: str |
 
 
 def render_chat(templates: str | dict[str, str] | None, messages, add_generation_prompt: bool = False,
-                tools: list[dict] | None = None, *, documents: list[dict] | None = None,
+                tools: list | None = None, *, documents: list[dict] | None = None,
                 chat_template: str | None = None, variables: Mapping | None = None) -> str | list[str]:
     """Render `messages` (a list of {"role", "content", ...} dicts, or a list of such lists for a
     batch, which gives a list of texts) with the template `select_template` picks; `variables`
@@ -195,9 +199,7 @@ def render_chat(templates: str | dict[str, str] | None, messages, add_generation
                             chat_template=chat_template, variables=variables) for m in messages]
     if len(messages) == 0:
         raise ValueError("cannot apply a chat template to an empty conversation")
-    for t in tools or []:
-        if not isinstance(t, Mapping):
-            raise TypeError(f"tools must be JSON-schema dicts, got {type(t).__name__}")
+    tools = None if tools is None else [as_tool(t) for t in tools]
     for d in documents or []:
         if not isinstance(d, Mapping):
             raise TypeError(f"documents must be dicts with 'title' and 'text', got {type(d).__name__}")
