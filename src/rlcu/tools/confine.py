@@ -38,9 +38,13 @@ class ConfineError(OSError):
     """A step of confining the child failed before exec (the call's message names it)."""
 
 
+# resolved in the parent at import: dlopen between fork and exec may deadlock on a lock that
+# another thread of the parent (a pool running tool calls) held at the fork
+_LIBC_UNSHARE = ctypes.CDLL(None, use_errno=True).unshare
+
+
 def _unshare(flags: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(ctypes.c_int(flags)) != 0:
+    if _LIBC_UNSHARE(ctypes.c_int(flags)) != 0:
         err = ctypes.get_errno()
         raise ConfineError(err, f"unshare({flags:#x}): {os.strerror(err)}")
 

@@ -8,7 +8,7 @@ environment (no variable of the caller's: no tokens, no PYTHON*), under the limi
 (its own process group, RLIMIT_CPU / AS / FSIZE / NPROC / NOFILE, no core dumps, no network,
 an unprivileged uid of its own when the caller is root). The parent reads at most
 `output_bytes` of each stream and discards the rest, and kills the whole process group (and,
-as root, every process of the run's uid) at the wall limit or when the main process ends.
+with a uid of its own, every process of that uid) at the wall limit or when the main process ends.
 
 Without a network namespace (network_mode() == "audit"), an audit hook refuses sockets, name
 lookups, new programs (exec, spawn, system) and ctypes' dlopen in the child: that stops
