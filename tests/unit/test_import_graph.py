@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # lowest first; a module may import its own layer and the layers below it
 LAYERS = [
-    ("base", {"files", "threads", "hub", "config_hints", "errors"}),
+    ("base", {"files", "threads", "hub", "config_hints", "errors", "timed"}),
     ("ops", {"ops"}),
     ("model", {"model"}),
     ("data, rewards, tools", {"data", "rewards", "tools"}),

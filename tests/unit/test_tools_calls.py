@@ -158,3 +158,23 @@ def test_call_tool_result_error_and_timeout():
     release.set()
     assert time.monotonic() - t0 < 5
     assert isinstance(err, ToolCallError) and err.message == "tool slow timed out after 0.2 s"
+
+
+def test_tools_past_their_time_do_not_hold_up_later_calls():
+    """Abandoned calls (a thread cannot be killed) hold no shared worker: after more hung tools than
+    a pool would have workers, a quick tool still answers at once (a fixed pool of 8 timed it out)."""
+    release = threading.Event()
+
+    def hang() -> str:
+        release.wait(30)
+        return "late"
+
+    try:
+        for _ in range(10):
+            out = call_tool(hang, ToolCall("hang", {}, ""), timeout_s=0.05)
+            assert isinstance(out, ToolCallError) and "timed out" in out.message
+        t0 = time.monotonic()
+        assert call_tool(lambda: "ok", ToolCall("quick", {}, ""), timeout_s=1.0) == "ok"
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        release.set()

@@ -29,13 +29,10 @@ import threading
 from collections.abc import Callable
 
 from rlcu.rewards.call import CallPlan, describe, invoke
+from rlcu.timed import CallTimeout, call_with_timeout
 
 WORKERS = ("main", "thread", "process")
 _STARTUP_S = 300.0  # a worker's imports (torch, the user's module) may be slow on a busy host
-
-
-class CallTimeout(Exception):
-    """The call did not return within the time limit."""
 
 
 class RemoteError(Exception):
@@ -55,22 +52,8 @@ class InlineRunner:
 
 class ThreadRunner(InlineRunner):
     def call(self, batch: dict, const: dict, timeout: float | None):
-        box: dict = {}
-
-        def run():
-            try:
-                box["out"] = invoke(self.fn, self.plan, batch, const)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box["err"] = e
-
-        t = threading.Thread(target=run, name=f"reward:{getattr(self.fn, '__name__', 'fn')}", daemon=True)
-        t.start()
-        t.join(timeout)
-        if t.is_alive():
-            raise CallTimeout(f"timed out after {timeout:g} s (reward_timeout_s); its thread is abandoned")
-        if "err" in box:
-            raise box["err"]
-        return box["out"]
+        return call_with_timeout(lambda: invoke(self.fn, self.plan, batch, const), timeout,
+                                 f"reward:{getattr(self.fn, '__name__', 'fn')}", "reward_timeout_s")
 
 
 class CallInterrupt(BaseException):

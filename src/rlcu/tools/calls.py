@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcu.timed import CallTimeout, call_with_timeout
 from rlcu.tools.schema import as_tool
 
 FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
@@ -178,30 +176,17 @@ def parse_tool_calls(text: str, family: str, tools: list | None = None) -> Parse
 
 # ----------------------------------------------------------------------------- running a call
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rlcu-tool")
-        return _POOL
-
 
 def call_tool(fn: Callable, call: ToolCall | ToolCallError, timeout_s: float = 10.0) -> str | ToolCallError:
-    """Run `fn(**call.arguments)` in a worker thread; its result as text (a str as it is, anything
-    else as JSON), or a ToolCallError for a malformed call, an exception or a run past `timeout_s`.
-    A thread cannot be killed: a tool past its time keeps its worker until it returns, so a tool
-    that may hang for good belongs in a subprocess sandbox."""
+    """Run `fn(**call.arguments)` in a thread of its own (rlcu.timed); its result as text (a str as
+    it is, anything else as JSON), or a ToolCallError for a malformed call, an exception or a run
+    past `timeout_s`. A tool past its time is abandoned (a thread cannot be killed), so a tool that
+    may hang for good belongs in a subprocess sandbox."""
     if isinstance(call, ToolCallError):
         return call
-    future = _pool().submit(fn, **call.arguments)
     try:
-        out = future.result(timeout=timeout_s)
-    except FutureTimeout:
-        future.cancel()
+        out = call_with_timeout(lambda: fn(**call.arguments), timeout_s, f"tool:{call.name}")
+    except CallTimeout:
         return ToolCallError(f"tool {call.name} timed out after {timeout_s:g} s", call.raw, call.name)
     except Exception as e:
         return ToolCallError(f"tool {call.name} failed: {type(e).__name__}: {e}", call.raw, call.name)
