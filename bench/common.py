@@ -137,6 +137,20 @@ SHAPES = {  # published shapes, by name: Qwen3's (0.6B: Qwen3Config's defaults),
                        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
                        bos_token_id=151643, eos_token_id=151643),
 }
+
+
+def shape_name(shape: str) -> str:
+    """A SHAPES key as the published model's name: '8b' -> 'Qwen3-8B', 'llama3.1-8b' -> 'Llama-3.1-8B'."""
+    if shape in ("0.6b", "4b", "8b"):
+        return f"Qwen3-{shape.upper()}"
+    fam, size = shape.rsplit("-", 1)
+    named = {"llama": "Llama-", "qwen": "Qwen"}
+    for k, v in named.items():
+        if fam.startswith(k):
+            return f"{v}{fam[len(k):]}-{size.upper()}"
+    return shape
+
+
 # the optimizer's precisions: default (fp32 master, m, v and gradients) and the bf16 memory mode
 MEMORY_MODES = {"default": dict(master_weights=True, state_dtype="float32"),
                 "bf16": dict(master_weights=False, state_dtype="bfloat16", grad_dtype="bfloat16")}

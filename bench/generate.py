@@ -147,6 +147,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a short smoke run (2 layers, few requests)")
     p.add_argument("--no-hf", action="store_true", help="skip HF transformers generate")
+    p.add_argument("--protocol-only", action="store_true", help="the protocol case alone (no fixed cases)")
     p.add_argument("--requests", type=int, default=256)
     p.add_argument("--bandwidth", type=float, default=4.3e12, help="copy bandwidth ceiling, bytes/s")
     p.add_argument("--measure", action="store_true", help="measure the copy bandwidth ceiling in this run")
@@ -195,6 +196,8 @@ def main(argv=None) -> int:
     else:
         cfg = qwen3_06b_config(**SHAPES[args.shape])
         n_req, lo, hi, fixed = args.requests, 100, 1024, [(64, 128, 256), (256, 128, 256)]
+    if args.protocol_only:
+        fixed = []
     m = random_model(cfg, dev)
     weight_bytes = m.num_params() * 2
     llm = LLM(m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

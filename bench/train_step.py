@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import MEMORY_MODES, SHAPES, hf_model, replay_ms, write_json  # noqa: E402
+from bench.common import MEMORY_MODES, SHAPES, hf_model, replay_ms, shape_name, write_json  # noqa: E402
 
 PEAK_FLOPS = 989e12
 
@@ -224,7 +224,7 @@ def main():
         return main_graph(args)
     t0 = time.time()
     res = {"protocol": f"{args.batch} x {args.seqlen} tokens, next-token loss on all tokens, AdamW step, "
-                       f"Qwen3-{args.shape.upper()} shape, random bf16 weights, rlcu's optimizer in the "
+                       f"{shape_name(args.shape)} shape, random bf16 weights, rlcu's optimizer in the "
                        f"{args.memory_mode} memory mode; median of timed steps after warm-up; each side in its "
                        "own process", "shape": args.shape, "memory_mode": args.memory_mode}
     for side in args.sides.split(","):
