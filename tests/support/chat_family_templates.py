@@ -1,7 +1,7 @@
 """Chat templates written here in the shape Llama 3.1 / 3.2, Mistral v0.3 and Qwen2.5 publish them, with
 the features they use: bos_token in the template, date_string / strftime_now, tools in the first user
 message or the system prompt, raise_exception on role alternation and tool calls, single tool calls,
-<tool_call> / <tool_response>. They keep the published line shapes, some longer than ruff's limit."""
+<tool_call> / <tool_response>; and a Qwen3-flavoured ChatML of our own (QWEN3_LIKE). They keep the published line shapes, some longer than ruff's limit."""
 # ruff: noqa: E501
 
 # Llama 3.1 / 3.3 shape: bos_token first, a system header with the knowledge cut-off and date_string
@@ -274,3 +274,69 @@ QWEN25 = """{%- if tools %}
 {%- endif %}
 """
 
+# Our own Qwen3-flavoured ChatML template: tools rendered with tojson, a namespace scan of the
+# messages in reverse, reasoning kept only after the last user query, tool calls and grouped tool
+# responses, raise_exception on unknown roles, loopcontrols, enable_thinking, and un-dashed block
+# tags on their own lines so that trim_blocks / lstrip_blocks matter.
+QWEN3_LIKE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '\\n</tools><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query=messages|length - 1, seen_user=false) %}
+{%- for message in messages[::-1] %}
+    {%- if ns.seen_user %}{% break %}{% endif %}
+    {%- if message.role == 'user' and message.content is string and not message.content.startswith('<tool_response>') %}
+        {%- set ns.last_query = (messages|length - 1) - loop.index0 %}
+        {%- set ns.seen_user = true %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}{% continue %}{% endif %}
+    {%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}
+        {{- raise_exception('unknown role: ' + message.role) }}
+    {%- endif %}
+    {%- if message.role == 'user' or message.role == 'system' %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set content = message.content if message.content is string else '' %}
+        {%- set reasoning = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {{- '<|im_start|>assistant\\n' }}
+        {%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
+            {{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}
+        {%- endif %}
+        {{- content }}
+        {%- for call in message.tool_calls | default([]) %}
+            {%- set fn = call.function if call.function is defined else call %}
+            {{- '\\n<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
+            {%- if fn.arguments is string %}{{- fn.arguments }}{% else %}{{- fn.arguments | tojson }}{% endif %}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{% endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{% endif %}
+    {%- endif %}
+{%- endfor %}
+{% if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' -}}
+    {% if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' -}}
+    {% endif %}
+{% endif %}
+"""

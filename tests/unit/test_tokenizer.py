@@ -6,6 +6,7 @@ import json
 from datetime import datetime
 
 import pytest
+from support.chat_family_templates import QWEN3_LIKE as QWEN_LIKE
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -20,72 +21,6 @@ CORPUS = [
     "Ünïcödé text, emoji 🙂 and tabs\tand\nnewlines.",
 ]
 
-# Our own Qwen3-flavoured ChatML template: tools rendered with tojson, a namespace scan of the
-# messages in reverse, reasoning kept only after the last user query, tool calls and grouped tool
-# responses, raise_exception on unknown roles, loopcontrols, enable_thinking, and un-dashed block
-# tags on their own lines so that trim_blocks / lstrip_blocks matter.
-QWEN_LIKE = """{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\\n\\n' }}
-    {%- endif %}
-    {{- '# Tools\\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\\n' + tool | tojson }}
-    {%- endfor %}
-    {{- '\\n</tools><|im_end|>\\n' }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- set ns = namespace(last_query=messages|length - 1, seen_user=false) %}
-{%- for message in messages[::-1] %}
-    {%- if ns.seen_user %}{% break %}{% endif %}
-    {%- if message.role == 'user' and message.content is string and not message.content.startswith('<tool_response>') %}
-        {%- set ns.last_query = (messages|length - 1) - loop.index0 %}
-        {%- set ns.seen_user = true %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if message.role == 'system' and loop.first %}{% continue %}{% endif %}
-    {%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}
-        {{- raise_exception('unknown role: ' + message.role) }}
-    {%- endif %}
-    {%- if message.role == 'user' or message.role == 'system' %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == 'assistant' %}
-        {%- set content = message.content if message.content is string else '' %}
-        {%- set reasoning = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning = message.reasoning_content %}
-        {%- elif '</think>' in content %}
-            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
-            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-        {%- endif %}
-        {{- '<|im_start|>assistant\\n' }}
-        {%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
-            {{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' }}
-        {%- endif %}
-        {{- content }}
-        {%- for call in message.tool_calls | default([]) %}
-            {%- set fn = call.function if call.function is defined else call %}
-            {{- '\\n<tool_call>\\n{"name": "' + fn.name + '", "arguments": ' }}
-            {%- if fn.arguments is string %}{{- fn.arguments }}{% else %}{{- fn.arguments | tojson }}{% endif %}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{% endif %}
-        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{% endif %}
-    {%- endif %}
-{%- endfor %}
-{% if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' -}}
-    {% if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' -}}
-    {% endif %}
-{% endif %}
-"""
 
 # Jinja features whose exact output matters: tojson options and its (lack of) HTML escaping,
 # special-token variables, trailing-newline and block whitespace handling, strftime_now, None keys.

@@ -1,4 +1,5 @@
-"""Reward functions by name: a built-in (`math`, `format`) or 'module.path:function'.
+"""Reward functions by name: a built-in (`math`, `format`) or 'module.path:function' (tools and
+environment classes are found the same way, `load_object`).
 
 A user's module is found as users expect without PYTHONPATH: beside the config file
 (`add_import_dir`, which the CLI calls with the config's folder) and in the working
@@ -61,22 +62,30 @@ def load_reward(spec: str) -> Callable:
         return BUILTIN[spec]
     if ":" not in spec:
         raise ValueError(f"reward {spec!r}: expected a built-in ({', '.join(BUILTIN)}) or 'module.path:function'")
+    return load_object(spec, "reward")
+
+
+def load_object(spec: str, what: str, want_callable: bool = True):
+    """'module.path:attr' -> the object (rewards, tools, environment classes), found as the
+    module docstring says; errors are ValueErrors that start with `what` and the spec."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"{what} {spec!r}: expected 'module.path:name'")
     mod_name, fn_name = spec.split(":", 1)
     _make_findable(mod_name)
     try:
         mod = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
         if e.name and mod_name.startswith(e.name):
-            raise ValueError(f"reward {spec!r}: cannot import module {mod_name!r}: {e} (looked in "
+            raise ValueError(f"{what} {spec!r}: cannot import module {mod_name!r}: {e} (looked in "
                              f"{_where_looked()})") from None
-        raise ValueError(f"reward {spec!r}: cannot import module {mod_name!r}: {describe(e)}") from None
+        raise ValueError(f"{what} {spec!r}: cannot import module {mod_name!r}: {describe(e)}") from None
     except Exception as e:  # noqa: BLE001 - a syntax error or an exception in the user's module
-        raise ValueError(f"reward {spec!r}: importing module {mod_name!r} raised {describe(e)}") from None
+        raise ValueError(f"{what} {spec!r}: importing module {mod_name!r} raised {describe(e)}") from None
     obj = mod
     for part in fn_name.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"reward {spec!r}: module {mod_name!r} has no attribute {fn_name!r}")
+            raise ValueError(f"{what} {spec!r}: module {mod_name!r} has no attribute {fn_name!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"reward {spec!r}: {fn_name!r} is not callable")
+    if want_callable and not callable(obj):
+        raise ValueError(f"{what} {spec!r}: {fn_name!r} is not callable")
     return obj

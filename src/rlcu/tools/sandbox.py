@@ -206,3 +206,12 @@ def _collect(proc: subprocess.Popen, lim: SandboxLimits, uid: int | None,
     def text(f) -> tuple[str, bool]:
         return bufs[f].decode("utf-8", errors="replace"), truncated[f]
     return text(proc.stdout), text(proc.stderr), wall_hit
+
+
+def python(code: str) -> str:
+    """Run a Python program in a sandbox (no network, limited time and memory) and return what it printed.
+
+    Args:
+        code: A complete Python program; print the values you want to see.
+    """
+    return run_python(code).text()
