@@ -37,6 +37,7 @@ from rlcu import files
 from rlcu.model import io, layer
 from rlcu.model.config import CausalLMConfig, layer_keeps
 from rlcu.model.layout import ParamLayout
+from rlcu.model.lora_run import LoraRun
 from rlcu.model.rope import inv_freq, mscale
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
@@ -78,6 +79,7 @@ class CausalLM:
         self.source: Path | None = None
         self._ctx: dict | None = None  # the LM head's saved tensors
         self._trunk_ctx: dict | None = None  # the trunk's
+        self.lora = None  # model/lora.py LoraAdapters (attach): applied in every forward, the base frozen
 
     # ---------------------------------------------------------------- construction / I/O
     @property
@@ -154,7 +156,14 @@ class CausalLM:
         return sum(v.numel() for v in self.params.values())
 
     # ---------------------------------------------------------------- gradients
+    @property
+    def trains_base(self) -> bool:
+        """False with adapters attached: the base is frozen (no gradient buffer, no weight gradients)."""
+        return self.lora is None
+
     def _ensure_grads(self):
+        if self.lora is not None:
+            return self.lora.ensure_grads()
         if self.grad_sink is not None:
             self._g = self.grad_sink.grads
             return
@@ -166,6 +175,8 @@ class CausalLM:
     def zero_grad(self) -> None:
         if self.grad_sink is not None:
             return self.grad_sink.zero_grad()
+        if self.lora is not None:
+            return self.lora.zero_grad()
         self._ensure_grads()
         self.grad_flat.zero_()
 
@@ -173,6 +184,8 @@ class CausalLM:
         """Free the gradient buffer and its views (between RL steps, so that the rollout
         phase does not hold it); the next zero_grad or backward allocates a zeroed one."""
         self.grad_flat, self._g, self.grads = None, {}, {}
+        if self.lora is not None:
+            self.lora.release_grads()
         if self.grad_sink is not None:
             self.grad_sink.release()
 
@@ -215,17 +228,21 @@ class CausalLM:
 
     # ---------------------------------------------------------------- one layer
     def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, keep: str = "none", attn=None,
-                   exact: bool | None = None):
+                   exact: bool | None = None, lora_seed: int | None = None):
         """Decoder layer i (model/layer.py) over packed sequences -> (y, what `keep` keeps). `attn` =
         (o, lse) saved by a selective-checkpointing forward skips the attention kernel when the layer
         is recomputed. exact: the batch-invariant GEMMs and attention (None: the model's mode); the
-        backward's recompute passes False. The norms and SwiGLU follow the model's mode either way."""
+        backward's recompute passes False. The norms and SwiGLU follow the model's mode either way.
+        lora_seed: the adapters' dropout seed of a training forward (None: no dropout)."""
         ex = self.exact if exact is None else exact
         return layer.layer_fwd(self, i, x, pos, layer.Packed(self, cu, max_seqlen, ex, attn),
-                               layer.Kernels(self.exact, ex), keep)
+                               layer.Kernels(self.exact, ex), keep, lora=self._lora_run(ex, lora_seed))
+
+    def _lora_run(self, exact: bool, seed: int | None):
+        return None if self.lora is None else LoraRun(self.lora, exact, seed)
 
     # ---------------------------------------------------------------- trunk
-    def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str | tuple[str, ...], pos=None):
+    def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str | tuple[str, ...], pos=None, lora_seed=None):
         """Embedding + layers. keep, one for all layers or one per layer: 'none' | 'inputs'
         (checkpointed) | 'attention' (layer input + attention output and lse) | 'all' (every
         activation). pos: the tokens' positions, or None to derive them from cu_seqlens."""
@@ -236,7 +253,7 @@ class CausalLM:
         x = embedding_fwd(tokens, self.w["embed"])
         saved = []
         for i in range(L):
-            x, kept = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen, keeps[i])
+            x, kept = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen, keeps[i], lora_seed=lora_seed)
             if kept is not None:
                 saved.append(kept)
         return x, pos, saved
@@ -277,10 +294,11 @@ class CausalLM:
         a padded budget, are allowed: attention gives those rows zeros) and max_seqlen >= the
         longest sequence; pos [N] int32, when given, are the tokens' positions."""
         keep = self._keep_mode() if grad else "none"
-        x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep, pos)
+        seed = self.lora.next_seed() if grad and self.lora is not None and self.lora.cfg.dropout else None
+        x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep, pos, seed)
         h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps, exact=self.exact)
         self._trunk_ctx = (dict(tokens=tokens, cu=cu_seqlens, max_seqlen=max_seqlen, pos=pos, saved=saved,
-                                x=x, rstd=rstd) if grad else None)
+                                x=x, rstd=rstd, lora_seed=seed) if grad else None)
         return h
 
     def hidden_backward(self, dh: torch.Tensor) -> None:
@@ -292,18 +310,22 @@ class CausalLM:
         self._ensure_grads()
         c, g = self.cfg, self._g
         dx, dw = rmsnorm_bwd(dh, s["x"], self.w["final_norm"], s["rstd"])
-        g["final_norm"] += dw
+        if self.trains_base:
+            g["final_norm"] += dw
         self._grads_done("final_norm")
-        pos, cu, ms = s["pos"], s["cu"], s["max_seqlen"]
+        pos, cu, ms, seed = s["pos"], s["cu"], s["max_seqlen"], s["lora_seed"]
+        lora = self._lora_run(False, seed)
         for i in reversed(range(c.num_hidden_layers)):
             acts = s["saved"][i]
             if "h1" not in acts:  # checkpointed: recompute the layer from its input, in the
                 # default mode's kernels even in exact mode: a gradient needs no batch invariance
-                _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, "all", attn=acts.get("attn"), exact=False)
+                _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, "all", attn=acts.get("attn"), exact=False,
+                                          lora_seed=seed)
             s["saved"][i] = None
-            dx = layer.layer_bwd(self, i, dx, acts, pos, cu, ms)
+            dx = layer.layer_bwd(self, i, dx, acts, pos, cu, ms, lora)
             self._grads_done(i)
-        embedding_bwd(dx, s["tokens"], g["embed"])
+        if self.trains_base:
+            embedding_bwd(dx, s["tokens"], g["embed"])
         self._grads_done("embed")
 
     def head_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor):
@@ -322,7 +344,9 @@ class CausalLM:
                for v in (lp_r, ent_r) if v is not None]
         return tuple(out) if ent_r is not None else out[0]
 
-    def _head_grad(self) -> torch.Tensor:
+    def _head_grad(self) -> torch.Tensor | None:
+        if not self.trains_base:
+            return None
         return self._g["embed"] if self.cfg.tie_word_embeddings else self._g["lm_head"]
 
     def _rows_backward(self, N: int, rows: torch.Tensor, dhs: torch.Tensor) -> None:

@@ -25,6 +25,12 @@ What differs between runners is passed in, never written again:
   `swiglu(gu) -> a`.
 - `keep`, what the forward keeps for the backward (the trainer's checkpointing mode; the engine
   keeps nothing).
+- `lora`, the adapters (None: none): after each adapted linear (module 'qkv', 'o', 'gate_up' or
+  'down') `apply(i, module, x, y)` adds the adapter's product on the linear's input x to its output
+  y in place (before the q/k norm reads qkv; after the residual joins o's and down's output, which
+  is the same sum). The trainer's is model/lora_run.py `LoraRun`; the engine passes its own (the
+  grouped kernels of a batch of adapters). With adapters the base is frozen: `layer_bwd` takes no
+  weight gradient of it and adds the adapter's share (`lora.backward`) to each input gradient.
 So exact mode's engine and trainer run this one function with the batch-invariant kernels, and
 their agreement holds by construction: the only pieces that differ are the attention over packed
 K/V vs over the cache, whose kernels share their reduction order (ops/attention_exact.py), and
@@ -98,7 +104,7 @@ class Packed:
         return attend(q, k, v, self.cu, self.max_seqlen, self.cfg.head_dim**-0.5)
 
 
-def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: str = "none"):
+def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: str = "none", lora=None):
     """Layer i of `model` (its cfg and weight views w) on the residual stream x [N, hidden] at
     positions pos [N] -> (y [N, hidden], kept): kept is None ('none'), {x} ('inputs': checkpointed),
     {x, attn: (o, lse)} ('attention') or every activation `layer_bwd` reads ('all')."""
@@ -106,13 +112,21 @@ def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: 
     N, eps = x.shape[0], c.rms_norm_eps
     h1, r1 = ops.norm(x, w[p + "input_norm"], eps)
     qkv = ops.linear(h1, w[p + "qkv"])  # [N, (Hq + 2 Hk) D]
+    if lora is not None:
+        lora.apply(i, "qkv", h1, qkv)
     q, k, v, rq, rk = kv.place(i, qkv, w.get(p + "q_norm"), w.get(p + "k_norm"), pos, w.get(p + "qkv_bias"))
     o, lse = kv.attend(i, q, k, v)
     x2 = ops.linear(o.view(N, c.q_size), w[p + "o"], x)
+    if lora is not None:
+        lora.apply(i, "o", o.view(N, c.q_size), x2)
     h2, r2 = ops.norm(x2, w[p + "post_norm"], eps)
     gu = ops.linear(h2, w[p + "gate_up"])  # [N, 2I]
+    if lora is not None:
+        lora.apply(i, "gate_up", h2, gu)
     a = ops.swiglu(gu)
     y = ops.linear(a, w[p + "down"], x2)
+    if lora is not None:
+        lora.apply(i, "down", a, y)
     if keep == "none":
         return y, None
     if keep == "inputs":
@@ -130,36 +144,50 @@ def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: 
                    x2=x2, h2=h2, r2=r2, gu=gu, a=a)
 
 
-def layer_bwd(model, i: int, dy: torch.Tensor, s: dict, pos, cu, max_seqlen: int) -> torch.Tensor:
-    """dy [N, hidden] -> dx, the layer's weight gradients accumulated into model._g; s: the
-    activations of `layer_fwd(keep="all")` over packed tokens (cu, max_seqlen)."""
-    c, w, g = model.cfg, model.w, model._g
-    p = f"layers.{i}."
+def _wgrad(g: dict | None, name: str, dy: torch.Tensor, x: torch.Tensor) -> None:
+    if g is not None:  # None: a frozen base (adapters train)
+        acc_wgrad(g[name], dy, x)
+
+
+def _lora_dx(lora, i: int, module: str, x, dy, dx):
+    return dx if lora is None else lora.backward(i, module, x, dy, dx)
+
+
+def layer_bwd(model, i: int, dy: torch.Tensor, s: dict, pos, cu, max_seqlen: int, lora=None) -> torch.Tensor:
+    """dy [N, hidden] -> dx, the layer's weight gradients accumulated into model._g (none where the
+    base is frozen: `model.trains_base` false), the adapters' into theirs (`lora`, as in
+    layer_fwd); s: the activations of `layer_fwd(keep="all")` over packed tokens (cu, max_seqlen)."""
+    c, w, p = model.cfg, model.w, f"layers.{i}."
+    g = model._g if model.trains_base else None
     N, Hq, Hk, D = dy.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     # MLP: y = x2 + swiglu(h2 Wgu^T) Wd^T
-    acc_wgrad(g[p + "down"], dy, s["a"])
-    da = dy @ w[p + "down"]
+    _wgrad(g, p + "down", dy, s["a"])
+    da = _lora_dx(lora, i, "down", s["a"], dy, dy @ w[p + "down"])
     dgu = swiglu_bwd(da, s["gu"])
-    acc_wgrad(g[p + "gate_up"], dgu, s["h2"])
-    dh2 = dgu @ w[p + "gate_up"]
+    _wgrad(g, p + "gate_up", dgu, s["h2"])
+    dh2 = _lora_dx(lora, i, "gate_up", s["h2"], dgu, dgu @ w[p + "gate_up"])
     dx2, dw = rmsnorm_bwd(dh2, s["x2"], w[p + "post_norm"], s["r2"], dy)  # + dy: the residual
-    g[p + "post_norm"] += dw
+    if g is not None:
+        g[p + "post_norm"] += dw
     # attention: x2 = x + attn(rope(norm(q)), rope(norm(k)), v) Wo^T
-    acc_wgrad(g[p + "o"], dx2, s["o"].view(N, c.q_size))
-    do = (dx2 @ w[p + "o"]).view(N, Hq, D)
+    o = s["o"].view(N, c.q_size)
+    _wgrad(g, p + "o", dx2, o)
+    do = _lora_dx(lora, i, "o", o, dx2, dx2 @ w[p + "o"]).view(N, Hq, D)
     dq, dk, dv = attention_bwd(do, s["q"], s["k"], s["v"], s["o"], s["lse"], cu, max_seqlen, D**-0.5)
     dq0 = rope_bwd(dq, pos, model.inv_freq, model.rope_mscale).reshape(N * Hq, D)
     dk0 = rope_bwd(dk, pos, model.inv_freq, model.rope_mscale).reshape(N * Hk, D)
     if c.fam.qk_norm:
-        dq0, dw = rmsnorm_bwd(dq0, s["q0"].reshape(N * Hq, D), w[p + "q_norm"], s["rq"])
-        g[p + "q_norm"] += dw
-        dk0, dw = rmsnorm_bwd(dk0, s["k0"].reshape(N * Hk, D), w[p + "k_norm"], s["rk"])
-        g[p + "k_norm"] += dw
+        dq0, dwq = rmsnorm_bwd(dq0, s["q0"].reshape(N * Hq, D), w[p + "q_norm"], s["rq"])
+        dk0, dwk = rmsnorm_bwd(dk0, s["k0"].reshape(N * Hk, D), w[p + "k_norm"], s["rk"])
+        if g is not None:
+            g[p + "q_norm"] += dwq
+            g[p + "k_norm"] += dwk
     dqkv = torch.cat([dq0.view(N, c.q_size), dk0.view(N, c.kv_size), dv.reshape(N, c.kv_size)], 1)
-    if c.fam.qkv_bias:  # qkv = h1 Wqkv^T + b: db = the sum over tokens
+    if c.fam.qkv_bias and g is not None:  # qkv = h1 Wqkv^T + b: db = the sum over tokens
         g[p + "qkv_bias"] += dqkv.sum(0, dtype=torch.float32).to(g[p + "qkv_bias"].dtype)
-    acc_wgrad(g[p + "qkv"], dqkv, s["h1"])
-    dh1 = dqkv @ w[p + "qkv"]
+    _wgrad(g, p + "qkv", dqkv, s["h1"])
+    dh1 = _lora_dx(lora, i, "qkv", s["h1"], dqkv, dqkv @ w[p + "qkv"])
     dx, dw = rmsnorm_bwd(dh1, s["x"], w[p + "input_norm"], s["r1"], dx2)  # + dx2: the residual
-    g[p + "input_norm"] += dw
+    if g is not None:
+        g[p + "input_norm"] += dw
     return dx

@@ -1,0 +1,202 @@
+"""LoRA adapters beside the frozen flat base: their config, their flat layout and their buffers.
+
+An adapted linear computes y = x W^T + scale * (dropout(x) A^T) B^T with A [r, K] and B [n, r]
+(PEFT's LoRA: scale = alpha / r, or alpha / sqrt(r) with rslora). The base's q/k/v and gate/up
+are fused (model/layout.py), so an adapter is laid out per fused module: its targeted slices'
+A stacked [S r, K] (one shrink GEMM for all of them) and their B stacked [n_1 + ... + n_S, r];
+slice j's output columns (col0, col1) of the fused output take h[:, j r:(j+1) r] B_j^T. That is
+the grouped kernel's layout too (ops/lora.py: `a [n, R, K]`, `b [n, N, r]`, `slices`), so an
+engine stacks adapter sets of one config without reshaping them.
+
+Every A and B of every layer is a view into ONE flat buffer (`LoraAdapters.flat`, the model's
+dtype), with one flat gradient buffer of the same layout: the optimizer (optim.FlatAdamW takes
+any object with flat, grad_flat, grad_dtype and release_grads) keeps its fp32 master and
+moments over that buffer alone, and the base, frozen, has neither gradients nor optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from rlcu.model.config import CausalLMConfig
+from rlcu.model.layout import ALIGN, Slot
+
+# HF module name -> (rlcu's fused module, the slice of it), in HF's order
+HF_TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+              "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
+MODULES = ("qkv", "o", "gate_up", "down")  # the layer's linears, in its order
+INITS = ("default", "gaussian")  # PEFT's init_lora_weights true / "gaussian": B zero either way
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """r: the rank; alpha: scale = alpha / r (alpha / sqrt(r) with rslora); target_modules: HF
+    names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj) or 'all-linear' (all seven,
+    never the LM head: PEFT's meaning), kept as a tuple in HF's order; dropout: on the adapter's
+    input while training (never in the engine); init: 'default' (PEFT's: A kaiming-uniform with
+    a = sqrt(5), i.e. U(-1/sqrt(K), 1/sqrt(K)), B zero) or 'gaussian' (A normal, std 1/r, B zero);
+    seed: A's draw and the dropout masks'."""
+
+    r: int = 16
+    alpha: float = 32.0
+    rslora: bool = False
+    target_modules: tuple[str, ...] | str = "all-linear"
+    dropout: float = 0.0
+    init: str = "default"
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
+            raise ValueError(f"lora.r must be an integer >= 1, got {self.r!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be a number > 0, got {self.alpha!r}")
+        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.init not in INITS:
+            raise ValueError(f"lora.init must be one of {', '.join(INITS)}, got {self.init!r}")
+        t = self.target_modules
+        names = tuple(HF_TARGETS) if t == "all-linear" else (t,) if isinstance(t, str) else tuple(t or ())
+        bad = [n for n in names if n not in HF_TARGETS]
+        if bad or not names:
+            raise ValueError(f"lora.target_modules must be 'all-linear' or a list of {', '.join(HF_TARGETS)}; "
+                             f"got {t!r}" + (f" ({bad[0]!r} is not one)" if bad else ""))
+        object.__setattr__(self, "target_modules", tuple(n for n in HF_TARGETS if n in names))
+        object.__setattr__(self, "alpha", float(self.alpha))
+        object.__setattr__(self, "dropout", float(self.dropout))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.r) if self.rslora else self.r)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleSpec:
+    """One adapted fused module of one layer: K its input width, slices the (col0, col1) output
+    columns of each targeted slice, names their HF module names, A [S r, K] and B [sum n, r]
+    its slots; brows(j) is slice j's row range of B."""
+
+    module: str
+    K: int
+    slices: tuple[tuple[int, int], ...]
+    names: tuple[str, ...]
+    A: Slot
+    B: Slot
+
+    def brows(self, j: int) -> tuple[int, int]:
+        b0 = sum(c1 - c0 for c0, c1 in self.slices[:j])
+        return b0, b0 + self.slices[j][1] - self.slices[j][0]
+
+
+def module_slices(cfg: CausalLMConfig) -> dict[str, tuple[int, tuple[tuple[int, int], ...]]]:
+    """Each fused module -> (its input width K, the output columns of each of its slices)."""
+    H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {"qkv": (H, ((0, q), (q, q + kv), (q + kv, q + 2 * kv))), "o": (q, ((0, H),)),
+            "gate_up": (H, ((0, I), (I, 2 * I))), "down": (I, ((0, H),))}
+
+
+class LoraLayout:
+    """The flat layout of one adapter set: per layer, per adapted module, A then B, each slot at
+    a multiple of ALIGN elements (as the base's)."""
+
+    def __init__(self, model_cfg: CausalLMConfig, cfg: LoraConfig):
+        self.model_cfg, self.cfg = model_cfg, cfg
+        r, dims = cfg.r, module_slices(model_cfg)
+        self.specs: dict[tuple[int, str], ModuleSpec] = {}
+        off = 0
+        for i in range(model_cfg.num_hidden_layers):
+            for module in MODULES:
+                picked = [(n, j) for n, (m, j) in HF_TARGETS.items() if m == module and n in cfg.target_modules]
+                if not picked:
+                    continue
+                K, all_slices = dims[module]
+                slices = tuple(all_slices[j] for _, j in picked)
+                A = Slot(f"layers.{i}.{module}.A", (len(slices) * r, K), off)
+                off += -(-A.numel // ALIGN) * ALIGN
+                B = Slot(f"layers.{i}.{module}.B", (sum(c1 - c0 for c0, c1 in slices), r), off)
+                off += -(-B.numel // ALIGN) * ALIGN
+                self.specs[(i, module)] = ModuleSpec(module, K, slices, tuple(n for n, _ in picked), A, B)
+        self.numel = off
+
+    def spec(self, i: int, module: str) -> ModuleSpec | None:
+        return self.specs.get((i, module))
+
+    def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Slot name ('layers.3.qkv.A') -> view of `buf`."""
+        if buf.numel() != self.numel:
+            raise ValueError(f"adapter buffer has {buf.numel()} elements, this LoRA layout needs {self.numel}")
+        return {s.name: buf[s.offset : s.offset + s.numel].view(s.shape)
+                for sp in self.specs.values() for s in (sp.A, sp.B)}
+
+    def num_params(self) -> int:
+        return sum(s.numel for sp in self.specs.values() for s in (sp.A, sp.B))
+
+
+class LoraAdapters:
+    """One adapter set: its weights in one flat buffer (`flat`, the model's dtype; `w` its views)
+    and, once a backward needs it, a flat gradient buffer (`grad_flat`, fp32 or bf16 per
+    optim.grad_dtype; `g` its views). `attach` puts it on a model, whose base then stays frozen."""
+
+    def __init__(self, model_cfg: CausalLMConfig, cfg: LoraConfig, flat: torch.Tensor):
+        self.cfg = cfg
+        self.layout = LoraLayout(model_cfg, cfg)
+        self.flat = flat
+        self.w = self.layout.views(flat)
+        self.grad_flat: torch.Tensor | None = None
+        self.grad_dtype = torch.float32
+        self.g: dict[str, torch.Tensor] = {}
+        self._forwards = 0  # training forwards so far: each one's dropout masks have a seed of their own
+
+    @classmethod
+    def create(cls, model_cfg: CausalLMConfig, cfg: LoraConfig, device="cpu", dtype=torch.float32) -> LoraAdapters:
+        """PEFT's initialisation (cfg.init), drawn in fp32 on the CPU from cfg.seed (the same
+        adapter on any device), then cast: B zero, so the adapted model starts as the base."""
+        lay = LoraLayout(model_cfg, cfg)
+        flat = torch.zeros(lay.numel, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        for sp in lay.specs.values():
+            a = flat[sp.A.offset : sp.A.offset + sp.A.numel]
+            if cfg.init == "default":  # kaiming_uniform_(a=sqrt(5)): bound = sqrt(6 / (1 + 5) / fan_in)
+                a.uniform_(-1 / math.sqrt(sp.K), 1 / math.sqrt(sp.K), generator=gen)
+            else:
+                a.normal_(0.0, 1 / cfg.r, generator=gen)
+        return cls(model_cfg, cfg, flat.to(device=device, dtype=dtype))
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
+    def num_params(self) -> int:
+        return self.layout.num_params()
+
+    def attach(self, model) -> LoraAdapters:
+        """Adapt `model` (its forward, backward and engine read model.lora): the base is frozen
+        from now on, so its gradient buffer is released and none is allocated again."""
+        if self.layout.model_cfg != model.cfg:
+            raise ValueError("this adapter set was laid out for another model config (layers, widths)")
+        if self.flat.device != model.device or self.flat.dtype != model.dtype:
+            raise ValueError(f"the adapters are {self.flat.dtype} on {self.flat.device}, the model "
+                             f"{model.dtype} on {model.device}: make them with the model's dtype and device")
+        model.release_grads()
+        model.lora = self
+        return self
+
+    def next_seed(self) -> int:
+        """The dropout seed of the next training forward (cfg.seed, the forward's count)."""
+        self._forwards += 1
+        return (self.cfg.seed * 1_000_003 + self._forwards) % (1 << 62)
+
+    # ---------------------------------------------------------------- gradients (the optimizer's face)
+    def ensure_grads(self) -> None:
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.layout.numel, device=self.device, dtype=self.grad_dtype)
+            self.g = self.layout.views(self.grad_flat)
+
+    def zero_grad(self) -> None:
+        self.ensure_grads()
+        self.grad_flat.zero_()
+
+    def release_grads(self) -> None:
+        self.grad_flat, self.g = None, {}

@@ -1,0 +1,169 @@
+"""Adapters in PEFT's format both ways, and merged into the base.
+
+A PEFT LoRA folder is adapter_config.json + adapter_model.safetensors, one A and one B per HF
+module: `base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight` [r, K] and
+`...lora_B.weight` [n, r]. rlcu's fused modules (model/lora.py) stack the A of q, k and v (or gate
+and up) by rows and their B likewise, so each PEFT tensor is a row range of one slot: saving and
+loading copy row ranges, and `peft.PeftModel.from_pretrained` on the transformers model computes
+the logits rlcu does.
+
+Loading refuses, naming the field, what rlcu does not compute: DoRA, biases, modules_to_save,
+per-module ranks or alphas, a subset of layers, fan_in_fan_out, a regex target, targets beside
+the seven linears of a decoder layer (the LM head, the embedding), and LoRA variants that
+change the product (lora_bias, a target of parameters).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from rlcu.files import atomic_write
+from rlcu.model.config import CausalLMConfig
+from rlcu.model.lora import HF_TARGETS, LoraAdapters, LoraConfig, LoraLayout
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# fields whose values other than these change what the adapter computes
+_MUST_BE = (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False), ("lora_bias", False))
+_MUST_BE_EMPTY = ("modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern",
+                  "target_parameters", "exclude_modules", "trainable_token_indices")
+
+
+def peft_key(i: int, name: str, ab: str) -> str:
+    """PEFT's saved name of layer i's HF module `name`'s lora_A or lora_B ('A' | 'B')."""
+    return f"base_model.model.model.layers.{i}.{_PARENT[name]}.{name}.lora_{ab}.weight"
+
+
+def peft_tensors(ad: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """PEFT's module path -> (A [r, K], B [n, r]) views of the adapter's flat buffer."""
+    r, out = ad.cfg.r, {}
+    for (i, _), sp in ad.layout.specs.items():
+        A, B = ad.w[sp.A.name], ad.w[sp.B.name]
+        for j, name in enumerate(sp.names):
+            b0, b1 = sp.brows(j)
+            out[(i, name)] = (A[j * r : (j + 1) * r], B[b0:b1])
+    return out
+
+
+def save_adapter(ad: LoraAdapters, path, base_model: str | None = None, dtype: torch.dtype | None = None) -> None:
+    """Write `ad` as a PEFT LoRA folder (each file atomically; other files kept). base_model:
+    the config's base_model_name_or_path; dtype: the tensors' (default the adapter's)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    c = ad.cfg
+    tensors = {}
+    for (i, name), (A, B) in peft_tensors(ad).items():
+        for ab, t in (("A", A), ("B", B)):
+            tensors[peft_key(i, name, ab)] = (t.to(dtype) if dtype else t).detach().contiguous().cpu()
+    atomic_write(path / WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    alpha = int(c.alpha) if float(c.alpha).is_integer() else c.alpha
+    d = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": c.r,
+         "lora_alpha": alpha, "use_rslora": c.rslora, "target_modules": list(c.target_modules),
+         "lora_dropout": c.dropout, "bias": "none", "use_dora": False, "fan_in_fan_out": False,
+         "init_lora_weights": True if c.init == "default" else c.init, "modules_to_save": None,
+         "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "inference_mode": True}
+    text = json.dumps(d, indent=2)
+    atomic_write(path / CONFIG, lambda p: p.write_text(text))
+
+
+def read_adapter_config(path) -> LoraConfig:
+    """The LoraConfig of a PEFT folder's adapter_config.json, refusing what rlcu does not compute."""
+    f = Path(path) / CONFIG
+    if not f.is_file():
+        raise FileNotFoundError(f"{path}: no {CONFIG} (not a PEFT adapter folder)")
+    try:
+        d = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    if d.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{f}: peft_type {d.get('peft_type')!r} is not supported (only 'LORA')")
+    for k, ok in _MUST_BE:
+        if d.get(k, ok) not in (ok, None):
+            raise ValueError(f"{f}: {k} {d[k]!r} is not supported (only {ok!r})")
+    for k in _MUST_BE_EMPTY:
+        if d.get(k):
+            raise ValueError(f"{f}: {k} {d[k]!r} is not supported (rlcu adapts every layer's targets with one "
+                             f"r and alpha, and saves no other modules): it must be empty or null")
+    t = d.get("target_modules")
+    if isinstance(t, str) and t != "all-linear":
+        raise ValueError(f"{f}: target_modules {t!r} (a regular expression) is not supported; give a list of "
+                         f"{', '.join(HF_TARGETS)} or 'all-linear'")
+    bad = [n for n in (t or []) if n not in HF_TARGETS] if isinstance(t, list) else []
+    if bad:
+        raise ValueError(f"{f}: target_modules {bad[0]!r} is not supported; rlcu adapts {', '.join(HF_TARGETS)}")
+    init = d.get("init_lora_weights", True)
+    try:
+        return LoraConfig(r=d.get("r", 8), alpha=d.get("lora_alpha", 8), rslora=bool(d.get("use_rslora", False)),
+                          target_modules=t, dropout=d.get("lora_dropout", 0.0),
+                          init="gaussian" if init == "gaussian" else "default")
+    except ValueError as e:
+        raise ValueError(f"{f}: {e}") from None
+
+
+def load_adapter(path, model_cfg: CausalLMConfig, device="cpu", dtype=torch.float32) -> LoraAdapters:
+    """A PEFT LoRA folder -> LoraAdapters for a model of `model_cfg` (every tensor checked: name,
+    shape, finite)."""
+    path = Path(path)
+    cfg = read_adapter_config(path)
+    ad = LoraAdapters(model_cfg, cfg, torch.zeros(LoraLayout(model_cfg, cfg).numel))
+    f = path / WEIGHTS
+    if not f.is_file():
+        found = ("adapter_model.bin is pickled, not read: save it as safetensors"
+                 if (path / "adapter_model.bin").exists() else "no weights")
+        raise FileNotFoundError(f"{path}: no {WEIGHTS} ({found})")
+    want = {peft_key(i, n, ab): t for (i, n), AB in peft_tensors(ad).items() for ab, t in zip("AB", AB)}
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            have = set(st.keys())
+            extra, missing = sorted(have - set(want)), sorted(set(want) - have)
+            if extra or missing:
+                raise ValueError(f"{f}: " + (f"unexpected tensor(s) {', '.join(extra[:3])}" if extra else
+                                             f"missing tensor(s) {', '.join(missing[:3])}")
+                                 + f" for target_modules {list(cfg.target_modules)} over "
+                                 f"{model_cfg.num_hidden_layers} layers")
+            for k, v in want.items():
+                t = st.get_tensor(k)
+                if tuple(t.shape) != tuple(v.shape):
+                    raise ValueError(f"{f}: tensor {k} has shape {list(t.shape)}, r={cfg.r} and the base "
+                                     f"model imply {list(v.shape)}")
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(f"{f}: tensor {k} holds non-finite values; refusing to load it")
+                v.copy_(t)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{f}: not a valid safetensors file ({type(e).__name__}: {e})") from None
+    return LoraAdapters(model_cfg, cfg, ad.flat.to(device=device, dtype=dtype))
+
+
+def merge_into(model, ad: LoraAdapters | None = None) -> None:
+    """W += scale * B A for every adapted slice of `model`'s base (fp32 products, rounded once to
+    the weights' dtype), and detach the adapters (`ad`: model.lora when None), which would
+    otherwise count twice."""
+    ad = model.lora if ad is None else ad
+    if ad is None:
+        raise ValueError("merge_into: the model has no adapters attached and none were given")
+    s = ad.cfg.scale
+    for (i, module), sp in ad.layout.specs.items():
+        W, r = model.w[f"layers.{i}.{module}"], ad.cfg.r
+        A, B = ad.w[sp.A.name].float(), ad.w[sp.B.name].float()
+        for j, (c0, c1) in enumerate(sp.slices):
+            b0, b1 = sp.brows(j)
+            W[c0:c1] = (W[c0:c1].float() + s * (B[b0:b1] @ A[j * r : (j + 1) * r])).to(W.dtype)
+    if model.lora is ad:
+        model.lora = None
+
+
+def save_merged(model, path, dtype: torch.dtype | None = None) -> None:
+    """Write `model` with its attached adapters merged as a full HF folder (model/io.py's save,
+    the tokenizer files of its source folder along), leaving the model itself unmerged."""
+    if model.lora is None:
+        raise ValueError("save_merged: the model has no adapters attached")
+    merged = type(model)(model.cfg, model.flat.clone(), model.exact)
+    merged.source = model.source
+    merge_into(merged, model.lora)
+    merged.save_pretrained(path, dtype=dtype)

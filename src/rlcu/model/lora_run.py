@@ -1,0 +1,115 @@
+"""One adapter set applied in the layer (model/layer.py's `lora`) and differentiated by hand.
+
+After each adapted linear the layer calls `apply(i, module, x, y)`: y += scale * (drop(x) A^T) B^T,
+in place, slice by slice of the fused module (model/lora.py's layout). The engine passes its own
+object of the same protocol (the grouped multi-adapter kernels of ops/lora.py over a batch's
+per-sequence adapter index); this one is the trainer's, for one adapter set:
+- default mode: cuBLAS GEMMs;
+- exact mode: the grouped kernels (`lora_shrink`, `lora_expand`) with every row on adapter 0, the
+  launches the engine makes, so that the trainer's forward and the engine's agree bit for bit
+  (their batch invariance is the kernels'). Until ops/lora.py is on main, `_shrink_exact` and
+  `_expand_exact` below stand in for them with the batch-invariant GEMM (same signatures): the
+  switch is the one import marked SEAM.
+
+`backward(i, module, x, dy, dx)` is the adapter's share of the layer's backward, with h = drop(x) A^T
+recomputed (r columns a slice: cheaper than keeping it):
+    dB_j += dy_j^T (scale h_j)          dh_j = scale dy_j B_j
+    dA_j += dh_j^T drop_j(x)            dx += (dh_j A_j) * mask_j / (1 - p)
+(dy_j: the slice's output columns of dy). Dropout, in a training forward only, draws each slice's
+mask from (the forward's seed, layer, module, slice), as PEFT's separate q/k/v modules have
+masks of their own, so the recompute of a checkpointed layer and the backward see the same masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcu.model.lora import MODULES, LoraAdapters, ModuleSpec
+from rlcu.ops._matmul import acc_wgrad
+from rlcu.ops.matmul_invariant import mm as mm_invariant
+
+
+def _shrink_exact(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """ops/lora.py's `lora_shrink` for rows all on one adapter: x [T, K], a [1, R, K] -> h [T, R] fp32."""
+    return mm_invariant(x, a[0]).float()
+
+
+def _expand_exact(h, b, idx, y, scale, slices) -> None:
+    """ops/lora.py's `lora_expand` for rows all on one adapter: y[:, c0:c1] += scale * h_j b_j^T in place."""
+    r, b0 = h.shape[1] // len(slices), 0
+    for j, (c0, c1) in enumerate(slices):
+        d = mm_invariant(h[:, j * r : (j + 1) * r].to(y.dtype), b[0, b0 : b0 + c1 - c0])
+        y[:, c0:c1] += (scale[0] * d.float()).to(y.dtype)
+        b0 += c1 - c0
+
+
+lora_shrink, lora_expand = _shrink_exact, _expand_exact  # SEAM: from rlcu.ops.lora import lora_shrink, lora_expand
+
+
+class LoraRun:
+    """The trainer's adapter application for one forward (and its backward). exact: the grouped
+    kernels (the engine's launches); seed: the forward's dropout seed, None for no dropout (the
+    engine, logits, a forward without gradients)."""
+
+    def __init__(self, adapters: LoraAdapters, exact: bool = False, seed: int | None = None):
+        self.ad, self.exact, self.seed = adapters, exact, seed
+        self.p = adapters.cfg.dropout if seed is not None else 0.0
+        self.scale, self.r = adapters.cfg.scale, adapters.cfg.r
+
+    def _mask(self, x: torch.Tensor, i: int, module: str, j: int) -> torch.Tensor:
+        """Slice j's dropout multiplier (mask / (1 - p), in x's dtype), from the forward's seed."""
+        s = (self.seed * 7919 + i * 131 + MODULES.index(module) * 7 + j) % (1 << 62)
+        gen = torch.Generator(device=x.device).manual_seed(s)
+        keep = torch.rand(x.shape, generator=gen, device=x.device) >= self.p
+        return keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+
+    def _shrink(self, sp: ModuleSpec, i: int, x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+        """h = drop(x) A^T [N, S r] (each slice's own mask)."""
+        if not self.p:
+            return x @ A.t()
+        r = self.r
+        return torch.cat([(x * self._mask(x, i, sp.module, j)) @ A[j * r : (j + 1) * r].t()
+                          for j in range(len(sp.slices))], 1)
+
+    def apply(self, i: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [N, out] += the adapter's product for layer i's `module` on its input x [N, K]."""
+        sp = self.ad.layout.spec(i, module)
+        if sp is None:
+            return
+        A, B = self.ad.w[sp.A.name], self.ad.w[sp.B.name]
+        if self.exact and not self.p:  # dropout has no engine twin: it makes no exact forward
+            idx = torch.zeros(x.shape[0], device=x.device, dtype=torch.int32)
+            scale = torch.full((1,), self.scale, device=x.device, dtype=torch.float32)
+            lora_expand(lora_shrink(x, A[None], idx), B[None], idx, y, scale, sp.slices)
+            return
+        h, r = self._shrink(sp, i, x, A), self.r
+        for j, (c0, c1) in enumerate(sp.slices):
+            b0, b1 = sp.brows(j)
+            y[:, c0:c1].addmm_(h[:, j * r : (j + 1) * r], B[b0:b1].t(), alpha=self.scale)
+
+    def backward(self, i: int, module: str, x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+        """dA and dB of layer i's `module` += from its input x [N, K] and output gradient dy
+        [N, out]; dx [N, K], the input gradient through the base, gets the adapter's share in place."""
+        sp = self.ad.layout.spec(i, module)
+        if sp is None:
+            return dx
+        self.ad.ensure_grads()
+        A, B = self.ad.w[sp.A.name], self.ad.w[sp.B.name]
+        gA, gB = self.ad.g[sp.A.name], self.ad.g[sp.B.name]
+        r, s = self.r, self.scale
+        h = self._shrink(sp, i, x, A)  # [N, S r], the forward's
+        dh = []
+        for j, (c0, c1) in enumerate(sp.slices):
+            b0, b1 = sp.brows(j)
+            dyj = dy[:, c0:c1]
+            acc_wgrad(gB[b0:b1], dyj, h[:, j * r : (j + 1) * r] * s)
+            dh.append((dyj @ B[b0:b1]) * s)  # [N, r]
+        if not self.p:
+            dH = torch.cat(dh, 1) if len(dh) > 1 else dh[0]
+            acc_wgrad(gA, dH, x)
+            return dx.addmm_(dH, A)
+        for j, dhj in enumerate(dh):
+            m, Aj = self._mask(x, i, module, j), A[j * r : (j + 1) * r]
+            acc_wgrad(gA[j * r : (j + 1) * r], dhj, x * m)
+            dx.add_((dhj @ Aj) * m)
+        return dx
