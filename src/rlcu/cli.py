@@ -26,6 +26,7 @@ COMMANDS = {
     "sft": ("rlcu.train.cli", "supervised fine-tuning from a YAML config"),
     "grpo": ("rlcu.train.cli", "GRPO from a YAML config"),
     "ppo": ("rlcu.train.cli", "PPO (actor + critic) from a YAML config"),
+    "merge": ("rlcu.model.merge_cli", "merge a PEFT LoRA adapter into its base: a full HF folder"),
     "sched": ("rlcu.sched.cli", "phase-aware multi-job GPU scheduler: serve, submit, status, cancel, simulate"),
 }
 # commands that compute with a model, which a stale RLCU_EXACT would have switched to exact mode
