@@ -68,3 +68,21 @@ def test_gpu_code_pipelines_and_waits_under_pdl():
     assert any(e["wgmma"] for e in got)
     assert [e["griddepcontrol"] for e in got].count(True) == 1  # the one PDL launch waits
     assert [e["launch_dependents"] for e in got] == [e["griddepcontrol"] for e in got]  # and lets the next start
+
+
+def test_lora_expand_rounds_as_its_twin():
+    """ops/lora.py's expand multiplies by the adapter's scale with mul.rn and has no fp32 FMA, so
+    that ptxas never contracts the product with the add into y (the twin rounds both); its
+    prefill tiles use warpgroup MMAs, as shrink's do."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RLCU_BACKEND")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, str(ROOT / "tests/support/sm90_launches.py"), "lora"], capture_output=True,
+                       text=True, env=env, timeout=600)
+    if p.returncode == 3:
+        pytest.skip(p.stdout.strip())
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert not got["call_errors"], got["call_errors"]
+    expand = got["kernels"]["rlcu.ops.lora._expand_kernel"]
+    assert all(e["mul_rn"] and not e["fma_f32"] for e in expand), expand
+    assert any(e["wgmma"] for e in expand) and any(e["wgmma"] for e in got["kernels"]["rlcu.ops.lora._shrink_kernel"])

@@ -32,9 +32,9 @@ from bench.common import overriding  # noqa: E402
 bf = torch.bfloat16
 COMPILED: dict[str, list] = {}
 # PTX a variant's entry says whether it holds: pipelined async copies, warpgroup MMAs, grid
-# dependency control (programmatic dependent launch)
+# dependency control (programmatic dependent launch), an fp32 product exempt from contraction, fp32 FMAs
 MARKS = {"cp_async": "cp.async", "wgmma": "wgmma", "griddepcontrol": "griddepcontrol.wait",
-         "launch_dependents": "griddepcontrol.launch_dependents"}
+         "launch_dependents": "griddepcontrol.launch_dependents", "mul_rn": "mul.rn.f32", "fma_f32": "fma.rn.f32"}
 
 
 def resources(ptx: str) -> dict:
@@ -240,6 +240,21 @@ def calls():
         decode_qkv(x[:64], wq, w, 1e-6, hd, hd, pos[:64], slots[:64], kc, vc, Hq, Hk, D, freqs)
 
     yield "decode_qkv", heuristic_tiles(fused_qkv)
+
+    def lora():  # the grouped LoRA products at decode's and prefill's tiles (8B's qkv slices, r = 64)
+        from rlcu.ops.lora import lora_expand, lora_shrink
+
+        n, r, N = 8, 64, (Hq + 2 * Hk) * D
+        a, b = torch.randn(n, 3 * r, H).to(bf), torch.randn(n, N, r).to(bf)
+        sl = ((0, Hq * D), (Hq * D, (Hq + Hk) * D), ((Hq + Hk) * D, N))
+        for M in (1, 256, 1024):
+            idx = torch.zeros(M, dtype=torch.int32)
+            h = lora_shrink(torch.randn(M, H).to(bf), a, idx, idx)
+            lora_expand(h, b, idx, torch.randn(M, N).to(bf), torch.ones(n), sl, idx)
+        b8 = b[:, :, :8].contiguous()  # r = 8: a tail under the MMA's 16, one tiling for every T
+        lora_expand(h[:, :8].contiguous(), b8, idx, torch.randn(1024, N).to(bf), torch.ones(n))
+
+    yield "lora", lora
 
 
 def main() -> int:
