@@ -33,7 +33,7 @@ from rlcu.config.load import (
     parse_override,
     save_config,
 )
-from rlcu.config.rl import CriticConfig, GRPOConfig, PPOConfig, RLConfig
+from rlcu.config.rl import CriticConfig, GRPOConfig, MultiTurnConfig, PPOConfig, RLConfig
 from rlcu.config.sections import (
     CHECKPOINTING_MODES,
     GPU_MEMORY_UTILIZATION,
@@ -51,7 +51,7 @@ from rlcu.config.sft import SFTConfig
 __all__ = [
     "CHECKPOINTING_MODES", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig", "DemoConfig",
     "DemoTaskConfig", "EngineConfig", "GPU_MEMORY_UTILIZATION", "GRPOConfig", "LogConfig", "MODEL", "ModelConfig",
-    "OptimConfig", "PPOConfig", "RLConfig", "RunConfig", "SFTConfig", "Section", "UnknownOption", "check_device",
-    "command_config", "config_from_dict", "config_help", "config_to_dict", "default_text", "field_types",
-    "load_config", "opt", "parse_override", "save_config", "type_name"
+    "MultiTurnConfig", "OptimConfig", "PPOConfig", "RLConfig", "RunConfig", "SFTConfig", "Section", "UnknownOption",
+    "check_device", "command_config", "config_from_dict", "config_help", "config_to_dict", "default_text",
+    "field_types", "load_config", "opt", "parse_override", "save_config", "type_name"
 ]

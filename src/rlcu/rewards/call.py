@@ -7,7 +7,8 @@ written for TRL runs unchanged.
 - `prompts[i]`: the row's prompt as the data holds it (a string, or chat messages).
 - `completions[i]`: for a chat prompt, a list of one assistant message
   `[{"role": "assistant", "content": text}]` (TRL's conversational form); for a string
-  prompt, the text.
+  prompt, the text; for a multi-turn episode, every message after the prompt (assistant
+  turns with their `tool_calls`, `tool` results, the environment's `user` replies).
 - `completion_ids[i]`: the sampled token ids.
 - `trainer_state`: a TrainerState (`global_step`: steps done, `max_steps`, `epoch`).
 - `log_extra(column, values)` and `log_metric(name, value)`: as in TRL (the metrics are
@@ -45,8 +46,10 @@ class TrainerState:
 
 
 def as_completions(prompts: list, texts: list) -> list:
-    """TRL's form: one assistant message per completion of a chat prompt, else the text."""
-    return [[{"role": "assistant", "content": t}] if _is_chat(p) else t for p, t in zip(prompts, texts)]
+    """TRL's form: one assistant message per completion of a chat prompt, else the text; a
+    completion given as messages (an episode's turns, tool results among them) stays as it is."""
+    return [t if _is_chat(t) else [{"role": "assistant", "content": t}] if _is_chat(p) else t
+            for p, t in zip(prompts, texts)]
 
 
 def _is_chat(p) -> bool:

@@ -75,7 +75,7 @@ class Environment:
 
     def _add(self, name: str, schema: dict) -> None:
         if any(s["function"]["name"] == name for s in self.schemas):
-            raise EnvironmentSpecError(f"two tools are named {name!r}; tool names must be unique")
+            raise EnvironmentSpecError(f"tools: two tools are named {name!r}; tool names must be unique")
         self.schemas.append(schema)
 
     def has(self, method: str) -> bool:

@@ -41,10 +41,11 @@ from rlcu.parallel import batch as dp
 from rlcu.parallel.comm import world
 from rlcu.parallel.zero import make_optimizer
 from rlcu.rewards import RewardSet, TrainerState, reward_options
-from rlcu.train import losses, sizing
+from rlcu.train import episodes, losses, sizing
 from rlcu.train import rollout as ro
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean
+from rlcu.train.episodes import make_runner
 from rlcu.train.rows import EpochOrder, load_rows
 from rlcu.train.schedule import lr_at
 
@@ -98,7 +99,7 @@ class RLTrainer(Trainer):
     kind = "rl"
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
-                 hooks: Hooks | None = None):
+                 hooks: Hooks | None = None, environment=None, tools=None):
         super().__init__(config, hooks)
         cfg = self.cfg
         self.model = model if model is not None else build_model(cfg.model)
@@ -106,7 +107,9 @@ class RLTrainer(Trainer):
         self._model_given = model is not None
         self.device = self.model.device
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, "RL prompts")
-        self.rewards = RewardSet(_reward_specs(reward_fns, cfg.rewards), **reward_options(cfg))
+        specs = _reward_specs(reward_fns, cfg.rewards)
+        self.episodes = make_runner(cfg, self.tokenizer, self.model, environment, tools, bool(specs))  # None: 1 turn
+        self.rewards = RewardSet(specs, **reward_options(cfg)) if specs or self.episodes is None else None
         self.rows, self.eval_rows, self.n_filtered = self._load_data(dataset, eval_dataset)
         self.sampler = PromptSampler(self.rows, cfg.data.seed, cfg.data.shuffle)
         self.ref = self._make_ref() if self._needs_ref() else None
@@ -130,8 +133,8 @@ class RLTrainer(Trainer):
     def _load_data(self, dataset, eval_dataset):
         d = self.cfg.data
         # every prompt against the context (and max_prompt_tokens): dropped (logged by row) or an error now
-        limit = prompt_limit(self.model.cfg.max_position_embeddings, self.cfg.max_new_tokens, d.max_prompt_tokens,
-                             d.overlong_prompts)
+        limit = prompt_limit(self.model.cfg.max_position_embeddings, self.cfg.sequence_new_tokens(),
+                             d.max_prompt_tokens, d.overlong_prompts)
         self.prompt_reports = []  # the training prompts', then the held-out ones'
 
         def load(source, name, **where):
@@ -213,6 +216,12 @@ class RLTrainer(Trainer):
         c = self.cfg
         lo, hi = dp.rank_block(len(rows))  # this rank's prompts; every rank gets every sample back
         rows = rows[lo:hi]
+        if self.episodes is not None:
+            return dp.gather_samples(self.episodes.sample(
+                self.llm, rows, [ro.prompt_text_of(r, c.data.prompt_field) for r in rows], n=n,
+                temperature=c.temperature if temperature is None else temperature, top_p=c.top_p, top_k=c.top_k,
+                max_tokens=max_tokens or c.max_new_tokens, seed=seed, stop_token_ids=self.stop_ids,
+                ignore_eos=not c.stop_at_eos, group_offset=group_offset + lo, seed_offset=lo))
         enc = [self._encode(r) for r in rows]
         return dp.gather_samples(ro.sample(self.llm, [e[0] for e in enc], rows, n=n,
                          temperature=c.temperature if temperature is None else temperature,
@@ -232,20 +241,25 @@ class RLTrainer(Trainer):
     def score(self, samples: list[ro.Sample], per_function: bool = False) -> dict:
         """Fill sample.reward (nan = masked); returns reward metrics: `reward/NAME`, each
         function's mean, when there are several functions or `per_function`."""
-        pf = self.cfg.data.prompt_field
-        prompts = [s.row.get(pf) for s in samples]
-        comps = [s.completion_text for s in samples]
+        pf, ep = self.cfg.data.prompt_field, self.episodes is not None
+        prompts = [s.prompt_messages if ep else s.row.get(pf) for s in samples]
+        comps = [s.messages if ep else s.completion_text for s in samples]
         state = TrainerState(self.step, self.cfg.steps, self.sampler.pos / max(len(self.rows), 1))
-        rewards, breakdown, errors = self.rewards(prompts, comps, [s.row for s in samples], prompt_field=pf,
-                                                  completion_ids=[s.completion_ids for s in samples],
-                                                  trainer_state=state)
+        rewards, breakdown, errors = torch.zeros(len(samples)), {}, []
+        if self.rewards is not None:
+            rewards, breakdown, errors = self.rewards(prompts, comps, [s.row for s in samples], prompt_field=pf,
+                                                      completion_ids=[s.completion_ids for s in samples],
+                                                      trainer_state=state)
+        if ep:
+            rewards, breakdown = episodes.with_env_rewards(samples, rewards, breakdown)
         for s, r in zip(samples, rewards.tolist()):
             s.reward = r
         for e in errors[:3]:
             self._warn(e)  # names the function, the error and its first sample
         m = {f"reward/{k}": nanmean(v) for k, v in breakdown.items()} if per_function or len(breakdown) > 1 else {}
         m["errors/reward"] = len(errors)
-        m.update(self.rewards.last_metrics)
+        m.update(self.rewards.last_metrics if self.rewards is not None else {})
+        m.update(episodes.episode_metrics(samples))
         return m
 
     def _grad_holders(self) -> list:

@@ -31,6 +31,11 @@ class Sample:
     prompt_text: str = ""
     completion_text: str = ""
     reward: float = math.nan  # nan: masked (reward None or failed)
+    # an episode (rlcu.train.episodes): completion_ids are its model and environment tokens
+    model_mask: list[int] | None = None  # 1 on the model's tokens; None: all of them
+    messages: list[dict] | None = None  # the conversation after the prompt (TRL's completion messages)
+    prompt_messages: list[dict] | None = None  # its start (the prompt, or the environment's reset)
+    episode: dict | None = None  # turns, tool calls and errors, truncation, env reward (episodes.py)
 
     @property
     def truncated(self) -> bool:
@@ -171,7 +176,7 @@ def pack(samples: list[Sample], keep: torch.Tensor | None = None, device="cpu") 
         k = 1.0 if keep is None or bool(keep[i]) else 0.0
         toks += s.prompt_ids + s.completion_ids
         lps += [0.0] * P + [float(x) for x in s.logprobs]
-        msk += [0.0] * P + [k] * C
+        msk += [0.0] * P + ([k] * C if s.model_mask is None else [k * float(m) for m in s.model_mask])
         cu.append(cu[-1] + P + C)
         pl.append(P)
         cl.append(C)

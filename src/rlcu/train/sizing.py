@@ -39,7 +39,7 @@ def rl_kv_blocks(cfg, world_size: int, longest_prompt: int | None = None, eval_p
     """The RL trainer's default KV pool: one step's sequences (rlcu.memory.fit.step_kv_blocks);
     the longest prompt kept, else data.max_prompt_tokens, else DEFAULT_PROMPT_TOKENS."""
     longest = longest_prompt or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
-    return step_kv_blocks(longest, cfg.max_new_tokens, cfg.engine.block_size, rl_step_seqs(cfg, world_size,
+    return step_kv_blocks(longest, cfg.sequence_new_tokens(), cfg.engine.block_size, rl_step_seqs(cfg, world_size,
                                                                                              eval_prompts))
 
 

@@ -1,0 +1,152 @@
+"""Multi-turn rollouts: G episodes per prompt through the engine's `LLM.run_episodes`, each a
+`rlcu.tools.episode.EpisodeState` whose turn callback runs the tools (or the environment's step)
+and returns the environment's tokens, rendered by the chat template (rlcu.tools.render).
+
+An episode becomes a `Sample` whose completion is the engine's sampled tokens interleaved with the
+environment's, as ids end to end (never re-tokenised), with `model_mask` 1 on the model's tokens:
+`rollout.pack` gives the environment's tokens mask 0 (no loss) and logprob 0, and the trainer's
+forward runs over the whole trajectory. The environment's `reward(messages)` is taken after the
+episode (`episode["env_reward"]`); reward functions get the conversation as TRL passes it
+(`prompts`: the start messages, `completions`: every message after them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from rlcu.config import ConfigError
+from rlcu.engine import SamplingParams
+from rlcu.engine.params import sample_seed
+from rlcu.rewards.call import describe
+from rlcu.tools.environment import Environment
+from rlcu.tools.episode import EpisodeLimits, EpisodeState
+from rlcu.tools.render import TurnRenderer
+from rlcu.train.rollout import Sample, stop_ids
+
+
+def make_runner(cfg, tokenizer, model, environment=None, tools=None, reward_fns: bool = True) -> EpisodeRunner | None:
+    """The run's episodes from cfg.multi_turn, `environment` and `tools` (the trainer's Python
+    arguments) winning over its fields; None for single-turn completions. reward_fns: the run
+    has reward functions (else the environment must score the episodes)."""
+    mt = getattr(cfg, "multi_turn", None)
+    if mt is None:
+        if environment is not None or tools:
+            raise ConfigError("multi_turn", "episodes with an environment or tools are GRPO's (this trainer has none)")
+        return None
+    env = environment if environment is not None else mt.environment
+    tools = tools if tools is not None else mt.tools
+    if env is None and not tools:
+        return None
+    try:
+        spec = Environment(env, tools)
+    except ValueError as e:  # "environment ...: ..." or "tools[i] ...: ..."
+        raise ConfigError("", f"multi_turn.{e}") from None
+    if not reward_fns and not spec.has("reward"):
+        raise ConfigError("rewards", f"is empty, and the environment {getattr(spec.cls, '__name__', None)} has no "
+                                     f"reward(messages): give a reward function or an environment that scores")
+    limits = EpisodeLimits(mt.max_turns, mt.max_episode_tokens, mt.tool_timeout_s)
+    return EpisodeRunner(spec, tokenizer, model.cfg.family, limits, stop_ids=stop_ids(tokenizer, model),
+                         template_kwargs=cfg.data.chat_template_kwargs, max_workers=mt.tool_workers,
+                         context=model.cfg.max_position_embeddings)
+
+
+class EpisodeRunner:
+    """A run's episodes: the environment `spec`, the chat rendering (the tools' schemas go to the
+    template, as for the prompt), the model `family` (its tool-call format), the limits, and the
+    model's context (an episode never runs past it)."""
+
+    def __init__(self, spec: Environment, tokenizer, family: str, limits: EpisodeLimits, *, stop_ids=(),
+                 template_kwargs: dict | None = None, max_workers: int = 32, context: int | None = None):
+        self.spec, self.family, self.limits = spec, family, limits
+        self.renderer = TurnRenderer(tokenizer, spec.schemas or None, template_kwargs, stop_ids)
+        self.max_workers, self.context = max_workers, context
+
+    def start(self, row: dict, prompt) -> EpisodeState:
+        st = EpisodeState(self.spec.make(), self.renderer, self.family, row, prompt, self.limits)
+        if self.context is not None:  # the episode's room after its start, within the model's context
+            room = self.context - len(st.start_ids)
+            st.limits = dataclasses.replace(self.limits, max_tokens=min(self.limits.max_tokens or room, room))
+        return st
+
+    def sample(self, llm, rows: list[dict], prompts: list, *, n: int, temperature: float, top_p: float = 1.0,
+               top_k: int = -1, max_tokens: int, seed: int, stop_token_ids=(), ignore_eos: bool = False,
+               group_offset: int = 0, seed_offset: int = 0) -> list[Sample]:
+        """n episodes of each row (consecutive, grouped), as rollout.sample's completions are;
+        episode j of prompt g draws from sample_seed(prompt g's seed, j), the seed rollout.sample
+        gives sample j."""
+        if not hasattr(llm, "run_episodes"):
+            raise RuntimeError("multi_turn: this engine has no LLM.run_episodes (episodes need the engine of "
+                               "issue 36)")
+        states, sps = [], []
+        for g, (row, prompt) in enumerate(zip(rows, prompts)):
+            s_g = (seed * 1_000_003 + seed_offset + g) % (1 << 62)
+            for j in range(n):
+                states.append(self.start(row, prompt))
+                room = states[-1].limits.max_tokens or max_tokens
+                sps.append(SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k,
+                                          max_tokens=max(1, min(max_tokens, room)), seed=sample_seed(s_g, j),
+                                          logprobs=temperature > 0, stop_token_ids=list(stop_token_ids),
+                                          ignore_eos=ignore_eos))
+        eps = llm.run_episodes([st.start_ids for st in states], sps, lambda i, ids, fr: states[i].on_turn(ids, fr),
+                               max_workers=self.max_workers, max_turns=self.limits.max_turns,
+                               max_episode_tokens=self.limits.max_tokens)
+        return [self._sample(group_offset + k // n, rows[k // n], st, ep)
+                for k, (st, ep) in enumerate(zip(states, eps))]
+
+    def _sample(self, group: int, row: dict, st: EpisodeState, ep) -> Sample:
+        ids, mask = list(ep.ids), [int(m) for m in ep.model_mask]
+        lps = list(ep.logprobs) if ep.logprobs is not None else [0.0] * len(ids)
+        stats = dataclasses.asdict(st.stats)
+        stats["engine_error"] = getattr(ep, "error", None)
+        stats["env_reward"] = self._env_reward(st, stats)
+        finish = "length" if st.stats.truncated == "length" else ep.finish_reason
+        last = next((m.get("content") or "" for m in reversed(st.messages) if m["role"] == "assistant"), "")
+        return Sample(group, list(ep.start_ids), ids, lps, finish, row, completion_text=last, model_mask=mask,
+                      messages=st.completion_messages, prompt_messages=st.prompt_messages, episode=stats)
+
+    @staticmethod
+    def _env_reward(st: EpisodeState, stats: dict) -> float | None:
+        """The environment's reward for the episode; nan (masked) when it or the episode failed."""
+        if not st.env.spec.has("reward"):
+            return None
+        if stats["error"] or stats["engine_error"]:
+            return math.nan
+        try:
+            r = st.env.reward(st.messages)
+        except Exception as e:  # noqa: BLE001 - the environment's code: this sample is masked
+            stats["error"] = f"reward: {describe(e)}"
+            return math.nan
+        return r if math.isfinite(r) else math.nan
+
+
+def episode_metrics(samples: list[Sample]) -> dict:
+    """Per step: turns per episode (mean, max), tool calls and tool errors per episode, the
+    fraction truncated by max_turns and by length, tool seconds per episode, failed episodes."""
+    eps = [s.episode for s in samples if s.episode is not None]
+    if not eps:
+        return {}
+    n = len(eps)
+    return {"episodes/turns": sum(e["turns"] for e in eps) / n, "episodes/turns_max": max(e["turns"] for e in eps),
+            "episodes/tool_calls": sum(e["tool_calls"] for e in eps) / n,
+            "episodes/tool_errors": sum(e["tool_errors"] for e in eps) / n,
+            "episodes/truncated_max_turns": sum(e["truncated"] == "max_turns" for e in eps) / n,
+            "episodes/truncated_length": sum(e["truncated"] == "length" for e in eps) / n,
+            "episodes/tool_time_s": sum(e["tool_time_s"] for e in eps) / n,
+            "episodes/failed": float(sum(bool(e["error"] or e["engine_error"]) for e in eps))}
+
+
+def with_env_rewards(samples: list[Sample], total, breakdown: dict) -> tuple:
+    """The reward functions' totals [n] plus the environment's reward where it gives one (`env` in
+    the breakdown); a failed episode is masked (nan)."""
+    env = [s.episode.get("env_reward") if s.episode is not None else None for s in samples]
+    failed = torch.tensor([bool(s.episode and (s.episode["error"] or s.episode["engine_error"])) for s in samples])
+    total = total.clone()
+    if any(r is not None for r in env):
+        r = torch.tensor([math.nan if v is None else v for v in env], dtype=total.dtype)
+        total = total + r  # an environment whose reward failed masks its sample
+        breakdown = {**breakdown, "env": r}
+    total[failed] = math.nan
+    return total, breakdown

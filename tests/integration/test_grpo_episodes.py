@@ -1,0 +1,153 @@
+"""Multi-turn GRPO (issue 36) on the CPU twins: an episode's trajectory packed with loss mask 1 on
+the model's tokens only (the environment's carry no loss and no logprob), rewards from the
+environment and from a function that receives the conversation as TRL passes it, the
+multi_turn config's errors naming their fields, and one multi-turn GRPO step end to end. The
+engine's episodes come from support.episodes_ref until LLM.run_episodes lands."""
+
+import math
+
+import pytest
+import torch
+from support.episodes_ref import ScriptedLLM
+from support.episodes_ref import run_episodes as ref_run_episodes
+from support.trainers import TINY, grpo_config
+
+from rlcu.config import ConfigError, GRPOConfig, _build
+from rlcu.data import synthetic as syn
+from rlcu.data.tokenizer import make_word_tokenizer
+from rlcu.engine import LLM
+from rlcu.train import rollout as ro
+from rlcu.train.grpo import GRPOTrainer
+
+CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+          "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def chat_tokenizer():
+    return make_word_tokenizer(syn.WORDS + ["user", "assistant", "again"],
+                               special_tokens=["<|endoftext|>", "<|im_end|>", "<|im_start|>"], chat_template=CHATML)
+
+
+class Again:
+    """Asks again twice, then ends; its reward is 1 when the last answer starts with 7."""
+
+    def __init__(self):
+        self.n = 0
+
+    def step(self, messages):
+        self.n += 1
+        return "again" if self.n < 3 else None
+
+    def reward(self, messages):
+        return float(messages[-1]["content"].split()[:1] == ["7"])
+
+
+@pytest.fixture
+def engine_episodes(monkeypatch):
+    if not hasattr(LLM, "run_episodes"):
+        monkeypatch.setattr(LLM, "run_episodes", lambda self, *a, **k: ref_run_episodes(self, *a, **k), raising=False)
+
+
+def trainer(tmp_path, rewards=None, eos_digits=False, environment=Again, multi_turn=None, **kw):
+    """A GRPOTrainer of episodes of `environment` on the chat word tokenizer; eos_digits: every digit
+    ends a turn too (so that a random tiny model's turns end within max_new_tokens)."""
+    tok = chat_tokenizer()
+    eos = [tok.eos_token_id] + ([tok.token_to_id(d) for d in syn.DIGITS] if eos_digits else [])
+    cfg, _ = grpo_config(tmp_path, model=dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=eos,
+                                                        max_position_embeddings=96)),
+                         multi_turn=dict(max_episode_tokens=40, **(multi_turn or {})), **kw)
+    return GRPOTrainer(cfg, syn.sort_rows(16, "train", min_len=2, max_len=3), rewards, tokenizer=tok,
+                       environment=environment), tok
+
+
+def test_three_turn_trajectory_has_loss_mask_on_model_tokens_only(tmp_path):
+    tr, tok = trainer(tmp_path, rewards=[])
+    end, d = tok.eos_token_id, tok.token_to_id
+    llm = ScriptedLLM([[d("3"), d("5"), end], [d("5"), end], [d("7"), d("3"), end]])
+    s = tr.episodes.sample(llm, tr.rows[:1], [tr.rows[0]["prompt"]], n=1, temperature=1.0, max_tokens=4, seed=0)[0]
+    env = tok.encode("\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+    assert s.completion_ids == [d("3"), d("5"), end, *env, d("5"), end, *env, d("7"), d("3"), end]
+    assert s.model_mask == [1, 1, 1] + [0] * len(env) + [1, 1] + [0] * len(env) + [1, 1, 1]
+    assert s.episode["turns"] == 3 and s.episode["truncated"] is None and s.episode["env_reward"] == 1.0
+    assert [m["role"] for m in s.messages] == ["assistant", "user", "assistant", "user", "assistant"]
+    b = ro.pack([s, s], torch.tensor([True, False]))
+    P, C = len(s.prompt_ids), len(s.completion_ids)
+    assert b.tokens[: P + C].tolist() == s.prompt_ids + s.completion_ids  # the forward's whole trajectory
+    mask = b.mask[: P + C]
+    assert mask.tolist() == [0.0] * P + [float(m) for m in s.model_mask] and float(b.mask[len(mask):].sum()) == 0
+    lp = b.old_lp[P : P + C].tolist()
+    assert [x for x, m in zip(lp, s.model_mask) if not m] == [0.0] * (2 * len(env))
+    assert [x for x, m in zip(lp, s.model_mask) if m] == [-0.5] * 3 + [-1.5] * 2 + [-2.5] * 3
+
+
+def test_rewards_from_the_environment_and_from_a_function_given_the_conversation(tmp_path):
+    seen = {}
+
+    def said_again(prompts, completions, **kw):
+        seen.update(prompts=prompts, completions=completions)
+        return [0.5 * sum(m["role"] == "user" for m in c) for c in completions]
+
+    tr, tok = trainer(tmp_path, rewards=[said_again])
+    end, d = tok.eos_token_id, tok.token_to_id
+    llm = ScriptedLLM([[d("7"), end]])
+    ss = tr.episodes.sample(llm, tr.rows[:2], [r["prompt"] for r in tr.rows[:2]], n=2, temperature=1.0,
+                            max_tokens=4, seed=0)
+    m = tr.score(ss)
+    assert [s.reward for s in ss] == [2.0] * 4  # the environment's 1 + 0.5 for each of its two replies
+    assert seen["prompts"][0] == [{"role": "user", "content": tr.rows[0]["prompt"]}]
+    assert seen["completions"][0] == [{"role": "assistant", "content": "7"}, {"role": "user", "content": "again"},
+                                      {"role": "assistant", "content": "7"}, {"role": "user", "content": "again"},
+                                      {"role": "assistant", "content": "7"}]
+    assert m["reward/env"] == 1.0 and m["reward/said_again"] == 1.0
+    assert m["episodes/turns"] == 3 and m["episodes/turns_max"] == 3 and m["episodes/tool_calls"] == 0
+    assert m["episodes/truncated_max_turns"] == 0 and m["episodes/failed"] == 0
+
+    class Broken(Again):
+        def reward(self, messages):
+            raise ValueError("no score")
+
+    tr.episodes.spec.cls = Broken
+    ss = tr.episodes.sample(llm, tr.rows[:1], [tr.rows[0]["prompt"]], n=2, temperature=1.0, max_tokens=4, seed=0)
+    tr.score(ss)
+    assert all(math.isnan(s.reward) for s in ss) and "ValueError: no score" in ss[0].episode["error"]
+
+
+def test_multi_turn_config_errors_name_the_field(tmp_path):
+    base = dict(model=dict(tiny=dict(TINY, vocab_size=40)), log=dict(out_dir=str(tmp_path)))
+    cases = [({"multi_turn": {"environment": "no_colon"}}, "multi_turn.environment must be 'module.path:Class'"),
+             ({"multi_turn": {"tools": ["fn"]}}, r"multi_turn.tools\[0\] must be 'module.path:function'"),
+             ({"multi_turn": {"max_turns": 0}}, "multi_turn.max_turns must be >= 1"),
+             ({"multi_turn": {"tool_timeout_s": 0}}, "multi_turn.tool_timeout_s must be > 0"),
+             ({"multi_turn": {"tool": []}}, "multi_turn.tool"),
+             ({"rewards": []}, "rewards is empty: give a reward function, or a multi_turn.environment"),
+             ({"multi_turn": {"tools": ["rlcu.tools:python"]}, "chat_template": False},
+              "multi_turn needs chat_template: true")]
+    for extra, msg in cases:
+        with pytest.raises(ConfigError, match=msg):
+            _build(GRPOConfig, {**base, **extra})
+    with pytest.raises(ConfigError, match="multi_turn.environment 'nowhere_env:Env': cannot import module"):
+        trainer(tmp_path, environment=None, multi_turn=dict(environment="nowhere_env:Env"))
+    with pytest.raises(ConfigError, match=r"multi_turn.tools\[0\] 'rlcu.tools:nothing': module 'rlcu.tools' has no"):
+        trainer(tmp_path, environment=None, multi_turn=dict(tools=["rlcu.tools:nothing"]))
+
+    class Silent:
+        def step(self, messages):
+            return None
+
+    with pytest.raises(ConfigError, match="rewards is empty, and the environment Silent has no reward"):
+        trainer(tmp_path, environment=Silent, rewards=[], multi_turn=dict(environment="support.trainers:TINY"))
+
+
+def words_said(completions, **_):
+    """The words of the model's turns: a reward that differs within a group."""
+    return [float(sum(len(m["content"].split()) for m in c if m["role"] == "assistant")) for c in completions]
+
+
+def test_one_multi_turn_grpo_step_runs_end_to_end(tmp_path, engine_episodes):
+    tr, _ = trainer(tmp_path, eos_digits=True, steps=1, rewards=[words_said], max_new_tokens=3, prompts_per_step=2)
+    before = tr.model.flat.detach().clone()
+    hist = tr.train()
+    m = hist[-1]
+    assert m["episodes/turns_max"] >= 2 and 1 <= m["episodes/turns"] <= 3
+    assert math.isfinite(m["loss"]) and not torch.equal(before, tr.model.flat)
+    assert m["adv_abs"] > 0 and "episodes/tool_time_s" in m

@@ -1,0 +1,79 @@
+"""A reference of the engine's episode contract over LLM.generate, which the multi-turn rollout
+tests develop against until LLM.run_episodes lands (it prefills the whole trajectory again each
+turn: fine for tests):
+
+    run_episodes(llm, starts, sampling_params, on_turn, *, max_workers, max_turns, max_episode_tokens)
+        -> [Episode(start_ids, ids, model_mask, logprobs, turns, finish_reason, env_time_s, error)]
+
+on_turn(i, turn_ids, finish_reason) returns the environment's tokens, or None when episode i is over.
+Turn t of an episode draws with its seed + t."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import SimpleNamespace
+
+
+@dataclasses.dataclass
+class Episode:
+    start_ids: list[int]
+    ids: list[int]
+    model_mask: list[int]
+    logprobs: list[float]
+    turns: int
+    finish_reason: str | None
+    env_time_s: float = 0.0
+    error: str | None = None
+
+
+def run_episodes(llm, starts, sampling_params, on_turn, *, max_workers=32, max_turns=None, max_episode_tokens=None):
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(starts)
+    out = []
+    for i, (start, sp) in enumerate(zip(starts, sps)):
+        ep = Episode(list(start), [], [], [], 0, None)
+        while True:
+            left = None if max_episode_tokens is None else max_episode_tokens - len(ep.ids)
+            budget = sp.max_tokens if left is None else min(sp.max_tokens, left)
+            if budget < 1:
+                ep.finish_reason = "length"
+                break
+            p = dataclasses.replace(sp, max_tokens=budget, seed=None if sp.seed is None else sp.seed + ep.turns)
+            c = llm.generate([{"prompt_token_ids": ep.start_ids + ep.ids}], p, use_tqdm=False)[0].outputs[0]
+            toks = list(c.token_ids)
+            ep.ids += toks
+            ep.model_mask += [1] * len(toks)
+            ep.logprobs += list(c.logprobs) if c.logprobs is not None else [0.0] * len(toks)
+            ep.turns += 1
+            ep.finish_reason = c.finish_reason
+            t0 = time.perf_counter()
+            env = on_turn(i, toks, c.finish_reason)
+            ep.env_time_s += time.perf_counter() - t0
+            if env is None or (max_turns is not None and ep.turns >= max_turns):
+                break
+            ep.ids += env
+            ep.model_mask += [0] * len(env)
+            ep.logprobs += [0.0] * len(env)
+        out.append(ep)
+    return out
+
+
+class ScriptedLLM:
+    """An engine stand-in whose turns are given: turn t of every episode samples `turns[t]` (the
+    last one again past the end), each token with logprob -0.5 - t, finishing with `finish`."""
+
+    def __init__(self, turns: list[list[int]], finish: str = "stop"):
+        self.turns, self.finish = turns, finish
+        self._starts: set[tuple] = set()
+        self._t = 0
+
+    def generate(self, prompts, sp, use_tqdm=False):
+        ids = tuple(prompts[0]["prompt_token_ids"])
+        self._t = 0 if ids in self._starts else self._t + 1
+        toks = self.turns[min(self._t, len(self.turns) - 1)][: sp.max_tokens]
+        c = SimpleNamespace(token_ids=toks, logprobs=[-0.5 - self._t] * len(toks), finish_reason=self.finish)
+        return [SimpleNamespace(outputs=[c])]
+
+    def run_episodes(self, starts, sampling_params, on_turn, **kw):
+        self._starts = {tuple(s) for s in starts}
+        return run_episodes(self, starts, sampling_params, on_turn, **kw)
