@@ -8,7 +8,8 @@
 - shape.py: what a job is (`JobShape`: the model's config, precisions, ranks, micro-batch,
   checkpointing, reference, critic; `EngineShape`: the KV pool, the step's budget, the graphs);
 - parts.py: one function a part, of the shape -> bytes on one rank: weights, fp32 master,
-  optimizer state, gradients and the data-parallel buckets (ZeRO shards are 1/N), the
+  optimizer state, gradients and the data-parallel buckets (ZeRO shards are 1/N), LoRA
+  adapters (their weights, master, moments and gradients; the frozen base then has none), the
   activations a micro-batch keeps per token under each checkpointing mode, the backward's and
   the fused LM head's work (its logits tile), KV per token and per block, the engine's step and
   its graphs' pools, a reference model, a critic;
@@ -31,7 +32,7 @@ else sizes memory: the consumers read the parts through `job_memory`.
 """
 
 from rlcu.memory.job import CONTEXT_BYTES, FRAGMENTATION, GiB, JobMemory, job_memory
-from rlcu.memory.shape import EngineShape, JobShape, checkpointing_name
+from rlcu.memory.shape import AdapterShape, EngineShape, JobShape, checkpointing_name
 
-__all__ = ["CONTEXT_BYTES", "FRAGMENTATION", "GiB", "EngineShape", "JobMemory", "JobShape", "checkpointing_name",
-           "job_memory"]
+__all__ = ["CONTEXT_BYTES", "FRAGMENTATION", "GiB", "AdapterShape", "EngineShape", "JobMemory", "JobShape",
+           "checkpointing_name", "job_memory"]

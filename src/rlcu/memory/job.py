@@ -7,7 +7,7 @@ resident parts) plus what that phase alone holds:
                   a phase only where that is more than the resident parts)
     rollout       the KV pool, the engine's widest step, the prefill graphs' pool
     ref_logprobs  the frozen reference's forward of a micro-batch
-    actor_train   the gradient (when released between steps), the data-parallel buckets, and a
+    actor_train   the gradient (the adapters' too; when released between steps), the data-parallel buckets, and a
                   micro-batch's kept activations with the larger of the backward's and the LM
                   head's work
     critic_train  (PPO) the critic's gradient and its micro-batch
@@ -35,8 +35,8 @@ FRAGMENTATION = 1.05
 # cuBLAS's own): 0.77 GiB in one process in the same test; 1.5 GiB leaves room for NCCL's buffers across ranks
 CONTEXT_BYTES = int(1.5 * GiB)
 
-RESIDENT = ("weights", "master", "optimizer_state", "gradients", "reference", "critic", "critic_gradients",
-            "decode_graphs", "workspace")
+RESIDENT = ("weights", "master", "optimizer_state", "gradients", "adapters", "adapter_gradients", "reference",
+            "critic", "critic_gradients", "decode_graphs", "workspace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,8 @@ class JobMemory:
     master: int
     optimizer_state: int
     gradients: int
+    adapters: int
+    adapter_gradients: int
     grad_buckets: int
     reference: int
     critic: int
@@ -67,19 +69,20 @@ class JobMemory:
 
     @property
     def resident(self) -> int:
-        """What stays across phases: weights, master, moments, the reference, the critic, the
+        """What stays across phases: weights, master, moments, the adapters (their weights, master
+        and moments), the reference, the critic, the
         decode graphs' pool (kept through the engine's sleep), cuBLAS's workspace, and the
         gradients unless released between steps."""
         s = self.shape
         held = {k: getattr(self, k) for k in RESIDENT}
         if s.release_grads:
-            held["gradients"] = held["critic_gradients"] = 0
+            held["gradients"] = held["adapter_gradients"] = held["critic_gradients"] = 0
         return sum(held.values())
 
     def phases(self) -> dict[str, int]:
         """Each phase's own bytes, above `resident`."""
         s = self.shape
-        released = self.gradients if s.release_grads else 0
+        released = self.gradients + self.adapter_gradients if s.release_grads else 0
         # building: the staging copy beside the weights, before the other buffers exist
         out = {"init": max(0, self.weights + self.init_staging - self.resident),
                "rollout": self.kv_pool + self.engine_step + self.prefill_graphs,

@@ -17,6 +17,7 @@ import torch
 from rlcu.memory.shape import JobShape
 from rlcu.model.config import Qwen3Config
 from rlcu.model.layout import ALIGN, ParamLayout
+from rlcu.model.lora import LoraConfig, LoraLayout
 from rlcu.ops.logprob import chunk_rows
 
 MAX_INFLIGHT = 2  # overlapped reduce-scatters in flight before the oldest is waited on (parallel/buckets.py)
@@ -64,26 +65,58 @@ def weights(s: JobShape) -> int:
 
 
 def master(s: JobShape) -> int:
-    """The fp32 master copy of bf16 weights (a 1/N shard across ranks)."""
-    return 4 * shard(s) if s.has_master else 0
+    """The fp32 master copy of bf16 weights (a 1/N shard across ranks); none of a frozen base."""
+    return 4 * shard(s) if s.has_master and s.trains_base else 0
 
 
 def optimizer_state(s: JobShape) -> int:
-    """Adam's m and v (a 1/N shard across ranks)."""
-    return 2 * s.state_bytes * shard(s) if s.optimizer else 0
+    """Adam's m and v (a 1/N shard across ranks); none of a frozen base."""
+    return 2 * s.state_bytes * shard(s) if s.trains_base else 0
 
 
 def gradients(s: JobShape) -> int:
     """The gradient buffer: P elements in one process; across ranks the reduced 1/N shard (the
-    overlapped backward's; without overlap `grad_buckets` counts the full buffer)."""
-    return s.grad_bytes * shard(s) if s.optimizer else 0
+    overlapped backward's; without overlap `grad_buckets` counts the full buffer); none of a
+    frozen base."""
+    return s.grad_bytes * shard(s) if s.trains_base else 0
+
+
+@functools.lru_cache(maxsize=64)
+def _adapter_layout(dims: tuple, r: int, targets: tuple[str, ...]) -> tuple[int, int, int]:
+    """(elements, the widest stacked rank S r, the widest input K) of the adapters' layout."""
+    V, H, I, L, Hq, Hk, D, tied, family = dims
+    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=Hq,
+                      num_key_value_heads=Hk, head_dim=D, tie_word_embeddings=tied, family=family)
+    lay = LoraLayout(cfg, LoraConfig(r=r, target_modules=targets))
+    return (lay.numel, max(len(sp.slices) * r for sp in lay.specs.values()),
+            max(sp.K for sp in lay.specs.values()))
+
+
+def adapter_params(s: JobShape) -> int:
+    """Elements of the adapters' flat layout (model/lora.py LoraLayout), alignment included."""
+    a = s.adapter
+    return 0 if a is None else _adapter_layout(_dims(s.cfg), a.r, a.target_modules)[0]
+
+
+def adapters(s: JobShape) -> int:
+    """The adapters' weights (the model's dtype), their fp32 master beside narrower weights and
+    Adam's m and v (optim.FlatAdamW over LoraAdapters' flat buffer, whole on every rank)."""
+    if s.adapter is None:
+        return 0
+    P = adapter_params(s)
+    return P * s.weight_bytes + (4 * P if s.has_master else 0) + (2 * s.state_bytes * P if s.optimizer else 0)
+
+
+def adapter_gradients(s: JobShape) -> int:
+    """The adapters' gradient buffer (LoraAdapters.grad_flat)."""
+    return s.grad_bytes * adapter_params(s) if s.adapter is not None and s.optimizer else 0
 
 
 def grad_buckets(s: JobShape) -> int:
     """Across ranks, what the backward holds beside the shard: with overlap the buckets alive at
     once (the embedding's, the final norm's with the head, and MAX_INFLIGHT + 1 layers': the
     one written and those in flight); without, the full gradient buffer."""
-    if s.world_size == 1 or not s.optimizer:
+    if s.world_size == 1 or not s.trains_base:
         return 0
     if not s.overlap:
         return s.grad_bytes * params(s.cfg)
@@ -184,10 +217,23 @@ def kept_activations(s: JobShape) -> int:
     return s.micro_batch_tokens * sum(kept(s.cfg, s.weight_bytes, k) for k in s.keeps())
 
 
+def adapter_work(s: JobShape) -> int:
+    """Per token, the adapters' share of a layer's backward (model/lora_run.py `backward`) at its
+    widest module: h recomputed, the slices' dh and their concatenation dH (S r each); with
+    dropout, a slice's mask (bool, then in the activations' dtype) and the masked input (K)."""
+    a = s.adapter
+    if a is None:
+        return 0
+    _, SR, K = _adapter_layout(_dims(s.cfg), a.r, a.target_modules)
+    ab = s.weight_bytes
+    return 3 * ab * SR + ((1 + 2 * ab) * K if a.dropout else 0)
+
+
 def layer_work(s: JobShape) -> int:
     """The backward's peak above `kept_activations`: at layer i, the kept activations of layers
     0..i (the later ones are freed), the layer recomputed, its backward's locals and the head's
-    leftovers; the largest over i (the last layer's, or with k checkpointed layers the k-th's)."""
+    leftovers (and the adapters' backward); the largest over i (the last layer's, or with k
+    checkpointed layers the k-th's)."""
     cfg, ab, T = s.cfg, s.weight_bytes, s.micro_batch_tokens
     keeps = s.keeps()
     held, best = 0, 0
@@ -195,7 +241,7 @@ def layer_work(s: JobShape) -> int:
         held += kept(cfg, ab, k)
         best = max(best, held + recompute(cfg, ab, k))
     total = sum(kept(cfg, ab, k) for k in keeps)
-    return T * (best - total + backward_work(cfg, ab) + _head_rows(s))
+    return T * (best - total + backward_work(cfg, ab) + adapter_work(s) + _head_rows(s))
 
 
 def head_work(s: JobShape) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from rlcu.model.config import Qwen3Config, checkpointed_layers, layer_keeps
+from rlcu.model.lora import LoraConfig
 
 
 def checkpointing_name(mode) -> str | int:
@@ -47,6 +48,20 @@ class EngineShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class AdapterShape:
+    """A job's LoRA adapters (model/lora.py): the rank, the HF target modules (or 'all-linear')
+    and whether dropout is on (its masks are allocated in the forward and again in the backward)."""
+
+    r: int
+    target_modules: tuple[str, ...] | str = "all-linear"
+    dropout: bool = False
+
+    def __post_init__(self):
+        t = LoraConfig(r=self.r, target_modules=self.target_modules).target_modules  # its checks, named
+        object.__setattr__(self, "target_modules", t)
+
+
+@dataclasses.dataclass(frozen=True)
 class JobShape:
     """One rank of a job.
 
@@ -63,7 +78,8 @@ class JobShape:
     shape with its own optimizer state of the same precisions; optimizer: False for a model
     that is not trained (an engine alone); random_init: the weights are drawn on the device in
     fp32 (a model made from scratch) rather than read in their dtype; engine: the rollout
-    engine, or None."""
+    engine, or None; adapter: LoRA adapters that train while the base stays frozen (the base then
+    has no master, moments or gradient; the adapters have theirs, whole on every rank), or None."""
 
     cfg: Qwen3Config
     weight_bytes: int = 2
@@ -81,6 +97,7 @@ class JobShape:
     optimizer: bool = True
     random_init: bool = False
     engine: EngineShape | None = None
+    adapter: AdapterShape | None = None
 
     def __post_init__(self):
         for name in ("weight_bytes", "state_bytes", "grad_bytes", "world_size", "micro_batch_tokens"):
@@ -97,6 +114,11 @@ class JobShape:
     def has_master(self) -> bool:
         """An fp32 master copy exists only beside weights narrower than fp32."""
         return self.optimizer and self.master and self.weight_bytes < 4
+
+    @property
+    def trains_base(self) -> bool:
+        """The base's weights get gradients and optimizer state: trained, and no adapters."""
+        return self.optimizer and self.adapter is None
 
     def with_(self, **changes) -> JobShape:
         return dataclasses.replace(self, **changes)
