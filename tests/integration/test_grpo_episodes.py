@@ -151,3 +151,31 @@ def test_one_multi_turn_grpo_step_runs_end_to_end(tmp_path, engine_episodes):
     assert m["episodes/turns_max"] >= 2 and 1 <= m["episodes/turns"] <= 3
     assert math.isfinite(m["loss"]) and not torch.equal(before, tr.model.flat)
     assert m["adv_abs"] > 0 and "episodes/tool_time_s" in m
+
+
+def test_a_groups_episodes_share_one_start_unless_reset_differs(tmp_path):
+    class Recording(ScriptedLLM):
+        def run_episodes(self, starts, sampling_params, on_turn, **kw):
+            self.seen = (starts, sampling_params)
+            return super().run_episodes(starts, sampling_params, on_turn, **kw)
+
+    class Counter(Again):
+        made = 0
+
+        def reset(self, row):
+            Counter.made += 1
+            return f"sort {Counter.made % 10} :"
+
+    tr, tok = trainer(tmp_path, rewards=[words_said])
+    llm = Recording([[tok.token_to_id("7"), tok.eos_token_id]])
+    ss = tr.episodes.sample(llm, tr.rows[:2], [r["prompt"] for r in tr.rows[:2]], n=3, temperature=1.0,
+                            max_tokens=4, seed=0)
+    starts, sps = llm.seen
+    assert len(ss) == 6 and len(starts) == 2 and [sp.n for sp in sps] == [3, 3]
+    assert [s.group for s in ss] == [0, 0, 0, 1, 1, 1] and ss[3].prompt_ids == starts[1]
+    tr.episodes.spec.cls = Counter
+    ss = tr.episodes.sample(llm, tr.rows[:2], [r["prompt"] for r in tr.rows[:2]], n=3, temperature=1.0,
+                            max_tokens=4, seed=0)
+    starts, sps = llm.seen
+    assert len(starts) == 6 and [sp.n for sp in sps] == [1] * 6 and len({sp.seed for sp in sps}) == 6
+    assert [s.prompt_messages[-1]["content"] for s in ss] == [f"sort {k % 10} :" for k in range(1, 7)]

@@ -6,13 +6,16 @@ turn: fine for tests):
         -> [Episode(start_ids, ids, model_mask, logprobs, turns, finish_reason, env_time_s, error)]
 
 on_turn(i, turn_ids, finish_reason) returns the environment's tokens, or None when episode i is over.
-Turn t of an episode draws with its seed + t."""
+SamplingParams.n > 1 runs n episodes of a start (episode j seeded sample_seed(seed, j), as the
+engine seeds them); turn t of an episode draws with its seed + t."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from types import SimpleNamespace
+
+from rlcu.engine.params import sample_seed
 
 
 @dataclasses.dataclass
@@ -27,34 +30,40 @@ class Episode:
     error: str | None = None
 
 
+def _episode(llm, i, start, sp, on_turn, max_turns, max_episode_tokens) -> Episode:
+    ep = Episode(start, [], [], [], 0, None)
+    while True:
+        left = None if max_episode_tokens is None else max_episode_tokens - len(ep.ids)
+        budget = sp.max_tokens if left is None else min(sp.max_tokens, left)
+        if budget < 1:
+            ep.finish_reason = "length"
+            return ep
+        p = dataclasses.replace(sp, max_tokens=budget, seed=None if sp.seed is None else sp.seed + ep.turns)
+        c = llm.generate([{"prompt_token_ids": ep.start_ids + ep.ids}], p, use_tqdm=False)[0].outputs[0]
+        toks = list(c.token_ids)
+        ep.ids += toks
+        ep.model_mask += [1] * len(toks)
+        ep.logprobs += list(c.logprobs) if c.logprobs is not None else [0.0] * len(toks)
+        ep.turns += 1
+        ep.finish_reason = c.finish_reason
+        t0 = time.perf_counter()
+        env = on_turn(i, toks, c.finish_reason)
+        ep.env_time_s += time.perf_counter() - t0
+        if env is None or (max_turns is not None and ep.turns >= max_turns):
+            return ep
+        ep.ids += env
+        ep.model_mask += [0] * len(env)
+        ep.logprobs += [0.0] * len(env)
+
+
 def run_episodes(llm, starts, sampling_params, on_turn, *, max_workers=32, max_turns=None, max_episode_tokens=None):
     sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(starts)
     out = []
-    for i, (start, sp) in enumerate(zip(starts, sps)):
-        ep = Episode(list(start), [], [], [], 0, None)
-        while True:
-            left = None if max_episode_tokens is None else max_episode_tokens - len(ep.ids)
-            budget = sp.max_tokens if left is None else min(sp.max_tokens, left)
-            if budget < 1:
-                ep.finish_reason = "length"
-                break
-            p = dataclasses.replace(sp, max_tokens=budget, seed=None if sp.seed is None else sp.seed + ep.turns)
-            c = llm.generate([{"prompt_token_ids": ep.start_ids + ep.ids}], p, use_tqdm=False)[0].outputs[0]
-            toks = list(c.token_ids)
-            ep.ids += toks
-            ep.model_mask += [1] * len(toks)
-            ep.logprobs += list(c.logprobs) if c.logprobs is not None else [0.0] * len(toks)
-            ep.turns += 1
-            ep.finish_reason = c.finish_reason
-            t0 = time.perf_counter()
-            env = on_turn(i, toks, c.finish_reason)
-            ep.env_time_s += time.perf_counter() - t0
-            if env is None or (max_turns is not None and ep.turns >= max_turns):
-                break
-            ep.ids += env
-            ep.model_mask += [0] * len(env)
-            ep.logprobs += [0.0] * len(env)
-        out.append(ep)
+    for start, sp in zip(starts, sps):
+        for j in range(sp.n):
+            seed = None if sp.seed is None else sample_seed(sp.seed, j)
+            out.append(_episode(llm, len(out), list(start), dataclasses.replace(sp, n=1, seed=seed), on_turn,
+                                max_turns, max_episode_tokens))
     return out
 
 

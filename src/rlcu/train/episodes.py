@@ -74,25 +74,31 @@ class EpisodeRunner:
     def sample(self, llm, rows: list[dict], prompts: list, *, n: int, temperature: float, top_p: float = 1.0,
                top_k: int = -1, max_tokens: int, seed: int, stop_token_ids=(), ignore_eos: bool = False,
                group_offset: int = 0, seed_offset: int = 0) -> list[Sample]:
-        """n episodes of each row (consecutive, grouped), as rollout.sample's completions are;
-        episode j of prompt g draws from sample_seed(prompt g's seed, j), the seed rollout.sample
-        gives sample j."""
+        """n episodes of each row (consecutive, grouped), as rollout.sample's completions are,
+        with the same seeds: episode j of prompt g draws from sample_seed(prompt g's seed, j)."""
         if not hasattr(llm, "run_episodes"):
             raise RuntimeError("multi_turn: this engine has no LLM.run_episodes (episodes need the engine of "
                                "issue 36)")
-        states, sps = [], []
+        states, starts, sps = [], [], []
         for g, (row, prompt) in enumerate(zip(rows, prompts)):
             s_g = (seed * 1_000_003 + seed_offset + g) % (1 << 62)
-            for j in range(n):
-                states.append(self.start(row, prompt))
-                room = states[-1].limits.max_tokens or max_tokens
-                sps.append(SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k,
-                                          max_tokens=max(1, min(max_tokens, room)), seed=sample_seed(s_g, j),
-                                          logprobs=temperature > 0, stop_token_ids=list(stop_token_ids),
-                                          ignore_eos=ignore_eos))
-        eps = llm.run_episodes([st.start_ids for st in states], sps, lambda i, ids, fr: states[i].on_turn(ids, fr),
+            group = [self.start(row, prompt) for _ in range(n)]
+            states += group
+            room = min(st.limits.max_tokens or max_tokens for st in group)
+            sp = dict(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max(1, min(max_tokens, room)),
+                      logprobs=temperature > 0, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+            if all(st.start_ids == group[0].start_ids for st in group):
+                # one start, n episodes: they share its prefilled blocks; episode j draws sample_seed(s_g, j)
+                starts.append(group[0].start_ids)
+                sps.append(SamplingParams(n=n, seed=s_g, **sp))
+            else:  # reset(row) made different starts: one each
+                starts += [st.start_ids for st in group]
+                sps += [SamplingParams(n=1, seed=sample_seed(s_g, j), **sp) for j in range(n)]
+        eps = llm.run_episodes(starts, sps, lambda i, ids, fr: states[i].on_turn(ids, fr),
                                max_workers=self.max_workers, max_turns=self.limits.max_turns,
                                max_episode_tokens=self.limits.max_tokens)
+        if len(eps) != len(states):
+            raise RuntimeError(f"the engine returned {len(eps)} episodes, expected {len(states)}")
         return [self._sample(group_offset + k // n, rows[k // n], st, ep)
                 for k, (st, ep) in enumerate(zip(states, eps))]
 
@@ -100,7 +106,8 @@ class EpisodeRunner:
         ids, mask = list(ep.ids), [int(m) for m in ep.model_mask]
         lps = list(ep.logprobs) if ep.logprobs is not None else [0.0] * len(ids)
         stats = dataclasses.asdict(st.stats)
-        stats["engine_error"] = getattr(ep, "error", None)
+        err = getattr(ep, "error", None)
+        stats["engine_error"] = None if err is None else err if isinstance(err, str) else describe(err)
         stats["env_reward"] = self._env_reward(st, stats)
         finish = "length" if st.stats.truncated == "length" else ep.finish_reason
         last = next((m.get("content") or "" for m in reversed(st.messages) if m["role"] == "assistant"), "")
