@@ -14,8 +14,9 @@ from rlcu.optim import FlatAdamW
 # H=96, I=160, 3 layers, q = 3 x 32, kv = 32 (test_memory.py's odd shape)
 ODD = dict(vocab_size=333, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=3,
            num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
-# q_proj and v_proj at r = 4: a layer's qkv A [8, 96] = 768 and B [96 + 32, 4] = 512, both multiples of 64
-QV = 3 * (768 + 512)
+# q_proj and v_proj at r = 4: a layer's qkv A [8, 96] = 768 and B [96 + 32 + 32, 4] = 640 (its rows on qkv's
+# columns, k's unused), both multiples of 64
+QV = 3 * (768 + 640)
 
 
 def test_adapter_parts_by_hand_and_the_frozen_base():

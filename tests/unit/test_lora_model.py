@@ -137,8 +137,8 @@ def test_dropout_masks_replay_in_the_recompute(tmp_path):
 
 
 def test_exact_mode_with_adapters_is_batch_invariant(tmp_path):
-    """Exact mode applies the adapters through the grouped kernels' launches (or their stand-ins until
-    ops/lora.py lands): a sequence's logprobs alone equal its logprobs packed with others, bit for bit."""
+    """Exact mode applies the adapters through the grouped kernels' launches (ops/lora.py, the engine's):
+    a sequence's logprobs alone equal its logprobs packed with others, bit for bit."""
     _, folder = base_pair(tmp_path, "qwen3")
     m = rlcu_model(folder)
     random_adapter(m, CASES["all"])

@@ -45,6 +45,7 @@ def test_peft_save_loads_into_rlcu_with_peft_logits(tmp_path, family, kw):
     m = rlcu_model(folder)
     ad = load_adapter(adapter, m.cfg).attach(m)
     assert ad.cfg.rslora == kw.get("use_rslora", False) and ad.cfg.r == kw["r"]
+    assert ad.num_params() == sum(p.numel() for n, p in pm.named_parameters() if "lora_" in n)
     with torch.no_grad():
         ref = pm(ids).logits
     assert rel_err(ref, base) > 1e-2 and rel_err(m.logits(ids), ref) < 1e-5

@@ -3,10 +3,12 @@
 An adapted linear computes y = x W^T + scale * (dropout(x) A^T) B^T with A [r, K] and B [n, r]
 (PEFT's LoRA: scale = alpha / r, or alpha / sqrt(r) with rslora). The base's q/k/v and gate/up
 are fused (model/layout.py), so an adapter is laid out per fused module: its targeted slices'
-A stacked [S r, K] (one shrink GEMM for all of them) and their B stacked [n_1 + ... + n_S, r];
-slice j's output columns (col0, col1) of the fused output take h[:, j r:(j+1) r] B_j^T. That is
-the grouped kernel's layout too (ops/lora.py: `a [n, R, K]`, `b [n, N, r]`, `slices`), so an
-engine stacks adapter sets of one config without reshaping them.
+A stacked [S r, K] (one shrink GEMM for all of them) and B [N, r] with its rows on the fused
+output's N columns; slice j's output columns (c0, c1) take h[:, j r:(j+1) r] B[c0:c1]^T, and the
+rows of a slice that is not targeted stay zero (never read, never given a gradient). That is the
+grouped kernel's layout (ops/lora.py: `a [n, R, K]`, `b [n, N, r]`, `slices`), so the trainer's
+exact mode passes its slots as they are and an engine stacks adapter sets of one config without
+reshaping them.
 
 Every A and B of every layer is a view into ONE flat buffer (`LoraAdapters.flat`, the model's
 dtype), with one flat gradient buffer of the same layout: the optimizer (optim.FlatAdamW takes
@@ -74,9 +76,9 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModuleSpec:
-    """One adapted fused module of one layer: K its input width, slices the (col0, col1) output
-    columns of each targeted slice, names their HF module names, A [S r, K] and B [sum n, r]
-    its slots; brows(j) is slice j's row range of B."""
+    """One adapted fused module of one layer: K its input width, slices the (c0, c1) output
+    columns of each targeted slice, names their HF module names, A [S r, K] and B [N, r] (N: the
+    fused output's width) its slots; slice j's rows of B are its columns slices[j]."""
 
     module: str
     K: int
@@ -84,10 +86,6 @@ class ModuleSpec:
     names: tuple[str, ...]
     A: Slot
     B: Slot
-
-    def brows(self, j: int) -> tuple[int, int]:
-        b0 = sum(c1 - c0 for c0, c1 in self.slices[:j])
-        return b0, b0 + self.slices[j][1] - self.slices[j][0]
 
 
 def module_slices(cfg: CausalLMConfig) -> dict[str, tuple[int, tuple[tuple[int, int], ...]]]:
@@ -115,7 +113,7 @@ class LoraLayout:
                 slices = tuple(all_slices[j] for _, j in picked)
                 A = Slot(f"layers.{i}.{module}.A", (len(slices) * r, K), off)
                 off += -(-A.numel // ALIGN) * ALIGN
-                B = Slot(f"layers.{i}.{module}.B", (sum(c1 - c0 for c0, c1 in slices), r), off)
+                B = Slot(f"layers.{i}.{module}.B", (all_slices[-1][1], r), off)
                 off += -(-B.numel // ALIGN) * ALIGN
                 self.specs[(i, module)] = ModuleSpec(module, K, slices, tuple(n for n, _ in picked), A, B)
         self.numel = off
@@ -131,7 +129,8 @@ class LoraLayout:
                 for sp in self.specs.values() for s in (sp.A, sp.B)}
 
     def num_params(self) -> int:
-        return sum(s.numel for sp in self.specs.values() for s in (sp.A, sp.B))
+        """The adapter's parameters as PEFT counts them: A, and B's rows of targeted slices."""
+        return sum(sp.A.numel + sum(c1 - c0 for c0, c1 in sp.slices) * self.cfg.r for sp in self.specs.values())
 
 
 class LoraAdapters:

@@ -45,9 +45,8 @@ def peft_tensors(ad: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Tensor
     r, out = ad.cfg.r, {}
     for (i, _), sp in ad.layout.specs.items():
         A, B = ad.w[sp.A.name], ad.w[sp.B.name]
-        for j, name in enumerate(sp.names):
-            b0, b1 = sp.brows(j)
-            out[(i, name)] = (A[j * r : (j + 1) * r], B[b0:b1])
+        for j, (name, (c0, c1)) in enumerate(zip(sp.names, sp.slices)):
+            out[(i, name)] = (A[j * r : (j + 1) * r], B[c0:c1])
     return out
 
 
@@ -152,8 +151,7 @@ def merge_into(model, ad: LoraAdapters | None = None) -> None:
         W, r = model.w[f"layers.{i}.{module}"], ad.cfg.r
         A, B = ad.w[sp.A.name].float(), ad.w[sp.B.name].float()
         for j, (c0, c1) in enumerate(sp.slices):
-            b0, b1 = sp.brows(j)
-            W[c0:c1] = (W[c0:c1].float() + s * (B[b0:b1] @ A[j * r : (j + 1) * r])).to(W.dtype)
+            W[c0:c1] = (W[c0:c1].float() + s * (B[c0:c1] @ A[j * r : (j + 1) * r])).to(W.dtype)
     if model.lora is ad:
         model.lora = None
 

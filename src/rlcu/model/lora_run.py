@@ -5,11 +5,9 @@ in place, slice by slice of the fused module (model/lora.py's layout). The engin
 object of the same protocol (the grouped multi-adapter kernels of ops/lora.py over a batch's
 per-sequence adapter index); this one is the trainer's, for one adapter set:
 - default mode: cuBLAS GEMMs;
-- exact mode: the grouped kernels (`lora_shrink`, `lora_expand`) with every row on adapter 0, the
-  launches the engine makes, so that the trainer's forward and the engine's agree bit for bit
-  (their batch invariance is the kernels'). Until ops/lora.py is on main, `_shrink_exact` and
-  `_expand_exact` below stand in for them with the batch-invariant GEMM (same signatures): the
-  switch is the one import marked SEAM.
+- exact mode: ops/lora.py's grouped kernels (`lora_shrink`, `lora_expand`) with every row on
+  adapter 0, the launches the engine makes, so that the trainer's forward and the engine's agree
+  bit for bit (their batch invariance is the kernels').
 
 `backward(i, module, x, dy, dx)` is the adapter's share of the layer's backward, with h = drop(x) A^T
 recomputed (r columns a slice: cheaper than keeping it):
@@ -26,24 +24,7 @@ import torch
 
 from rlcu.model.lora import MODULES, LoraAdapters, ModuleSpec
 from rlcu.ops._matmul import acc_wgrad
-from rlcu.ops.matmul_invariant import mm as mm_invariant
-
-
-def _shrink_exact(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """ops/lora.py's `lora_shrink` for rows all on one adapter: x [T, K], a [1, R, K] -> h [T, R] fp32."""
-    return mm_invariant(x, a[0]).float()
-
-
-def _expand_exact(h, b, idx, y, scale, slices) -> None:
-    """ops/lora.py's `lora_expand` for rows all on one adapter: y[:, c0:c1] += scale * h_j b_j^T in place."""
-    r, b0 = h.shape[1] // len(slices), 0
-    for j, (c0, c1) in enumerate(slices):
-        d = mm_invariant(h[:, j * r : (j + 1) * r].to(y.dtype), b[0, b0 : b0 + c1 - c0])
-        y[:, c0:c1] += (scale[0] * d.float()).to(y.dtype)
-        b0 += c1 - c0
-
-
-lora_shrink, lora_expand = _shrink_exact, _expand_exact  # SEAM: from rlcu.ops.lora import lora_shrink, lora_expand
+from rlcu.ops.lora import lora_expand, lora_shrink
 
 
 class LoraRun:
@@ -84,8 +65,7 @@ class LoraRun:
             return
         h, r = self._shrink(sp, i, x, A), self.r
         for j, (c0, c1) in enumerate(sp.slices):
-            b0, b1 = sp.brows(j)
-            y[:, c0:c1].addmm_(h[:, j * r : (j + 1) * r], B[b0:b1].t(), alpha=self.scale)
+            y[:, c0:c1].addmm_(h[:, j * r : (j + 1) * r], B[c0:c1].t(), alpha=self.scale)
 
     def backward(self, i: int, module: str, x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
         """dA and dB of layer i's `module` += from its input x [N, K] and output gradient dy
@@ -100,10 +80,9 @@ class LoraRun:
         h = self._shrink(sp, i, x, A)  # [N, S r], the forward's
         dh = []
         for j, (c0, c1) in enumerate(sp.slices):
-            b0, b1 = sp.brows(j)
             dyj = dy[:, c0:c1]
-            acc_wgrad(gB[b0:b1], dyj, h[:, j * r : (j + 1) * r] * s)
-            dh.append((dyj @ B[b0:b1]) * s)  # [N, r]
+            acc_wgrad(gB[c0:c1], dyj, h[:, j * r : (j + 1) * r] * s)
+            dh.append((dyj @ B[c0:c1]) * s)  # [N, r]
         if not self.p:
             dH = torch.cat(dh, 1) if len(dh) > 1 else dh[0]
             acc_wgrad(gA, dH, x)
