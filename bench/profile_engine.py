@@ -7,7 +7,11 @@ tokens) it reports
   idle whenever the host works);
 - the device: total kernel ms per step from torch.profiler, and the top kernels by time.
 
-    python bench/profile_engine.py [--top 12] [--cases decode64,decode256,prefill]
+    python bench/profile_engine.py [--top 12] [--cases decode64,decode256,decode256x600,prefill]
+                                   [--shape qwen2.5-7b]
+
+decodeBxP: B requests of prompt P (default 128); --shape: a bench/common.py SHAPES shape (JSON
+profile_engine_<shape>.json).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import qwen3_06b_config, random_prompts, write_json  # noqa: E402
+from bench.common import SHAPES, qwen3_06b_config, random_prompts, write_json  # noqa: E402
 from bench.generate import random_model  # noqa: E402
 
 
@@ -77,13 +81,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--cases", default="decode64,decode256,prefill")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/profile_engine.py needs a CUDA device", file=sys.stderr)
         return 2
     from rlcu.engine import LLM, SamplingParams
 
-    cfg = qwen3_06b_config()
+    cfg = qwen3_06b_config(**SHAPES[args.shape])
     m = random_model(cfg, "cuda")
     llm = LLM(m, max_num_seqs=256, max_num_batched_tokens=8192, gpu_memory_utilization=0.6)
     rng = np.random.default_rng(0)
@@ -94,8 +99,8 @@ def main(argv=None) -> int:
     out = []
     for c in args.cases.split(","):
         if c.startswith("decode"):
-            B = int(c[6:])
-            prompts = random_prompts(rng, cfg.vocab_size, [128] * B)
+            B, _, P = c[6:].partition("x")
+            prompts = random_prompts(rng, cfg.vocab_size, [int(P or 128)] * int(B))
             sp = SamplingParams(temperature=0.6, max_tokens=256, ignore_eos=True, seed=7)
         elif c == "prefill":
             prompts = random_prompts(rng, cfg.vocab_size, rng.integers(100, 1025, 64))
@@ -103,7 +108,8 @@ def main(argv=None) -> int:
         else:
             raise SystemExit(f"--cases: unknown case {c!r} (decodeB or prefill)")
         out.append(case(llm, prompts, sp, args.top, c))
-    print(f"wrote {write_json('profile_engine.json', {'cases': out})}")
+    name = "profile_engine" + ("" if args.shape == "0.6b" else f"_{args.shape}")
+    print(f"wrote {write_json(name + '.json', {'shape': args.shape, 'cases': out})}")
     return 0
 
 
