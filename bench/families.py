@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import SHAPES, scale_to_entropy, write_json  # noqa: E402
+from bench.common import SHAPES, meta, scale_to_entropy, write_json  # noqa: E402
 
 SHAPES_DEFAULT = "8b,llama3.1-8b,qwen2.5-7b"
 PROMPTS, N_SAMPLES, NEW, TEMP = 32, 8, 128, 1.0
@@ -172,6 +172,15 @@ def _exact(shape: str, quick: bool, timeout: int) -> dict:
 PARTS = {"train": _train, "generate": _generate, "exact": _exact}
 
 
+def _merged(res: dict) -> dict:
+    """This run's parts over the earlier families.json's (each part carries its own meta: a part
+    re-measured alone, e.g. exact mode at one shape, replaces only itself)."""
+    path = ROOT / "bench/results/families.json"
+    old = json.loads(path.read_text()).get("shapes", {}) if path.exists() else {}
+    shapes = {s: {**old.get(s, {}), **row} for s, row in {**old, **res["shapes"]}.items()}
+    return {**res, "shapes": shapes}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=SHAPES_DEFAULT)
@@ -190,8 +199,9 @@ def main(argv=None) -> int:
             row[part] = PARTS[part](shape, a.quick, a.timeout)
             print(f"{shape} {part}: {json.dumps(row[part])[:400]}", flush=True)
             res["wall_s"] = time.time() - t0
+            row[part]["meta"] = meta()
             if not a.quick:  # after each part: a run cut short keeps what it measured
-                write_json("families.json", res)
+                write_json("families.json", _merged(res))
     print(f"\n{'shape':<12} {'train ms':>9} {'MFU':>6} {'gen tok/s':>10} {'of bound':>9} {'exact':>8} {'default':>8}")
     for shape, row in res["shapes"].items():
         t, g, e = row.get("train", {}), row.get("generate", {}), row.get("exact", {})
