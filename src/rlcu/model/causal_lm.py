@@ -36,6 +36,7 @@ import torch
 from rlcu import files
 from rlcu.model import io, layer
 from rlcu.model.config import CausalLMConfig, layer_keeps
+from rlcu.model.inputs import check_cu, check_ids
 from rlcu.model.layout import ParamLayout
 from rlcu.model.lora_run import LoraRun
 from rlcu.model.rope import inv_freq, mscale
@@ -163,6 +164,9 @@ class CausalLM:
 
     def _ensure_grads(self):
         if self.lora is not None:
+            if self.grad_sink is not None:
+                raise ValueError("data parallel training of LoRA adapters is not supported yet (the gradient sink "
+                                 "reduces the base's buffer): train adapters in one process")
             return self.lora.ensure_grads()
         if self.grad_sink is not None:
             self._g = self.grad_sink.grads
@@ -192,39 +196,6 @@ class CausalLM:
     def _grads_done(self, part) -> None:
         if self.grad_sink is not None:  # part: 'final_norm' (with the head), a layer index, 'embed'
             self.grad_sink.done(part)
-
-    # ---------------------------------------------------------------- input checks
-    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{what} must be an integer tensor, got {ids.dtype}")
-        if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.cfg.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"{what} contains token id {bad}, outside the vocabulary [0, {self.cfg.vocab_size})")
-
-    def _check_cu(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> int:
-        if tokens.dim() != 1:
-            raise ValueError(f"tokens must be 1-D (packed), got shape {list(tokens.shape)}")
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of S+1 offsets, got "
-                             f"{cu_seqlens.dtype} of shape {list(cu_seqlens.shape)}")
-        cu = cu_seqlens.tolist()
-        N = tokens.numel()
-        if cu[0] != 0 or cu[-1] != N:
-            raise ValueError(f"cu_seqlens must start at 0 and end at the number of tokens ({N}), "
-                             f"got {cu[0]} ... {cu[-1]}")
-        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        if min(lens) < 1:
-            i = min(range(len(lens)), key=lambda j: lens[j])
-            raise ValueError(f"cu_seqlens must be strictly increasing: sequence {i} has length {lens[i]}")
-        if cu_seqlens.device != tokens.device:
-            raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, tokens on {tokens.device}")
-        mx = max(lens)
-        if mx > self.cfg.max_position_embeddings:
-            raise ValueError(f"a sequence of {mx} tokens exceeds max_position_embeddings "
-                             f"({self.cfg.max_position_embeddings})")
-        return mx
 
     # ---------------------------------------------------------------- one layer
     def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, keep: str = "none", attn=None,
@@ -269,7 +240,7 @@ class CausalLM:
         """LongTensor[B, T] -> FloatTensor[B, T, V]: logits[b, t] scores token t+1."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {list(input_ids.shape)}")
-        self._check_ids(input_ids, "input_ids")
+        check_ids(input_ids, self.cfg.vocab_size, "input_ids")
         B, T = input_ids.shape
         tokens = input_ids.reshape(-1).to(self.device)
         cu = torch.arange(0, (B + 1) * T, T, device=self.device, dtype=torch.int32)
@@ -282,8 +253,8 @@ class CausalLM:
         """The trunk: tokens [N], cu_seqlens [S+1] int32 -> final-normed hidden states h [N, H].
         With grad=True the activations `hidden_backward` needs are kept (per the
         checkpointing mode). The critic's value head and the LM head both start here."""
-        max_seqlen = self._check_cu(tokens, cu_seqlens)
-        self._check_ids(tokens, "tokens")
+        max_seqlen = check_cu(tokens, cu_seqlens, self.cfg.max_position_embeddings)
+        check_ids(tokens, self.cfg.vocab_size, "tokens")
         return self.hidden_forward_unchecked(tokens, cu_seqlens, max_seqlen, grad=grad)
 
     def hidden_forward_unchecked(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
