@@ -159,3 +159,27 @@ def test_data_parallel_with_adapters_is_refused(tmp_path):
     m.grad_sink = object()  # what rlcu.parallel sets: its buckets hold the base's gradient
     with pytest.raises(ValueError, match="data parallel training of LoRA adapters is not supported"):
         m.backward(w)
+
+
+def test_bf16_adapters_follow_fp32(tmp_path):
+    """bf16 weights and adapters (fp32 gradients, as the optimizer's default), default and exact mode:
+    logprobs and adapter gradients within bf16's tolerance of the fp32 model's."""
+    import rlcu
+
+    _, folder = base_pair(tmp_path, "qwen3")
+    _, tokens, cu, w = packed_batch()
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        m = rlcu.from_pretrained(folder, dtype=dt)
+        ad = random_adapter(m, CASES["all"])
+        for ex in (False, True):
+            m.exact = ex
+            m.zero_grad()
+            lp = m.forward(tokens, cu)
+            m.backward(w)
+            out[dt, ex] = lp.float(), ad.grad_flat.clone()
+    assert ad.grad_flat.dtype == torch.float32 and ad.flat.dtype == torch.bfloat16
+    ref_lp, ref_g = out[torch.float32, False]
+    for ex in (False, True):
+        lp, g = out[torch.bfloat16, ex]
+        assert rel_err(lp, ref_lp) < 1e-2 and rel_err(g, ref_g) < 6e-2, ex
