@@ -17,8 +17,8 @@ Per shape:
     python bench/families.py [--shapes 8b,llama3.1-8b,qwen2.5-7b] [--parts train,generate,exact]
     python bench/families.py --quick      # a smoke run on whatever device (tiny shapes' stand-ins)
 
-JSON: bench/results/families.json (and each part's own JSON: train_step_<shape>.json,
-generate_<shape>.json)."""
+JSON: bench/results/families.json (and each part's own JSON: train_step_<shape>_auto.json,
+generate_<shape>_protocol.json)."""
 
 from __future__ import annotations
 
@@ -137,9 +137,10 @@ def _train(shape: str, quick: bool, timeout: int) -> dict:
     if quick:
         return {"skipped": "--quick"}
     t0 = time.time()
-    out, err = _run([sys.executable, "bench/train_step.py", "--shape", shape, "--sides", "rlcu_auto", *args],
-                    timeout)
-    path = ROOT / "bench/results" / f"train_step_{shape}.json"
+    name = f"train_step_{shape}_auto.json"
+    out, err = _run([sys.executable, "bench/train_step.py", "--shape", shape, "--sides", "rlcu_auto", "--json", name,
+                     *args], timeout)
+    path = ROOT / "bench/results" / name
     if not _written_since(path, t0):
         return {"error": (err or out)[-800:]}
     r = json.loads(path.read_text()).get("rlcu_auto", {})
@@ -150,7 +151,8 @@ def _generate(shape: str, quick: bool, timeout: int) -> dict:
     t0 = time.time()
     cmd = [sys.executable, "bench/generate.py", "--shape", shape, "--no-hf", "--protocol-only"]
     out, err = _run(cmd + (["--quick"] if quick else []), timeout)
-    name = "generate_quick.json" if quick else "generate.json" if shape == "0.6b" else f"generate_{shape}.json"
+    name = "generate_quick" if quick else "generate" + ("" if shape == "0.6b" else f"_{shape}")
+    name += "_protocol.json"
     path = ROOT / "bench/results" / name
     if not _written_since(path, t0):
         return {"error": (err or out)[-800:]}

@@ -260,6 +260,7 @@ def main(argv=None) -> int:
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
     name += ("_fused_linear" + ("_pdl" if args.pdl else "")) if args.fused_linear is not None else ""
     name += "_split_kernel" if args.split_kernel else ""
+    name += "_protocol" if args.protocol_only else ""
     path = write_json(name + ".json", results)
     print(f"wrote {path}")
     return 0

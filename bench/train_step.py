@@ -215,6 +215,7 @@ def main():
     ap.add_argument("--graph", action="store_true", help="CUDA-graph step against the eager step, per case")
     ap.add_argument("--cases", default="32x1024,8x1024,4x512,critic:8x1024", help="with --graph: [critic:]BxT,...")
     ap.add_argument("--ckpt", default="full", help="with --graph: gradient checkpointing (full | attention)")
+    ap.add_argument("--json", help="the result's file name (default: train_step[_<shape>].json)")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side:
@@ -245,7 +246,7 @@ def main():
             res[side]["speedup_vs_hf"] = hf["ms"] / res[side]["ms"]
             res[side]["memory_ratio_vs_hf"] = res[side]["peak_GiB"] / hf["peak_GiB"]
     res["wall_s"] = time.time() - t0
-    write_json("train_step.json" if args.shape == "0.6b" else f"train_step_{args.shape}.json", res)
+    write_json(args.json or ("train_step.json" if args.shape == "0.6b" else f"train_step_{args.shape}.json"), res)
     print(f"\n{'train step':<12} {'ms':>8} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} {'vs HF':>6}")
     for k in SIDES:
         r = res.get(k)
