@@ -87,13 +87,14 @@ def loop_fn(o):
     r = o["b"].shape[2]
     groups = [(j, (o["idx"] == j).nonzero().flatten()) for j in range(o["a"].shape[0])]
     groups = [(j, rows) for j, rows in groups if len(rows)]
+    scales = o["scale"].tolist()  # on the host beforehand: a read inside f would sync (and break a capture)
 
     def f():
         for j, rows in groups:
             h = o["x"].index_select(0, rows) @ o["a"][j].t()
             out = torch.cat([(h[:, s * r:(s + 1) * r] @ o["b"][j, c0:c1].t()) for s, (c0, c1) in
                              enumerate(o["slices"])], 1)
-            o["y"].index_add_(0, rows, out, alpha=float(o["scale"][j]))
+            o["y"].index_add_(0, rows, out, alpha=scales[j])
         return o["y"]
     return f
 
