@@ -232,8 +232,10 @@ def calls():
         wq, hd = torch.randn((Hq + 2 * Hk) * D, H).to(bf), torch.ones(D, dtype=bf)
         for M in (1, 64, 256):
             decode_qkv(torch.randn(M, H).to(bf), wq, w, 1e-6, hd, hd, pos[:M], slots[:M], kc, vc, Hq, Hk, D, freqs)
-        # rope alone with Qwen2's bias; rope alone without it (Llama's) spills 4 bytes at these 64-row
-        # heuristic tiles (255 registers, as Qwen3's), so the engine does not fuse that family's step yet
+        # rope alone with Qwen2's bias; rope alone without it (Llama's, Mistral's) spills 4 bytes at these
+        # 64-row heuristic tiles (255 registers, as Qwen3's), so it is left out here: the fused decode path is
+        # opt-in (decode_linear.CONFIGS["enabled"] is off by default; generate.py --fused-linear), and the
+        # default path runs cuBLAS and qkv_prep for every family
         bias = torch.randn((Hq + 2 * Hk) * D).to(bf)
         decode_qkv(x[:64], wq, w, 1e-6, None, None, pos[:64], slots[:64], kc, vc, Hq, Hk, D, freqs, bias=bias)
         dl.CONFIGS.update(pdl=True)
