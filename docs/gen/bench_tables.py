@@ -179,7 +179,8 @@ def families() -> str:
         f"Generation: 256 requests, prompt and output uniform in [100, 1024]; the bound reads every weight once "
         f"a step plus the running sequences' KV at 4.3 TB/s, or the prefill's FLOPs. Exact mode: 32 prompts x 8 "
         f"samples x 128 tokens, the engine's logprobs against the trainer's forward. `bench/families.py` runs "
-        f"a part at every shape in one call, each in its own process; each part names its tree in the file; source: `families.json`, trees {', '.join(sorted(trees))}, {device(d)}.")
+        f"a part at every shape in one call, each in its own process; each part names its tree in the file; "
+        f"source: `families.json`, trees {', '.join(sorted(trees))}, {device(d)}.")
 
 
 # ---------------------------------------------------------------- exact mode and the mismatch
