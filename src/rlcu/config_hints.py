@@ -7,9 +7,9 @@ Two kinds of hint, tried in this order:
   from it, gets our name at once. A TRL name is hinted only where the config being loaded has
   the option (SFT has no `kl_coef`); its meaning may differ in detail (TRL's `loss_type`
   values are not our `loss_agg` values), which the option's help then says.
-- a near miss (difflib): first among the section's own options (`optim.lrr` -> `optim.lr`),
-  then among every option below it by its last name (`lr` at the top -> `optim.lr`, `warmup`
-  -> `optim.warmup_steps`).
+- the exact name of an option below the section (`lr` at the top -> `optim.lr`), else a near
+  miss (difflib): first among the section's own options (`optim.lrr` -> `optim.lr`), then among
+  every option below it by its last name (`warmup` -> `optim.warmup_steps`).
 
 Paths are dotted and relative to the section the key was found in.
 """
@@ -55,6 +55,11 @@ TRL_NAMES = {
     "resume_from_checkpoint": "checkpoint.resume",
     "eval_steps": "eval_every",
     "vllm_gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "lora_r": "lora.r",  # TRL's ModelConfig (use_peft)
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "lora_target_modules": "lora.target_modules",
+    "use_rslora": "lora.rslora",
 }
 
 
@@ -68,13 +73,15 @@ def hint(key: str, names: list[str], leaves: list[str]) -> tuple[str, str] | Non
             if path in leaves:
                 return "trl", path
         return None  # TRL's option, with no counterpart in this config: no guess
-    near = difflib.get_close_matches(key, names, n=1)
-    if near:
-        return "near", near[0]
     by_last: dict[str, str] = {}
     for path in leaves:
         by_last.setdefault(path.rsplit(".", 1)[-1], path)  # the shallowest of a name
-    near = [key] if key in by_last else difflib.get_close_matches(key, list(by_last), n=1)
+    if key in by_last:  # the very name of a deeper option (`lr` -> optim.lr) beats a near miss (`lora`)
+        return "near", by_last[key]
+    near = difflib.get_close_matches(key, names, n=1)
+    if near:
+        return "near", near[0]
+    near = difflib.get_close_matches(key, list(by_last), n=1)
     return ("near", by_last[near[0]]) if near else None
 
 

@@ -33,6 +33,7 @@ from rlcu.config.load import (
     parse_override,
     save_config,
 )
+from rlcu.config.lora import LoraSection
 from rlcu.config.rl import CriticConfig, GRPOConfig, MultiTurnConfig, PPOConfig, RLConfig
 from rlcu.config.sections import (
     CHECKPOINTING_MODES,
@@ -50,8 +51,8 @@ from rlcu.config.sft import SFTConfig
 
 __all__ = [
     "CHECKPOINTING_MODES", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig", "DemoConfig",
-    "DemoTaskConfig", "EngineConfig", "GPU_MEMORY_UTILIZATION", "GRPOConfig", "LogConfig", "MODEL", "ModelConfig",
-    "MultiTurnConfig", "OptimConfig", "PPOConfig", "RLConfig", "RunConfig", "SFTConfig", "Section", "UnknownOption",
-    "check_device", "command_config", "config_from_dict", "config_help", "config_to_dict", "default_text",
-    "field_types", "load_config", "opt", "parse_override", "save_config", "type_name"
+    "DemoTaskConfig", "EngineConfig", "GPU_MEMORY_UTILIZATION", "GRPOConfig", "LogConfig", "LoraSection", "MODEL",
+    "ModelConfig", "MultiTurnConfig", "OptimConfig", "PPOConfig", "RLConfig", "RunConfig", "SFTConfig", "Section",
+    "UnknownOption", "check_device", "command_config", "config_from_dict", "config_help", "config_to_dict",
+    "default_text", "field_types", "load_config", "opt", "parse_override", "save_config", "type_name"
 ]

@@ -1,5 +1,6 @@
 """The sections a run's config is made of: model, data, optim, checkpoint, log, engine, and
-`RunConfig`, the five that every trainer's config begins with (SFT, GRPO and PPO each add
+`RunConfig`, the six that every trainer's config begins with (lora's section is config/lora.py's;
+SFT, GRPO and PPO each add
 their own fields after them, so every run's YAML opens the same way)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from rlcu.config.fields import ConfigError, Section, opt
+from rlcu.config.lora import LoraSection
 from rlcu.model.config import checkpointed_layers
 
 GPU_MEMORY_UTILIZATION = 0.6  # the engine's default (LLM and engine.gpu_memory_utilization: null)
@@ -221,3 +223,5 @@ class RunConfig(Section):
     optim: OptimConfig = opt(OptimConfig, "the optimizer and learning-rate schedule (GRPO/PPO: the policy's)")
     checkpoint: CheckpointConfig = opt(CheckpointConfig, "checkpoints and resume")
     log: LogConfig = opt(LogConfig, "logging")
+    lora: LoraSection = opt(LoraSection, "LoRA adapters over a frozen base (off unless lora.r or lora.path is set; "
+                                         "docs/models.md)")

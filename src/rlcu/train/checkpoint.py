@@ -1,7 +1,8 @@
 """Checkpoints: atomic, resumable, pruned; and building a run's model from its config.
 
 Layout of one checkpoint, `root/step-000123/`:
-    model/              the weights as an HF folder (config.json + safetensors, tokenizer files)
+    model/              the weights as an HF folder (config.json + safetensors, tokenizer files);
+                        a LoRA run's: the base's config.json and the adapters as a PEFT folder
     optim.pt            optimizer state: step count, m, v (and the fp32 master weights when
                         the working weights are bf16)
     <name>.pt           extra state_dict()s (e.g. a critic and its optimizer)
@@ -287,7 +288,10 @@ def load_checkpoint(path, model, optimizer, *, extra: dict | None = None, genera
     path = Path(path)
     if not (path / "trainer_state.json").exists():
         raise FileNotFoundError(f"{path}: not a checkpoint (no trainer_state.json)")
-    io.load_into(path / "model", model.layout, model.flat)
+    if hasattr(model, "load_pretrained"):  # a LoRA run's adapters (train/lora.py LoraCheckpoint)
+        model.load_pretrained(path / "model")
+    else:
+        io.load_into(path / "model", model.layout, model.flat)
     if optimizer is not None:  # optim.pt, or the shards of any number of ranks
         load_optimizer(path, optimizer)
     for k, obj in (extra or {}).items():

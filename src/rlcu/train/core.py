@@ -39,6 +39,7 @@ from rlcu.train import resume as rs
 from rlcu.train import run_dir
 from rlcu.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlcu.train.logging import run_logger
+from rlcu.train.lora import LoraCheckpoint, attach_lora, save_final
 from rlcu.train.signals import SignalGuard
 
 
@@ -179,6 +180,24 @@ class Trainer(abc.ABC):
     def _start_message(self) -> str:
         return f"{self.kind}: {self.step} of {self.cfg.steps} steps done"
 
+    # ---------------------------------------------------------------- LoRA (rlcu.train.lora)
+    def _attach_lora(self, model):
+        """The run's `lora:` adapters attached to `model`; returns what its optimizer trains:
+        the adapters (the base frozen), else the model itself."""
+        ad = attach_lora(model, self.cfg.lora)
+        return model if ad is None else ad
+
+    def _ckpt_model(self, model):
+        """What a checkpoint saves in the model's place: a LoRA run's adapters, else the model."""
+        return model if model.lora is None else LoraCheckpoint(model, self.cfg.model.path)
+
+    def _trainable_note(self, model) -> str:
+        if model.lora is None:
+            return f"{model.num_params():,} parameters"
+        ad = model.lora
+        return (f"{model.num_params():,} parameters frozen, LoRA r={ad.cfg.r} over "
+                f"{', '.join(ad.cfg.target_modules)}: {ad.num_params():,} trained")
+
     # ---------------------------------------------------------------- checkpoints
     def _log_info(self, msg: str) -> None:
         if self.logger is not None:
@@ -193,6 +212,8 @@ class Trainer(abc.ABC):
     def save(self) -> Path:
         model, opt, extra = self._checkpoint_objects()
         state = {**self._trainer_state(), "trainer": self.kind, "config": config_to_dict(self.cfg)}
+        if getattr(model, "ad", None) is not None:  # the dropout masks' count (the next forward's seed)
+            state["lora_forwards"] = model.ad._forwards
         self.last_checkpoint = save_checkpoint(self.ckpt_root, self.step, model, opt, state,
                                                self.cfg.checkpoint.keep_last, extra=extra,
                                                tokenizer=getattr(self, "tokenizer", None))
@@ -218,6 +239,8 @@ class Trainer(abc.ABC):
         except (ValueError, FileNotFoundError) as e:
             raise SetupError(f"checkpoint {p} does not fit this run: {e}") from None
         self.step = int(state["step"])
+        if "lora_forwards" in state:
+            model.ad._forwards = int(state["lora_forwards"])
         self._load_state(state)
         self.resumed_from = p
         return self.step
@@ -337,9 +360,18 @@ class Trainer(abc.ABC):
                     raise TrainingStopped(stop, ck, self.step)
             if self.step > start and saved_at != self.step and (c.checkpoint.save_at_end or self.step < c.steps):
                 self._save_if_finite()
+            self._save_adapter(start)
         finally:
             lg.close()
         return self._result()
+
+    def _save_adapter(self, start: int) -> None:
+        """A LoRA run's adapters as a PEFT folder under log.out_dir once it trained (finite only)."""
+        model = getattr(self, "model", None)
+        if model is None or model.lora is None or self.step == start or not world().is_main:
+            return
+        if self._state_finite():
+            self.logger.info(f"LoRA adapter: {save_final(model, self.out_dir, self.cfg.model.path)}")
 
     def _result(self):
         return self.history

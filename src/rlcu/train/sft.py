@@ -92,6 +92,7 @@ class SFTTrainer(Trainer):
         cfg = self.cfg
         self.model = model if model is not None else build_model(cfg.model)
         self.device = self.model.device
+        trained = self._attach_lora(self.model)  # the adapters with lora:, else the model
         d = cfg.data
         fields = dict(prompt_field=d.prompt_field, completion_field=d.completion_field,
                       messages_field=d.messages_field)
@@ -115,7 +116,7 @@ class SFTTrainer(Trainer):
         self.eval_examples = self._encode(eval_rows, d.eval_path or f"{src} (held out)", fields) if eval_rows else []
         self.stream = PackedStream([len(e[0]) for e in self.examples], cfg.batch_tokens, d.shuffle, d.seed)
         self._n_mask = [sum(m) for _, m in self.examples]  # completion tokens of each example
-        self.optimizer = make_optimizer(self.model, cfg.optim)  # ShardedAdamW across ranks
+        self.optimizer = make_optimizer(trained, cfg.optim)  # ShardedAdamW across ranks
         self.step_graph = self._make_step_graph() if cfg.cuda_graph else None
         self._graph_misfits = 0  # steps that ran eagerly because a micro-batch did not fit the graph
 
@@ -190,10 +191,10 @@ class SFTTrainer(Trainer):
         self.history = list(state.get("metrics_tail", []))
 
     def _checkpoint_objects(self, loading: bool = False) -> tuple:
-        return self.model, self.optimizer, {}
+        return self._ckpt_model(self.model), self.optimizer, {}
 
     def _start_message(self) -> str:
-        return (f"SFT: {len(self.examples)} examples, {self.model.num_params():,} parameters, "
+        return (f"SFT: {len(self.examples)} examples, {self._trainable_note(self.model)}, "
                 f"{self.cfg.steps} steps on {self.device}")
 
     # ---------------------------------------------------------------- training

@@ -64,6 +64,8 @@ def why_not(model, optimizer=None) -> str | None:
         return "the ops run their PyTorch twins here (RLCU_BACKEND=torch)"
     if t.exact:
         return "exact mode is on (its batch-invariant kernels are not captured)"
+    if getattr(t, "lora", None) is not None:  # dropout's masks come from a host seed per forward
+        return "LoRA adapters train (their step is not captured: eager steps)"
     if t.grad_sink is not None:
         return "data parallel: the gradient goes to reduce-scatter buckets during the backward"
     if t.grad_dtype != torch.float32 or getattr(model, "grad_dtype", torch.float32) != torch.float32:
