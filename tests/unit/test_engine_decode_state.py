@@ -64,12 +64,14 @@ def _want(seqs):
 def test_stage_then_continue_then_invalidate():
     d = DecodeState(rows=4, width=8, block_size=BS, device=torch.device("cpu"))
     a, b = _seq(6, 5, [3, 9]), _seq(2, 1, [4])
+    b.lora = 2  # b runs on the engine's adapter slot 2, a on none
     a.token_ids.append(11)  # a has one generated token, not computed yet: offset 1
     a.num_computed_tokens = 6
     seqs, step = [a, b], _decode([a, b])
     assert d.load(step, 4, None) == 7  # staged: the longest context is a's 7 tokens
     assert d.num_continued == 0 and _fields(d, seqs) == _want(seqs)
     assert d.dev["kv_slots"][2:4].tolist() == [-1, -1]  # padding rows write nowhere
+    assert d.dev["lora"][:4].tolist() == [-1, 2, -1, -1]  # rows' adapter slots; padding: none
     assert d.block_tables(2, 2).tolist() == [[3, 9], [4, 0]]
     for i in range(6):  # continued: the device advances; b crosses into a new block at token 4
         samples = torch.tensor([20 + i, 30 + i])
@@ -78,6 +80,7 @@ def test_stage_then_continue_then_invalidate():
         assert d.load(step, 2, samples) == 8 + i
         assert d.num_continued == i + 1 and _fields(d, seqs) == _want(seqs), i
         assert d.block_tables(2, 3)[1, :len(b.block_table)].tolist() == b.block_table
+        assert d.dev["lora"][:2].tolist() == [-1, 2]  # a continued step keeps its rows' adapters
     b.block_table[-1] = 77  # copy-on-write replaced b's last block: only that entry is sent again
     samples = torch.tensor([1, 2])
     _advance(seqs, samples.tolist())

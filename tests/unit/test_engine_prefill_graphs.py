@@ -1,6 +1,7 @@
 """PrefillGraphs (engine/prefill_graphs.py) on its own, on the CPU: the token buckets, which
 steps a graph takes, the fields' layout, and that a step's fields land on the device padded
-(writing nowhere, attending to nothing) with its placeholders filled from the last samples."""
+(writing nowhere, attending to nothing, no adapter) with its placeholders filled from the last
+samples, and the graphs read each token's adapter slot among their fields."""
 
 import numpy as np
 import pytest
@@ -30,7 +31,8 @@ def test_token_buckets():
 
 
 def _step(q_lens, ctx, ph=()):
-    """prepare()'s arrays for sequences taking q_lens tokens at contexts ctx (new tokens included)."""
+    """prepare()'s arrays for sequences taking q_lens tokens at contexts ctx (new tokens included),
+    sequence i on adapter slot i - 1 (the first on none)."""
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     N = int(cu[-1])
     pos = np.concatenate([np.arange(c - q, c) for q, c in zip(q_lens, ctx)]).astype(np.int32)
@@ -41,7 +43,8 @@ def _step(q_lens, ctx, ph=()):
     return dict(ids=ids, pos=pos, kv_slots=np.arange(N, dtype=np.int64) + 7, tables=tables, cu=cu,
                 lens=np.array(ctx, dtype=np.int32), rows=cu[1:].astype(np.int64) - 1,
                 ph=np.array(ph, dtype=np.int64), ph_rows=np.arange(len(ph), dtype=np.int64), tile_seq=ts,
-                tile_idx=ti, max_q=max(q_lens), max_k=max(ctx))
+                tile_idx=ti, max_q=max(q_lens), max_k=max(ctx),
+                lora=np.repeat(np.arange(len(q_lens)) - 1, q_lens).astype(np.int32))
 
 
 def test_which_steps_a_graph_takes():
@@ -69,20 +72,23 @@ def test_layout_is_aligned_and_load_pads_the_step():
     assert v["cu"].tolist() == [0, 5, 6, 26, 26] and v["lens"].tolist() == [5, 12, 30, 0]
     assert v["tile_seq"][:T].tolist() == a["tile_seq"].tolist() and set(v["tile_seq"][T:].tolist()) == {-1}
     assert v["tables"][:S].tolist() == a["tables"].tolist()
+    assert v["lora"][:N].tolist() == [-1] * 5 + [0] + [1] * 20 and v["lora"][N:].tolist() == [-1] * (64 - N)
     # the next step, smaller, over the other staging copy: nothing of the first is left past it
     b = _step([3], [8])
     g.load(b, None)
     assert v["ids"][:4].tolist() == [100, 101, 102, 0] and v["cu"].tolist() == [0, 3, 3, 3, 3]
     assert v["lens"].tolist() == [8, 0, 0, 0] and set(v["tile_seq"][len(b["tile_seq"]):].tolist()) == {-1}
+    assert set(v["lora"][:3].tolist()) == set(v["lora"][3:].tolist()) == {-1}
 
 
 def test_replay_captures_once_per_bucket_and_returns_the_steps_rows():
     g = _graphs(budget=600)
     seen = []
 
-    def trunk(*args):
+    def trunk(*args, lora_idx):
         ids, pos, kv_slots, tables, cu, lens, max_q, max_k, rows, tiles = args
-        seen.append((ids.shape[0], kv_slots.max().item(), int(cu[-1]), int(tiles[0].max())))
+        assert lora_idx.shape == ids.shape and lora_idx.data_ptr() == g._static_fields()["lora"].data_ptr()
+        seen.append((ids.shape[0], kv_slots.max().item(), int(cu[-1]), int(tiles[0].max()), lora_idx.max().item()))
         return ids.float()[:, None] * torch.ones(1, 3)
 
     def record(fn):
@@ -92,7 +98,7 @@ def test_replay_captures_once_per_bucket_and_returns_the_steps_rows():
     g._record = record
     h = g.replay(_step([200, 57], [200, 57]), 512, None, trunk)
     # the compile run and the capture: all padding (no writes, no sequence, no tile); the replay
-    assert seen[:2] == [(512, -1, 0, -1)] * 2 and seen[2][0] == 512 and seen[2][2:] == (257, 1)
+    assert seen[:2] == [(512, -1, 0, -1, -1)] * 2 and seen[2][0] == 512 and seen[2][2:] == (257, 1, 0)
     assert h.shape == (257, 3) and h[:, 0].tolist() == list(range(100, 357))
     g.replay(_step([300], [310]), 512, None, trunk)
     assert set(g.graphs) == {512} and len(seen) == 4

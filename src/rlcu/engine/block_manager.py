@@ -10,6 +10,8 @@ Blocks are reference-counted. Three kinds of sharing reach the same mechanism:
   tokens chained with the hash of the block before it, so a block's key names the whole
   prefix up to its end (128-bit blake2b: collisions are negligible, and the tokens are
   compared too). A new sequence starts with the cached blocks of its longest cached prefix.
+  The chain starts from the sequence's adapter slot (`Sequence.lora`): the same tokens under
+  another adapter (or none) have other K/V, so their blocks never share a key.
   Freed blocks keep their contents and key and are evicted least-recently-freed first, so
   a prefix stays reusable until its blocks are actually needed. The engine drops the cache
   at the start of each generate call: the K/V of a prefix depends on the weights, which
@@ -61,12 +63,13 @@ class BlockManager:
 
     # ------------------------------------------------------------------ hashing
     def _block_hash(self, seq: Sequence, i: int) -> bytes:
-        """Key of full block i of `seq` (cached on the sequence: it depends only on tokens)."""
+        """Key of full block i of `seq` (cached on the sequence: it depends only on its tokens and
+        its adapter, which it keeps for life)."""
         hs = seq.block_hashes
         bs = self.block_size
         while len(hs) <= i:
             j = len(hs)
-            prev = hs[j - 1] if j else b""
+            prev = hs[j - 1] if j else (b"" if seq.lora < 0 else b"lora%d:" % seq.lora)
             toks = np.asarray(seq.token_ids[j * bs:(j + 1) * bs], dtype=np.int64).tobytes()
             hs.append(hashlib.blake2b(prev + toks, digest_size=16).digest())
         return hs[i]

@@ -8,6 +8,9 @@ prompt, one too long, an unknown token id) is written as {"index", "error"}, nam
 by file and line, and the command exits with 1 after generating the others. A malformed line
 stops everything before the model is loaded (exit 2).
 
+`--lora PATH` applies a PEFT LoRA adapter folder to every request, unmerged (engine/lora.py);
+one that does not fit the model is refused by name before anything runs (exit 2).
+
 `--model tiny` (the default) builds a tiny random Qwen3 and a word-level tokenizer: a smoke
 run of the whole path without any download.
 """
@@ -97,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "ID@revision), or 'tiny' for a random smoke-test model")
     p.add_argument("--input", help="prompts JSONL ('-' for stdin); unset with --model tiny: three built-in prompts")
     p.add_argument("--output", default="-", help="completions JSONL ('-': stdout)")
+    p.add_argument("--lora", default=None, help="a PEFT LoRA adapter folder (adapter_config.json + "
+                                                "adapter_model.safetensors) applied to every request (unset: none)")
     s = p.add_argument_group("sampling")
     s.add_argument("--n", type=int, default=1, help="completions per prompt (they share the prompt's KV cache)")
     s.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
@@ -189,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
                       prefill_graphs=not args.no_prefill_graphs, exact=args.exact)
         if tiny:
             model, tok = tiny_model_and_tokenizer(args.device)
-            llm = LLM(model, tokenizer=tok, **engine)
+            llm = LLM(model, tokenizer=tok, lora=args.lora, **engine)
         else:
             from rlcu.hub import model_folder
 
-            llm = LLM(model_folder(args.model, field="--model"), device=args.device, dtype=args.dtype, **engine)
+            llm = LLM(model_folder(args.model, field="--model"), device=args.device, dtype=args.dtype,
+                      lora=args.lora, **engine)
     except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e))
+        return _fail(f"--lora: {e}" if args.lora and "LLM.lora" in str(e) else str(e))
 
     src = args.input or "<built-in prompts>"
     prompts, chat_errors = [], {}

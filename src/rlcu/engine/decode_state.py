@@ -38,7 +38,7 @@ class DecodeState:
     with block tables of `width` entries (see the module docstring)."""
 
     I64 = ("ids", "kv_slots", "seeds", "offsets", "table")
-    I32 = ("pos", "lens", "top_k")
+    I32 = ("pos", "lens", "top_k", "lora")  # lora: the row's adapter slot (-1: none), engine/lora.py
     F32 = ("temp", "top_p", "min_p")
     VAR_CAP = 1 << 16  # int64 entries of the variable part that travel in the staging copy
 
@@ -69,6 +69,7 @@ class DecodeState:
         for h in self.host:  # padding rows: write nowhere, attend to one key, sample neutrally
             h["lens"][:] = 1
             h["kv_slots"][:] = -1
+            h["lora"][:] = -1
             h["table"][:] = self.num_tables
             h["temp"][:] = 1.0
             h["top_p"][:] = 1.0
@@ -180,6 +181,8 @@ class DecodeState:
         h["lens"][S:pad_to] = 1
         h["table"][:S] = ts
         h["table"][S:pad_to] = self.num_tables
+        h["lora"][:S] = [s.lora for s in seqs]
+        h["lora"][S:pad_to] = -1
         f = np.array(fl, dtype=np.float32)
         h["temp"][:S], h["top_p"][:S], h["min_p"][:S] = f[:, 0], f[:, 1], f[:, 2]
         si = np.array(sd, dtype=np.int64)

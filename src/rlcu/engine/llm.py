@@ -32,6 +32,13 @@ in other chunks). If g raises, generate raises it with the engine left asleep. W
 `on_done=h`, h() runs once the call's steps are done, before generate returns (not when it
 raises): a caller whose yield checks pair with other engines' (one per rank of a job) keeps
 answering them there until every engine is done, with this one idle.
+
+LoRA adapters, unmerged (engine/lora.py): `LLM(base, lora=PATH | LoraAdapters | {name: either})`
+serves them beside the model's own attached adapter (`model.lora`, named "model": the trainer's,
+read in place, so an RL job's rollouts are always its current policy). A request picks one with
+`generate(..., lora=name)` (one for all, or one per prompt; "base": none); by default the model's
+attached adapter, else the one unnamed adapter given, else the base. One step carries sequences
+of any adapters (the grouped kernels); the prefix cache shares blocks only within one adapter.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import Any
 
 import torch
 
+from rlcu.engine import lora as engine_lora
 from rlcu.engine import requests
 from rlcu.engine.block_manager import BlockManager
 from rlcu.engine.model_runner import ModelRunner
@@ -135,7 +143,10 @@ class LLM:
     the graphs' pool holds about one full-budget step's activations while the engine is awake.
     exact: exact on-policy mode (ops/exact.py), which is the model's (`Qwen3.exact`, read at
     every step): None (the default) keeps a given model's own mode, and off for a model loaded
-    here; True or False sets it on the model, which a trainer sharing it then computes in too."""
+    here; True or False sets it on the model, which a trainer sharing it then computes in too.
+    lora: LoRA adapters to serve (a PEFT folder or a LoraAdapters, or a dict of names to those;
+    engine/lora.py `resolve`), an adapter that does not fit the base refused by name; see the
+    module docstring."""
 
     def __init__(self, model: Qwen3 | str | Path, *, device: str | torch.device | None = None, dtype=None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -143,7 +154,7 @@ class LLM:
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, enable_prefix_caching: bool = True, async_scheduling: bool = True,
                  tokenizer: Any = None, warmup: bool | None = None, prefill_graphs: bool = True,
-                 revision: str | None = None, exact: bool | None = None):
+                 revision: str | None = None, exact: bool | None = None, lora=None):
         from rlcu.config import GPU_MEMORY_UTILIZATION
         from rlcu.ops.paged_attention import DEFAULT_BLOCK_SIZE
 
@@ -193,6 +204,9 @@ class LLM:
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             prefill_graphs=prefill_graphs)
         self.max_model_len = self.runner.max_model_len
+        self.adapters, self._lora_default = engine_lora.resolve(lora, self.model)
+        self._lora_model = None  # the model's attached adapter the slots were built with
+        self._sync_lora()
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.async_scheduling = async_scheduling
@@ -219,6 +233,43 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    # ------------------------------------------------------------------ adapters
+    def _sync_lora(self) -> None:
+        """The runner's adapter slots: the model's attached adapter (if any) and the engine's
+        own, built again when the attached one changed or a buffer moved, else the live one
+        copied in again if the slots hold a copy (engine/lora.py)."""
+        live, slots = self.model.lora, self.runner.lora
+        if slots is not None and live is self._lora_model and not slots.moved():
+            slots.refresh()
+            return
+        named = ([(engine_lora.MODEL, live)] if live is not None else []) + list(self.adapters.items())
+        self._lora_model = live
+        self.runner.set_lora(engine_lora.LoraSlots(self.model, named, frozenset({engine_lora.MODEL}))
+                             if named else None)
+
+    def lora_names(self) -> list[str]:
+        """The adapters a request may name ("base": none)."""
+        return [engine_lora.BASE] + (self.runner.lora.names if self.runner.lora is not None else [])
+
+    def _lora_slots(self, lora, n: int) -> list[int | str]:
+        """generate(lora=...) -> each request's adapter slot (-1: the base), or its problem (a str)."""
+        names = list(lora) if isinstance(lora, (list, tuple)) else [lora] * n
+        if len(names) != n:
+            raise ValueError(f"generate(lora=...) got {len(names)} adapter names for {n} prompts: pass one, "
+                             f"or one per prompt")
+        slots = self.runner.lora
+        default = (engine_lora.MODEL if self.model.lora is not None else self._lora_default) or engine_lora.BASE
+        out = []
+        for name in names:
+            name = default if name is None else name
+            if name == engine_lora.BASE:
+                out.append(-1)
+            elif slots is not None and isinstance(name, str) and name in slots.names:
+                out.append(slots.index(name))
+            else:
+                out.append(f"unknown LoRA adapter {name!r}; this engine serves {', '.join(self.lora_names())}")
+        return out
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -308,11 +359,12 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise",
                  yield_check: Callable[[], bool] | None = None, on_yield: Callable[[int], None] | None = None,
-                 on_done: Callable[[], None] | None = None) -> list[RequestOutput]:
+                 on_done: Callable[[], None] | None = None, lora=None) -> list[RequestOutput]:
         """prompts: a str, a {"prompt_token_ids": [...]} (or {"prompt": str}) dict, a list of token
         ids, or a list of those. sampling_params: one for all, or one per prompt. Returns one
         RequestOutput per prompt, in order. on_error: "raise" | "return" (see the module docstring).
-        yield_check, on_yield, on_done: preemption between engine steps (see the module docstring)."""
+        yield_check, on_yield, on_done: preemption between engine steps (see the module docstring).
+        lora: the adapter's name, one for all or one per prompt (None: the default; "base": none)."""
         items = self._as_list(prompts)
         if any(isinstance(p, str) or (isinstance(p, dict) and "prompt_token_ids" not in p) for p in items):
             self.tokenizer  # noqa: B018  (text needs a tokenizer: fail now, for all requests, if there is none)
@@ -323,13 +375,13 @@ class LLM:
             except (ValueError, TypeError) as e:
                 resolved.append((p, None, f"{type(e).__name__}: {e}"))
         return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error,
-                         yield_check, on_yield, on_done)
+                         yield_check, on_yield, on_done, lora)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise",
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
              yield_check: Callable[[], bool] | None = None, on_yield: Callable[[int], None] | None = None,
-             on_done: Callable[[], None] | None = None) -> list[RequestOutput]:
+             on_done: Callable[[], None] | None = None, lora=None) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them.
         The chat template is applied with add_generation_prompt; chat_template_kwargs are
         template variables (e.g. enable_thinking=False). The rest is as in `generate`."""
@@ -344,7 +396,7 @@ class LLM:
             except (ValueError, TypeError, KeyError) as e:
                 resolved.append((conv, None, f"chat template failed: {e}"))
         return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error,
-                         yield_check, on_yield, on_done)
+                         yield_check, on_yield, on_done, lora)
 
     # ------------------------------------------------------------------ the loop
     def _yield(self, on_yield) -> None:
@@ -359,7 +411,7 @@ class LLM:
         self.wake()
 
     def _run(self, resolved, sampling_params, show: bool, on_error: str, yield_check=None,
-             on_yield=None, on_done=None) -> list[RequestOutput]:
+             on_yield=None, on_done=None, lora=None) -> list[RequestOutput]:
         """Validate the requests, run the step loop over the good ones, assemble the outputs."""
         requests.check_on_error(on_error)
         for name, fn in (("yield_check", yield_check), ("on_yield", on_yield), ("on_done", on_done)):
@@ -367,10 +419,15 @@ class LLM:
                 raise TypeError(f"generate({name}=...) must be a callable or None, got {type(fn).__name__}")
         if self.asleep:
             raise RuntimeError("the engine is asleep (its KV pool is released): call llm.wake() first")
+        self._sync_lora()
+        slot = self._lora_slots(lora, len(resolved))
+        resolved = [(p, None, f"ValueError: {s}") if isinstance(s, str) and err is None else (p, ids, err)
+                    for (p, ids, err), s in zip(resolved, slot)]
         checked, errors = requests.validate(resolved, sampling_params, on_error)
         self.block_manager.drop_cache()  # the weights may have changed since the last call
         seqs = requests.make_sequences(resolved, checked, frozenset(self.eos_token_ids))
         for s in seqs:
+            s.lora = slot[s.request_id]
             self.scheduler.add(s)
         loop = StepLoop(self.scheduler, self.runner, {i: sp.n for i, sp in checked.items()},
                         lookahead=self.async_scheduling, yield_check=yield_check,

@@ -4,7 +4,10 @@ reads its samples back. It holds the step's parts, each owned by its own module:
 - the KV pool (its size, allocation, release): engine/kv_pool.py;
 - the CUDA graphs of the pure decode steps: engine/graphs.py (`DecodeGraphs`);
 - the pure decode steps' fields on the device: engine/decode_state.py (`DecodeState`);
-- the CUDA graphs of prefill and mixed steps, and their fields: engine/prefill_graphs.py.
+- the CUDA graphs of prefill and mixed steps, and their fields: engine/prefill_graphs.py;
+- the LoRA adapters it serves (`lora`, engine/lora.py `LoraSlots`, or None): each step passes
+  the slots with its per-token slot index (`Sequence.lora` repeated over the sequence's chunk;
+  in the decode and prefill graphs' static fields, so that a replay takes new adapters).
 With graphs, the steps the graphs do not hold run eagerly (exact mode's prefill, steps wider
 than the graphs). `allocate` and `release` keep the stateful ones in step (the pool's
 address, the graphs kept or dropped, the decode state reset or dropped).
@@ -107,7 +110,17 @@ class ModelRunner:
         self._last_samples: torch.Tensor | None = None  # the tokens sampled by the last launch (placeholders' values)
         self._dec: DecodeState | None = None  # everything of the pure decode steps (engine/decode_state.py)
         self._rb = _Readback(max_num_seqs)  # pinned host buffers of the samples (see _readback)
+        self.lora = None  # engine/lora.py LoraSlots (set_lora), or None: no adapters
         self.allocate()
+
+    def set_lora(self, slots) -> None:
+        """Serve the adapters `slots` (engine/lora.py LoraSlots, or None). The graphs hold the
+        slots' addresses and, with adapters, another schedule: they are dropped when the slots
+        change."""
+        if slots is not self.lora:
+            self.lora = slots
+            self.decode_graphs.drop()
+            self.prefill_graphs.drop()
 
     def memory_shape(self):
         """This engine as the memory model sees it (kv_pool.engine_shape: a JobShape without
@@ -138,17 +151,25 @@ class ModelRunner:
         return self.decode_graphs.wakes
 
     # ------------------------------------------------------------------ the forward
-    def _hidden(self, *args, **kw) -> torch.Tensor:
-        """paged_forward.hidden over this runner's model and KV pool (args: see there)."""
-        return paged_forward.hidden(self.model, self.kv, *args, **kw)
+    def _hidden(self, *args, lora_idx=None) -> torch.Tensor:
+        """paged_forward.hidden over this runner's model, KV pool and adapters (args: see there;
+        lora_idx: each token's adapter slot, int32 [N], -1 for none; None with adapters: slot 0,
+        the warm-up's dummy steps, which run every kernel a step with adapters runs)."""
+        lora = None
+        if self.lora is not None:
+            if lora_idx is None:
+                lora_idx = torch.zeros(args[0].shape[0], device=self.device, dtype=torch.int32)
+            lora = self.lora.step(lora_idx)
+        return paged_forward.hidden(self.model, self.kv, *args, lora=lora)
 
     def _sample(self, h: torch.Tensor, samp: tuple):
         """paged_forward.sample_rows: the LM head and the sampler -> (tokens, logprobs)."""
         return paged_forward.sample_rows(self.model, h, samp)
 
     def _graph_step(self, args: tuple, samp: tuple):
-        """The step a decode graph captures (engine/graphs.py): the forward and the sampler."""
-        return self._sample(self._hidden(*args), samp)
+        """The step a decode graph captures (engine/graphs.py): the forward and the sampler
+        (its rows' adapter slots: the decode state's field, which the graphs read)."""
+        return self._sample(self._hidden(*args, lora_idx=self._dec_state().dev["lora"][:args[0].shape[0]]), samp)
 
     # ------------------------------------------------------------------ one step
     def prepare(self, batch: ScheduledBatch):
@@ -175,7 +196,8 @@ class ModelRunner:
         c = self.cfg
         tile_seq, tile_idx = prefill_tiles(batch.num_tokens, c.num_attention_heads, c.num_key_value_heads,
                                            ctx_lens=lens)
-        return dict(ids=ids, pos=pos, kv_slots=kv_slots, tables=tables, cu=cu, lens=lens, rows=rows, ph=ph,
+        lora = np.repeat(np.array([s.lora for s in seqs], dtype=np.int32), take)  # each token's adapter slot
+        return dict(ids=ids, pos=pos, kv_slots=kv_slots, tables=tables, cu=cu, lens=lens, rows=rows, ph=ph, lora=lora,
                     ph_rows=ph_rows, tile_seq=tile_seq, tile_idx=tile_idx, max_q=max(batch.num_tokens),
                     max_k=int(lens.max()))
 
@@ -185,12 +207,12 @@ class ModelRunner:
         Triton compiles no new variant) whatever the step's sizes -> `_hidden`'s arguments."""
         ids, kv_slots, rows, ph, ph_rows = _pack([a["ids"], a["kv_slots"], a["rows"], a["ph"], a["ph_rows"]],
                                                  np.int64, self.device)
-        pos, cu, lens, tables, ts, ti = _pack([a["pos"], a["cu"], a["lens"], a["tables"].ravel(), a["tile_seq"],
-                                               a["tile_idx"]], np.int32, self.device)
+        pos, cu, lens, tables, ts, ti, lora = _pack([a["pos"], a["cu"], a["lens"], a["tables"].ravel(), a["tile_seq"],
+                                                     a["tile_idx"], a["lora"]], np.int32, self.device)
         if len(ph):
             ids.index_copy_(0, ph, self._last_samples.index_select(0, ph_rows))
         return (ids, pos, kv_slots, tables.view(len(a["lens"]), -1), cu, lens, a["max_q"], a["max_k"], rows,
-                (ts, ti))
+                (ts, ti)), lora
 
     def _sampling_tensors(self, batch: ScheduledBatch):
         fl, il = [], []  # rows of (temperature, top_p, min_p) and (top_k, seed, offset)
@@ -236,7 +258,8 @@ class ModelRunner:
                 if len(a["rows"]):
                     h = h.index_select(0, self.prefill_graphs.sampled_rows(len(a["rows"])))
             else:
-                h = self._hidden(*self._to_device(a))
+                args, lora = self._to_device(a)
+                h = self._hidden(*args, lora_idx=lora)
             if not len(a["rows"]):  # only non-final prefill chunks: nothing to sample
                 return None, graph
             out = self._sample(h, self._sampling_tensors(batch))
@@ -294,7 +317,7 @@ class ModelRunner:
             cu = torch.arange(S + 1, device=self.device, dtype=torch.int32)
             v = d.dev
             h = self._hidden(v["ids"][:S], v["pos"][:S], v["kv_slots"][:S], d.block_tables(S, W), cu, v["lens"][:S],
-                             1, max_k)
+                             1, max_k, lora_idx=v["lora"][:S])
             return self._sample(h, d.sampling(S))
         g = self.decode_graphs
         self._follow(g)

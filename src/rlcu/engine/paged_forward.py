@@ -22,6 +22,8 @@ the step, with the engine's own parts passed in:
   input norm, the QKV GEMM and qkv_prep in ops/decode_qkv.py; the post norm, gate_up and SwiGLU in
   one decode_linear), and the residual adds go into o's and down's epilogues: five launches a
   layer instead of nine.
+- `lora`, the step's adapters (engine/lora.py `LoraStep`: each token's slot, the grouped kernels),
+  with which the schedule is the plain one (`schedule`);
 then the final norm (`final`) and the LM head only on the rows that sample a token. The engine
 keeps nothing for a backward, so no activation outlives its layer.
 
@@ -47,25 +49,30 @@ from rlcu.ops.sampling import sample
 
 
 def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_q, seq_lens, max_q: int, max_k: int,
-           rows=None, tiles=None) -> torch.Tensor:
+           rows=None, tiles=None, lora=None) -> torch.Tensor:
     """ids, pos (int32), kv_slots (int64, -1: write nowhere): [N]; block_tables [S, W] int32;
     cu_q [S+1], seq_lens [S] int32; rows: [R] indices of the tokens whose logits are wanted (None: all);
-    tiles: the prefill attention's tile list (ops/paged_attention.py `prefill_tiles`), or None
-    -> final-normed hidden states [R, hidden]."""
+    tiles: the prefill attention's tile list (ops/paged_attention.py `prefill_tiles`), or None;
+    lora: the step's adapters (engine/lora.py `LoraStep`), or None -> final-normed hidden states
+    [R, hidden]."""
     x = embedding_fwd(ids, model.w["embed"])
     # a decode step's attention work list, built once for every layer (None unless the decode
     # plan is the list kernel, ops/paged_decode_list.py)
     work = decode_work(cu_q, seq_lens, model.cfg.num_key_value_heads) if max_q == 1 and not model.exact else None
     cache = PagedKV(model, kv, kv_slots, block_tables, cu_q, seq_lens, max_q, max_k, tiles, work)
-    ops = schedule(model, x.shape[0])
+    ops = schedule(model, x.shape[0], lora is not None)
     for i in range(model.cfg.num_hidden_layers):
-        x = layer.layer_fwd(model, i, x, pos, cache, ops)[0]
+        x = layer.layer_fwd(model, i, x, pos, cache, ops, lora=lora)[0]
     return final(model, x, rows)
 
 
-def schedule(model: Qwen3, N: int):
-    """The kernels a step of N tokens runs its layers' steps with (see the module docstring)."""
-    if not model.exact and fused_for(N):
+def schedule(model: Qwen3, N: int, adapters: bool = False):
+    """The kernels a step of N tokens runs its layers' steps with (see the module docstring).
+    With adapters, never `Fused`: it defers the input and post norms' outputs and the QKV and
+    gate_up GEMMs' into their consumers' kernels, where the adapter's shrink (which reads the
+    normed input) and expand (which adds into the GEMM's output before qkv_prep or SwiGLU) have
+    no place; the adapter's own launches are a larger share of such a step than Fused saves."""
+    if not model.exact and not adapters and fused_for(N):
         return FUSED
     return layer.Kernels(model.exact, in_place=True)
 

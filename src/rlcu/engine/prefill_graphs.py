@@ -16,7 +16,7 @@ sized for the largest bucket; the host fills one of two pinned staging copies (t
 one step ahead of the device) and sends it with one non-blocking copy, up to the block-table
 rows the step uses (the sampled rows' indices too, which the runner's head then selects).
 Padding writes nowhere and computes nothing that is read:
-- tokens N .. bucket: id 0 at position 0, kv slot -1 (no write), in no sequence;
+- tokens N .. bucket: id 0 at position 0, kv slot -1 (no write), in no sequence, no adapter;
 - sequences S .. max_seqs: no query tokens (cu_q stays at N), context 0;
 - the attention's tile list (ops/paged_attention.py `prefill_tiles`): entries past the step's
   tiles exit at once, so the grid is fixed while the work follows the step.
@@ -66,7 +66,7 @@ class PrefillGraphs(GraphSet):
     """The prefill graphs of one runner (see the module docstring)."""
 
     I64 = ("ids", "kv_slots", "rows", "ph", "ph_rows")
-    I32 = ("pos", "cu", "lens", "tile_seq", "tile_idx", "tables")
+    I32 = ("pos", "cu", "lens", "tile_seq", "tile_idx", "lora", "tables")  # lora: each token's adapter slot
 
     def __init__(self, *, budget: int, max_seqs: int, max_model_len: int, block_size: int, num_heads: int,
                  num_kv_heads: int, device: torch.device, weights_ptr: int, exact: bool = False):
@@ -76,8 +76,8 @@ class PrefillGraphs(GraphSet):
         self.heads = (num_heads, num_kv_heads)
         self.buckets = token_buckets(budget)
         self.tile_cap = {b: prefill_tiles_cap(b, max_seqs, *self.heads) for b in self.buckets}
-        self.sizes = dict(ids=budget, kv_slots=budget, pos=budget, rows=max_seqs, ph=max_seqs, ph_rows=max_seqs,
-                          cu=max_seqs + 1, lens=max_seqs,
+        self.sizes = dict(ids=budget, kv_slots=budget, pos=budget, lora=budget, rows=max_seqs, ph=max_seqs,
+                          ph_rows=max_seqs, cu=max_seqs + 1, lens=max_seqs,
                           tile_seq=self.tile_cap[budget], tile_idx=self.tile_cap[budget],
                           tables=max_seqs * self.width)
         self.offsets, self.nbytes = self._layout()
@@ -173,6 +173,7 @@ class PrefillGraphs(GraphSet):
         h["ids"][N:] = 0
         h["pos"][N:] = 0
         h["kv_slots"][N:] = -1
+        h["lora"][N:] = -1
         h["cu"][S + 1:] = N
         h["lens"][S:] = 0
         h["tile_seq"][T:] = -1
@@ -184,7 +185,7 @@ class PrefillGraphs(GraphSet):
         host = self._staging()
         h = host[1]
         N, S, T, P = len(a["ids"]), len(a["lens"]), len(a["tile_seq"]), len(a["ph"])
-        for n in ("ids", "kv_slots", "pos", "cu", "lens", "tile_seq", "tile_idx", "rows", "ph", "ph_rows"):
+        for n in ("ids", "kv_slots", "pos", "cu", "lens", "tile_seq", "tile_idx", "rows", "ph", "ph_rows", "lora"):
             h[n][:len(a[n])] = a[n]
         width = a["tables"].shape[1]
         h["tables"][:S, :width] = a["tables"]
@@ -197,16 +198,17 @@ class PrefillGraphs(GraphSet):
     # ------------------------------------------------------------------ capture, replay
     @torch.no_grad()
     def capture(self, b: int, trunk) -> None:
-        """Capture bucket b's graph of `trunk(*args)` (the runner's `_hidden`): the step's
+        """Capture bucket b's graph of `trunk(*args, lora_idx=)` (the runner's `_hidden`; lora_idx
+        its tokens' adapter slots, a field like the others): the step's
         fields all padding (nothing written, nothing attended), run once before the capture
         (the kernels' compiles)."""
         host = self._staging()
         self._pad(host[1], 0, 0, 0)
         self._send(host, self.nbytes)
-        args = self._args(b)
+        args, lora = self._args(b), self._static_fields()["lora"][:b]
 
         def run():
-            return trunk(*args)
+            return trunk(*args, lora_idx=lora)
 
         run()
         self.graphs[b] = self._record(run)

@@ -55,6 +55,7 @@ class Sequence:
         self.pending_row = -1
         self.reported = False
         self.own_seed = sample_seed(seed, sample_index)
+        self.lora = -1  # the engine's adapter slot (engine/lora.py), -1: the base alone; forks inherit it
 
     def __len__(self) -> int:
         return len(self.token_ids)
