@@ -126,8 +126,8 @@ def grad_buckets(s: JobShape) -> int:
 
 
 def reference(s: JobShape) -> int:
-    """A frozen copy of the weights for the KL term."""
-    return params(s.cfg) * s.weight_bytes if s.reference else 0
+    """A frozen copy of the weights for the KL term; none with adapters (the base is the reference)."""
+    return params(s.cfg) * s.weight_bytes if s.reference and s.adapter is None else 0
 
 
 def critic_params(cfg: Qwen3Config) -> int:

@@ -35,6 +35,7 @@ import torch
 from rlcu.config import RLConfig
 from rlcu.data.prompt_check import checked_prompts, prompt_limit
 from rlcu.engine import LLM
+from rlcu.errors import SetupError
 from rlcu.model.causal_lm import Qwen3
 from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
 from rlcu.parallel import batch as dp
@@ -106,6 +107,7 @@ class RLTrainer(Trainer):
         self.model.exact = cfg.exact  # the policy's mode, which its engine reads (ops/exact.py)
         self._model_given = model is not None
         self.device = self.model.device
+        trained = self._attach_lora(self.model)  # the adapters with lora: (the base frozen), else the model
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, "RL prompts")
         specs = _reward_specs(reward_fns, cfg.rewards)
         self.episodes = make_runner(cfg, self.tokenizer, self.model, environment, tools, bool(specs))  # None: 1 turn
@@ -113,7 +115,7 @@ class RLTrainer(Trainer):
         self.rows, self.eval_rows, self.n_filtered = self._load_data(dataset, eval_dataset)
         self.sampler = PromptSampler(self.rows, cfg.data.seed, cfg.data.shuffle)
         self.ref = self._make_ref() if self._needs_ref() else None
-        self.opt = make_optimizer(self.model, cfg.optim)  # ShardedAdamW across ranks
+        self.opt = make_optimizer(trained, cfg.optim)  # ShardedAdamW across ranks
         self.llm = self._make_engine()
         self.llm.sleep(keep_graphs=True)  # its pool is taken back by the first rollout
         self.stop_ids = ro.stop_ids(self.tokenizer, self.model) if cfg.stop_at_eos else []
@@ -125,7 +127,8 @@ class RLTrainer(Trainer):
         """This rank's job as the memory model sees it (rlcu.train.sizing.run_shape)."""
         return sizing.run_shape(self.model, self.opt, micro_batch_tokens=self.cfg.micro_batch_tokens, fused_head=True,
                                 release_grads=self.cfg.optim.release_grads, llm=self.llm,
-                                reference=self.ref is not None, critic=getattr(self, "critic", None) is not None)
+                                reference=self.ref is not None and self.model.lora is None,
+                                critic=getattr(self, "critic", None) is not None)
 
     def _log_estimate(self) -> None:
         sizing.log_estimate(self.logger, self._memory_shape(), self.device)
@@ -165,7 +168,10 @@ class RLTrainer(Trainer):
 
     def _make_ref(self):
         """A frozen copy of the initial policy that shares nothing mutable with it, in its exact
-        mode (the reference's logprobs are taken by the policy's kernels)."""
+        mode (the reference's logprobs are taken by the policy's kernels). With LoRA the base is
+        the reference: a model over the policy's own frozen buffer with no adapters (no copy)."""
+        if self.model.lora is not None:
+            return Qwen3(self.model.cfg, self.model.flat, self.model.exact)
         ref = Qwen3(self.model.cfg, self.model.flat.detach().clone(), self.model.exact)
         ref.gradient_checkpointing = False
         return ref
@@ -187,6 +193,12 @@ class RLTrainer(Trainer):
             kw["num_kv_blocks"] = sizing.rl_kv_blocks(c, world().size, longest,
                                                       min(len(self.eval_rows), c.eval_max_prompts))
         params = inspect.signature(LLM).parameters
+        if self.model.lora is not None:  # the engine reads the live adapters, unmerged
+            if "lora" not in params:
+                raise SetupError(f"lora: {self.kind.upper()} with LoRA needs an engine that applies adapters "
+                                 f"(rlcu.LLM(model, lora=...)); this build's engine does not yet, and the base is "
+                                 f"never merged: train LoRA with SFT, or full fine-tuning with lora.r: 0")
+            kw["lora"] = self.model.lora
         if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
             kw = {k: v for k, v in kw.items() if k in params}
         return LLM(self.model, **kw)
@@ -196,16 +208,16 @@ class RLTrainer(Trainer):
         rebuilt from the config is already the initial weights: it is saved only when the
         model was given (then nothing else can rebuild it)."""
         extra = {}
-        if self.ref is not None and self._model_given:
+        if self.ref is not None and self._model_given and self.model.lora is None:  # LoRA's is the base
             extra["ref_model"] = _FlatState(self.ref)
         return extra
 
     def _checkpoint_objects(self, loading: bool = False) -> tuple:
-        return self.model, self.opt, self._checkpoint_extra(loading)
+        return self._ckpt_model(self.model), self.opt, self._checkpoint_extra(loading)
 
     def _start_message(self) -> str:
         return (f"{self.kind}: {len(self.rows)} prompts, {len(self.eval_rows)} held out, "
-                f"{self.model.num_params() / 1e6:.2f}M parameters on {self.device}")
+                f"{self._trainable_note(self.model)} on {self.device}")
 
     # ---------------------------------------------------------------- rollouts
     def _step_seed(self, step: int, rnd: int = 0) -> int:
@@ -273,7 +285,8 @@ class RLTrainer(Trainer):
         engine's sleep() does with the pool. The next zero_grad reallocates them."""
         freed = False
         for model, oc in self._grad_holders():
-            if oc.release_grads and getattr(model, "grad_flat", None) is not None:
+            held = [getattr(model, "grad_flat", None), getattr(getattr(model, "lora", None), "grad_flat", None)]
+            if oc.release_grads and any(g is not None for g in held):
                 model.release_grads()
                 freed = True
         if freed and self.device.type == "cuda":

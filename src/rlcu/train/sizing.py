@@ -12,6 +12,7 @@ from rlcu.engine.kv_pool import dtype_bytes, engine_shape
 from rlcu.hub import model_folder
 from rlcu.memory import JobShape, checkpointing_name, job_memory
 from rlcu.memory.fit import fit_checkpointing, step_kv_blocks
+from rlcu.memory.shape import AdapterShape
 from rlcu.model.config import Qwen3Config
 from rlcu.parallel.comm import World, world
 
@@ -58,22 +59,43 @@ def config_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = No
                     grad_bytes=2 if wb == 2 and o.grad_dtype == "bfloat16" else 4, world_size=max(1, world_size),
                     micro_batch_tokens=cfg.micro_batch_tokens,
                     checkpointing=checkpointing_name(m.gradient_checkpointing), release_grads=o.release_grads,
-                    reference=cfg.kl_coef > 0, critic=hasattr(cfg, "critic"), random_init=m.path is None,
-                    engine=engine.engine)
+                    reference=cfg.kl_coef > 0 and not cfg.lora.enabled, critic=hasattr(cfg, "critic"),
+                    random_init=m.path is None, engine=engine.engine, adapter=config_adapter(cfg.lora))
+
+
+def config_adapter(section) -> AdapterShape | None:
+    """The adapters a `lora:` section makes (lora.path: its adapter_config.json's), None when off."""
+    if not section.enabled:
+        return None
+    if section.path is None:
+        c = section.lora_config()
+    else:
+        from rlcu.model.lora_peft import read_adapter_config
+
+        c = read_adapter_config(section.path)
+    return AdapterShape(c.r, c.target_modules, bool(section.dropout or c.dropout))
+
+
+def adapter_shape(model) -> AdapterShape | None:
+    """The adapters attached to `model` (model/lora.py), None without."""
+    ad = model.lora
+    return None if ad is None else AdapterShape(ad.cfg.r, ad.cfg.target_modules, ad.cfg.dropout > 0)
 
 
 def run_shape(model, opt, *, micro_batch_tokens: int, fused_head: bool, release_grads: bool = False, llm=None,
               reference: bool = False, critic: bool = False) -> JobShape:
     """The shape of a run on this rank from its buffers: the model's and the optimizer's dtypes
     and modes, the engine's pool and graphs. A checkpointing still 'auto' is the number of
-    layers it will become (`auto_layers`)."""
-    grad_dtype = getattr(opt, "grad_dtype", getattr(model, "grad_dtype", torch.float32))
+    layers it will become (`auto_layers`). With adapters attached the optimizer's state and the
+    gradient are theirs (the base frozen), and a LoRA run's reference is the base itself."""
+    trained = getattr(opt, "model", model)  # FlatAdamW's: the adapters with LoRA
+    grad_dtype = getattr(opt, "grad_dtype", getattr(trained, "grad_dtype", torch.float32))
     shape = JobShape(model.cfg, weight_bytes=model.flat.element_size(),
                      master=getattr(opt, "master", None) is not None and not getattr(opt, "master_is_model", True),
                      state_bytes=opt.m.element_size(), grad_bytes=dtype_bytes(grad_dtype), world_size=world().size,
                      overlap=getattr(opt, "sink", None) is not None, micro_batch_tokens=micro_batch_tokens,
                      fused_head=fused_head, release_grads=release_grads, reference=reference, critic=critic,
-                     engine=llm.runner.memory_shape().engine if llm is not None else None)
+                     engine=llm.runner.memory_shape().engine if llm is not None else None, adapter=adapter_shape(model))
     mode = model.gradient_checkpointing
     k = auto_layers(shape, model.device)[0] if mode == "auto" else checkpointing_name(mode)
     return shape.with_(checkpointing=k)
