@@ -86,3 +86,47 @@ class ScriptedLLM:
     def run_episodes(self, starts, sampling_params, on_turn, **kw):
         self._starts = {tuple(s) for s in starts}
         return run_episodes(self, starts, sampling_params, on_turn, **kw)
+
+
+def run_episodes_batched(llm, starts, sampling_params, on_turn, *, max_workers=32, max_turns=None,
+                         max_episode_tokens=None):
+    """run_episodes' contract with the open episodes' turns in one LLM.generate call per round
+    (each still prefilled whole): the same prompts and seeds, fast enough for a learning test."""
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(starts)
+    eps, params = [], []
+    for start, sp in zip(starts, sps):
+        for j in range(sp.n):
+            eps.append(Episode(list(start), [], [], [], 0, None))
+            params.append(dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sample_seed(sp.seed, j)))
+    open_ = list(range(len(eps)))
+    while open_:
+        todo, ps = [], []
+        for i in open_:
+            ep, sp = eps[i], params[i]
+            left = None if max_episode_tokens is None else max_episode_tokens - len(ep.ids)
+            budget = sp.max_tokens if left is None else min(sp.max_tokens, left)
+            if budget < 1:
+                ep.finish_reason = "length"
+                continue
+            todo.append(i)
+            ps.append(dataclasses.replace(sp, max_tokens=budget, seed=None if sp.seed is None else sp.seed + ep.turns))
+        outs = llm.generate([{"prompt_token_ids": eps[i].start_ids + eps[i].ids} for i in todo], ps, use_tqdm=False)
+        open_ = []
+        for i, o in zip(todo, outs):
+            ep, c = eps[i], o.outputs[0]
+            toks = list(c.token_ids)
+            ep.ids += toks
+            ep.model_mask += [1] * len(toks)
+            ep.logprobs += list(c.logprobs) if c.logprobs is not None else [0.0] * len(toks)
+            ep.turns += 1
+            ep.finish_reason = c.finish_reason
+            t0 = time.perf_counter()
+            env = on_turn(i, toks, c.finish_reason)
+            ep.env_time_s += time.perf_counter() - t0
+            if env is None or (max_turns is not None and ep.turns >= max_turns):
+                continue
+            ep.ids += env
+            ep.model_mask += [0] * len(env)
+            ep.logprobs += [0.0] * len(env)
+            open_.append(i)
+    return eps
