@@ -200,3 +200,21 @@ def test_rlcu_generate_lora(tmp_path, capsys):
     assert main([*args, "--lora", str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err
     assert "--lora" in err and "does not fit the base" in err
+
+
+def test_given_adapters_are_live_and_the_attached_one_is_served_once():
+    """A LoraAdapters given to LLM is read again every generate call (a job's adapter being
+    trained beside others); given as the model's attached one (the RL trainer's call), it is the
+    model's slot, read in place, under both names."""
+    m = tiny_model(**SHAPE)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    job = _adapter(m, ALL, 12)
+    llm = _engine(m, lora={"job": job, "other": _adapter(m, QV, 13)})
+    before = _gen(llm, PROMPTS, sp, "job")
+    job.flat.mul_(-2.0)
+    after = _gen(llm, PROMPTS, sp, "job")
+    assert after != before and after == _gen(_engine(m, lora=job), PROMPTS, sp)
+    job.attach(m)
+    llm = _engine(m, lora=job)
+    assert llm.runner.lora.names == ["model"] and llm.runner.lora.in_place
+    assert _gen(llm, PROMPTS, sp, "default") == _gen(llm, PROMPTS, sp) == after

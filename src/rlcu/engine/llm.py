@@ -204,7 +204,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             prefill_graphs=prefill_graphs)
         self.max_model_len = self.runner.max_model_len
-        self.adapters, self._lora_default = engine_lora.resolve(lora, self.model)
+        self.adapters, self._lora_default, self._lora_live = engine_lora.resolve(lora, self.model)
         self._lora_model = None  # the model's attached adapter the slots were built with
         self._sync_lora()
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
@@ -237,15 +237,17 @@ class LLM:
     # ------------------------------------------------------------------ adapters
     def _sync_lora(self) -> None:
         """The runner's adapter slots: the model's attached adapter (if any) and the engine's
-        own, built again when the attached one changed or a buffer moved, else the live one
-        copied in again if the slots hold a copy (engine/lora.py)."""
+        own (one given that is the attached one is not served twice: its name means the model's
+        slot), built again when the attached one changed or a buffer moved, else the live ones
+        copied in again where the slots hold copies (engine/lora.py)."""
         live, slots = self.model.lora, self.runner.lora
         if slots is not None and live is self._lora_model and not slots.moved():
             slots.refresh()
             return
-        named = ([(engine_lora.MODEL, live)] if live is not None else []) + list(self.adapters.items())
+        named = [(engine_lora.MODEL, live)] if live is not None else []
+        named += [(n, ad) for n, ad in self.adapters.items() if ad is not live]
         self._lora_model = live
-        self.runner.set_lora(engine_lora.LoraSlots(self.model, named, frozenset({engine_lora.MODEL}))
+        self.runner.set_lora(engine_lora.LoraSlots(self.model, named, self._lora_live | {engine_lora.MODEL})
                              if named else None)
 
     def lora_names(self) -> list[str]:
@@ -258,7 +260,7 @@ class LLM:
         if len(names) != n:
             raise ValueError(f"generate(lora=...) got {len(names)} adapter names for {n} prompts: pass one, "
                              f"or one per prompt")
-        slots = self.runner.lora
+        slots, live = self.runner.lora, self.model.lora
         default = (engine_lora.MODEL if self.model.lora is not None else self._lora_default) or engine_lora.BASE
         out = []
         for name in names:
@@ -267,6 +269,8 @@ class LLM:
                 out.append(-1)
             elif slots is not None and isinstance(name, str) and name in slots.names:
                 out.append(slots.index(name))
+            elif live is not None and isinstance(name, str) and self.adapters.get(name) is live:  # served as the model's
+                out.append(slots.index(engine_lora.MODEL))
             else:
                 out.append(f"unknown LoRA adapter {name!r}; this engine serves {', '.join(self.lora_names())}")
         return out

@@ -59,7 +59,8 @@ class LoraSlots:
         self.slices = {k: sp.slices for k, sp in self.layout.specs.items()}
         self.ptrs = [ad.flat.data_ptr() for ad in self.sources]
         one = self.sources[0]
-        self.in_place = len(adapters) == 1 and one.cfg.r == r and one.cfg.target_modules == targets
+        self.in_place = (len(adapters) == 1 and one.cfg.r == r and one.cfg.target_modules == targets
+                         and one.flat.device == dev and one.flat.dtype == model.dtype)
         if self.in_place:  # views of the adapter's own buffer
             self.flat = None
             self.a = {k: one.w[sp.A.name][None] for k, sp in self.layout.specs.items()}
@@ -89,8 +90,8 @@ class LoraSlots:
                     self._copy_in(j)
 
     def _copy_in(self, j: int) -> None:
-        """Adapter j into slot j of the slab: each targeted slice's A rows and B rows where the
-        slots' layout has them (the rest stay zero)."""
+        """Adapter j into slot j of the slab (cast to its device and dtype): each targeted
+        slice's A rows and B rows where the slots' layout has them (the rest stay zero)."""
         src = self.sources[j]
         r = src.cfg.r
         for k, sp in src.layout.specs.items():
@@ -128,16 +129,14 @@ _SHAPE = ("family", "num_hidden_layers", "hidden_size", "intermediate_size", "nu
 
 
 def _fit(name: str, ad: LoraAdapters, model) -> LoraAdapters:
-    """ad on the model's device and dtype (its own buffer where they are already the model's),
-    refused by name if laid out for another base (family, layers, widths)."""
+    """ad itself (a live buffer, which the slots copy from with a cast where its device or dtype
+    is not the model's), refused by name if laid out for another base (family, layers, widths)."""
     c, m = ad.layout.model_cfg, model.cfg
     diff = next((f for f in _SHAPE if getattr(c, f) != getattr(m, f)), None)
     if diff is not None:
         raise ValueError(f"LLM.lora[{name!r}]: the adapter was laid out for another base model ({diff} "
                          f"{getattr(c, diff)!r}, the model's {getattr(m, diff)!r})")
-    if ad.flat.device == model.device and ad.flat.dtype == model.dtype and c == m:
-        return ad
-    return LoraAdapters(m, ad.cfg, ad.flat.to(device=model.device, dtype=model.dtype))
+    return ad
 
 
 def _load(name: str, spec, model) -> LoraAdapters:
@@ -154,13 +153,15 @@ def _load(name: str, spec, model) -> LoraAdapters:
         raise type(e)(f"LLM.lora[{name!r}] ({spec}) does not fit the base model: {e}") from None
 
 
-def resolve(lora, model) -> tuple[dict[str, LoraAdapters], str | None]:
-    """LLM(lora=...) -> ({name: adapter on the model's device and dtype}, the default name or
-    None). A folder or a LoraAdapters is one adapter named 'default', which requests use unless
-    they name another; a dict names each (no default: requests take the base unless they name
-    one). The names 'base' and 'model' are reserved (the base; the model's attached adapter)."""
+def resolve(lora, model) -> tuple[dict[str, LoraAdapters], str | None, frozenset]:
+    """LLM(lora=...) -> ({name: adapter}, the default name or None, the live names). A folder or
+    a LoraAdapters is one adapter named 'default', which requests use unless they name another;
+    a dict names each (no default: requests take the base unless they name one). The names
+    'base' and 'model' are reserved (the base; the model's attached adapter). A folder is loaded
+    onto the model's device and dtype; a LoraAdapters is live (a trainer's, or a job's beside
+    others on one base): the slots read it in place or copy it again every generate call."""
     if lora is None:
-        return {}, None
+        return {}, None, frozenset()
     if isinstance(lora, dict):
         out = {}
         for name, spec in lora.items():
@@ -168,5 +169,8 @@ def resolve(lora, model) -> tuple[dict[str, LoraAdapters], str | None]:
                 raise ValueError(f"LLM.lora: adapter names must be non-empty strings other than {BASE!r} and "
                                  f"{MODEL!r}, got {name!r}")
             out[name] = _load(name, spec, model)
-        return out, None
-    return {DEFAULT: _load(DEFAULT, lora, model)}, DEFAULT
+    else:
+        out = {DEFAULT: _load(DEFAULT, lora, model)}
+    live = frozenset(n for n, spec in (lora.items() if isinstance(lora, dict) else [(DEFAULT, lora)])
+                     if isinstance(spec, LoraAdapters))
+    return out, (None if isinstance(lora, dict) else DEFAULT), live
