@@ -150,14 +150,14 @@ def test_exact_mode_with_adapters_is_batch_invariant(tmp_path):
     assert torch.equal(packed[17:], alone) and rel_err(packed, default) < 1e-4
 
 
-def test_data_parallel_with_adapters_is_refused(tmp_path):
+def test_a_base_gradient_sink_with_adapters_is_refused(tmp_path):
     _, folder = base_pair(tmp_path, "qwen3")
     m = rlcu_model(folder)
     random_adapter(m, CASES["qv"])
     _, tokens, cu, w = packed_batch()
     m.forward(tokens, cu)
     m.grad_sink = object()  # what rlcu.parallel sets: its buckets hold the base's gradient
-    with pytest.raises(ValueError, match="data parallel training of LoRA adapters is not supported"):
+    with pytest.raises(ValueError, match="make the optimizer over the adapters"):
         m.backward(w)
 
 

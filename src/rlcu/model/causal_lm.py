@@ -165,8 +165,9 @@ class CausalLM:
     def _ensure_grads(self):
         if self.lora is not None:
             if self.grad_sink is not None:
-                raise ValueError("data parallel training of LoRA adapters is not supported yet (the gradient sink "
-                                 "reduces the base's buffer): train adapters in one process")
+                raise ValueError("a gradient sink reduces the base's buffer, which a model with adapters does not "
+                                 "train: across ranks make the optimizer over the adapters (make_optimizer(model.lora"
+                                 ", ...): their gradient is reduced at the step)")
             return self.lora.ensure_grads()
         if self.grad_sink is not None:
             self._g = self.grad_sink.grads
