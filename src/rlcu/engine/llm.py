@@ -269,7 +269,8 @@ class LLM:
                 out.append(-1)
             elif slots is not None and isinstance(name, str) and name in slots.names:
                 out.append(slots.index(name))
-            elif live is not None and isinstance(name, str) and self.adapters.get(name) is live:  # served as the model's
+            elif live is not None and isinstance(name, str) and self.adapters.get(name) is live:
+                # the attached adapter given by name too: served as the model's
                 out.append(slots.index(engine_lora.MODEL))
             else:
                 out.append(f"unknown LoRA adapter {name!r}; this engine serves {', '.join(self.lora_names())}")
