@@ -4,6 +4,7 @@ environment and from a function that receives the conversation as TRL passes it,
 multi_turn config's errors naming their fields, and one multi-turn GRPO step end to end. The
 engine's episodes come from support.episodes_ref until LLM.run_episodes lands."""
 
+import dataclasses
 import math
 
 import pytest
@@ -55,7 +56,7 @@ def trainer(tmp_path, rewards=None, eos_digits=False, environment=Again, multi_t
     eos = [tok.eos_token_id] + ([tok.token_to_id(d) for d in syn.DIGITS] if eos_digits else [])
     cfg, _ = grpo_config(tmp_path, model=dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=eos,
                                                         max_position_embeddings=96)),
-                         multi_turn=dict(max_episode_tokens=40, **(multi_turn or {})), **kw)
+                         multi_turn={"max_episode_tokens": 40, **(multi_turn or {})}, **kw)
     return GRPOTrainer(cfg, syn.sort_rows(16, "train", min_len=2, max_len=3), rewards, tokenizer=tok,
                        environment=environment), tok
 
@@ -179,3 +180,26 @@ def test_a_groups_episodes_share_one_start_unless_reset_differs(tmp_path):
     starts, sps = llm.seen
     assert len(starts) == 6 and [sp.n for sp in sps] == [1] * 6 and len({sp.seed for sp in sps}) == 6
     assert [s.prompt_messages[-1]["content"] for s in ss] == [f"sort {k % 10} :" for k in range(1, 7)]
+
+
+def test_overlong_penalty_and_mask_count_an_episodes_model_tokens_against_its_room(tmp_path):
+    """Three turns of 3 + 2 + 3 model tokens between two 6-token user replies: the penalty reads 8
+    model tokens against the 22 - 12 = 10 its episode left them (buffer 4: -0.5), not its 20 tokens
+    against max_new_tokens; masking drops an episode cut by length, not one ended by max_turns."""
+    tr, tok = trainer(tmp_path, rewards=[], max_new_tokens=4, overlong="penalty", overlong_buffer=4,
+                      prompts_per_step=1, group_size=2, multi_turn=dict(max_episode_tokens=22))
+    end, d = tok.eos_token_id, tok.token_to_id
+    llm = ScriptedLLM([[d("3"), d("5"), end], [d("5"), end], [d("7"), d("3"), end]])
+    tr.rollout = lambda rows, n, seed, group_offset=0: tr.episodes.sample(
+        llm, rows, [r["prompt"] for r in rows], n=n, temperature=1.0, max_tokens=4, seed=seed)
+    ss, keep, _ = tr._collect(0)
+    s = ss[0]
+    assert len(s.completion_ids) == 20 and s.episode["model_tokens"] == 8 and s.episode["model_room"] == 10
+    assert [x.reward for x in ss] == [0.5, 0.5]  # the environment's 1, less 0.5
+    tr.cfg.overlong = "mask"
+    tr.episodes.limits = dataclasses.replace(tr.episodes.limits, max_turns=2)
+    ss, keep, _ = tr._collect(1)
+    assert ss[0].episode["truncated"] == "max_turns" and keep.tolist() == [True, True]
+    llm.turns, llm.finish = [[d("3"), d("5"), d("5"), d("5")]], "length"  # cut at max_new_tokens
+    ss, keep, _ = tr._collect(2)
+    assert ss[0].episode["truncated"] == "length" and keep.tolist() == [False, False]

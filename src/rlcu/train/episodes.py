@@ -109,6 +109,11 @@ class EpisodeRunner:
         err = getattr(ep, "error", None)
         stats["engine_error"] = None if err is None else err if isinstance(err, str) else describe(err)
         stats["env_reward"] = self._env_reward(st, stats)
+        # the overlong penalty's length and limit: the model's tokens, and the room the episode's
+        # limit left them after its environment tokens (None: no episode limit)
+        stats["model_tokens"] = sum(mask)
+        lim = st.limits.max_tokens
+        stats["model_room"] = None if lim is None else lim - (len(ids) - stats["model_tokens"])
         finish = "length" if st.stats.truncated == "length" else ep.finish_reason
         last = next((m.get("content") or "" for m in reversed(st.messages) if m["role"] == "assistant"), "")
         return Sample(group, list(ep.start_ids), ids, lps, finish, row, completion_text=last, model_mask=mask,
@@ -127,6 +132,23 @@ class EpisodeRunner:
             stats["error"] = f"reward: {describe(e)}"
             return math.nan
         return r if math.isfinite(r) else math.nan
+
+
+def overlong_lengths(samples: list[Sample], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n] lengths, [n] limits) the overlong penalty reads: a completion's tokens against
+    max_new_tokens; an episode's model tokens against the room its token limit left them after
+    its environment's tokens (their count differs per episode), so environment tokens count in
+    neither (an episode without a limit: against max_new_tokens)."""
+    L, lim = [], []
+    for s in samples:
+        e = s.episode
+        if e is None or "model_tokens" not in e:
+            L.append(len(s.completion_ids))
+            lim.append(max_new_tokens)
+        else:
+            L.append(e["model_tokens"])
+            lim.append(max_new_tokens if e["model_room"] is None else e["model_room"])
+    return torch.tensor(L), torch.tensor(lim)
 
 
 def episode_metrics(samples: list[Sample]) -> dict:

@@ -10,7 +10,8 @@ takes dlp, dent from it at once -> FlatAdamW.
 
 Options: token-level (DAPO) or per-sequence-mean aggregation, clip_low != clip_high, std
 scaling on/off, dynamic sampling (drop groups whose rewards are all equal, refill from more
-prompts), overlong completions masked or softly penalised.
+prompts), overlong completions masked or softly penalised (an episode by its model's tokens
+against its own room: rlcu.train.episodes.overlong_lengths).
 
 Reproducibility: the data order is a seeded permutation per epoch and every step's sampling
 seed is a function of (seed, step), so a run resumed from a checkpoint makes the same
@@ -27,6 +28,7 @@ import torch
 from rlcu.config import GRPOConfig
 from rlcu.train import losses
 from rlcu.train import rollout as ro
+from rlcu.train.episodes import overlong_lengths
 from rlcu.train.mismatch import StepCorrection
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
@@ -52,8 +54,8 @@ class GRPOTrainer(RLTrainer):
             for k, v in m.items():
                 metrics.setdefault(k, []).append(v)
             if c.overlong == "penalty":
-                L = torch.tensor([len(s.completion_ids) for s in ss])
-                pen = losses.overlong_penalty(L, c.max_new_tokens, c.overlong_buffer)
+                L, limit = overlong_lengths(ss, c.max_new_tokens)  # an episode's model tokens only
+                pen = losses.overlong_penalty(L, limit, c.overlong_buffer)
                 for s, p in zip(ss, pen.tolist()):
                     s.reward += p
             r = torch.tensor([s.reward for s in ss], dtype=torch.float32)

@@ -71,9 +71,9 @@ def token_weights(cu_seqlens: torch.Tensor, mask: torch.Tensor, agg: str, n_seqs
     return m / (per_seq.clamp_min(1)[seq] * max(S, 1))
 
 
-def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int) -> torch.Tensor:
+def overlong_penalty(lengths: torch.Tensor, max_len: int | torch.Tensor, buffer: int) -> torch.Tensor:
     """DAPO's soft overlong punishment, added to the reward: 0 up to max_len - buffer, then
-    falling linearly to -1 at max_len (and -1 beyond)."""
+    falling linearly to -1 at max_len (and -1 beyond); max_len one for all or one per sample."""
     L = lengths.float()
     if buffer <= 0:
         return torch.where(L >= max_len, -torch.ones_like(L), torch.zeros_like(L))
