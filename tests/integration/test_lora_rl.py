@@ -82,3 +82,16 @@ def test_rl_with_lora_refuses_an_engine_without_adapters(tmp_path):
         pytest.skip("rlcu.LLM applies adapters")
     with pytest.raises(SetupError, match="needs an engine that applies adapters"):
         grpo_trainer(tmp_path, lora=dict(r=4))
+
+
+def test_the_scheduler_sizes_a_lora_job_from_its_config(tmp_path):
+    from support.trainers import grpo_config
+
+    from rlcu.train.sizing import config_shape
+
+    cfg, _ = grpo_config(tmp_path, kl_coef=0.1, lora=dict(r=8, target_modules=["q_proj", "v_proj"], dropout=0.1))
+    s = config_shape(cfg)
+    assert s.adapter is not None and (s.adapter.r, s.adapter.target_modules, s.adapter.dropout) == (
+        8, ("q_proj", "v_proj"), True)
+    mem, full = job_memory(s), job_memory(config_shape(grpo_config(tmp_path, kl_coef=0.1)[0]))
+    assert mem.reference == 0 and full.reference > 0 and mem.peak < full.peak

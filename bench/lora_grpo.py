@@ -1,0 +1,145 @@
+"""LoRA GRPO beside full fine-tuning (issue 35) in the same call: bench/grpo.py's step (random
+bf16 weights, word tokenizer, the hash reward, EOS ignored, one optimizer step per batch,
+gradient checkpointing, no KL) at the Qwen3-8B shape, 32 prompts x 8 completions, prompt 128 +
+completion 256 tokens. Rows, each in its own process:
+  lora  LoRA r = --lora (all linear), the base frozen, the adapters' fp32 master and moments
+        (the default optimizer precision), fp32 adapter gradients
+  full  every weight trains, in the bf16 memory mode (the default mode's 8B state, ~131 GiB of
+        master, moments and gradients, does not fit one H200)
+Reported: median s/step after warm-up, the phases, the peak GPU memory (the step's and each
+phase's). Targets: LoRA's peak <= 40 GiB and its step <= 0.8x full fine-tuning's.
+
+    python bench/lora_grpo.py                 # on the H200: lora and full rows, JSON lora_grpo_8b.json
+    python bench/lora_grpo.py --quick --tiny  # a CPU smoke test (tiny model, 1 + 1 steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import MEMORY_MODES, SHAPES, write_json  # noqa: E402
+from bench.grpo import TINY, _PhasePeaks, _prompts, _sync, _word_tokenizer, hash_reward  # noqa: E402
+
+PROTOCOL = dict(prompts=32, group=8, prompt_len=128, completion_len=256)
+ROWS = ("lora", "full")
+
+
+def bench_side(side: str, a) -> dict:
+    from rlcu.config import GRPOConfig, _build
+    from rlcu.model.causal_lm import Qwen3
+    from rlcu.model.config import Qwen3Config
+    from rlcu.train.grpo import GRPOTrainer
+
+    cuda = torch.cuda.is_available()
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    cfg = Qwen3Config(**TINY, eos_token_id=1, bos_token_id=None) if a.tiny else Qwen3Config(**SHAPES[a.shape])
+    P, G, Lp, Lc = PROTOCOL["prompts"], PROTOCOL["group"], PROTOCOL["prompt_len"], PROTOCOL["completion_len"]
+    if a.tiny:
+        P, G, Lp, Lc = 4, 4, 16, 16
+    total = a.warmup + a.steps
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    model = Qwen3.from_config(cfg, device=dev, dtype=dtype, seed=0)
+    block = 16
+    kv_blocks = P * G * (-(-(Lp + Lc + 1) // block)) + 64
+    lora = dict(r=a.lora, alpha=2 * a.lora, target_modules="all-linear") if side == "lora" else {}
+    gcfg = _build(GRPOConfig, dict(
+        steps=total, prompts_per_step=P, group_size=G, max_new_tokens=Lc, temperature=1.0, stop_at_eos=False, mu=1,
+        micro_batch_tokens=a.micro_batch_tokens, lora=lora,
+        optim=dict(lr=1e-6, **MEMORY_MODES["default" if side == "lora" else "bf16"]),
+        model=dict(gradient_checkpointing=True), data=dict(shuffle=False),
+        engine=dict(max_num_seqs=P * G, block_size=block, num_kv_blocks=kv_blocks,
+                    max_num_batched_tokens=max(8192, P * Lp)),
+        log=dict(out_dir=tempfile.mkdtemp(prefix="rlcu-bench-lora-grpo-"), progress=False, tensorboard=False,
+                 plot=False),
+        checkpoint=dict(save_at_end=False)))
+    model.gradient_checkpointing = True
+    rows = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size, P * total, Lp)]
+    tr = GRPOTrainer(gcfg, rows, [hash_reward], model=model, tokenizer=_word_tokenizer(cfg.vocab_size))
+    pp = _PhasePeaks(tr) if cuda else None
+    times, phases = [], []
+    for s in range(total):
+        if s == a.warmup and cuda:
+            pp.reset()
+        _sync()
+        t0 = time.perf_counter()
+        m = tr.train_step(s)
+        _sync()
+        if s >= a.warmup:
+            times.append(time.perf_counter() - t0)
+            phases.append({k[5:]: m[k] for k in ("time/generate", "time/logprobs", "time/train") if k in m})
+    st = tr.opt.state_bytes()
+    res = {"s_per_step": statistics.median(times), "steps": times,
+           "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+           "trained_params": model.lora.num_params() if model.lora is not None else model.num_params(),
+           "optimizer_state_GiB": sum(st.values()) / 2**30, "micro_batch_tokens": a.micro_batch_tokens}
+    if cuda:
+        res["peak_GiB"] = (pp.peak() - base) / 2**30
+        res["phase_peak_GiB"] = {k: (v - base) / 2**30 for k, v in pp.peaks.items()}
+        res["between_steps_GiB"] = (torch.cuda.memory_allocated() - base) / 2**30
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lora", type=int, default=64, help="the adapters' rank r (all linear)")
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="the model shape (bench/common.py)")
+    ap.add_argument("--sides", default=",".join(ROWS))
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed step")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke test)")
+    ap.add_argument("--timeout", type=int, default=1500, help="seconds per side")
+    ap.add_argument("--side", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.quick:
+        a.steps, a.warmup = 1, 1
+    if a.side:
+        print("RESULT " + json.dumps(bench_side(a.side, a)))
+        return
+    t0 = time.time()
+    res = {"protocol": PROTOCOL, "shape": a.shape, "lora_r": a.lora, "tiny": a.tiny,
+           "method": __doc__.split("\n\n")[0].replace("\n", " "), "timed_steps": a.steps, "warmup_steps": a.warmup}
+    for side in a.sides.split(","):
+        cmd = [sys.executable, __file__, "--side", side, "--lora", str(a.lora), "--shape", a.shape, "--steps",
+               str(a.steps), "--warmup", str(a.warmup), "--micro-batch-tokens", str(a.micro_batch_tokens)]
+        cmd += ["--tiny"] if a.tiny else []
+        try:
+            pr = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            line = [x for x in pr.stdout.splitlines() if x.startswith("RESULT ")]
+            res[side] = json.loads(line[-1][7:]) if line else {"error": (pr.stderr or pr.stdout)[-800:]}
+        except subprocess.TimeoutExpired:
+            res[side] = {"error": f"timed out after {a.timeout} s"}
+    lo, fu = res.get("lora", {}), res.get("full", {})
+    if lo.get("s_per_step") and fu.get("s_per_step"):
+        res["step_ratio_lora_vs_full"] = lo["s_per_step"] / fu["s_per_step"]
+        res["targets"] = {"peak_le_40GiB": lo.get("peak_GiB", 0) <= 40, "step_le_0.8x_full":
+                          res["step_ratio_lora_vs_full"] <= 0.8}
+    res["wall_s"] = time.time() - t0
+    write_json("lora_grpo_tiny.json" if a.tiny else f"lora_grpo_{a.shape}_r{a.lora}.json", res)
+    for side in a.sides.split(","):
+        r = res.get(side, {})
+        if r.get("s_per_step"):
+            pk = f"{r['peak_GiB']:.2f} GiB" if "peak_GiB" in r else "-"
+            print(f"{side:<6} {r['s_per_step']:8.2f} s/step  peak {pk}  phases {r['phases_s']}")
+        else:
+            print(f"{side:<6} {str(r.get('error', 'no result'))[-400:]}")
+
+
+if __name__ == "__main__":
+    main()
