@@ -9,56 +9,20 @@ import math
 
 import pytest
 import torch
+from support.episode_trainer import Again, trainer
 from support.episodes_ref import ScriptedLLM
 from support.episodes_ref import run_episodes as ref_run_episodes
-from support.trainers import TINY, grpo_config
+from support.trainers import TINY
 
 from rlcu.config import ConfigError, GRPOConfig, _build
-from rlcu.data import synthetic as syn
-from rlcu.data.tokenizer import make_word_tokenizer
 from rlcu.engine import LLM
 from rlcu.train import rollout as ro
-from rlcu.train.grpo import GRPOTrainer
-
-CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-          "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
-def chat_tokenizer():
-    return make_word_tokenizer(syn.WORDS + ["user", "assistant", "again"],
-                               special_tokens=["<|endoftext|>", "<|im_end|>", "<|im_start|>"], chat_template=CHATML)
-
-
-class Again:
-    """Asks again twice, then ends; its reward is 1 when the last answer starts with 7."""
-
-    def __init__(self):
-        self.n = 0
-
-    def step(self, messages):
-        self.n += 1
-        return "again" if self.n < 3 else None
-
-    def reward(self, messages):
-        return float(messages[-1]["content"].split()[:1] == ["7"])
 
 
 @pytest.fixture
 def engine_episodes(monkeypatch):
     if not hasattr(LLM, "run_episodes"):
         monkeypatch.setattr(LLM, "run_episodes", lambda self, *a, **k: ref_run_episodes(self, *a, **k), raising=False)
-
-
-def trainer(tmp_path, rewards=None, eos_digits=False, environment=Again, multi_turn=None, **kw):
-    """A GRPOTrainer of episodes of `environment` on the chat word tokenizer; eos_digits: every digit
-    ends a turn too (so that a random tiny model's turns end within max_new_tokens)."""
-    tok = chat_tokenizer()
-    eos = [tok.eos_token_id] + ([tok.token_to_id(d) for d in syn.DIGITS] if eos_digits else [])
-    cfg, _ = grpo_config(tmp_path, model=dict(tiny=dict(TINY, vocab_size=tok.vocab_size, eos_token_id=eos,
-                                                        max_position_embeddings=96)),
-                         multi_turn={"max_episode_tokens": 40, **(multi_turn or {})}, **kw)
-    return GRPOTrainer(cfg, syn.sort_rows(16, "train", min_len=2, max_len=3), rewards, tokenizer=tok,
-                       environment=environment), tok
 
 
 def test_three_turn_trajectory_has_loss_mask_on_model_tokens_only(tmp_path):

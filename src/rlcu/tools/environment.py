@@ -7,14 +7,16 @@ An environment is a class made once per episode (`cls()`), whose methods are all
                                           chat messages the whole start, None the row's prompt
     <tool methods>(...)                   every other public method is a tool, its JSON schema from
                                           its signature and docstring (rlcu.tools.schema)
-    step(messages) -> str | None          for a turn without tool calls: the user's reply to the
-                                          conversation so far (None: the episode is over)
+    step(messages) -> str | messages | None   for a turn without tool calls: the user's reply to
+                                          the conversation so far, or the messages that follow it
+                                          (None: the episode is over)
     reward(messages) -> float             the episode's reward (beside the reward functions)
     done                                  an attribute: True ends the episode after this turn
 
 Plain tool functions work without a class (`tools=[fn, "module:function"]`); `rlcu.tools:python`
 is the built-in sandboxed Python tool. A turn without tool calls in an environment without
-`step` ends the episode: the model has answered.
+`step` ends the episode: the model has answered. A verifiers multi-turn environment (an object, or
+'verifiers:ENV_ID') runs through its adapter (rlcu.tools.verifiers_env).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import inspect
 from collections.abc import Callable
 
 from rlcu.rewards.loader import load_object
+from rlcu.tools import verifiers_env
 from rlcu.tools.schema import ToolSchemaError, json_schema
 
 RESERVED = ("reset", "step", "reward", "done", "close")
@@ -54,8 +57,12 @@ class Environment:
     schemas as the chat template takes them; `make()` one episode's `EpisodeEnv`."""
 
     def __init__(self, environment=None, tools=()):
-        if isinstance(environment, str):
+        if isinstance(environment, str) and environment.startswith(verifiers_env.PREFIX):
+            environment = verifiers_env.load(environment)
+        elif isinstance(environment, str):
             environment = load_object(environment, "environment")
+        if verifiers_env.is_verifiers_env(environment):
+            environment = verifiers_env.adapt(environment)
         if environment is not None and not inspect.isclass(environment):
             raise EnvironmentSpecError(f"environment must be a class (made once per episode) or 'module:Class', "
                                        f"got {environment!r}")

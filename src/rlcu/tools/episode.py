@@ -111,7 +111,7 @@ class EpisodeState:
             reply = self.env.step(self.messages)
             if reply is None:
                 return None
-            new = [{"role": "user", "content": str(reply)}]
+            new = reply if isinstance(reply, list) else [{"role": "user", "content": str(reply)}]
         if self.env.done:
             return None
         if self.limits.max_turns is not None and st.turns >= self.limits.max_turns:
