@@ -258,6 +258,21 @@ def calls():
 
     yield "lora", lora
 
+    def moe():  # Qwen3-30B-A3B's experts (E = 128, k = 8, H = 2048, I = 768): decode's tiles and prefill's
+        from rlcu.ops.moe import experts_bwd, experts_fwd, route_bwd, route_fwd
+
+        E, k, Hm, Im = 128, 8, 2048, 768
+        wgu, wd = torch.randn(E, 2 * Im, Hm).to(bf), torch.randn(E, Hm, Im).to(bf)
+        for M in (1, 2048):
+            xm = torch.randn(M, Hm).to(bf)
+            ids, wts, p = route_fwd(torch.randn(M, E).to(bf), k, True)
+            ids.zero_()  # unwritten outputs: only shapes flow, and the sort is read on the host nowhere
+            out, saved = experts_fwd(xm, ids, wts, wgu, wd)
+            experts_bwd(xm, xm, wts, wgu, wd, saved, torch.zeros(E, 2 * Im, Hm), torch.zeros(E, Hm, Im))
+            route_bwd(wts, p, ids, wts, True, torch.zeros(E))
+
+    yield "moe", moe
+
 
 def main() -> int:
     try:

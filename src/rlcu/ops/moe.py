@@ -1,0 +1,102 @@
+"""Qwen3-MoE's sparse MLP after the router GEMM, forward and backward, for the layer: routing
+(ops/moe_route.py), token-to-expert sorting (ops/moe_sort.py), the experts' grouped GEMMs with
+SwiGLU between and the weighted combine (ops/moe_gemm.py).
+
+    ids, weights, probs = route_fwd(x @ w_router^T, k, norm_topk_prob)     # the layer's GEMM first
+    out, saved = experts_fwd(x, ids, weights, w_gate_up, w_down, exact)
+    dx, dweights = experts_bwd(dout, x, weights, w_gate_up, w_down, saved, dw_gate_up, dw_down)
+    dlogits = route_bwd(dweights, probs, ids, weights, norm_topk_prob, aux_dprobs(C, rows, coef))
+
+Weights as transformers (>= 5) stores them fused: gate_up [E, 2I, H] (gate rows first, then up),
+down [E, H, I]; transformers 4's per-expert Linear modules (experts.e.gate_proj / up_proj /
+down_proj) stack to the same tensors. The expert outputs are rounded to x's dtype before the
+combine, as transformers' are; the routing weights stay fp32 (transformers rounds them to the
+logits' dtype first).
+
+Everything is on the device with sizes by T alone (no host sync: decode graphs capture it), the
+same bits for the same inputs (no atomics), and a token's output independent of the batch by
+construction: its route is its own row's, its expert rows' sums walk K in a fixed order, and
+the combine adds its k slots in slot order. So exact mode takes these kernels as they are; the
+`exact` flag only picks the twin's fixed-tree sums on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from rlcu.ops.moe_gemm import gemm_config, grouped_dw, grouped_mm, moe_combine, moe_combine_bwd, regime
+from rlcu.ops.moe_route import aux_dprobs, aux_loss, aux_stats, route_bwd, route_fwd
+from rlcu.ops.moe_sort import MoeLayout, moe_sort
+from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
+
+__all__ = ["MoeSaved", "aux_dprobs", "aux_loss", "aux_stats", "experts_bwd", "experts_fwd", "route_bwd", "route_fwd"]
+
+
+class MoeSaved(NamedTuple):
+    """What experts_bwd reads: the layout, gate_up's output gu [rows, 2I], SwiGLU's a [rows, I]
+    and down's y [rows, H], all in sorted rows; cfg: the regime the layout was made for."""
+
+    layout: MoeLayout
+    gu: torch.Tensor
+    a: torch.Tensor
+    y: torch.Tensor
+    cfg: str
+
+
+def _check(x, ids, weights, w_gate_up, w_down):
+    T, H = x.shape if x.dim() == 2 else (-1, -1)
+    if x.dim() != 2 or ids.dim() != 2 or ids.shape[0] != T or ids.dtype != torch.int32:
+        raise ValueError(f"experts_fwd: x must be [T, H] and ids int32 [T, k], got {list(x.shape)} and "
+                         f"{ids.dtype} {list(ids.shape)}")
+    if weights.shape != ids.shape or weights.dtype != torch.float32:
+        raise ValueError(f"experts_fwd: weights must be fp32 {list(ids.shape)}, got {weights.dtype} "
+                         f"{list(weights.shape)}")
+    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != H or w_gate_up.shape[1] % 2:
+        raise ValueError(f"experts_fwd: w_gate_up must be [E, 2I, {H}], got {list(w_gate_up.shape)}")
+    E, I2 = w_gate_up.shape[:2]
+    if w_down.shape != (E, H, I2 // 2):
+        raise ValueError(f"experts_fwd: w_down must be [{E}, {H}, {I2 // 2}], got {list(w_down.shape)}")
+    if not (x.dtype == w_gate_up.dtype == w_down.dtype):
+        raise TypeError(f"experts_fwd: x and the weights must share a dtype, got {x.dtype}, {w_gate_up.dtype}, "
+                        f"{w_down.dtype}")
+
+
+def experts_fwd(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, exact: bool = False) -> tuple[torch.Tensor, MoeSaved]:
+    """x [T, H], ids [T, k] int32 and weights [T, k] fp32 (route_fwd's), w_gate_up [E, 2I, H],
+    w_down [E, H, I] -> (out [T, H] in x's dtype, MoeSaved):
+    out[t] = sum_{s} weights[t, s] down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, s]."""
+    _check(x, ids, weights, w_gate_up, w_down)
+    T, k = ids.shape
+    E, H = w_gate_up.shape[0], x.shape[1]
+    cfg = regime(T, k, E, math.gcd(H, w_down.shape[2]))
+    layout = moe_sort(ids, E, gemm_config(cfg)[0])
+    gu = grouped_mm(x, w_gate_up, layout, True, cfg, exact)  # [rows, 2I]
+    a = swiglu_fwd(gu, exact)  # [rows, I]
+    y = grouped_mm(a, w_down, layout, False, cfg, exact)  # [rows, H]
+    return moe_combine(y, layout.pos, weights, T), MoeSaved(layout, gu, a, y, cfg)
+
+
+def experts_bwd(dout: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, saved: MoeSaved, dw_gate_up: torch.Tensor,
+                dw_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dout [T, H] -> (dx [T, H] in x's dtype, dweights [T, k] fp32: route_bwd's input);
+    dw_gate_up [E, 2I, H] and dw_down [E, H, I] accumulated in place (+=, in their dtype).
+    The forward in reverse: combine, down, SwiGLU, gate_up, each token's k rows summed back in
+    slot order."""
+    layout, T = saved.layout, x.shape[0]
+    if dout.shape != x.shape:
+        raise ValueError(f"experts_bwd: dout must be {list(x.shape)}, got {list(dout.shape)}")
+    for name, g, w in (("dw_gate_up", dw_gate_up, w_gate_up), ("dw_down", dw_down, w_down)):
+        if g.shape != w.shape:
+            raise ValueError(f"experts_bwd: {name} must be {list(w.shape)}, got {list(g.shape)}")
+    dy, dweights = moe_combine_bwd(dout, saved.y, layout.pos, weights)  # [rows, H], [T, k]
+    grouped_dw(dy, saved.a, layout, False, dw_down)
+    da = grouped_mm(dy, w_down.transpose(1, 2), layout, False, saved.cfg)  # [rows, I]
+    dgu = swiglu_bwd(da, saved.gu)  # [rows, 2I]
+    grouped_dw(dgu, x, layout, True, dw_gate_up)
+    dxr = grouped_mm(dgu, w_gate_up.transpose(1, 2), layout, False, saved.cfg)  # [rows, H]
+    return moe_combine(dxr, layout.pos, None, T), dweights

@@ -1,0 +1,232 @@
+"""ops/moe_route.py, moe_sort.py, moe_gemm.py and moe.py, Qwen3-MoE's kernels: the Triton kernels
+(on the CPU through TRITON_INTERPRET=1) and the twins against float64 references at odd shapes (E
+not a power of two, an expert that receives no token, ties in the router, T = 1, K tails);
+against transformers' Qwen3MoeSparseMoeBlock and load_balancing_loss_func (forward, aux loss and
+every gradient through autograd); a token alone equals the token in a batch bit for bit; the
+same inputs give the same bits; the layout's invariants."""
+
+import pytest
+import torch
+from support.interp_util import kernels_runnable, needs_triton
+
+from rlcu.ops import moe_gemm, moe_route, moe_sort
+from rlcu.ops.moe import aux_dprobs, aux_loss, aux_stats, experts_bwd, experts_fwd, route_bwd, route_fwd
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BF = torch.bfloat16
+IMPLS = ["kernel", "twin"]
+ROUTE = {"kernel": (moe_route.route_fwd_triton, moe_route.route_bwd_triton),
+         "twin": (moe_route.route_fwd_ref, moe_route.route_bwd_ref)}
+SORT = {"kernel": moe_sort.moe_sort_triton, "twin": moe_sort.moe_sort_ref}
+
+
+def _skip_unless(impl, kernel):
+    if impl == "kernel" and not kernels_runnable(kernel):
+        pytest.skip("no triton, or not interpreted on the CPU")
+
+
+def _backend(monkeypatch, impl):
+    _skip_unless(impl, moe_gemm._grouped_mm_kernel)
+    if impl == "kernel":
+        monkeypatch.setenv("RLCU_BACKEND", "triton")
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _logits(T, E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lg = torch.randn(T, E, generator=g)
+    lg[0] = 0.0  # every expert tied: the lowest ids win
+    lg[:, 2] = -40.0  # expert 2 receives no token
+    if T > 3:
+        lg[3, [1, 4, E - 1]] = 3.0  # a tie inside the top-k
+    return lg
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_forward_and_backward_match_float64(impl, norm):
+    fwd, bwd = ROUTE[impl]
+    _skip_unless(impl, moe_route._route_fwd_kernel)
+    T, E, k = 29, 7, 3
+    lg = _logits(T, E)
+    ids, w, p = fwd(lg, k, norm)
+    assert ids.dtype == torch.int32 and ids.shape == (T, k) and w.dtype == p.dtype == torch.float32
+    assert ids[0].tolist() == [0, 1, 3]  # ties: the lower id first (2 is out: -40 there)
+    assert sorted(ids[3].tolist()) == [1, 4, 6] and ids[3].tolist() == [1, 4, 6]
+    assert not (ids == 2).any()
+    L = lg.double().requires_grad_()
+    pr = torch.softmax(L, 1)
+    want_ids = torch.sort(pr.detach(), dim=1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(ids.long(), want_ids)
+    sel = pr.gather(1, want_ids)
+    ww = sel / sel.sum(1, keepdim=True) if norm else sel
+    assert _rel(p, pr.detach()) < 1e-6 and _rel(w, ww.detach()) < 1e-6
+    g = torch.Generator().manual_seed(1)
+    dw, daux = torch.randn(T, k, generator=g), torch.randn(E, generator=g)
+    want = torch.autograd.grad((ww * dw.double()).sum(), L, retain_graph=True)[0]
+    want_aux = torch.autograd.grad((pr * daux.double()).sum(), L)[0]
+    assert _rel(bwd(dw, p, ids, w, norm, None), want) < 1e-5
+    assert _rel(bwd(dw, p, ids, w, norm, daux), want + want_aux) < 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("T,k,E,BM", [(37, 3, 7, 4), (1, 8, 13, 16), (300, 2, 5, 16)])
+def test_sort_layout(impl, T, k, E, BM):
+    _skip_unless(impl, moe_sort._count_kernel)
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
+    ids[ids == 2] = 3  # an expert without pairs
+    lay = SORT[impl](ids, E, BM)
+    nb = moe_sort.max_blocks(T, k, E, BM)
+    assert lay.pairs.shape == (nb * BM,) and lay.block_expert.shape == (nb,)
+    flat = ids.flatten().long()
+    assert torch.equal(lay.counts.long(), torch.bincount(flat, minlength=E))
+    for e in range(E):
+        s0, s1, c = int(lay.starts[e]), int(lay.starts[e + 1]), int(lay.counts[e])
+        assert s0 % BM == 0 and s1 - s0 == -(-c // BM) * BM
+        seg = lay.pairs[s0:s1]
+        assert torch.equal(seg[:c].long(), (flat == e).nonzero().flatten())  # by token, then slot
+        assert (seg[c:] == -1).all()
+        assert (lay.block_expert[s0 // BM:s1 // BM] == e).all()
+    assert (lay.block_expert[int(lay.starts[E]) // BM:] == -1).all()
+    assert torch.equal(lay.pairs[lay.pos.long()], torch.arange(T * k, dtype=torch.int32))
+    if impl == "kernel":
+        twin = moe_sort.moe_sort_ref(ids, E, BM)
+        assert all(torch.equal(a, b) for a, b in zip(lay[:5], twin[:5]))
+
+
+def _experts(T, H, I, E, k, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    wgu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    wd = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    ids, w, p = moe_route.route_fwd_ref(_logits(T, E, seed), k, True)
+    return x, ids, w, wgu, wd
+
+
+def _ref_experts(x, ids, w, wgu, wd):
+    I = wd.shape[2]
+    out = torch.zeros_like(x)
+    for s in range(ids.shape[1]):
+        e = ids[:, s].long()
+        gu = torch.einsum("th,tnh->tn", x, wgu[e])
+        a = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+        out = out + w[:, s, None] * torch.einsum("ti,thi->th", a, wd[e])
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("T", [1, 29])
+def test_experts_forward_and_backward_match_float64(monkeypatch, impl, T):
+    _backend(monkeypatch, impl)
+    H, I, E, k = 72, 40, 5, 2  # H, I: K tails under every tile
+    x, ids, w, wgu, wd = _experts(T, H, I, E, k)
+    out, saved = experts_fwd(x, ids, w, wgu, wd)
+    X, W, G, D = (t.double().requires_grad_() for t in (x, w, wgu, wd))
+    r = _ref_experts(X, ids, W, G, D)
+    assert _rel(out, r) < 1e-6
+    dout = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    (r * dout.double()).sum().backward()
+    dg, dd = torch.full_like(wgu, 0.5), torch.full_like(wd, -0.25)  # accumulated into
+    dx, dw = experts_bwd(dout, x, w, wgu, wd, saved, dg, dd)
+    assert _rel(dx, X.grad) < 1e-6 and _rel(dw, W.grad) < 1e-6
+    assert _rel(dg - 0.5, G.grad) < 1e-6 and _rel(dd + 0.25, D.grad) < 1e-6
+    unused = [e for e in range(E) if not (ids == e).any()]
+    assert unused and all((dg[e] == 0.5).all() for e in unused)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_token_alone_equals_token_in_batch(monkeypatch, impl):
+    """bf16, exact mode: a token's route and output bits do not depend on the batch (alone, in a
+    prefix, among tokens that crowd other experts)."""
+    _backend(monkeypatch, impl)
+    T, H, I, E, k = 16, 64, 24, 6, 2
+    x, _, _, wgu, wd = _experts(T, H, I, E, k, seed=5, dtype=BF)
+    lg = torch.randn(T, E, generator=torch.Generator().manual_seed(6)).to(BF)
+    ids, w, _ = route_fwd(lg, k, True)
+    out, _ = experts_fwd(x, ids, w, wgu, wd, True)
+    for t in (0, 15):
+        s = slice(t, t + 1)
+        i1, w1, _ = route_fwd(lg[s], k, True)
+        assert torch.equal(i1, ids[s]) and torch.equal(w1, w[s])
+        assert torch.equal(experts_fwd(x[s], i1, w1, wgu, wd, True)[0], out[s]), t
+    assert torch.equal(experts_fwd(x[:11], ids[:11], w[:11], wgu, wd, True)[0], out[:11])
+    crowd = ids.clone()
+    crowd[1:] = torch.tensor([0, 1], dtype=torch.int32)  # every other token on experts 0 and 1
+    assert torch.equal(experts_fwd(x, crowd, w, wgu, wd, True)[0][0], out[0])
+
+
+@needs_triton(moe_gemm._grouped_mm_kernel)
+def test_same_inputs_same_bits(monkeypatch):
+    monkeypatch.setenv("RLCU_BACKEND", "triton")
+    x, ids, w, wgu, wd = _experts(9, 40, 24, 5, 2, seed=7, dtype=BF)
+    dout = torch.randn(9, 40, generator=torch.Generator().manual_seed(8)).to(BF)
+    runs = []
+    for _ in range(2):
+        out, saved = experts_fwd(x, ids, w, wgu, wd)
+        dg, dd = torch.zeros(wgu.shape), torch.zeros(wd.shape)  # fp32 gradients of bf16 weights
+        runs.append((out, *experts_bwd(dout, x, w, wgu, wd, saved, dg, dd), dg, dd))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_against_transformers_sparse_moe_block():
+    """The whole layer on the twins (router GEMM, route, experts, aux loss) against transformers'
+    Qwen3MoeSparseMoeBlock and load_balancing_loss_func: forward, aux loss, and the gradients of
+    x, the router and both expert weights through autograd (ties: none at the k-th place)."""
+    qm = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    from transformers import Qwen3MoeConfig
+
+    T, H, I, E, k, coef = 23, 48, 24, 6, 2, 0.03
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k,
+                         norm_topk_prob=True, hidden_act="silu")
+    torch.manual_seed(0)
+    block = qm.Qwen3MoeSparseMoeBlock(cfg).double()
+    for prm in block.parameters():
+        torch.nn.init.normal_(prm, std=0.3)
+    x = torch.randn(T, H, dtype=torch.float64)
+    x[:, 0] = x[:, 0].abs() + 1
+    with torch.no_grad():  # an expert no token picks
+        block.gate.weight[2] = 0.0
+        block.gate.weight[2, 0] = -20.0
+    X = x.clone().requires_grad_()
+    y = block(X[None])[0]
+    logits = torch.nn.functional.linear(X, block.gate.weight)
+    hf_aux = qm.load_balancing_loss_func((logits,), E, k)
+    dout = torch.randn(T, H, dtype=torch.float64)
+    ((y * dout).sum() + coef * hf_aux).backward()
+
+    f = {n: prm.detach().float() for n, prm in block.named_parameters()}
+    wr, wgu, wd, xf = f["gate.weight"], f["experts.gate_up_proj"], f["experts.down_proj"], x.float()
+    lg = xf @ wr.T
+    ids, w, p = route_fwd(lg, k, True)
+    out, saved = experts_fwd(xf, ids, w, wgu, wd)
+    assert _rel(out, y.detach()) < 1e-5
+    C, P = aux_stats(p, saved.layout.counts)
+    assert C[2] == 0 and abs(float(aux_loss(C, P, T)) - float(hf_aux)) < 1e-5 * float(hf_aux)
+    dg, dd = torch.zeros_like(wgu), torch.zeros_like(wd)
+    dx, dw = experts_bwd(dout.float(), xf, w, wgu, wd, saved, dg, dd)
+    dl = route_bwd(dw, p, ids, w, True, aux_dprobs(C, T, coef))
+    dx = dx + dl @ wr
+    assert _rel(dx, X.grad) < 1e-5
+    assert _rel(dl.T @ xf, block.gate.weight.grad) < 1e-5
+    assert _rel(dg, block.experts.gate_up_proj.grad) < 1e-5 and _rel(dd, block.experts.down_proj.grad) < 1e-5
+
+
+def test_checks_name_the_argument():
+    x, ids, w, wgu, wd = _experts(5, 16, 8, 5, 2)
+    with pytest.raises(ValueError, match="ids int32"):
+        experts_fwd(x, ids.long(), w, wgu, wd)
+    with pytest.raises(ValueError, match="w_down must be"):
+        experts_fwd(x, ids, w, wgu, wd[:, :, :4])
+    with pytest.raises(ValueError, match="weights must be fp32"):
+        experts_fwd(x, ids, w.double(), wgu, wd)
+    with pytest.raises(ValueError, match="1 <= k <= E"):
+        route_fwd(torch.zeros(4, 3), 4, True)
+    with pytest.raises(ValueError, match="daux must be"):
+        route_bwd(w, torch.zeros(5, 5), ids, w, True, torch.zeros(4))
+    with pytest.raises(ValueError, match="ids must be int32"):
+        moe_sort.moe_sort(ids.long(), 5, 16)
