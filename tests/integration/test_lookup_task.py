@@ -52,15 +52,19 @@ def test_the_environment_scores_the_copied_code_and_the_teacher_is_sloppy_by_nam
     assert 0.8 < sum(d for d, s in zip(direct, sloppy) if s) / sum(sloppy) < 0.97
 
 
+def _engine_episodes(monkeypatch):
+    if not hasattr(LLM, "run_episodes"):  # the engine's episodes, else their reference over generate
+        monkeypatch.setattr(LLM, "run_episodes", lambda self, *a, **k: run_episodes_batched(self, *a, **k),
+                            raising=False)
+
+
 def _success(tr, rows) -> float:
     ss = tr._engine_phase(lambda: tr.rollout(rows, 1, seed=1, temperature=0.0))
     return sum(s.episode["env_reward"] for s in ss) / len(ss)
 
 
 def test_grpo_learns_to_call_the_tool(tmp_path, monkeypatch):
-    if not hasattr(LLM, "run_episodes"):  # the engine's episodes, else their reference over generate
-        monkeypatch.setattr(LLM, "run_episodes", lambda self, *a, **k: run_episodes_batched(self, *a, **k),
-                            raising=False)
+    _engine_episodes(monkeypatch)
     tok = L.make_tokenizer()
     qc = Qwen3Config(**{**MODEL, "vocab_size": tok.vocab_size, "eos_token_id": tok.eos_token_id})
     model = Qwen3.from_config(qc, seed=0)
@@ -91,3 +95,29 @@ def test_grpo_learns_to_call_the_tool(tmp_path, monkeypatch):
     env = [t for t, m in zip(s.completion_ids, s.model_mask) if not m]
     assert tok.decode(env, skip_special_tokens=False).split() == \
         ["<|im_start|>", "tool", *s.row["answer"].split(), "<|im_end|>", "<|im_start|>", "assistant"]
+
+
+def test_the_example_configs_run(tmp_path, monkeypatch):
+    """examples/lookup/: the task's files, `rlcu sft` then `rlcu grpo` as shipped, shortened."""
+    from pathlib import Path
+
+    from rlcu.train.cli import main
+
+    _engine_episodes(monkeypatch)
+    ex = Path(__file__).resolve().parents[2] / "examples" / "lookup"
+    monkeypatch.chdir(tmp_path)  # the examples' paths are relative: runs/lookup/...
+    L.write("runs/lookup/data", n_sft=64, n_train=32, n_eval=8)
+    tiny = ["log.progress=false", "log.plot=false", "log.tensorboard=false", "model.device=cpu"]
+    # 2 steps, their checkpoint renamed to the step-000300 the GRPO config names
+    argv = ["sft", str(ex / "sft.yaml"), "--set", "steps=2", "--set", "batch_tokens=256"]
+    for s in tiny:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    (tmp_path / "runs/lookup/sft/checkpoints/step-000002").rename(tmp_path / "runs/lookup/sft/checkpoints/step-000300")
+    argv = ["grpo", str(ex / "grpo.yaml"), "--set", "steps=1", "--set", "prompts_per_step=2", "--set", "group_size=2",
+            "--set", "eval_every=0", "--set", "eval_max_prompts=2"]
+    for s in tiny:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    metrics = (tmp_path / "runs/lookup/grpo/metrics.jsonl").read_text()
+    assert "episodes/turns" in metrics

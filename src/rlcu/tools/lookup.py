@@ -149,3 +149,24 @@ def success_reward(prompts, completions, answer, **_) -> list[float]:
         last = next((m for m in reversed(msgs) if m.get("role") == "assistant"), {})
         out.append(float(not last.get("tool_calls") and normalise(last.get("content")) == normalise(a)))
     return out
+
+
+def write(out: str, n_sft: int = 3000, n_train: int = 2000, n_eval: int = 128, seed: int = 0) -> None:
+    """The task's files for `rlcu sft` / `rlcu grpo` (examples/lookup/): OUT/tokenizer (with its chat
+    template), OUT/sft.jsonl (the sloppy teacher's conversations), OUT/train.jsonl and OUT/eval.jsonl
+    (GRPO's rows: the prompt and what the environment reads)."""
+    import json
+    from pathlib import Path
+
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    make_tokenizer().save_pretrained(root / "tokenizer")
+    for name, rs in (("sft", sft_rows(n_sft, seed, sloppy=0.9)), ("train", rows(n_train, "train", seed)),
+                     ("eval", rows(n_eval, "eval", seed))):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+
+
+if __name__ == "__main__":
+    import sys
+
+    write(sys.argv[1] if len(sys.argv) > 1 else "runs/lookup/data")
