@@ -11,7 +11,9 @@ copy): per adapted module of each layer a stacked A [n, S r, K] and B [n, N, r] 
   that differ): each adapter is copied in, zero-padded to the largest rank and to the union of
   the target modules (a zero row of A gives h exactly 0, a zero row of B adds exactly 0, so the
   padding changes no bit), once for an adapter the engine loaded, at every `refresh` (each
-  generate call) for the model's live one, so that it too is always the trainer's.
+  generate call) for the model's live one, so that it too is always the trainer's; when the
+  adapters already are the rows of one such slab (a LoRA host's jobs, made so), it is read in
+  place and nothing is copied.
 The kernels take a slot's stride as it is, so a row's bits are those of the trainer's exact
 forward (model/lora_run.py: the same kernels over A[None], idx 0) whenever the slot's layout is
 the adapter's own (unpadded).
@@ -67,12 +69,14 @@ class LoraSlots:
             self.b = {k: one.w[sp.B.name][None] for k, sp in self.layout.specs.items()}
             return
         n, L = len(adapters), self.layout.numel
-        self.flat = torch.zeros(n, L, device=dev, dtype=model.dtype)
+        slab = _shared_slab(self.sources, self.layout, model)
+        self.in_place = slab is not None  # the adapters are the rows of one slab already: read in place
+        self.flat = slab if slab is not None else torch.zeros(n, L, device=dev, dtype=model.dtype)
         self.a = {k: self.flat[:, sp.A.offset:sp.A.offset + sp.A.numel].view(n, *sp.A.shape)
                   for k, sp in self.layout.specs.items()}
         self.b = {k: self.flat[:, sp.B.offset:sp.B.offset + sp.B.numel].view(n, *sp.B.shape)
                   for k, sp in self.layout.specs.items()}
-        for j in range(n):
+        for j in range(n if slab is None else 0):
             self._copy_in(j)
 
     def index(self, name: str) -> int:
@@ -106,6 +110,21 @@ class LoraSlots:
 
     def step(self, idx: torch.Tensor) -> LoraStep:
         return LoraStep(self, idx)
+
+
+def _shared_slab(sources: list[LoraAdapters], layout: LoraLayout, model) -> torch.Tensor | None:
+    """The [n, numel] tensor whose row j is adapter j's flat buffer, when the adapters were made
+    that way (a LoRA host's jobs, train/lora_host.py) and each is laid out as the slots are (same
+    rank and targets, the model's dtype and device); else None (the slots copy them)."""
+    slab = sources[0].flat._base
+    if slab is None or slab.dim() != 2 or tuple(slab.shape) != (len(sources), layout.numel):
+        return None
+    for j, ad in enumerate(sources):
+        if (ad.flat._base is not slab or ad.flat.data_ptr() != slab[j].data_ptr() or ad.cfg.r != layout.cfg.r
+                or ad.cfg.target_modules != layout.cfg.target_modules or ad.flat.dtype != model.dtype
+                or ad.flat.device != model.device):
+            return None
+    return slab if slab.is_contiguous() else None
 
 
 class LoraStep:

@@ -29,7 +29,12 @@ def _parser(cmd: str, scheduled: bool) -> argparse.ArgumentParser:
         prog=f"rlcu {cmd}", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         description=f"{what} from a YAML config. Every option below can be set in the YAML file "
                     f"(nested keys are sections) or with --set key.path=value.")
-    p.add_argument("config", nargs="?", default=None, help="YAML config file (default: all defaults)")
+    if cmd == "grpo":
+        p.add_argument("config", nargs="*", default=None,
+                       help="YAML config file (default: all defaults); several: LoRA jobs on one base, run in one "
+                            "process over one copy of it (a LoRA host: every config needs lora:, --set applies to all)")
+    else:
+        p.add_argument("config", nargs="?", default=None, help="YAML config file (default: all defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one option, e.g. --set optim.lr=1e-5 (repeatable; values are YAML)")
     p.add_argument("--resume", default=None, metavar="DIR|auto",
@@ -72,6 +77,8 @@ def main(argv: list[str] | None = None, scheduled=None) -> int:
     from rlcu.parallel.comm import print_once
 
     cls, (tmod, tcls) = _load(cmd)
+    files = args.config if isinstance(args.config, list) else [args.config]
+    args.config = files[0] if files else None
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={args.resume}")
@@ -79,6 +86,8 @@ def main(argv: list[str] | None = None, scheduled=None) -> int:
         overrides.append("log.overwrite=true")
     if args.allow_config_change:
         overrides.append("checkpoint.allow_config_change=true")
+    if len(files) > 1:
+        return _host_main(cmd, p, args, files, overrides, scheduled)
     cfg = command_config(cls, p, args, overrides, say=print_once)  # under torchrun: once, not once a rank
     if isinstance(cfg, int):
         return cfg
@@ -106,6 +115,54 @@ def main(argv: list[str] | None = None, scheduled=None) -> int:
     from rlcu.train.core import exit_status
 
     return exit_status(f"rlcu {cmd}", trainer.train)
+
+
+def _host_main(cmd: str, p, args, files: list[str], overrides: list[str], scheduled) -> int:
+    """`rlcu grpo a.yaml b.yaml ...`: the configs as jobs of one LoRA host (rlcu.train.lora_host);
+    the exit status is the worst of the jobs' (each job's the one it gives alone), 2 when the
+    configs cannot share a host (one line naming the file and the field)."""
+    from rlcu.config import ConfigError, GRPOConfig, command_config, config_to_dict
+
+    cfgs = []
+    for f in files:
+        args.config = f
+        cfg = command_config(GRPOConfig, p, args, overrides)
+        if isinstance(cfg, int):
+            return cfg
+        cfgs.append(cfg)
+    if args.print_config:
+        import yaml
+
+        for f, cfg in zip(files, cfgs):
+            print(f"# {f}\n" + yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        return 0
+    if getattr(args, "scheduler", None):
+        print(f"rlcu {cmd}: --scheduler with several configs is not supported yet: submit the host as one job "
+              f"(rlcu sched submit with `grpo: [a.yaml, b.yaml]`)", file=sys.stderr)
+        return 2
+    from rlcu.rewards import add_import_dir
+    from rlcu.threads import apply
+
+    for f in files:
+        add_import_dir(f)
+    apply(cfgs[0].model.threads)
+    from rlcu.train.lora_host import LoraHost
+
+    try:
+        host = LoraHost(cfgs, names=_job_names(files), sources=files)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"rlcu {cmd}: {e}", file=sys.stderr)
+        return 2
+    host.train()
+    return host.status
+
+
+def _job_names(files: list[str]) -> list[str]:
+    """Each file's stem; a stem two files share gets the file's index."""
+    from pathlib import Path
+
+    stems = [Path(f).stem for f in files]
+    return [s if stems.count(s) == 1 else f"{s}{i}" for i, s in enumerate(stems)]
 
 
 if __name__ == "__main__":

@@ -94,13 +94,16 @@ def _reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
 class RLTrainer(Trainer):
     """Setup shared by GRPO and PPO on the trainer core (rlcu.train.core.Trainer: the loop,
     checkpoints, resume, signals): model, tokenizer, engine, reference model, data, rewards,
-    optimizer, evaluation. Subclasses implement `train_step`. hooks: rlcu.train.core.Hooks."""
+    optimizer, evaluation. Subclasses implement `train_step`. hooks: rlcu.train.core.Hooks.
+    llm: an engine shared with other LoRA jobs on this base (rlcu.train.lora_host's `JobEngine`):
+    it adopts the job's adapters before the optimizer is made over them (`llm.adopt(model)`)
+    and serves the rollouts in place of an engine of the job's own."""
 
     config_cls = RLConfig
     kind = "rl"
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
-                 hooks: Hooks | None = None, environment=None, tools=None):
+                 hooks: Hooks | None = None, environment=None, tools=None, llm=None):
         super().__init__(config, hooks)
         cfg = self.cfg
         self.model = model if model is not None else build_model(cfg.model)
@@ -108,6 +111,8 @@ class RLTrainer(Trainer):
         self._model_given = model is not None
         self.device = self.model.device
         trained = self._attach_lora(self.model)  # the adapters with lora: (the base frozen), else the model
+        if llm is not None:  # an engine shared with other jobs (train/lora_host.py): it may move them into its slab
+            trained = llm.adopt(self.model)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, "RL prompts")
         specs = _reward_specs(reward_fns, cfg.rewards)
         self.episodes = make_runner(cfg, self.tokenizer, self.model, environment, tools, bool(specs))  # None: 1 turn
@@ -116,7 +121,7 @@ class RLTrainer(Trainer):
         self.sampler = PromptSampler(self.rows, cfg.data.seed, cfg.data.shuffle)
         self.ref = self._make_ref() if self._needs_ref() else None
         self.opt = make_optimizer(trained, cfg.optim)  # ShardedAdamW across ranks
-        self.llm = self._make_engine()
+        self.llm = llm if llm is not None else self._make_engine()
         self.llm.sleep(keep_graphs=True)  # its pool is taken back by the first rollout
         self.stop_ids = ro.stop_ids(self.tokenizer, self.model) if cfg.stop_at_eos else []
         self.last_eval: dict = {}
@@ -176,9 +181,9 @@ class RLTrainer(Trainer):
         ref.gradient_checkpointing = False
         return ref
 
-    def _make_engine(self):
-        """The rollout engine on the policy's weights. Its KV pool: engine.num_kv_blocks when
-        set; else, with engine.gpu_memory_utilization set, what that fraction of the device
+    def engine_kwargs(self) -> dict:
+        """rlcu.LLM's arguments for this job's engine (no adapters). Its KV pool: engine.num_kv_blocks
+        when set; else, with engine.gpu_memory_utilization set, what that fraction of the device
         leaves (the engine's own sizing); else (the default) one step's sequences or one
         evaluation's, whichever is more, and no more, so that the rollout's peak stays small."""
         c, e = self.cfg, self.cfg.engine
@@ -192,6 +197,11 @@ class RLTrainer(Trainer):
             longest = max([r.longest for r in self.prompt_reports] + [1])  # over every prompt kept
             kw["num_kv_blocks"] = sizing.rl_kv_blocks(c, world().size, longest,
                                                       min(len(self.eval_rows), c.eval_max_prompts))
+        return kw
+
+    def _make_engine(self):
+        """The rollout engine on the policy's weights (engine_kwargs), given the live adapters."""
+        kw = self.engine_kwargs()
         params = inspect.signature(LLM).parameters
         if self.model.lora is not None:  # the engine reads the live adapters, unmerged
             if "lora" not in params:

@@ -1,0 +1,279 @@
+"""A LoRA host: several LoRA GRPO jobs that name the same base, in one process over ONE copy of it.
+
+    rlcu grpo a.yaml b.yaml c.yaml                   # the command line (train/cli.py)
+    LoraHost(["a.yaml", "b.yaml"]).train()           # -> [HostedJob] with each job's status
+
+Each job is a whole GRPOTrainer of its own config: its data, rewards, hyper-parameters, adapter,
+optimizer state, checkpoints, run folder, metrics, trackers and exit status. What they share:
+- the base: loaded once; each job's model is a view of its flat buffer (`Qwen3(cfg, base.flat)`)
+  with the job's adapter attached, so the base is frozen and counted once;
+- the engine (train/host_engine.py): one rlcu.LLM over the base serving every job's adapter as a
+  slot; the jobs' rollouts go to it together and their sequences decode in the same steps.
+
+Turns. Each job runs its trainer's own loop in a thread of its own, but only one thread runs at a
+time, in the jobs' order: a job runs until it asks the engine for rollouts (or ends), then hands
+the turn back. Once every live job has asked (or ended), the host serves all their requests in
+one generate call and the jobs take their turns again: each scores, updates its adapter (its
+forward and backward over the shared frozen base), logs and checkpoints, then asks for its next
+rollouts. Updates thus take turns, the order is fixed, and nothing runs concurrently: a job's
+arithmetic is the one it does alone. In exact mode a hosted job's adapters are bit for bit those
+of the same job run alone (the engine's kernels are batch invariant and its sampling is seeded
+per sequence); in the default mode they are close (the engine's batch-dependent sums).
+
+A job that ends (done, or failed: a reward that raises, too many non-finite steps, an error)
+leaves; the others go on. Its status is the one `rlcu grpo` gives alone (rlcu.train.core
+exit_status: 0, 1, 2, 74, 128 + N) and the host's is the worst (the largest) of them. A signal
+to the host stops every job after its step in flight, with a checkpoint, as it stops one run.
+
+Refused by name (ConfigError naming the file and the field) before anything runs: a config
+without `lora:`, one naming another base (model.path, revision, tiny, init_seed, dtype, device)
+or another exact mode or engine section than the first, multi-turn episodes (their engine loop
+is per job), and two jobs writing one log.out_dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from rlcu.config import ConfigError, GRPOConfig, config_to_dict
+from rlcu.errors import SetupError
+from rlcu.model.causal_lm import Qwen3
+from rlcu.train.checkpoint import build_model
+from rlcu.train.core import Hooks, TrainingStopped, coerce_config, exit_status
+from rlcu.train.grpo import GRPOTrainer
+from rlcu.train.host_engine import HostEngine, JobEngine
+from rlcu.train.signals import SignalGuard
+
+BASE_FIELDS = ("path", "revision", "tiny", "init_seed", "dtype", "device")  # model.* that make the base
+
+
+@dataclasses.dataclass
+class HostedJob:
+    """One job of a host: its name, config (and the file it came from), trainer, and once it
+    ended its exit status, metrics history and error (None when it ran to its end)."""
+
+    name: str
+    cfg: GRPOConfig
+    source: str | None = None
+    trainer: GRPOTrainer | None = None
+    status: int | None = None
+    error: BaseException | None = None
+    history: list = dataclasses.field(default_factory=list)
+    pending: tuple | None = None  # (prompts, sampling params, on_error) it waits on the engine for
+    result: object = None
+    thread: threading.Thread | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status is not None
+
+
+def _where(job: HostedJob) -> str:
+    return job.source or f"job {job.name!r}"
+
+
+def check_jobs(jobs: list[HostedJob]) -> None:
+    """The refusals of the module docstring, each a ConfigError naming the field and the file."""
+    first = jobs[0]
+    outs = {}
+    for job in jobs:
+        c = job.cfg
+        if not c.lora.enabled:
+            raise ConfigError("lora", "must be set in every job of a LoRA host (lora.r > 0 or lora.path): the base "
+                                      "is shared and frozen", _where(job))
+        if c.multi_turn.enabled:
+            raise ConfigError("multi_turn", "is not served by a LoRA host yet (its episodes run an engine loop of "
+                                            "their own): run this job alone", _where(job))
+        for f in BASE_FIELDS:
+            if getattr(c.model, f) != getattr(first.cfg.model, f):
+                raise ConfigError(f"model.{f}", f"is {getattr(c.model, f)!r}, and {_where(first)} has "
+                                                f"{getattr(first.cfg.model, f)!r}: a LoRA host's jobs name one base",
+                                  _where(job))
+        if c.exact != first.cfg.exact:
+            raise ConfigError("exact", f"is {c.exact}, {_where(first)}'s {first.cfg.exact}: the shared engine runs "
+                                       f"in one mode", _where(job))
+        mine, theirs = config_to_dict(c)["engine"], config_to_dict(first.cfg)["engine"]
+        diff = next((k for k in mine if mine[k] != theirs.get(k)), None)
+        if diff is not None:
+            raise ConfigError(f"engine.{diff}", f"is {mine[diff]!r}, {_where(first)}'s {theirs.get(diff)!r}: the "
+                                                f"jobs share one engine", _where(job))
+        out = Path(c.log.out_dir).expanduser().resolve()
+        if out in outs:
+            raise ConfigError("log.out_dir", f"{out} is also {_where(outs[out])}'s: each job needs a run folder "
+                                             f"of its own", _where(job))
+        outs[out] = job
+
+
+class _HostHooks(Hooks):
+    """A hosted job's hooks: the host's signal stops it after its step in flight."""
+
+    def __init__(self, host: LoraHost):
+        self.host = host
+
+    def stop_reason(self) -> str | None:
+        return self.host.stop
+
+
+class LoraHost:
+    """configs: GRPO configs (GRPOConfig, dicts or YAML paths) of LoRA jobs on one base. Per job
+    (lists in the configs' order, or None): datasets, reward_fns and tokenizers as GRPOTrainer
+    takes them; names (default: the file's stem, else job0, job1, ...); sources (the files the
+    configs came from, for errors; default: the paths given). See the module docstring."""
+
+    def __init__(self, configs: list, datasets: list | None = None, reward_fns: list | None = None, *,
+                 tokenizers: list | None = None, names: list[str] | None = None, sources: list[str] | None = None):
+        if len(configs) < 1:
+            raise ValueError("a LoRA host needs at least one job config")
+        n = len(configs)
+        self.jobs = [HostedJob(_name(c, i, names), coerce_config(GRPOConfig, c),
+                               sources[i] if sources is not None else _source(c))
+                     for i, c in enumerate(configs)]
+        if len({j.name for j in self.jobs}) != n:
+            raise ValueError(f"job names must differ, got {[j.name for j in self.jobs]}")
+        check_jobs(self.jobs)
+        self.stop: str | None = None
+        self.signum: int | None = None
+        self._cv = threading.Condition()
+        self._turn: str | None = None
+        c0 = self.jobs[0].cfg
+        self.base = build_model(c0.model)
+        self.base.exact = c0.exact
+        self.engine = HostEngine(self.base, [j.name for j in self.jobs], [_lora_cfg(j.cfg) for j in self.jobs])
+        for i, job in enumerate(self.jobs):
+            self._build(job, _at(datasets, i), _at(reward_fns, i), _at(tokenizers, i))
+        built = [j for j in self.jobs if j.trainer is not None]
+        if built:
+            self.engine.start(self._engine_kwargs(built))
+
+    # ---------------------------------------------------------------- setup
+    def _view(self, cfg: GRPOConfig) -> Qwen3:
+        """A job's model: the base's buffer (no copy) under the job's own settings."""
+        m = Qwen3(self.base.cfg, self.base.flat, cfg.exact)
+        m.source = self.base.source
+        cfg.model.check_layers(m.cfg.num_hidden_layers)
+        m.gradient_checkpointing = cfg.model.gradient_checkpointing
+        return m
+
+    def _build(self, job: HostedJob, dataset, reward_fns, tokenizer) -> None:
+        """The job's trainer; one that cannot be built ends with status 2 and its reason."""
+        try:
+            job.trainer = GRPOTrainer(job.cfg, dataset, reward_fns, model=self._view(job.cfg), tokenizer=tokenizer,
+                                      hooks=_HostHooks(self), llm=JobEngine(self, self.engine, job.name))
+        except (SetupError, ConfigError, ValueError, FileNotFoundError) as e:
+            job.status, job.error = 2, e
+            print(f"rlcu grpo [{job.name}]: {e}", file=sys.stderr)
+
+    @staticmethod
+    def _engine_kwargs(jobs: list[HostedJob]) -> dict:
+        """The shared engine's arguments: the first job's engine section, a KV pool that holds every
+        job's step (the sum of their default pools) and room for all their sequences in a step."""
+        kws = [j.trainer.engine_kwargs() for j in jobs]
+        kw = dict(kws[0])
+        if all(k["num_kv_blocks"] is not None for k in kws) and jobs[0].cfg.engine.num_kv_blocks is None:
+            kw["num_kv_blocks"] = sum(k["num_kv_blocks"] for k in kws)
+        kw["max_num_seqs"] = min(sum(k["max_num_seqs"] for k in kws), 1024)
+        return kw
+
+    # ---------------------------------------------------------------- turns
+    def request(self, name: str, prompts: list, sps: list, on_error: str):
+        """A job's generate (from its thread): park with the request, hand the turn back, and
+        return (or raise) what the host's shared call gave it once the turn comes back."""
+        job = next(j for j in self.jobs if j.name == name)
+        job.pending, job.result = (prompts, sps, on_error), None
+        self._hand_back(name)
+        res, job.result = job.result, None
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def _hand_back(self, name: str) -> None:
+        with self._cv:
+            self._turn = None
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._turn == name)
+
+    def _give_turn(self, job: HostedJob) -> None:
+        with self._cv:
+            self._turn = job.name
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._turn is None)
+
+    def _body(self, job: HostedJob) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._turn == job.name)
+        try:
+            job.status = exit_status(f"rlcu grpo [{job.name}]", job.trainer.train)
+        except TrainingStopped as e:  # the host's signal: stopped after its step, with a checkpoint
+            job.status, job.error = 128 + (self.signum or 15), e
+            print(f"rlcu grpo [{job.name}]: {e}", file=sys.stderr)
+        except BaseException as e:  # noqa: BLE001 (a job's failure is its own: the others go on)
+            job.status, job.error = 1, e
+            print(f"rlcu grpo [{job.name}]: {type(e).__name__}: {e}", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            job.history = list(job.trainer.history)
+            with self._cv:
+                self._turn = None
+                self._cv.notify_all()
+
+    def _serve(self, waiting: list[HostedJob]) -> None:
+        reqs = [(j.name, *j.pending) for j in waiting]
+        try:
+            got = self.engine.serve(reqs)
+        except Exception as e:  # noqa: BLE001 (the engine failed: every job that waited on it gets the error)
+            got = [e] * len(waiting)
+        for j, res in zip(waiting, got):
+            j.pending, j.result = None, res
+
+    # ---------------------------------------------------------------- the run
+    def train(self) -> list[HostedJob]:
+        """Run every built job to its end (see the module docstring); returns the jobs, each with
+        its status, history and error."""
+        live = [j for j in self.jobs if j.trainer is not None and j.status is None]
+        for j in live:
+            j.thread = threading.Thread(target=self._body, args=(j,), name=f"lora-host:{j.name}", daemon=True)
+            j.thread.start()
+        with SignalGuard() as sig:
+            while live:
+                for j in live:
+                    self._give_turn(j)
+                    if sig.signum and self.stop is None:
+                        self.stop, self.signum = f"received {sig.name}", sig.signum
+                live = [j for j in live if not j.done]
+                waiting = [j for j in live if j.pending is not None]
+                if waiting:
+                    self._serve(waiting)
+        for j in self.jobs:
+            if j.thread is not None:
+                j.thread.join()
+        return self.jobs
+
+    @property
+    def status(self) -> int:
+        """The host's exit status: the worst (largest) of its jobs'."""
+        return max((j.status or 0) for j in self.jobs)
+
+
+def _name(config, i: int, names: list[str] | None) -> str:
+    if names is not None:
+        return names[i]
+    if isinstance(config, (str, Path)):
+        return Path(config).stem
+    return f"job{i}"
+
+
+def _source(config) -> str | None:
+    return str(config) if isinstance(config, (str, Path)) else None
+
+
+def _at(xs, i):
+    return None if xs is None else xs[i]
+
+
+def _lora_cfg(cfg: GRPOConfig):
+    """The job's LoraConfig when its section makes the adapter (None: read from lora.path later)."""
+    return cfg.lora.lora_config() if cfg.lora.path is None else None

@@ -1,0 +1,175 @@
+"""A LoRA host (issue 35, rlcu.train.lora_host): several LoRA GRPO jobs on one base in one process,
+each equal to the same job run alone (exact mode bit for bit, the default mode close), their
+rollouts sharing engine steps, one copy of the base, a failing job leaving the others, the
+refusals by file and field, a hosted job's checkpoint resumed, and `rlcu grpo a.yaml b.yaml`."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from support.trainers import TINY, first_is_even, grpo_config
+
+from rlcu.config import ConfigError
+from rlcu.data import synthetic as syn
+from rlcu.train.grpo import GRPOTrainer
+from rlcu.train.lora_host import LoraHost
+
+ROWS = syn.sort_rows(64, "train", min_len=2, max_len=3)
+
+
+def job(tmp_path, i: int, out: str, **kw):
+    """Job i: its own adapter seed, sampling seed and learning rate (and `kw`), on the shared base."""
+    d = dict(steps=3, lora=dict(r=4, alpha=8, seed=i), seed=5 + i, optim=dict(lr=3e-2 * (i + 1)))
+    for k, v in kw.items():
+        d[k] = {**d[k], **v} if isinstance(v, dict) and isinstance(d.get(k), dict) else v
+    return grpo_config(tmp_path / f"{out}{i}", **d)
+
+
+def host_of(tmp_path, n: int, out: str = "h", rewards=None, each=None, **kw):
+    cfgs = [job(tmp_path, i, out, **{**kw, **((each or {}).get(i, {}))}) for i in range(n)]
+    return LoraHost([c for c, _ in cfgs], [ROWS] * n, [rewards or [first_is_even]] * n,
+                    tokenizers=[t for _, t in cfgs])
+
+
+def alone(tmp_path, i: int, **kw):
+    """Job i run by itself; returns (trainer, engine steps over its run)."""
+    cfg, tok = job(tmp_path, i, "alone", **kw)
+    tr = GRPOTrainer(cfg, ROWS, [first_is_even], tokenizer=tok)
+    steps, gen = [0], tr.llm.generate
+
+    def counted(*a, **k):
+        out = gen(*a, **k)
+        steps[0] += tr.llm.stats["steps"]
+        return out
+
+    tr.llm.generate = counted
+    tr.train()
+    return tr, steps[0]
+
+
+def losses(hist):
+    return [(h["loss"], h["reward"], h["grad_norm"]) for h in hist]
+
+
+def test_host_jobs_equal_each_alone_exact_mode(tmp_path):
+    host = host_of(tmp_path, 3, exact=True)
+    jobs = host.train()
+    assert [j.status for j in jobs] == [0, 0, 0] and host.status == 0
+    base = host.base.flat
+    assert all(j.trainer.model.flat.data_ptr() == base.data_ptr() for j in jobs)  # one copy of the base
+    assert host.engine.in_place  # the adapters are the rows of one slab: no copy per generate
+    slab = host.engine.slab
+    assert all(j.trainer.model.lora.flat.data_ptr() == slab[i].data_ptr() for i, j in enumerate(jobs))
+    base0 = base.clone()
+    sep_steps = 0
+    for i, j in enumerate(jobs):
+        tr, steps = alone(tmp_path, i, exact=True)
+        sep_steps += steps
+        assert torch.equal(j.trainer.model.lora.flat, tr.model.lora.flat), i  # bit for bit
+        assert not torch.equal(tr.model.lora.flat, jobs[(i + 1) % 3].trainer.model.lora.flat)
+        assert losses(j.history) == losses(tr.history)
+        assert (tmp_path / f"h{i}" / "run" / "adapter" / "adapter_config.json").is_file()  # its own run folder
+    assert torch.equal(base, base0)
+    # the rollouts shared the engine's steps: fewer than the separate runs' together
+    assert 0 < host.engine.engine_steps < sep_steps
+
+
+def test_host_default_mode_ranks_that_differ_are_close(tmp_path):
+    host = host_of(tmp_path, 2, each={1: dict(lora=dict(r=8, alpha=16, seed=1))})
+    jobs = host.train()
+    assert [j.status for j in jobs] == [0, 0]
+    assert not host.engine.in_place  # two layouts: the slots copy the live adapters every generate
+    for i, j in enumerate(jobs):
+        tr, _ = alone(tmp_path, i, **({"lora": dict(r=8, alpha=16, seed=1)} if i == 1 else {}))
+        a, b = j.trainer.model.lora.flat, tr.model.lora.flat
+        assert float((a - b).norm() / b.norm()) < 1e-4, i
+
+
+def boom(prompts, completions, **_):
+    raise RuntimeError("this reward always fails")
+
+
+def test_a_failing_job_leaves_the_others(tmp_path, capsys):
+    cfgs = [job(tmp_path, i, "f", reward_max_failed_steps=1) for i in range(3)]
+    host = LoraHost([c for c, _ in cfgs], [ROWS, ROWS, []], [[first_is_even], [boom], [first_is_even]],
+                    tokenizers=[t for _, t in cfgs])
+    jobs = host.train()
+    assert [j.status for j in jobs] == [0, 1, 2]  # done; its reward failed; its dataset is empty
+    assert host.status == 2  # the worst
+    assert len(jobs[0].history) == 3 and jobs[1].history == []
+    err = capsys.readouterr().err
+    assert "rlcu grpo [job1]: reward 'boom' failed" in err and "rlcu grpo [job2]: dataset: no rows" in err
+    tr, _ = alone(tmp_path, 0)
+    assert torch.equal(jobs[0].trainer.model.lora.flat, tr.model.lora.flat)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({}, "lora"),
+    (dict(model=dict(init_seed=4)), "model.init_seed"),
+    (dict(exact=True), "exact"),
+    (dict(engine=dict(block_size=32)), "engine.block_size"),
+    ({}, "multi_turn"),
+])
+def test_refused_by_file_and_field(tmp_path, change, field):
+    a, _ = job(tmp_path, 0, "r")
+    b, _ = job(tmp_path, 1, "r", **change)
+    if field == "lora":
+        b.lora = type(b.lora)()  # off: full fine-tuning
+    if field == "multi_turn":
+        b.multi_turn.environment = "rlcu.tools.lookup:LookupEnv"  # (set after the config's own checks)
+    with pytest.raises(ConfigError) as e:
+        LoraHost([a, b], sources=["a.yaml", "b.yaml"])
+    assert e.value.path == field and e.value.source == "b.yaml", str(e.value)
+
+
+def test_refused_when_two_jobs_share_a_run_folder(tmp_path):
+    a, _ = job(tmp_path, 0, "same")
+    b, _ = job(tmp_path, 1, "x")
+    b.log.out_dir = a.log.out_dir
+    with pytest.raises(ConfigError, match=r"log.out_dir .* also a.yaml's"):
+        LoraHost([a, b], sources=["a.yaml", "b.yaml"])
+
+
+def test_hosted_job_resumes_from_its_checkpoint(tmp_path):
+    straight = host_of(tmp_path, 2, "s", steps=4)
+    straight.train()
+    half = host_of(tmp_path, 2, "c", steps=2, checkpoint=dict(save_at_end=True))
+    half.train()
+    rest = host_of(tmp_path, 2, "c", steps=4, checkpoint=dict(resume="auto"))
+    jobs = rest.train()
+    assert [j.status for j in jobs] == [0, 0]
+    for i, j in enumerate(jobs):
+        assert j.trainer.resumed_from is not None and len(j.history) == 4
+        assert torch.equal(j.trainer.model.lora.flat, straight.jobs[i].trainer.model.lora.flat), i
+
+
+def test_cli_runs_several_configs_as_one_host(tmp_path, capsys):
+    from rlcu.train.cli import main
+
+    tok = syn.make_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for r in syn.sort_rows(8, "train", min_len=2, max_len=3):
+            f.write(json.dumps(r) + "\n")
+
+    def write(name, **kw):
+        cfg = {"model": {"tiny": dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id),
+                         "tokenizer": str(tmp_path / "tok")},
+               "data": {"path": str(tmp_path / "train.jsonl")}, "steps": 2, "prompts_per_step": 2, "group_size": 2,
+               "max_new_tokens": 2, "rewards": [{"fn": "rlcu.data.synthetic:partial_match_reward"}],
+               "lora": {"r": 4}, "log": {"out_dir": str(tmp_path / name), "progress": False, "plot": False,
+                                         "tensorboard": False}}
+        cfg.update(kw)
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        return str(tmp_path / f"{name}.yaml")
+
+    a, b = write("a"), write("b", seed=7)
+    assert main(["grpo", a, b]) == 0
+    for name in ("a", "b"):
+        assert (tmp_path / name / "adapter" / "adapter_model.safetensors").is_file()
+    full = write("full", lora={"r": 0})
+    capsys.readouterr()
+    assert main(["grpo", a, full, "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lora must be set" in err[0] and "full.yaml" in err[0], err
