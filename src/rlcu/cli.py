@@ -112,8 +112,13 @@ def _dispatch(argv: list[str] | None) -> int:
     return int(mod.main([cmd] + rest) or 0)
 
 
-def scheduled_grpo(prog: str, cfg, addr: str, job_name: str | None) -> int:
-    """`rlcu grpo CONFIG --scheduler ADDR`: the run as a job of that scheduler (rlcu.sched.job)."""
+def scheduled_grpo(prog: str, cfg, addr: str, job_name: str | None, sources: list[str] | None = None) -> int:
+    """`rlcu grpo CONFIG --scheduler ADDR`: the run as a job of that scheduler (rlcu.sched.job);
+    several configs (a list): one LoRA host, one job of the scheduler (rlcu.sched.host)."""
+    if isinstance(cfg, list):
+        from rlcu.sched.host import run_host_exit_code
+
+        return run_host_exit_code(prog, cfg, addr, job_name, sources=sources)
     from rlcu.sched.job import run_grpo_exit_code  # the scheduler's client loads for --scheduler only
 
     return run_grpo_exit_code(prog, cfg, addr, job_name, threads=True)

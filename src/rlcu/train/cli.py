@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None, scheduled=None) -> int:
 def _host_main(cmd: str, p, args, files: list[str], overrides: list[str], scheduled) -> int:
     """`rlcu grpo a.yaml b.yaml ...`: the configs as jobs of one LoRA host (rlcu.train.lora_host);
     the exit status is the worst of the jobs' (each job's the one it gives alone), 2 when the
-    configs cannot share a host (one line naming the file and the field)."""
+    configs cannot share a host (one line naming the file and the field). With --scheduler the
+    host is one job of that scheduler (`scheduled(prog, configs, addr, name, files)`)."""
     from rlcu.config import ConfigError, GRPOConfig, command_config, config_to_dict
 
     cfgs = []
@@ -136,33 +137,23 @@ def _host_main(cmd: str, p, args, files: list[str], overrides: list[str], schedu
         for f, cfg in zip(files, cfgs):
             print(f"# {f}\n" + yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         return 0
-    if getattr(args, "scheduler", None):
-        print(f"rlcu {cmd}: --scheduler with several configs is not supported yet: submit the host as one job "
-              f"(rlcu sched submit with `grpo: [a.yaml, b.yaml]`)", file=sys.stderr)
-        return 2
     from rlcu.rewards import add_import_dir
     from rlcu.threads import apply
 
     for f in files:
         add_import_dir(f)
     apply(cfgs[0].model.threads)
+    if getattr(args, "scheduler", None):  # the host as one job of the scheduler (rlcu.sched.host)
+        return scheduled(f"rlcu {cmd}", cfgs, args.scheduler, args.job_name, files)
     from rlcu.train.lora_host import LoraHost
 
     try:
-        host = LoraHost(cfgs, names=_job_names(files), sources=files)
+        host = LoraHost(cfgs, sources=files)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"rlcu {cmd}: {e}", file=sys.stderr)
         return 2
     host.train()
     return host.status
-
-
-def _job_names(files: list[str]) -> list[str]:
-    """Each file's stem; a stem two files share gets the file's index."""
-    from pathlib import Path
-
-    stems = [Path(f).stem for f in files]
-    return [s if stems.count(s) == 1 else f"{s}{i}" for i, s in enumerate(stems)]
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ is per job), and two jobs writing one log.out_dir.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -42,6 +43,7 @@ from pathlib import Path
 from rlcu.config import ConfigError, GRPOConfig, config_to_dict
 from rlcu.errors import SetupError
 from rlcu.model.causal_lm import Qwen3
+from rlcu.train import sizing
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, TrainingStopped, coerce_config, exit_status
 from rlcu.train.grpo import GRPOTrainer
@@ -109,32 +111,45 @@ def check_jobs(jobs: list[HostedJob]) -> None:
 
 
 class _HostHooks(Hooks):
-    """A hosted job's hooks: the host's signal stops it after its step in flight."""
+    """A hosted job's hooks: its training phases are the host's (`LoraHost.hooks.phase`: under a
+    scheduler, the host's one lease), its rollouts the host's shared call (which holds the
+    rollout phase itself); the host's signal, or its driver's stop, stops it after its step."""
 
     def __init__(self, host: LoraHost):
         self.host = host
 
+    def phase(self, name: str, **info):
+        if name == "rollout":  # the job only parks its requests; the host's serve is the phase
+            return contextlib.nullcontext()
+        return self.host.hooks.phase(name, **info)
+
     def stop_reason(self) -> str | None:
-        return self.host.stop
+        return self.host.stop or self.host.hooks.stop_reason()
 
 
 class LoraHost:
     """configs: GRPO configs (GRPOConfig, dicts or YAML paths) of LoRA jobs on one base. Per job
     (lists in the configs' order, or None): datasets, reward_fns and tokenizers as GRPOTrainer
     takes them; names (default: the file's stem, else job0, job1, ...); sources (the files the
-    configs came from, for errors; default: the paths given). See the module docstring."""
+    configs came from, for errors; default: the paths given); hooks: the host's as a whole
+    (rlcu.train.core.Hooks; a scheduler's: rlcu.sched.host), whose phases the jobs' training
+    phases and the shared rollouts run in. See the module docstring."""
 
     def __init__(self, configs: list, datasets: list | None = None, reward_fns: list | None = None, *,
-                 tokenizers: list | None = None, names: list[str] | None = None, sources: list[str] | None = None):
+                 tokenizers: list | None = None, names: list[str] | None = None, sources: list[str] | None = None,
+                 hooks: Hooks | None = None):
         if len(configs) < 1:
             raise ValueError("a LoRA host needs at least one job config")
         n = len(configs)
-        self.jobs = [HostedJob(_name(c, i, names), coerce_config(GRPOConfig, c),
+        if names is None:
+            names = job_names([s if s is not None else c for s, c in zip(sources or [None] * n, configs)])
+        self.jobs = [HostedJob(names[i], coerce_config(GRPOConfig, c),
                                sources[i] if sources is not None else _source(c))
                      for i, c in enumerate(configs)]
         if len({j.name for j in self.jobs}) != n:
             raise ValueError(f"job names must differ, got {[j.name for j in self.jobs]}")
         check_jobs(self.jobs)
+        self.hooks = hooks if hooks is not None else Hooks()
         self.stop: str | None = None
         self.signum: int | None = None
         self._cv = threading.Condition()
@@ -175,7 +190,7 @@ class LoraHost:
         kw = dict(kws[0])
         if all(k["num_kv_blocks"] is not None for k in kws) and jobs[0].cfg.engine.num_kv_blocks is None:
             kw["num_kv_blocks"] = sum(k["num_kv_blocks"] for k in kws)
-        kw["max_num_seqs"] = min(sum(k["max_num_seqs"] for k in kws), 1024)
+        kw["max_num_seqs"] = min(sum(k["max_num_seqs"] for k in kws), sizing.HOST_MAX_SEQS)
         return kw
 
     # ---------------------------------------------------------------- turns
@@ -222,8 +237,12 @@ class LoraHost:
 
     def _serve(self, waiting: list[HostedJob]) -> None:
         reqs = [(j.name, *j.pending) for j in waiting]
+        h = self.hooks
+        kw = dict(yield_check=h.yield_check, on_yield=h.on_yield, on_done=h.on_generate_done) if h.preemptible else {}
+        work = float(sum(sp.n * sp.max_tokens for _, _, sps, _ in reqs for sp in sps))
         try:
-            got = self.engine.serve(reqs)
+            with h.phase("rollout", work=work):
+                got = self.engine.serve(reqs, kw)
         except Exception as e:  # noqa: BLE001 (the engine failed: every job that waited on it gets the error)
             got = [e] * len(waiting)
         for j, res in zip(waiting, got):
@@ -258,12 +277,10 @@ class LoraHost:
         return max((j.status or 0) for j in self.jobs)
 
 
-def _name(config, i: int, names: list[str] | None) -> str:
-    if names is not None:
-        return names[i]
-    if isinstance(config, (str, Path)):
-        return Path(config).stem
-    return f"job{i}"
+def job_names(configs: list) -> list[str]:
+    """Each config file's stem (a stem two files share gets the file's index), else job<i>."""
+    stems = [Path(c).stem if isinstance(c, (str, Path)) else None for c in configs]
+    return [f"job{i}" if s is None else s if stems.count(s) == 1 else f"{s}{i}" for i, s in enumerate(stems)]
 
 
 def _source(config) -> str | None:

@@ -63,6 +63,40 @@ def config_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = No
                     random_init=m.path is None, engine=engine.engine, adapter=config_adapter(cfg.lora))
 
 
+HOST_MAX_SEQS = 1024  # the most sequences a LoRA host's shared engine takes in one step (its graphs' largest batch)
+
+
+def host_engine_config(cfgs: list):
+    """The config whose engine is a LoRA host's shared one (train/lora_host.py): the first job's,
+    with a KV pool that holds every job's step (the sum of their pools) and room for all their
+    sequences in one step (at most HOST_MAX_SEQS)."""
+    import copy
+
+    c = copy.deepcopy(cfgs[0])
+    c.engine.num_kv_blocks = sum(x.engine.num_kv_blocks or rl_kv_blocks(x, 1) for x in cfgs)
+    c.engine.max_num_seqs = min(sum(x.engine.max_num_seqs for x in cfgs), HOST_MAX_SEQS)
+    return c
+
+
+def host_request(cfgs: list) -> dict[str, float]:
+    """A LoRA host's memory (the scheduler's request, GiB per phase as JobMemory.request): the
+    base, the CUDA context and the shared engine's graphs once; each job's adapters (weights,
+    master, moments; their gradient unless released); the shared engine's pool and step; and,
+    since the jobs' updates take turns, the largest of their training phases."""
+    from rlcu.memory.job import FRAGMENTATION, GiB
+
+    one = job_memory(config_shape(host_engine_config(cfgs)))
+    mems = [job_memory(config_shape(c)) for c in cfgs]
+    own = [m.adapters + (0 if m.shape.release_grads else m.adapter_gradients) for m in mems]
+    resident = one.resident - own[0] + sum(own)
+    phases = dict(one.phases())
+    for k in phases:
+        if k != "rollout":
+            phases[k] = max(m.phases()[k] for m in mems)
+    out = {"resident": one.device_bytes(resident) / GiB}
+    return out | {k: v * FRAGMENTATION / GiB for k, v in phases.items()}
+
+
 def config_adapter(section) -> AdapterShape | None:
     """The adapters a `lora:` section makes (lora.path: its adapter_config.json's), None when off."""
     if not section.enabled:
