@@ -130,17 +130,27 @@ def _shared_slab(sources: list[LoraAdapters], layout: LoraLayout, model) -> torc
 class LoraStep:
     """model/layer.py's `lora` for one engine step: after each adapted linear, y += scale[s]
     (x A_s^T) B_s^T for each row's slot s = idx[row] (none where idx is -1), by the grouped
-    kernels in one shrink and one expand launch for the whole mixed batch."""
+    kernels in one shrink and one expand launch for the whole mixed batch.
+
+    With more than one slot the step's rows are grouped by slot once (`order`, a stable argsort
+    of idx on the device, inside the graphs), which every module's launches share: a kernel tile
+    runs one pass per slot its rows hold, so a batch whose adapters are interleaved (jobs
+    submitted together) costs about one pass a tile instead of one per slot (H200, Qwen3-8B's
+    modules, 8 slots, 256 rows: 385 us a layer unordered, 138 ordered, 111 for one adapter;
+    bench/results/lora_kernel.json). The order changes the speed only, never a row's bits."""
 
     def __init__(self, slots: LoraSlots, idx: torch.Tensor):
         self.slots, self.idx = slots, idx
+        multi = slots.scale.numel() > 1  # fixed while the slots are: new slots drop the graphs
+        self.order = torch.argsort(idx, stable=True).to(torch.int32) if multi and idx.numel() > 1 else None
 
     def apply(self, i: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         s, key = self.slots, (i, module)
         a = s.a.get(key)
         if a is None:
             return
-        lora_expand(lora_shrink(x, a, self.idx), s.b[key], self.idx, y, s.scale, s.slices[key])
+        h = lora_shrink(x, a, self.idx, self.order)
+        lora_expand(h, s.b[key], self.idx, y, s.scale, s.slices[key], self.order)
 
 
 _SHAPE = ("family", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
