@@ -40,6 +40,8 @@ import threading
 import traceback
 from pathlib import Path
 
+import torch
+
 from rlcu.config import ConfigError, GRPOConfig, config_to_dict
 from rlcu.errors import SetupError
 from rlcu.model.causal_lm import Qwen3
@@ -220,6 +222,8 @@ class LoraHost:
     def _body(self, job: HostedJob) -> None:
         with self._cv:
             self._cv.wait_for(lambda: self._turn == job.name)
+        if self.base.device.type == "cuda":  # a thread's current device is its own: the base's, as the host's
+            torch.cuda.set_device(self.base.device)
         try:
             job.status = exit_status(f"rlcu grpo [{job.name}]", job.trainer.train)
         except TrainingStopped as e:  # the host's signal: stopped after its step, with a checkpoint
