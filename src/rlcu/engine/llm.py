@@ -51,11 +51,13 @@ from typing import Any
 
 import torch
 
+from rlcu.engine import episodes, requests
 from rlcu.engine import lora as engine_lora
-from rlcu.engine import requests
 from rlcu.engine.block_manager import BlockManager
+from rlcu.engine.episodes import Episode
 from rlcu.engine.model_runner import ModelRunner
 from rlcu.engine.params import RequestOutput, SamplingParams
+from rlcu.engine.progress import Progress
 from rlcu.engine.scheduler import Scheduler
 from rlcu.engine.step_loop import StepLoop
 from rlcu.model.causal_lm import Qwen3
@@ -83,37 +85,6 @@ def _check_int(name: str, v, lo: int, allow_none: bool = False):
         return
     if not isinstance(v, int) or isinstance(v, bool) or v < lo:
         raise ValueError(f"LLM.{name} must be an integer >= {lo}{' or None' if allow_none else ''}, got {v!r}")
-
-
-class _Progress:
-    """A rich progress bar over requests, with the output tokens/s so far (on stderr)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.bar = None
-        if not enabled:
-            return
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(TextColumn("generate"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
-                            TextColumn("{task.fields[tps]:>10,.0f} tok/s"), TimeElapsedColumn(),
-                            console=Console(stderr=True))
-        self.task = self.bar.add_task("generate", total=total, tps=0.0)
-        self.t0 = time.perf_counter()
-
-    def __enter__(self):
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
-
-    def update(self, done: int, tokens: int) -> None:
-        if self.bar is not None:
-            tps = tokens / max(time.perf_counter() - self.t0, 1e-9)
-            self.bar.update(self.task, completed=done, tps=tps)
 
 
 class LLM:
@@ -403,13 +374,24 @@ class LLM:
         return self._run(resolved, sampling_params, use_tqdm if progress is None else progress, on_error,
                          yield_check, on_yield, on_done, lora)
 
+    def run_episodes(self, starts, sampling_params: SamplingParams | list[SamplingParams], on_turn, *,
+                     max_workers: int = 32, use_tqdm: bool = False, max_turns: int | None = None,
+                     max_episode_tokens: int | None = None, lora=None) -> list[Episode]:
+        """Multi-turn generation, token in and token out (engine/episodes.py says it all): each
+        start's sequence generates a turn, on_turn(i, turn_ids, finish_reason) runs in a pool of
+        max_workers threads while the others keep decoding, and returns the environment's
+        tokens to append (the sequence resumes with its KV kept) or None (the episode ends).
+        Returns one Episode per start and sample (n per start), in order. lora: as generate's."""
+        return episodes.run_episodes(self, starts, sampling_params, on_turn, max_workers=max_workers,
+                                     use_tqdm=use_tqdm, max_turns=max_turns, max_episode_tokens=max_episode_tokens,
+                                     lora=lora)
+
     # ------------------------------------------------------------------ the loop
     def _yield(self, on_yield) -> None:
         """Give the device back between two steps (no step in flight): preempt every live
         sequence for recompute, sleep, on_yield(tokens left), wake."""
         live = self.scheduler.preempt_all()
-        left = sum(s.num_samples * max(min(s.params.max_tokens - s.num_generated, self.max_model_len - len(s)), 0)
-                   for s in live)
+        left = sum(s.num_samples * max(min(s.max_len, self.max_model_len) - len(s), 0) for s in live)
         self.sleep(keep_graphs=True)  # a pool that comes back at its address keeps them (see sleep)
         if on_yield is not None:
             on_yield(left)  # an exception leaves the engine asleep: the pool may no longer be ours
@@ -437,7 +419,7 @@ class LLM:
         loop = StepLoop(self.scheduler, self.runner, {i: sp.n for i, sp in checked.items()},
                         lookahead=self.async_scheduling, yield_check=yield_check,
                         do_yield=lambda: self._yield(on_yield))
-        with _Progress(len(seqs), show) as bar:
+        with Progress(len(seqs), show) as bar:
             done = loop.run(bar.update)
         self.stats = loop.stats.as_dict()
         decode = self._tokenizer.decode if self._tokenizer is not None else None

@@ -22,6 +22,15 @@ counts, forks, a placeholder per sampled token, length limits: all known without
 values) and `resolve` once the values are back (fill the placeholders, stop tokens, prefix
 cache registration, retiring finished sequences). A sequence that samples a stop token at
 step t has already been scheduled for step t+1; that row is wasted and dropped.
+
+Episodes (engine/episodes.py): a sequence that `parks` is PARKED at the end of a turn with
+its blocks kept (`parked`) instead of freed; `resume` appends the environment's tokens and
+queues it in `ready`, admitted before the waiting queue, so that only the new tokens are
+computed. Parked and ready sequences are idle holders of blocks: when a running or ready
+sequence needs blocks they are evicted first (parked, newest first, then ready ones), as
+preemption for recompute does (their tokens kept; a parked one is recomputed when it
+resumes), and when nothing else runs, a waiting sequence may evict parked ones too, so the
+engine never stalls on a callback while something could run. `end` frees an episode.
 """
 
 from __future__ import annotations
@@ -72,6 +81,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.unresolved: dict[int, Sequence] = {}  # finished by length, their last token not yet read back
+        self.parked: dict[int, Sequence] = {}  # episodes between turns, oldest first (blocks kept)
+        self.ready: deque[Sequence] = deque()  # resumed episodes that hold blocks, not yet admitted
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -79,11 +90,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a sequence can be scheduled (parked ones wait for their environment)."""
+        return bool(self.waiting or self.running or self.ready)
 
     def live(self) -> list[Sequence]:
         """Every sequence that holds or may hold blocks."""
-        return self.running + list(self.waiting) + list(self.unresolved.values())
+        return (self.running + list(self.ready) + list(self.waiting) + list(self.unresolved.values())
+                + list(self.parked.values()))
 
     def _requeue(self, seq: Sequence) -> None:
         """Preemption for recompute: free seq's blocks, keep its tokens, and put it at the head
@@ -97,17 +110,59 @@ class Scheduler:
         self._requeue(seq)
         self.num_preemptions += 1
 
+    def _evict_idle(self, keep: Sequence | None = None) -> bool:
+        """Free the blocks of one idle sequence: the newest parked one that holds any, else the
+        newest ready one (but `keep`), which goes back to the waiting queue. False if none."""
+        for seq in reversed(self.parked.values()):
+            if seq.block_table:
+                self.bm.free(seq)
+                seq.num_computed_tokens = 0
+                self.num_preemptions += 1
+                return True
+        if self.ready and self.ready[-1] is not keep:
+            self._preempt(self.ready.pop())
+            return True
+        return False
+
+    # ------------------------------------------------------------------ episodes
+    def resume(self, seq: Sequence, ids: list[int], max_len: int) -> None:
+        """Continue a parked episode: append the environment's tokens `ids` (logprob 0.0), the
+        next turn ending with "length" at `max_len` tokens. It keeps its blocks and its
+        computed tokens (only the new ones are computed), or, evicted meanwhile, is recomputed
+        through the waiting queue (at its head: episodes under way go first)."""
+        if seq.status is not Status.PARKED or seq.num_stale:
+            raise RuntimeError(f"resume of {seq}: only a parked sequence with no step in flight resumes")
+        del self.parked[seq.seq_id]
+        seq.token_ids += ids
+        seq.logprobs += [0.0] * len(ids)
+        seq.max_len, seq.finish_reason, seq.status = max_len, None, Status.WAITING
+        if seq.block_table:
+            self.ready.append(seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def end(self, seq: Sequence) -> None:
+        """An episode is over: free its blocks."""
+        if self.parked.pop(seq.seq_id, None) is None:
+            raise RuntimeError(f"end of {seq}: only a parked sequence ends")
+        self.bm.free(seq)
+        seq.status = Status.FINISHED
+
     def preempt_all(self) -> list[Sequence]:
         """Preempt every running sequence for recompute, as memory pressure does, so that no
         sequence holds a block (the engine can then release the KV pool). The waiting queue
-        becomes the running sequences, oldest first, then those that were waiting. Every
+        becomes the running sequences, oldest first, then the ready ones, then those that were
+        waiting; parked episodes free their blocks too (recomputed when they resume). Every
         sampled token must be known: call it with no step in flight. Returns the live
         sequences, in queue order. (Not counted in `num_preemptions`.)"""
         if self.unresolved or any(s.num_pending for s in self.running):
             raise RuntimeError("preempt_all with a step in flight: read its tokens back first")
-        for seq in reversed(self.running):
+        for seq in reversed(self.running + list(self.ready)):
             self._requeue(seq)
-        self.running = []
+        self.running, self.ready = [], deque()
+        for seq in self.parked.values():
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
         return list(self.waiting)
 
     def schedule(self) -> ScheduledBatch:
@@ -128,8 +183,11 @@ class Scheduler:
             end = c + take
             need = blocks_needed(seq, end)
             if need:
-                while need > bm.num_free and queue:
-                    self._preempt(queue.pop())  # the newest first
+                while need > bm.num_free and (queue or self.parked or self.ready):
+                    if not self._evict_idle():  # idle holders first, then the newest running
+                        if not queue:
+                            break
+                        self._preempt(queue.pop())
                     preempted = True
                     need = blocks_needed(seq, end)  # the victim may have shared a block with seq
                 if need > bm.num_free:
@@ -145,17 +203,29 @@ class Scheduler:
 
         if not preempted or not seqs:
             rows = sum(s.num_samples for s in kept)
-            while self.waiting and budget > 0:
-                seq = self.waiting[0]
+            while (self.ready or self.waiting) and budget > 0:
+                queue = self.ready or self.waiting
+                seq = queue[0]
                 if seq.num_pending or (kept and rows + seq.num_samples > self.max_num_seqs):
                     break  # (a preempted sequence waits for its last token's value)
-                hits = bm.match_prefix(seq)
-                start = len(hits) * bm.block_size
-                take = min(len(seq) - start, budget)
-                if bm.admission_cost(hits, start + take) > bm.num_free:
-                    break
-                self.waiting.popleft()
-                bm.use_prefix(seq, hits)
+                start = seq.num_computed_tokens
+                if queue is self.ready:  # blocks kept: compute the new tokens
+                    take = min(len(seq) - start, budget)
+                    while blocks_needed(seq, start + take) > bm.num_free and self._evict_idle(keep=seq):
+                        pass
+                    if blocks_needed(seq, start + take) > bm.num_free:
+                        break
+                else:
+                    hits = bm.match_prefix(seq)
+                    start = len(hits) * bm.block_size
+                    take = min(len(seq) - start, budget)
+                    while (bm.admission_cost(hits, start + take) > bm.num_free and not kept and self.parked
+                           and self._evict_idle()):  # nothing else runs: do not wait on callbacks
+                        pass
+                    if bm.admission_cost(hits, start + take) > bm.num_free:
+                        break
+                    bm.use_prefix(seq, hits)
+                queue.popleft()
                 copies += bm.reserve(seq, start + take)
                 seq.status = Status.RUNNING
                 seqs.append(seq)
@@ -195,7 +265,7 @@ class Scheduler:
                 s.logprobs.append(0.0)
                 s.num_pending += 1
                 n = len(s.token_ids)
-                if n - s.num_prompt_tokens >= s.params.max_tokens or n >= max_len:
+                if n >= s.max_len or n >= max_len:
                     s.status, s.finish_reason = Status.FINISHED, "length"  # blocks kept until resolved
                     finished = True
         if forks or finished:
@@ -215,7 +285,8 @@ class Scheduler:
         token this was. Returns the sequences finished now."""
         finished = []
         for s, tok, lp in zip(rows, tokens, logprobs):
-            if s.reported:  # it stopped at the previous step; this row was computed in vain
+            if s.num_stale:  # it stopped at an earlier step; this row was computed in vain
+                s.num_stale -= 1
                 continue
             i = len(s.token_ids) - s.num_pending  # the oldest placeholder
             j = i - s.num_prompt_tokens
@@ -223,15 +294,18 @@ class Scheduler:
             s.num_pending -= 1
             if tok in s.stop_ids:
                 del s.token_ids[i + 1:], s.logprobs[j + 1:]
-                s.num_pending = 0
+                s.num_stale, s.num_pending = s.num_pending, 0  # (the later placeholders: rows in flight)
                 if s.status is Status.WAITING:
                     self.waiting.remove(s)
                 s.status, s.finish_reason = Status.FINISHED, "stop"
             if s.status is Status.FINISHED and s.num_pending == 0:
                 s.num_computed_tokens = min(s.num_computed_tokens, len(s.token_ids))
                 self.bm.commit(s)
-                self.bm.free(s)
-                s.reported = True
+                if s.parks:  # an episode's turn: keep the blocks for its next one
+                    s.status = Status.PARKED
+                    self.parked[s.seq_id] = s
+                else:
+                    self.bm.free(s)
                 self.unresolved.pop(s.seq_id, None)
                 finished.append(s)
         bs, commit = self.bm.block_size, self.bm.commit
@@ -253,5 +327,5 @@ class Scheduler:
         for s in seqs:
             self.bm.free(s)
             s.status = Status.FINISHED
-        self.running, self.waiting, self.unresolved = [], deque(), {}
+        self.running, self.waiting, self.unresolved, self.ready, self.parked = [], deque(), {}, deque(), {}
         return seqs

@@ -10,6 +10,12 @@ forks into n sequences that share its blocks (see BlockManager.fork).
 
 With one-step lookahead (see Scheduler) a sampled token enters `token_ids` as a placeholder
 (-1) when its step is launched, and gets its value when the step's results are read back.
+
+An episode's sequence (`parks`, engine/episodes.py) lives through several turns: when a turn
+ends it is PARKED with its blocks kept, and it resumes with the environment's tokens
+appended (`Scheduler.resume`). `max_len` is the length at which the current turn ends with
+"length" (a plain sequence's prompt plus max_tokens). Its sample offset keeps counting every
+token after the prompt, the environment's included, so no two turns redraw the same numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ class Status(enum.Enum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+    PARKED = 3  # an episode's turn ended: blocks kept while its environment answers
 
 
 _ids = itertools.count()
@@ -53,9 +60,11 @@ class Sequence:
         # still on the device (placeholders -1); the newest is row pending_row of the last step
         self.num_pending = 0
         self.pending_row = -1
-        self.reported = False
+        self.num_stale = 0  # rows of steps launched before its stop token was read back, to drop
         self.own_seed = sample_seed(seed, sample_index)
         self.lora = -1  # the engine's adapter slot (engine/lora.py), -1: the base alone; forks inherit it
+        self.max_len = self.num_prompt_tokens + params.max_tokens  # the length that ends this turn
+        self.parks = False  # an episode's: park at the end of a turn instead of freeing the blocks
 
     def __len__(self) -> int:
         return len(self.token_ids)

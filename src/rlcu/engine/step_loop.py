@@ -88,7 +88,12 @@ class StepLoop:
         pre0, hit0 = sch.num_preemptions, sch.bm.hit_tokens
         t_start = self._t_last = time.perf_counter()
         try:
-            while sch.has_unfinished() or self._prev is not None:
+            while True:
+                self._between()
+                if not sch.has_unfinished() and self._prev is None:
+                    if self._idle():
+                        continue
+                    break
                 if not self._yielded():
                     self._step()
                 if progress is not None:
@@ -101,6 +106,21 @@ class StepLoop:
         st.cached_tokens = sch.bm.hit_tokens - hit0
         st.output_tokens = sum(len(s.token_ids) - s.num_prompt_tokens for ss in self.done.values() for s in ss)
         return self.done
+
+    def _between(self) -> None:
+        """Before each step: a subclass's work between steps (episodes resume here)."""
+
+    def _idle(self) -> bool:
+        """Nothing can be scheduled and no step is in flight: wait for what could make more
+        (episodes: their callbacks) -> whether there may be more steps."""
+        return False
+
+    def _finished(self, s: Sequence) -> None:
+        """A sequence finished (its tokens all read back)."""
+        got = self.done.setdefault(s.request_id, [])
+        got.append(s)
+        if len(got) == self.need[s.request_id]:
+            self.n_done += 1
 
     def _yielded(self) -> bool:
         """Between two steps: when yield_check() says so, finish the step in flight and yield."""
@@ -151,10 +171,7 @@ class StepLoop:
         toks, lps = self.runner.collect(step.out)
         t4 = time.perf_counter()
         for s in self.sch.resolve(step.batch, step.rows, toks, lps):
-            got = self.done.setdefault(s.request_id, [])
-            got.append(s)
-            if len(got) == self.need[s.request_id]:
-                self.n_done += 1
+            self._finished(s)
         self.stats.t_wait += t4 - t3
         self.stats.t_postprocess += time.perf_counter() - t4
         self.n_tok += len(toks)
