@@ -222,6 +222,63 @@ def test_parked_sequences_are_preempted_and_recomputed(exact):
     assert tight.block_manager.num_free == 20
 
 
+def test_few_rows_and_chunked_resumes_change_nothing(exact):
+    """max_num_seqs=2 (resumed episodes wait for a row with their blocks kept) and a budget of 5
+    tokens a step (a resume's tokens prefill in chunks): the episodes of a roomy engine, bit for bit."""
+    sp = SamplingParams(temperature=1.0, max_tokens=6, seed=9, logprobs=True)
+    want = LLM(exact, enforce_eager=True, num_kv_blocks=64, block_size=4).run_episodes(STARTS, sp, env(turns=2))
+    small = LLM(exact, enforce_eager=True, num_kv_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=5)
+    got = small.run_episodes(STARTS, sp, env(turns=2, n_tokens=3, sleep=lambda i: 0.02 * (i % 2)))
+    assert max(n for n, *_ in small.stats["step_log"]) <= 5 and max(s for _, s, *_ in small.stats["step_log"]) <= 2
+    assert [(e.ids, e.logprobs) for e in got] == [(e.ids, e.logprobs) for e in want]
+
+
+def test_episodes_with_lora_adapters(exact):
+    """Each episode with its adapter (or the base): its model tokens' logprobs are the forward's
+    with that adapter attached, bit for bit."""
+    from rlcu.model.lora import LoraAdapters, LoraConfig
+
+    ads = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        ad = ads[name] = LoraAdapters.create(exact.cfg, LoraConfig(r=3, alpha=5, target_modules="all-linear"),
+                                             exact.device, exact.dtype)
+        ad.flat.copy_(torch.randn(ad.flat.shape, generator=torch.Generator().manual_seed(seed)) * 0.3)
+    llm = LLM(exact, enforce_eager=True, num_kv_blocks=64, block_size=4, lora=ads)
+    names = ["a", "base", "b", "a"]
+    eps = llm.run_episodes(STARTS, SP, env(turns=2), lora=names)
+    try:
+        for e, name in zip(eps, names):
+            exact.lora = ads.get(name)
+            m = torch.tensor(e.model_mask, dtype=torch.bool)
+            assert e.turns == 3 and torch.equal(torch.tensor(e.logprobs)[m], _forward_logprobs(exact, e, 1.0)[m])
+    finally:
+        exact.lora = None
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'c'"):
+        llm.run_episodes(STARTS[:1], SP, env(), lora="c")
+
+
+def test_yields_change_nothing(exact):
+    """generate's yield protocol through run_episodes: every third step the engine gives the device
+    back (running, ready and parked sequences all free their blocks, the pool is released), and
+    the episodes are those of an uninterrupted call, bit for bit."""
+    sp = SamplingParams(temperature=1.0, max_tokens=6, seed=2, logprobs=True)
+    llm = LLM(exact, enforce_eager=True, num_kv_blocks=64, block_size=4)
+    want = llm.run_episodes(STARTS, sp, env(turns=2, sleep=lambda i: 0.01 * (i % 2)))
+    asked, yielded, parked = [0], [], []
+
+    def on_yield(left):
+        yielded.append((llm.asleep, llm.runner.kv is None))
+        parked.append(len(llm.scheduler.parked))
+
+    got = llm.run_episodes(STARTS, sp, env(turns=2, sleep=lambda i: 0.01 * (i % 2)),
+                           yield_check=lambda: (asked.__setitem__(0, asked[0] + 1), asked[0] % 3 == 0)[1],
+                           on_yield=on_yield, on_done=lambda: yielded.append("done"))
+    assert llm.stats["yields"] >= 3 and yielded[-1] == "done" and set(yielded[:-1]) == {(True, True)}
+    assert max(parked) > 0  # some yields found episodes parked
+    assert [(e.ids, e.logprobs) for e in got] == [(e.ids, e.logprobs) for e in want]
+    assert llm.block_manager.num_free == llm.block_manager.num_blocks
+
+
 def test_bench_quick_runs(tmp_path):
     """bench/episodes.py --quick, the H200 benchmark's CPU smoke run: both runs, their ratio."""
     import json

@@ -104,8 +104,8 @@ class EpisodeLoop(StepLoop):
 
     def __init__(self, sch: Scheduler, runner, episodes: list[Episode], base: dict[int, int], on_turn: Callable,
                  pool: ThreadPoolExecutor, *, lookahead: bool, max_turns: int | None, limit: list[int],
-                 vocab_size: int):
-        super().__init__(sch, runner, {}, lookahead=lookahead)
+                 vocab_size: int, yield_check=None, do_yield=None):
+        super().__init__(sch, runner, {}, lookahead=lookahead, yield_check=yield_check, do_yield=do_yield)
         self.episodes, self.base, self.on_turn, self.pool = episodes, base, on_turn, pool
         self.max_turns, self.limit, self.vocab_size = max_turns, limit, vocab_size
         self.ep_stats = EpisodeStats(episodes=len(episodes))
@@ -200,13 +200,19 @@ class EpisodeLoop(StepLoop):
 
 def run_episodes(llm, starts, sampling_params: SamplingParams | list[SamplingParams], on_turn: Callable, *,
                  max_workers: int = 32, use_tqdm: bool = False, max_turns: int | None = None,
-                 max_episode_tokens: int | None = None, lora=None) -> list[Episode]:
+                 max_episode_tokens: int | None = None, lora=None, yield_check=None, on_yield=None,
+                 on_done=None) -> list[Episode]:
     """LLM.run_episodes (see the module docstring). starts: token-id lists or
     {"prompt_token_ids": [...]} dicts. lora: an adapter's name, one for all or one per start, as
-    generate's. Bad starts, sampling parameters or adapters raise one InvalidRequestError, and
-    nothing runs."""
+    generate's. yield_check, on_yield, on_done: generate's (LLM's module docstring), asked
+    between steps (not while the loop waits on callbacks); a yield frees parked episodes' blocks
+    too. Bad starts, sampling parameters or adapters raise one InvalidRequestError, and nothing
+    runs."""
     if not callable(on_turn):
         raise TypeError(f"run_episodes(on_turn=...) must be a callable, got {type(on_turn).__name__}")
+    for name, fn in (("yield_check", yield_check), ("on_yield", on_yield), ("on_done", on_done)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"run_episodes({name}=...) must be a callable or None, got {type(fn).__name__}")
     _check("max_workers", max_workers, 1, False)
     _check("max_turns", max_turns, 1, True)
     _check("max_episode_tokens", max_episode_tokens, 1, True)
@@ -238,7 +244,8 @@ def run_episodes(llm, starts, sampling_params: SamplingParams | list[SamplingPar
         llm.scheduler.add(s)
     pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rlcu-episode")
     loop = EpisodeLoop(llm.scheduler, llm.runner, episodes, base, on_turn, pool, lookahead=llm.async_scheduling,
-                       max_turns=max_turns, limit=limit, vocab_size=llm.model.cfg.vocab_size)
+                       max_turns=max_turns, limit=limit, vocab_size=llm.model.cfg.vocab_size,
+                       yield_check=yield_check, do_yield=lambda: llm._yield(on_yield))
     try:
         with Progress(len(episodes), use_tqdm, "episodes", "episodes") as bar:
             loop.run(bar.update)
@@ -249,4 +256,6 @@ def run_episodes(llm, starts, sampling_params: SamplingParams | list[SamplingPar
     llm.stats["episodes"] = dataclasses.asdict(loop.ep_stats)
     if any(ep.finish_reason is None for ep in episodes):
         raise RuntimeError("run_episodes ended with an episode unfinished (a bug: please report it)")
+    if on_done is not None:
+        on_done()
     return episodes

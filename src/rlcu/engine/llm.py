@@ -376,15 +376,17 @@ class LLM:
 
     def run_episodes(self, starts, sampling_params: SamplingParams | list[SamplingParams], on_turn, *,
                      max_workers: int = 32, use_tqdm: bool = False, max_turns: int | None = None,
-                     max_episode_tokens: int | None = None, lora=None) -> list[Episode]:
+                     max_episode_tokens: int | None = None, lora=None, yield_check=None, on_yield=None,
+                     on_done=None) -> list[Episode]:
         """Multi-turn generation, token in and token out (engine/episodes.py says it all): each
         start's sequence generates a turn, on_turn(i, turn_ids, finish_reason) runs in a pool of
         max_workers threads while the others keep decoding, and returns the environment's
         tokens to append (the sequence resumes with its KV kept) or None (the episode ends).
-        Returns one Episode per start and sample (n per start), in order. lora: as generate's."""
+        Returns one Episode per start and sample (n per start), in order. lora, yield_check,
+        on_yield, on_done: as generate's."""
         return episodes.run_episodes(self, starts, sampling_params, on_turn, max_workers=max_workers,
                                      use_tqdm=use_tqdm, max_turns=max_turns, max_episode_tokens=max_episode_tokens,
-                                     lora=lora)
+                                     lora=lora, yield_check=yield_check, on_yield=on_yield, on_done=on_done)
 
     # ------------------------------------------------------------------ the loop
     def _yield(self, on_yield) -> None:
