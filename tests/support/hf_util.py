@@ -77,3 +77,29 @@ def make_family_model(tmp_path, case: str, seed=0, **kw):
     folder = tmp_path / case
     m.save_pretrained(folder)
     return m, folder
+
+
+# Qwen3-MoE at odd shapes: 5 experts, top 2 (renormalised), layer 1 dense (mlp_only_layers)
+MOE_CASE = dict(vocab_size=333, hidden_size=96, intermediate_size=160, moe_intermediate_size=48,
+                num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                rope_theta=10000.0, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                num_experts=5, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                tie_word_embeddings=False, attn_implementation="eager")
+
+
+def make_moe_model(tmp_path, seed=0, name="moe", **kw):
+    """A tiny random HF Qwen3MoeForCausalLM (MOE_CASE with kw) saved under tmp_path/name;
+    returns (model, folder). Norms randomised too; the routers larger than the rest, so that
+    the routing is decisive and some experts get no token."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    d = dict(MOE_CASE, **kw)
+    m = Qwen3MoeForCausalLM(Qwen3MoeConfig(**d)).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else
+                    (0.5 if n.endswith("gate.weight") else 0.05) * torch.randn_like(p))
+    folder = tmp_path / name
+    m.save_pretrained(folder)
+    return m, folder

@@ -27,18 +27,25 @@ CUBLAS_WORKSPACE = 32 << 20
 FP32, INDEX = 4, 8
 
 
+_SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "tie_word_embeddings", "family",  # the family: which slots
+                 "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                 "mlp_only_layers")
+
+
+def _cfg(dims: tuple) -> Qwen3Config:
+    return Qwen3Config(**dict(zip(_SHAPE_FIELDS, dims)))
+
+
 @functools.lru_cache(maxsize=64)
 def _layout(dims: tuple) -> tuple[int, list[int]]:
-    V, H, I, L, Hq, Hk, D, tied, family = dims  # the family decides the q/k norm and q/k/v bias slots
-    lay = ParamLayout(Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
-                                  num_attention_heads=Hq, num_key_value_heads=Hk, head_dim=D,
-                                  tie_word_embeddings=tied, family=family))
+    lay = ParamLayout(_cfg(dims))
     return lay.numel, lay.layer_bounds()
 
 
 def _dims(cfg: Qwen3Config) -> tuple:
-    return (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, bool(cfg.tie_word_embeddings), cfg.family)
+    """What of cfg decides the flat layout, hashable (a cache key)."""
+    return tuple(getattr(cfg, f) for f in _SHAPE_FIELDS)
 
 
 def params(cfg: Qwen3Config) -> int:
@@ -84,10 +91,7 @@ def gradients(s: JobShape) -> int:
 @functools.lru_cache(maxsize=64)
 def _adapter_layout(dims: tuple, r: int, targets: tuple[str, ...]) -> tuple[int, int, int]:
     """(elements, the widest stacked rank S r, the widest input K) of the adapters' layout."""
-    V, H, I, L, Hq, Hk, D, tied, family = dims
-    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=Hq,
-                      num_key_value_heads=Hk, head_dim=D, tie_word_embeddings=tied, family=family)
-    lay = LoraLayout(cfg, LoraConfig(r=r, target_modules=targets))
+    lay = LoraLayout(_cfg(dims), LoraConfig(r=r, target_modules=targets))
     return (lay.numel, max(len(sp.slices) * r for sp in lay.specs.values()),
             max(sp.K for sp in lay.specs.values()))
 

@@ -43,6 +43,7 @@ from rlcu.model.rope import inv_freq, mscale
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
 from rlcu.ops.matmul_invariant import mm as mm_invariant
+from rlcu.ops.moe import aux_dprobs, aux_loss
 from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from rlcu.ops.rope import positions_from_cu_seqlens
 
@@ -81,6 +82,11 @@ class CausalLM:
         self._ctx: dict | None = None  # the LM head's saved tensors
         self._trunk_ctx: dict | None = None  # the trunk's
         self.lora = None  # model/lora.py LoraAdapters (attach): applied in every forward, the base frozen
+        # Qwen3-MoE's load-balancing loss: the last training forward's (a 0-dim fp32 tensor, None for a
+        # dense model), and its weight in the loss the backward differentiates (None: cfg.aux_coef,
+        # transformers' router_aux_loss_coef where output_router_logits; a trainer scales it per micro-batch)
+        self.aux_loss: torch.Tensor | None = None
+        self.aux_weight: float | None = None
 
     # ---------------------------------------------------------------- construction / I/O
     @property
@@ -200,15 +206,17 @@ class CausalLM:
 
     # ---------------------------------------------------------------- one layer
     def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, keep: str = "none", attn=None,
-                   exact: bool | None = None, lora_seed: int | None = None):
+                   exact: bool | None = None, lora_seed: int | None = None, router_logits=None):
         """Decoder layer i (model/layer.py) over packed sequences -> (y, what `keep` keeps). `attn` =
         (o, lse) saved by a selective-checkpointing forward skips the attention kernel when the layer
         is recomputed. exact: the batch-invariant GEMMs and attention (None: the model's mode); the
         backward's recompute passes False. The norms and SwiGLU follow the model's mode either way.
-        lora_seed: the adapters' dropout seed of a training forward (None: no dropout)."""
+        lora_seed: the adapters' dropout seed of a training forward (None: no dropout). router_logits:
+        a sparse MoE layer's kept logits, which route the recompute as the forward (model/moe.py)."""
         ex = self.exact if exact is None else exact
         return layer.layer_fwd(self, i, x, pos, layer.Packed(self, cu, max_seqlen, ex, attn),
-                               layer.Kernels(self.exact, ex), keep, lora=self._lora_run(ex, lora_seed))
+                               layer.Kernels(self.exact, ex), keep, lora=self._lora_run(ex, lora_seed),
+                               router_logits=router_logits)
 
     def _lora_run(self, exact: bool, seed: int | None):
         return None if self.lora is None else LoraRun(self.lora, exact, seed)
@@ -228,7 +236,18 @@ class CausalLM:
             x, kept = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen, keeps[i], lora_seed=lora_seed)
             if kept is not None:
                 saved.append(kept)
+        self.aux_loss = self._aux(saved, tokens.numel())
         return x, pos, saved
+
+    def _aux(self, saved: list[dict], N: int) -> torch.Tensor | None:
+        """The load-balancing loss of the sparse layers' kept aux stats, summed over the layers
+        (ops/moe_route.py aux_loss); their counts, summed, become each layer's `daux` at the backward."""
+        stats = [s["aux"] for s in saved if "aux" in s]
+        if not stats:
+            return None
+        C, P = (torch.stack(t).sum(0) for t in zip(*stats))
+        self._aux_counts, self._aux_rows = C, N * len(stats)
+        return aux_loss(C, P, self._aux_rows)
 
     def _keep_mode(self) -> tuple[str, ...]:
         """What each layer's forward keeps, per `gradient_checkpointing` (model/config.py
@@ -270,7 +289,7 @@ class CausalLM:
         x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep, pos, seed)
         h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps, exact=self.exact)
         self._trunk_ctx = (dict(tokens=tokens, cu=cu_seqlens, max_seqlen=max_seqlen, pos=pos, saved=saved,
-                                x=x, rstd=rstd, lora_seed=seed) if grad else None)
+                                x=x, rstd=rstd, lora_seed=seed, aux=self.aux_loss is not None) if grad else None)
         return h
 
     def hidden_backward(self, dh: torch.Tensor) -> None:
@@ -287,18 +306,26 @@ class CausalLM:
         self._grads_done("final_norm")
         pos, cu, ms, seed = s["pos"], s["cu"], s["max_seqlen"], s["lora_seed"]
         lora = self._lora_run(False, seed)
+        daux = self._daux() if s["aux"] else None
         for i in reversed(range(c.num_hidden_layers)):
             acts = s["saved"][i]
             if "h1" not in acts:  # checkpointed: recompute the layer from its input, in the
                 # default mode's kernels even in exact mode: a gradient needs no batch invariance
                 _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, "all", attn=acts.get("attn"), exact=False,
-                                          lora_seed=seed)
+                                          lora_seed=seed, router_logits=acts.get("router_logits"))
+            acts["daux"] = daux
             s["saved"][i] = None
             dx = layer.layer_bwd(self, i, dx, acts, pos, cu, ms, lora)
             self._grads_done(i)
         if self.trains_base:
             embedding_bwd(dx, s["tokens"], g["embed"])
         self._grads_done("embed")
+
+    def _daux(self) -> torch.Tensor | None:
+        """The load-balancing loss's gradient at each row's router probabilities, weighted by
+        `aux_weight` (None: cfg.aux_coef); None where the weight is 0."""
+        coef = self.cfg.aux_coef if self.aux_weight is None else self.aux_weight
+        return aux_dprobs(self._aux_counts, self._aux_rows, coef) if coef else None
 
     def head_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor):
         """(tgt, rows): the positions that have a predicted token, and the hidden rows

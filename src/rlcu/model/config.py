@@ -6,6 +6,13 @@ The rotary variant is `rope`, a model/rope.py RopeSpec read from every form tran
 in the published form; `rope_theta` is its base, the shorthand for the default variant. A missing
 `tie_word_embeddings` means the family's transformers default (untied for all four).
 `Qwen3Config` is the same class (its name before the other families).
+
+Qwen3-MoE (model/family.py `moe`) adds its MLP's fields under transformers' names: `num_experts`
+(config.json's `num_experts`, or `num_local_experts` as transformers 5 writes it), the top-k
+`num_experts_per_tok`, the experts' `moe_intermediate_size`, `norm_topk_prob`, and which layers
+are sparse (`decoder_sparse_step`, `mlp_only_layers`: `sparse_layer`); `router_aux_loss_coef`
+weighs the load-balancing loss where `output_router_logits` asks for it (transformers adds it to
+the loss only then: `aux_coef`). A dense family refuses experts.
 """
 
 from __future__ import annotations
@@ -73,6 +80,15 @@ class CausalLMConfig:
     # the rotary variant; None: the default one at rope_theta. Given (a RopeSpec, or its fields as a
     # dict: model.tiny in a run's config), it wins and rope_theta becomes its theta
     rope: RopeSpec | dict | None = None
+    # Qwen3-MoE (family 'qwen3_moe'); a dense family keeps num_experts 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -102,6 +118,43 @@ class CausalLMConfig:
         elif not isinstance(self.rope, RopeSpec):
             raise ValueError(f"CausalLMConfig.rope must be a RopeSpec or a dict of its fields, got {self.rope!r}")
         self.rope_theta = self.rope.theta
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if not self.fam.moe:
+            if self.num_experts:
+                raise ValueError(f"CausalLMConfig.num_experts must be 0 for family {self.family!r} (a dense MLP), "
+                                 f"got {self.num_experts}; experts are family 'qwen3_moe'")
+            return
+        for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            val = getattr(self, f)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"CausalLMConfig.{f} must be a positive integer for family 'qwen3_moe', got {val!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"CausalLMConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                             f"num_experts ({self.num_experts})")
+        bad = [i for i in self.mlp_only_layers if not isinstance(i, int) or not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"CausalLMConfig.mlp_only_layers must be layer indices in [0, {self.num_hidden_layers})"
+                             f", got {bad}")
+        if not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"CausalLMConfig.router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
+
+    def sparse_layer(self, i: int) -> bool:
+        """Layer i's MLP is the experts (transformers' Qwen3MoeDecoderLayer rule), else dense."""
+        return (self.fam.moe and i not in self.mlp_only_layers and self.num_experts > 0
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.sparse_layer(i))
+
+    @property
+    def aux_coef(self) -> float:
+        """The load-balancing loss's weight in the training loss: router_aux_loss_coef where
+        output_router_logits (transformers adds it only then), else 0."""
+        return float(self.router_aux_loss_coef) if self.fam.moe and self.output_router_logits else 0.0
 
     @property
     def fam(self) -> Family:
@@ -144,6 +197,8 @@ class CausalLMConfig:
             max_position_embeddings=d.get("max_position_embeddings", 40960),
             bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"), family=fam.name,
         )
+        if fam.moe:
+            kw.update(_moe_fields(d, source))
         try:
             return cls(**kw)
         except ValueError as e:
@@ -177,8 +232,29 @@ class CausalLMConfig:
         }
         if fam.name.startswith("qwen"):
             d["max_window_layers"] = self.num_hidden_layers
+        if fam.moe:
+            d.update({f: getattr(self, f) for f in _MOE_FIELDS}, mlp_only_layers=list(self.mlp_only_layers))
         d.update(fam.published)
         return d
+
+
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+               "mlp_only_layers", "router_aux_loss_coef", "output_router_logits")
+_MOE_DEFAULTS = dict(num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
+                     mlp_only_layers=(), router_aux_loss_coef=0.001, output_router_logits=False)  # transformers'
+
+
+def _moe_fields(d: dict, source: str) -> dict:
+    """Qwen3-MoE's fields of a config.json: num_experts under either name, transformers' defaults."""
+    E = d.get("num_experts", d.get("num_local_experts"))
+    if E is None:
+        raise ValueError(f"{source}: missing required field num_experts (or num_local_experts)")
+    out = {f: d.get(f, v) for f, v in _MOE_DEFAULTS.items()}
+    if not isinstance(out["mlp_only_layers"], (list, tuple)):
+        raise ValueError(f"{source}: mlp_only_layers must be a list of layer indices, got {out['mlp_only_layers']!r}")
+    out.update(num_experts=E, mlp_only_layers=tuple(out["mlp_only_layers"]),
+               norm_topk_prob=bool(out["norm_topk_prob"]), output_router_logits=bool(out["output_router_logits"]))
+    return out
 
 
 Qwen3Config = CausalLMConfig  # the name from before the other families

@@ -10,6 +10,8 @@ and the writer (the published config.json form). The rope variant is the config'
 - Llama (3, 3.1, 3.2, 3.3): neither; `attention_bias` / `mlp_bias` true is refused.
 - Mistral (7B v0.3 and later): as Llama; a sliding window is refused (the attention kernels are
   full causal).
+- Qwen3-MoE: Qwen3's attention; the MLP of a sparse layer is a router and experts (model/moe.py),
+  the others (`mlp_only_layers`, `decoder_sparse_step`) Qwen3's dense MLP.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Family:
     qk_norm: bool  # per-head RMSNorm of q and k before rope
     qkv_bias: bool  # biases on the q, k and v projections
     tie_default: bool  # tie_word_embeddings when config.json omits it (transformers' default)
+    moe: bool = False  # mixture-of-experts MLPs on the sparse layers (model/moe.py)
     published: tuple[tuple[str, object], ...] = ()  # fixed fields its config.json carries
 
     @property
@@ -40,6 +43,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            published=(("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1))),
     Family("mistral", "MistralForCausalLM", qk_norm=False, qkv_bias=False, tie_default=False,
            published=(("sliding_window", None),)),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, qkv_bias=False, tie_default=False, moe=True,
+           published=(("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None))),
 )}
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 SUPPORTED_ARCHITECTURES = tuple(BY_ARCHITECTURE)

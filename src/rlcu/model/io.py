@@ -2,6 +2,11 @@
 model.safetensors or shards listed in model.safetensors.index.json. Tensors are copied straight
 into the flat buffer's views.
 
+Qwen3-MoE's experts are written one tensor an expert and matrix (`mlp.experts.{e}.gate_proj.weight`,
+as transformers 5 still writes them and the published checkpoints hold); either that form or
+transformers 5's fused `mlp.experts.gate_up_proj` / `down_proj` is read (model/layout.py
+`file_views`).
+
 Loading names the file of every problem: a file that is not valid safetensors (truncated,
 corrupted), a tensor of the wrong shape, a missing or unexpected tensor, and a tensor holding
 nan or inf (refused: training from it would only spread them). Saving replaces the files it
@@ -78,7 +83,8 @@ def load_into(folder: str | Path, layout: ParamLayout, buf: torch.Tensor) -> Non
     """Fill the flat buffer `buf` from the folder's safetensors, checking every name and shape."""
     folder = Path(folder)
     files = _tensor_files(folder)
-    views = layout.hf_views(buf)
+    views = layout.file_views(buf, fused=frozenset(k for k in files if k.endswith(("experts.gate_up_proj",
+                                                                                   "experts.down_proj"))))
     need = set(views)
     # a tied checkpoint may still carry lm_head.weight (equal to the embedding): ignore it
     extra = sorted(k for k in files if k not in views and not (k == "lm_head.weight" and layout.cfg.tie_word_embeddings)
@@ -127,7 +133,7 @@ def save_folder(folder: str | Path, layout: ParamLayout, buf: torch.Tensor,
     ones are in place, so that a loader cannot pick up stale weights."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in layout.hf_views(buf).items()}
+    tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in layout.file_views(buf).items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, t in tensors.items():

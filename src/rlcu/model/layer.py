@@ -9,6 +9,7 @@
     x2 = x + o Wo^T                              O projection + residual
     h2 = rmsnorm(x2)                             post norm
     y = x2 + swiglu(h2 Wgu^T) Wd^T               gate_up, SwiGLU, down + residual
+                                                 (a sparse MoE layer: router and experts, model/moe.py)
 What differs between runners is passed in, never written again:
 - `kv`, where K/V are written and read and which attention kernel reads them: `Packed` here (the
   trainer's packed q/k/v of the step's own tokens, varlen attention, the default or exact mode's)
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import torch
 
+from rlcu.model import moe
 from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.attention import attention_bwd, attention_fwd
 from rlcu.ops.attention_exact import attention_exact_varlen
@@ -104,10 +106,13 @@ class Packed:
         return attend(q, k, v, self.cu, self.max_seqlen, self.cfg.head_dim**-0.5)
 
 
-def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: str = "none", lora=None):
+def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: str = "none", lora=None,
+              router_logits=None):
     """Layer i of `model` (its cfg and weight views w) on the residual stream x [N, hidden] at
     positions pos [N] -> (y [N, hidden], kept): kept is None ('none'), {x} ('inputs': checkpointed),
-    {x, attn: (o, lse)} ('attention') or every activation `layer_bwd` reads ('all')."""
+    {x, attn: (o, lse)} ('attention') or every activation `layer_bwd` reads ('all'); a sparse MoE
+    layer's also holds model/moe.py's (router_logits and aux at least). router_logits: a sparse
+    layer's kept logits, which route its recompute as its forward was routed."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
     N, eps = x.shape[0], c.rms_norm_eps
     h1, r1 = ops.norm(x, w[p + "input_norm"], eps)
@@ -119,29 +124,33 @@ def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: 
     x2 = ops.linear(o.view(N, c.q_size), w[p + "o"], x)
     if lora is not None:
         lora.apply(i, "o", o.view(N, c.q_size), x2)
+    if keep not in KEEP:
+        raise ValueError(f"keep must be one of {', '.join(KEEP)}; got {keep!r}")
     h2, r2 = ops.norm(x2, w[p + "post_norm"], eps)
-    gu = ops.linear(h2, w[p + "gate_up"])  # [N, 2I]
-    if lora is not None:
-        lora.apply(i, "gate_up", h2, gu)
-    a = ops.swiglu(gu)
-    y = ops.linear(a, w[p + "down"], x2)
-    if lora is not None:
-        lora.apply(i, "down", a, y)
+    gu = a = mk = None
+    if c.sparse_layer(i):
+        y, mk = moe.mlp_fwd(model, i, h2, x2, ops, keep, router_logits)
+    else:
+        gu = ops.linear(h2, w[p + "gate_up"])  # [N, 2I]
+        if lora is not None:
+            lora.apply(i, "gate_up", h2, gu)
+        a = ops.swiglu(gu)
+        y = ops.linear(a, w[p + "down"], x2)
+        if lora is not None:
+            lora.apply(i, "down", a, y)
     if keep == "none":
         return y, None
     if keep == "inputs":
-        return y, {"x": x}
+        return y, {"x": x, **(mk or {})}
     if keep == "attention":
-        return y, {"x": x, "attn": (o, lse)}
-    if keep != "all":
-        raise ValueError(f"keep must be one of {', '.join(KEEP)}; got {keep!r}")
+        return y, {"x": x, "attn": (o, lse), **(mk or {})}
     Hq, Hk, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q0 = k0 = None  # the q/k norms' inputs, views (copied in the backward); without norms qkv is not kept
     if c.fam.qk_norm:
         q0 = qkv[:, : c.q_size].view(N, Hq, D)
         k0 = qkv[:, c.q_size : c.q_size + c.kv_size].view(N, Hk, D)
     return y, dict(x=x, h1=h1, r1=r1, q0=q0, k0=k0, v=v, rq=rq, rk=rk, q=q, k=k, o=o, lse=lse,
-                   x2=x2, h2=h2, r2=r2, gu=gu, a=a)
+                   x2=x2, h2=h2, r2=r2, gu=gu, a=a, **(mk or {}))
 
 
 def _wgrad(g: dict | None, name: str, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -160,12 +169,14 @@ def layer_bwd(model, i: int, dy: torch.Tensor, s: dict, pos, cu, max_seqlen: int
     c, w, p = model.cfg, model.w, f"layers.{i}."
     g = model._g if model.trains_base else None
     N, Hq, Hk, D = dy.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    # MLP: y = x2 + swiglu(h2 Wgu^T) Wd^T
-    _wgrad(g, p + "down", dy, s["a"])
-    da = _lora_dx(lora, i, "down", s["a"], dy, dy @ w[p + "down"])
-    dgu = swiglu_bwd(da, s["gu"])
-    _wgrad(g, p + "gate_up", dgu, s["h2"])
-    dh2 = _lora_dx(lora, i, "gate_up", s["h2"], dgu, dgu @ w[p + "gate_up"])
+    if c.sparse_layer(i):  # y = x2 + moe(h2); daux: the load-balancing loss's, set by the trunk
+        dh2 = moe.mlp_bwd(model, i, dy, s, g, s.get("daux"))
+    else:  # y = x2 + swiglu(h2 Wgu^T) Wd^T
+        _wgrad(g, p + "down", dy, s["a"])
+        da = _lora_dx(lora, i, "down", s["a"], dy, dy @ w[p + "down"])
+        dgu = swiglu_bwd(da, s["gu"])
+        _wgrad(g, p + "gate_up", dgu, s["h2"])
+        dh2 = _lora_dx(lora, i, "gate_up", s["h2"], dgu, dgu @ w[p + "gate_up"])
     dx2, dw = rmsnorm_bwd(dh2, s["x2"], w[p + "post_norm"], s["r2"], dy)  # + dy: the residual
     if g is not None:
         g[p + "post_norm"] += dw

@@ -9,6 +9,11 @@ HF parameter names map onto row ranges of the fused tensors; a row range of a ro
 matrix is contiguous, so `q_proj.weight` is itself a plain view. The family (model/family.py)
 decides which slots exist: `q_norm`/`k_norm` only where it has q/k norms (Qwen3), `qkv_bias`
 (q, k and v biases fused as qkv is) only where it has them (Qwen2), `lm_head` only untied.
+A sparse layer of Qwen3-MoE has `router` [E, H], `experts_gate_up` [E, 2I, H] (gate rows first)
+and `experts_down` [E, H, I] (I: moe_intermediate_size) in place of gate_up and down: transformers
+5's parameters (`mlp.gate.weight`, `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, the names
+of `hf`). Checkpoints on disk hold the experts one by one (`mlp.experts.{e}.gate_proj.weight`, ...:
+what transformers writes and the published ones hold); `file_views` names those views.
 """
 
 from __future__ import annotations
@@ -47,8 +52,13 @@ class ParamLayout:
             shapes += [(p + "input_norm", (H,)), (p + "qkv", (QKV, H))]
             shapes += [(p + "qkv_bias", (QKV,))] if fam.qkv_bias else []
             shapes += [(p + "q_norm", (D,)), (p + "k_norm", (D,))] if fam.qk_norm else []
-            shapes += [(p + "o", (H, cfg.q_size)), (p + "post_norm", (H,)), (p + "gate_up", (2 * I, H)),
-                       (p + "down", (H, I))]
+            shapes += [(p + "o", (H, cfg.q_size)), (p + "post_norm", (H,))]
+            if cfg.sparse_layer(i):
+                E, Im = cfg.num_experts, cfg.moe_intermediate_size
+                shapes += [(p + "router", (E, H)), (p + "experts_gate_up", (E, 2 * Im, H)),
+                           (p + "experts_down", (E, H, Im))]
+            else:
+                shapes += [(p + "gate_up", (2 * I, H)), (p + "down", (H, I))]
         shapes.append(("final_norm", (H,)))
         if not cfg.tie_word_embeddings:
             shapes.append(("lm_head", (V, H)))
@@ -85,10 +95,16 @@ class ParamLayout:
                 p + "self_attn.v_proj.weight": (s + "qkv", q + kv, q + 2 * kv),
                 p + "self_attn.o_proj.weight": (s + "o", 0, c.hidden_size),
                 p + "post_attention_layernorm.weight": (s + "post_norm", 0, c.hidden_size),
-                p + "mlp.gate_proj.weight": (s + "gate_up", 0, I),
-                p + "mlp.up_proj.weight": (s + "gate_up", I, 2 * I),
-                p + "mlp.down_proj.weight": (s + "down", 0, c.hidden_size),
             })
+            if c.sparse_layer(i):
+                E = c.num_experts
+                m.update({p + "mlp.gate.weight": (s + "router", 0, E),
+                          p + "mlp.experts.gate_up_proj": (s + "experts_gate_up", 0, E),
+                          p + "mlp.experts.down_proj": (s + "experts_down", 0, E)})
+            else:
+                m.update({p + "mlp.gate_proj.weight": (s + "gate_up", 0, I),
+                          p + "mlp.up_proj.weight": (s + "gate_up", I, 2 * I),
+                          p + "mlp.down_proj.weight": (s + "down", 0, c.hidden_size)})
             if fam.qk_norm:
                 m[p + "self_attn.q_norm.weight"] = (s + "q_norm", 0, c.head_dim)
                 m[p + "self_attn.k_norm.weight"] = (s + "k_norm", 0, c.head_dim)
@@ -119,3 +135,22 @@ class ParamLayout:
         """HF parameter name -> view of `buf` (row ranges of the fused tensors)."""
         v = self.views(buf)
         return {hf: v[slot][r0:r1] for hf, (slot, r0, r1) in self.hf.items()}
+
+    def file_views(self, buf: torch.Tensor, fused: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name -> view of `buf`: `hf_views`, but each sparse layer's experts one
+        by one (`mlp.experts.{e}.gate_proj.weight` [I, H] and up_proj's: rows of gate_up [e];
+        down_proj's [H, I]), as transformers writes them, except the fused names in `fused` (a
+        checkpoint that holds transformers 5's fused tensors)."""
+        out = {}
+        for name, v in self.hf_views(buf).items():
+            if name in fused or not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                out[name] = v
+                continue
+            p = name.rsplit(".", 1)[0]
+            for e in range(v.shape[0]):
+                if name.endswith("gate_up_proj"):
+                    Im = v.shape[1] // 2
+                    out[f"{p}.{e}.gate_proj.weight"], out[f"{p}.{e}.up_proj.weight"] = v[e, :Im], v[e, Im:]
+                else:
+                    out[f"{p}.{e}.down_proj.weight"] = v[e]
+        return out

@@ -1,0 +1,61 @@
+"""Qwen3-MoE's sparse MLP as a step of the one layer (model/layer.py), forward and backward.
+
+    logits = h2 Wr^T                            the router, through the schedule's GEMM ([N, E])
+    ids, w, probs = route(logits)               softmax in fp32, top-k (ties: the lower id), renorm
+    y = x2 + sum_s w[:, s] expert_{ids[:, s]}(h2)   SwiGLU experts, combined in slot order
+
+The kernels are ops/moe.py's: batch invariant as they are, so the engine and the trainer route
+every token alike in exact mode where the router's input and GEMM are the same bits (the router
+GEMM is the schedule's `linear`: the batch-invariant one in exact mode).
+
+What a layer keeps. A checkpointed layer keeps its router logits beside its input
+(`router_logits`, [N, E] in the activations' dtype): the backward's recompute runs in the default
+mode's kernels, whose h2 may differ from the forward's in the last bits, and a token near a tie
+could then take other experts; routing the recompute from the kept logits gives it the forward's
+experts and weights exactly. Every training forward also keeps the layer's share of the
+load-balancing loss (`aux`: ops/moe_route.py aux_stats, C and P [E] fp32), which the trunk sums
+over the sparse layers before the backward: the loss's gradient at every row needs every layer's
+counts (`aux_dprobs`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlcu.ops._matmul import acc_wgrad
+from rlcu.ops.moe import aux_stats, experts_bwd, experts_fwd, route_bwd, route_fwd
+
+
+def mlp_fwd(model, i: int, h2: torch.Tensor, x2: torch.Tensor, ops, keep: str, router_logits=None):
+    """Sparse layer i's MLP on the post-normed h2 [N, H] with the residual x2 [N, H] -> (y [N, H],
+    kept: None for keep 'none', else {router_logits, aux} and, for 'all', what `mlp_bwd` reads).
+    router_logits: the forward's (a checkpointed layer's recompute), else the router GEMM's."""
+    c, w, p = model.cfg, model.w, f"layers.{i}."
+    logits = ops.linear(h2, w[p + "router"]) if router_logits is None else router_logits  # [N, E]
+    ids, wts, probs = route_fwd(logits, c.num_experts_per_tok, c.norm_topk_prob)
+    out, saved = experts_fwd(h2, ids, wts, w[p + "experts_gate_up"], w[p + "experts_down"], exact=ops.exact)
+    y = x2.add_(out) if ops.in_place else x2 + out
+    if keep == "none":
+        return y, None
+    kept = dict(router_logits=logits, aux=aux_stats(probs, saved.layout.counts))
+    if keep == "all":
+        kept.update(ids=ids, wts=wts, probs=probs, moe=saved)
+    return y, kept
+
+
+def mlp_bwd(model, i: int, dy: torch.Tensor, s: dict, g: dict | None, daux: torch.Tensor | None) -> torch.Tensor:
+    """dy [N, H] (the gradient of y, which is also x2's through the residual) -> dh2 [N, H];
+    the experts' and the router's weight gradients accumulated into g (None: a frozen base, whose
+    experts' gradients go to a scratch buffer). daux [E] fp32: the load-balancing loss's gradient
+    at each row's probabilities (ops/moe_route.py aux_dprobs), None without it. s: `mlp_fwd`'s
+    kept activations of keep 'all', with h2."""
+    c, w, p = model.cfg, model.w, f"layers.{i}."
+    wgu, wd = w[p + "experts_gate_up"], w[p + "experts_down"]
+    dgu, dd = (g[p + "experts_gate_up"], g[p + "experts_down"]) if g is not None else \
+        (torch.zeros_like(wgu), torch.zeros_like(wd))
+    dh2, dweights = experts_bwd(dy, s["h2"], s["wts"], wgu, wd, s["moe"], dgu, dd)
+    dlogits = route_bwd(dweights, s["probs"], s["ids"], s["wts"], c.norm_topk_prob, daux)  # [N, E] fp32
+    dlogits = dlogits.to(dy.dtype)  # the logits are the GEMM's output, in the activations' dtype
+    if g is not None:
+        acc_wgrad(g[p + "router"], dlogits, s["h2"])
+    return dh2.addmm_(dlogits, w[p + "router"])
