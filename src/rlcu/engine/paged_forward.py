@@ -23,7 +23,8 @@ the step, with the engine's own parts passed in:
   one decode_linear), and the residual adds go into o's and down's epilogues: five launches a
   layer instead of nine.
 - `lora`, the step's adapters (engine/lora.py `LoraStep`: each token's slot, the grouped kernels),
-  with which the schedule is the plain one (`schedule`);
+  with which the schedule is the plain one (`schedule`); so is a Qwen3-MoE model's (its sparse
+  layers' router reads the post norm's output, which `Fused` defers into gate_up's kernel);
 then the final norm (`final`) and the LM head only on the rows that sample a token. The engine
 keeps nothing for a backward, so no activation outlives its layer.
 
@@ -71,8 +72,10 @@ def schedule(model: Qwen3, N: int, adapters: bool = False):
     With adapters, never `Fused`: it defers the input and post norms' outputs and the QKV and
     gate_up GEMMs' into their consumers' kernels, where the adapter's shrink (which reads the
     normed input) and expand (which adds into the GEMM's output before qkv_prep or SwiGLU) have
-    no place; the adapter's own launches are a larger share of such a step than Fused saves."""
-    if not model.exact and not adapters and fused_for(N):
+    no place; the adapter's own launches are a larger share of such a step than Fused saves.
+    A mixture-of-experts model neither: the router and experts (model/moe.py) take the normed
+    rows themselves, and a step's cost is the experts' weights, not its launches."""
+    if not model.exact and not adapters and not model.cfg.fam.moe and fused_for(N):
         return FUSED
     return layer.Kernels(model.exact, in_place=True)
 

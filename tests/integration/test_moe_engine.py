@@ -1,0 +1,94 @@
+"""Qwen3-MoE in the engine on the CPU (tiny, 5 experts top 2, a dense layer): greedy tokens against
+transformers' `generate`, exact mode's engine logprobs equal to the trainer's forward bit for bit
+with every routing the engine made the trainer's too, and the engine through the Triton kernels
+(interpreted) equal to the twins."""
+
+import os
+
+import pytest
+import torch
+from support.engine_util import GREEDY, PROMPTS
+from support.hf_util import make_moe_model
+
+import rlcu
+from rlcu.engine import LLM, SamplingParams
+from rlcu.engine.paged_forward import schedule
+from rlcu.model import layer, moe
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_moe_model(tmp_path_factory.mktemp("moe"), seed=5)
+
+
+def _toks(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+@pytest.mark.parametrize("engine", [dict(num_kv_blocks=64), dict(num_kv_blocks=80, block_size=4,
+                                                                   max_num_batched_tokens=7)],
+                         ids=["plain", "chunked"])
+def test_greedy_matches_hf_generate(pair, engine):
+    hf, folder = pair
+    m = rlcu.from_pretrained(folder)
+    assert isinstance(schedule(m, 1), layer.Kernels)  # the plain schedule: no Fused for MoE
+    llm = LLM(m, enforce_eager=True, **engine)
+    outs = llm.generate(_toks(PROMPTS), GREEDY, use_tqdm=False)
+    for p, o in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                              pad_token_id=0)[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == ref
+
+
+def _recording(monkeypatch, seen: set):
+    """route_fwd that adds each row's (experts, weights' bits) to `seen`."""
+    route = moe.route_fwd
+
+    def rec(logits, k, norm):
+        ids, w, p = route(logits, k, norm)
+        seen.update(zip(map(tuple, ids.tolist()), map(tuple, w.view(torch.int32).tolist())))
+        return ids, w, p
+
+    monkeypatch.setattr(moe, "route_fwd", rec)
+
+
+def test_exact_engine_equals_trainer_bit_for_bit(pair, monkeypatch):
+    _, folder = pair
+    m = rlcu.from_pretrained(folder, exact=True)
+    sp = SamplingParams(n=2, temperature=0.8, max_tokens=6, ignore_eos=True, seed=11, logprobs=True)
+    llm = LLM(m, enforce_eager=True, num_kv_blocks=80, block_size=4, max_num_batched_tokens=7)
+    engine_routes, trainer_routes = set(), set()
+    _recording(monkeypatch, engine_routes)
+    outs = llm.generate(_toks(PROMPTS), sp, use_tqdm=False)
+    seqs, gens = [], []
+    for p, o in zip(PROMPTS, outs):
+        for c in o.outputs:
+            seqs.append(p + c.token_ids)
+            gens.append((len(p), c.logprobs))
+    tokens = torch.tensor([t for s in seqs for t in s])
+    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32)
+    _recording(monkeypatch, trainer_routes)
+    lp = m.forward(tokens, cu, temperature=sp.temperature, grad=False)
+    for k, (n_prompt, lps) in enumerate(gens):
+        start = int(cu[k]) + n_prompt
+        assert torch.equal(torch.tensor(lps, dtype=torch.float32), lp[start:start + len(lps)]), k
+    assert engine_routes and engine_routes <= trainer_routes  # every route the engine took, bit for bit
+
+
+def test_engine_on_kernels_equals_twins(pair, monkeypatch):
+    _, folder = pair
+    m = rlcu.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
+    sp = SamplingParams(n=1, temperature=0.8, max_tokens=3, ignore_eos=True, seed=3, logprobs=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("RLCU_BACKEND", backend)
+        llm = LLM(m, num_kv_blocks=16, block_size=4, max_num_batched_tokens=12, enforce_eager=True)
+        outs[backend] = llm.generate(_toks([[5, 17, 3, 9, 11], list(range(40, 52))]), sp, use_tqdm=False)
+    for a, b in zip(outs["torch"], outs["triton"]):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.token_ids == y.token_ids
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < (1e-5 if INTERPRET else 1e-3)
