@@ -215,3 +215,40 @@ def test_config_forms_and_refusals(pair):
         CausalLMConfig.from_hf_dict({k: v for k, v in d.items() if k not in ("num_experts", "num_local_experts")})
     with pytest.raises(ValueError, match="num_experts must be 0"):
         CausalLMConfig(num_experts=4)
+
+
+def _stored_bytes(obj, seen: dict) -> None:
+    if isinstance(obj, torch.Tensor):
+        seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _stored_bytes(o, seen)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _stored_bytes(o, seen)
+
+
+@pytest.mark.parametrize("keep", ["all", "inputs", "attention"])
+def test_memory_model_counts_the_experts(pair, keep):
+    """The memory model's flat layout holds the experts, and what a sparse and a dense layer's
+    forward keeps a token is what `kept` says (the sparse layout's padding rows aside)."""
+    from rlcu.memory.parts import kept
+    from rlcu.ops.moe_gemm import gemm_config
+
+    _, folder = pair
+    m = rlcu.from_pretrained(folder)
+    c = m.cfg
+    E, Im, H = c.num_experts, c.moe_intermediate_size, c.hidden_size
+    assert params(c) == m.flat.numel() > E * 3 * Im * H * len(c.sparse_layers)
+    T = 61
+    x = torch.randn(T, H)
+    pos = torch.arange(T, dtype=torch.int32)
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    for i in range(c.num_hidden_layers):
+        _, acts = m._layer_fwd(i, x, pos, cu, T, keep)
+        seen = {}
+        _stored_bytes(acts, seen)
+        want = T * kept(c, 4, keep, c.sparse_layer(i))
+        pad = E * gemm_config("prefill")[0] * (3 * Im + H) * 4 + 4 * 2 * E if c.sparse_layer(i) and keep == "all" else 0
+        aux = 2 * 4 * E if c.sparse_layer(i) else 0  # the layer's aux stats, not per token
+        assert want <= sum(seen.values()) - aux <= want + pad, (i, sum(seen.values()) - aux, want)

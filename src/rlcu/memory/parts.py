@@ -161,42 +161,62 @@ def init_staging(s: JobShape) -> int:
 
 
 # ---------------------------------------------------------------- activations, per token
-def layer_acts(cfg: Qwen3Config, ab: int) -> int:
+def _kinds(cfg: Qwen3Config) -> tuple[bool, ...]:
+    """The layer kinds the model has: False dense, True sparse (Qwen3-MoE's experts)."""
+    return tuple(sorted({cfg.sparse_layer(i) for i in range(cfg.num_hidden_layers)}))
+
+
+def moe_acts(cfg: Qwen3Config, ab: int) -> int:
+    """What model/moe.py `mlp_fwd(keep="all")` keeps a token: router logits E, probs E fp32, ids,
+    weights and the layout's pos and pairs (k each, 4 bytes), and its k rows of gu 2I, a I and y H
+    (I: moe_intermediate_size). Not counted: the layout's padding, at most E x BM rows a layer."""
+    E, k, Im = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    return ab * (E + k * (3 * Im + cfg.hidden_size)) + FP32 * (E + 4 * k)
+
+
+def layer_acts(cfg: Qwen3Config, ab: int, sparse: bool = False) -> int:
     """What model/layer.py `layer_fwd(keep="all")` keeps beside its input x: h1, qkv, q, k, v, o, x2, h2 (H, q+2kv,
     q, kv, kv, q, H, H), gu 2I, a I; fp32 r1, r2, rq Hq, rk Hk, lse Hq. A family without q/k norm
-    (model/family.py) keeps neither qkv (the norms' input) nor rq, rk."""
+    (model/family.py) keeps neither qkv (the norms' input) nor rq, rk. A sparse layer keeps the
+    experts' (`moe_acts`) in place of gu and a."""
     H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     Hq, Hk = cfg.num_attention_heads, cfg.num_key_value_heads
+    mlp = moe_acts(cfg, ab) if sparse else ab * 3 * I
     if not cfg.fam.qk_norm:
-        return ab * (3 * H + 2 * q + 2 * kv + 3 * I) + FP32 * (2 + Hq)
-    return ab * (3 * H + 3 * q + 4 * kv + 3 * I) + FP32 * (2 + 2 * Hq + Hk)
+        return ab * (3 * H + 2 * q + 2 * kv) + mlp + FP32 * (2 + Hq)
+    return ab * (3 * H + 3 * q + 4 * kv) + mlp + FP32 * (2 + 2 * Hq + Hk)
 
 
-def kept(cfg: Qwen3Config, ab: int, keep: str) -> int:
+def kept(cfg: Qwen3Config, ab: int, keep: str, sparse: bool = False) -> int:
     """What one layer's forward keeps for the backward (`layer_keeps`): its input ('inputs');
-    + attention's output and lse ('attention'); + every activation ('all')."""
-    x = ab * cfg.hidden_size
+    + attention's output and lse ('attention'); + every activation ('all'). A checkpointed
+    sparse layer keeps its router logits too (E, model/moe.py)."""
+    x = ab * cfg.hidden_size + (ab * cfg.num_experts if sparse and keep != "all" else 0)
     if keep == "inputs":
         return x
     if keep == "attention":
         return x + ab * cfg.q_size + FP32 * cfg.num_attention_heads
-    return x + layer_acts(cfg, ab)
+    return x + layer_acts(cfg, ab, sparse)
 
 
-def recompute(cfg: Qwen3Config, ab: int, keep: str) -> int:
+def recompute(cfg: Qwen3Config, ab: int, keep: str, sparse: bool = False) -> int:
     """What the backward allocates recomputing a checkpointed layer (`_layer_fwd` again, its
-    output dropped; the kept attention's o and lse reused)."""
+    output dropped; the kept attention's o and lse, and router logits, reused)."""
     if keep == "all":
         return 0
-    return layer_acts(cfg, ab) - (kept(cfg, ab, keep) - kept(cfg, ab, "inputs"))
+    return layer_acts(cfg, ab, sparse) - (kept(cfg, ab, keep, sparse) - ab * cfg.hidden_size)
 
 
 def backward_work(cfg: Qwen3Config, ab: int) -> int:
     """model/layer.py `layer_bwd`'s locals, alive until it returns: da I, dgu 2I, dh2, dx2 (H), do, dq
     (q), dk, dv (kv), dqn q, dkn kv, dq0 q, dk0 kv, dqkv q+2kv, dh1, dx (H); and dy, the
-    gradient it was given."""
+    gradient it was given. A sparse layer's MLP (model/moe.py `mlp_bwd`) holds its k rows' dy,
+    dxr (H), da I and dgu 2I, dweights k and dlogits E (fp32, then in ab) in place of da and dgu;
+    the wider of the model's layer kinds."""
     H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return ab * (4 * H + 5 * q + 6 * kv + 3 * I) + ab * H
+    E, k, Im = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    mlp = max((ab * (k * (2 * H + 3 * Im) + E) + FP32 * (E + k)) if sp else ab * 3 * I for sp in _kinds(cfg))
+    return ab * (4 * H + 5 * q + 6 * kv) + mlp + ab * H
 
 
 def _head_rows(s: JobShape) -> int:
@@ -218,7 +238,8 @@ def head_tile(s: JobShape) -> int:
 # ---------------------------------------------------------------- activations of a micro-batch
 def kept_activations(s: JobShape) -> int:
     """What the forward of one micro-batch keeps over all layers (per the checkpointing)."""
-    return s.micro_batch_tokens * sum(kept(s.cfg, s.weight_bytes, k) for k in s.keeps())
+    cfg, ab = s.cfg, s.weight_bytes
+    return s.micro_batch_tokens * sum(kept(cfg, ab, k, cfg.sparse_layer(i)) for i, k in enumerate(s.keeps()))
 
 
 def adapter_work(s: JobShape) -> int:
@@ -241,10 +262,10 @@ def layer_work(s: JobShape) -> int:
     cfg, ab, T = s.cfg, s.weight_bytes, s.micro_batch_tokens
     keeps = s.keeps()
     held, best = 0, 0
-    for k in keeps:
-        held += kept(cfg, ab, k)
-        best = max(best, held + recompute(cfg, ab, k))
-    total = sum(kept(cfg, ab, k) for k in keeps)
+    for i, k in enumerate(keeps):
+        held += kept(cfg, ab, k, cfg.sparse_layer(i))
+        best = max(best, held + recompute(cfg, ab, k, cfg.sparse_layer(i)))
+    total = held
     return T * (best - total + backward_work(cfg, ab) + adapter_work(s) + _head_rows(s))
 
 
@@ -261,7 +282,8 @@ def ref_forward(s: JobShape) -> int:
     if not s.reference:
         return 0
     ab, H, T = s.weight_bytes, s.cfg.hidden_size, s.micro_batch_tokens
-    return max(T * (2 * ab * H + layer_acts(s.cfg, ab)), T * (3 * ab * H + 3 * FP32 + 2 * INDEX) + head_tile(s))
+    acts = max(layer_acts(s.cfg, ab, sp) for sp in _kinds(s.cfg))
+    return max(T * (2 * ab * H + acts), T * (3 * ab * H + 3 * FP32 + 2 * INDEX) + head_tile(s))
 
 
 def critic_work(s: JobShape) -> int:
@@ -287,9 +309,11 @@ def kv_pool(s: JobShape) -> int:
 
 def trunk_step(cfg: Qwen3Config, ab: int, tokens: int) -> int:
     """An engine step's layers over `tokens` new tokens (engine/paged_forward.py, at the MLP:
-    x, q, o (H, q, q), h H, gu 2I, a I, the post norm's rstd)."""
+    x, q, o (H, q, q), h H, gu 2I, a I, the post norm's rstd); a sparse layer's MLP (model/moe.py)
+    holds what `moe_acts` counts and the combined output H in place of gu and a."""
     H, q, I = cfg.hidden_size, cfg.q_size, cfg.intermediate_size
-    return tokens * (ab * (2 * H + 2 * q + 3 * I) + FP32)
+    mlp = max(moe_acts(cfg, ab) + ab * H if sp else ab * 3 * I for sp in _kinds(cfg))
+    return tokens * (ab * (2 * H + 2 * q) + mlp + FP32)
 
 
 def head_step(cfg: Qwen3Config, ab: int, rows: int) -> int:
