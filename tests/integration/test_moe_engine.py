@@ -92,3 +92,28 @@ def test_engine_on_kernels_equals_twins(pair, monkeypatch):
         x, y = a.outputs[0], b.outputs[0]
         assert x.token_ids == y.token_ids
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < (1e-5 if INTERPRET else 1e-3)
+
+
+def test_grpo_learns_from_a_moe_folder(tmp_path):
+    """A short GRPO run from a Qwen3-MoE folder (its load-balancing loss on: output_router_logits):
+    it learns the first-is-seven task, the routers and experts among what it updates."""
+    from support.trainers import TINY, first_is_seven, grpo_trainer
+
+    from rlcu.data import synthetic as syn
+
+    tok = syn.make_tokenizer()
+    shape = dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id, num_hidden_layers=2)
+    cfg = rlcu.CausalLMConfig(**shape, family="qwen3_moe", num_experts=5, num_experts_per_tok=2,
+                              moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=(1,),
+                              output_router_logits=True)
+    folder = tmp_path / "moe"
+    rlcu.CausalLM.from_config(cfg, seed=3).save_pretrained(folder)
+    tr = grpo_trainer(tmp_path, rewards=[first_is_seven], steps=16, prompts_per_step=8, group_size=8,
+                      max_new_tokens=2, optim=dict(lr=2e-2), loss_agg="seq_mean", clip_high=0.28,
+                      model=dict(tiny=None, path=str(folder)))
+    before = {k: tr.model.w[k].clone() for k in ("layers.0.router", "layers.0.experts_gate_up")}
+    hist = tr.train()
+    assert tr.model.cfg.family == "qwen3_moe" and tr.model.aux_loss is not None
+    assert all(not torch.equal(tr.model.w[k], v) for k, v in before.items())
+    r = [round(h["reward"], 3) for h in hist]
+    assert r[0] < 0.3 and sum(r[-3:]) / 3 > 0.7, r
