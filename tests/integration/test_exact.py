@@ -123,9 +123,9 @@ def test_engine_and_trainer_run_one_layer_function(exact, monkeypatch):
 
     calls, layer_fwd = [], layer.layer_fwd
 
-    def counting(model, i, x, pos, kv, ops, keep="none", lora=None):
+    def counting(model, i, x, pos, kv, ops, keep="none", lora=None, **kw):
         calls.append((type(kv), x.shape[0], isinstance(ops, layer.Kernels) and ops.gemm_exact))
-        return layer_fwd(model, i, x, pos, kv, ops, keep, lora)
+        return layer_fwd(model, i, x, pos, kv, ops, keep, lora, **kw)
 
     monkeypatch.setattr(layer, "layer_fwd", counting)
     prompt, L = PROMPTS[3], exact.cfg.num_hidden_layers
