@@ -94,10 +94,10 @@ def test_engine_on_kernels_equals_twins(pair, monkeypatch):
         assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < (1e-5 if INTERPRET else 1e-3)
 
 
-def test_grpo_learns_from_a_moe_folder(tmp_path):
-    """A short GRPO run from a Qwen3-MoE folder (its load-balancing loss on: output_router_logits):
-    it learns the first-is-seven task, the routers and experts among what it updates."""
-    from support.trainers import TINY, first_is_seven, grpo_trainer
+def _moe_folder(tmp_path):
+    """A tiny Qwen3-MoE of the sort task's tokenizer (5 experts top 2, layer 1 dense, its load-balancing
+    loss on: output_router_logits) saved under tmp_path/moe."""
+    from support.trainers import TINY
 
     from rlcu.data import synthetic as syn
 
@@ -108,12 +108,34 @@ def test_grpo_learns_from_a_moe_folder(tmp_path):
                               output_router_logits=True)
     folder = tmp_path / "moe"
     rlcu.CausalLM.from_config(cfg, seed=3).save_pretrained(folder)
+    return folder
+
+
+def test_grpo_learns_from_a_moe_folder(tmp_path):
+    """A short GRPO run from a Qwen3-MoE folder with its load-balancing loss on: it learns the
+    first-is-seven task, the routers and experts among what it updates."""
+    from support.trainers import first_is_seven, grpo_trainer
+
     tr = grpo_trainer(tmp_path, rewards=[first_is_seven], steps=16, prompts_per_step=8, group_size=8,
                       max_new_tokens=2, optim=dict(lr=2e-2), loss_agg="seq_mean", clip_high=0.28,
-                      model=dict(tiny=None, path=str(folder)))
+                      model=dict(tiny=None, path=str(_moe_folder(tmp_path))))
     before = {k: tr.model.w[k].clone() for k in ("layers.0.router", "layers.0.experts_gate_up")}
     hist = tr.train()
     assert tr.model.cfg.family == "qwen3_moe" and tr.model.aux_loss is not None
     assert all(not torch.equal(tr.model.w[k], v) for k, v in before.items())
     r = [round(h["reward"], 3) for h in hist]
     assert r[0] < 0.3 and sum(r[-3:]) / 3 > 0.7, r
+
+
+def test_the_scheduler_sizes_a_moe_job_from_its_folder(tmp_path):
+    from support.trainers import grpo_config
+
+    from rlcu.memory.parts import params
+    from rlcu.sched.job import estimate_memory
+    from rlcu.train.sizing import config_shape
+
+    folder = _moe_folder(tmp_path)
+    cfg, _ = grpo_config(tmp_path, model=dict(tiny=None, path=str(folder)))
+    shape = config_shape(cfg)
+    assert shape.cfg.num_experts == 5 and params(shape.cfg) == rlcu.from_pretrained(folder).flat.numel()
+    assert estimate_memory(cfg)["resident"] > 0
