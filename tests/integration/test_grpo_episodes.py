@@ -167,3 +167,41 @@ def test_overlong_penalty_and_mask_count_an_episodes_model_tokens_against_its_ro
     llm.turns, llm.finish = [[d("3"), d("5"), d("5"), d("5")]], "length"  # cut at max_new_tokens
     ss, keep, _ = tr._collect(2)
     assert ss[0].episode["truncated"] == "length" and keep.tolist() == [False, False]
+
+
+def test_a_preemptible_jobs_episodes_yield_the_device_and_change_nothing(tmp_path):
+    """The trainer passes a scheduler's hooks (yield_check, on_yield, on_generate_done) to
+    run_episodes as it does to generate: every second engine step the rollout gives the device back
+    (the engine asleep in on_yield), and in exact mode the episodes are an unhooked rollout's, bit
+    for bit."""
+    from rlcu.train.core import Hooks
+
+    class YieldEvery3(Hooks):
+        preemptible = True
+
+        def __init__(self):
+            self.asked, self.yielded, self.done = 0, [], 0
+
+        def yield_check(self):
+            self.asked += 1
+            return self.asked % 2 == 0
+
+        def on_yield(self, tokens_left):
+            self.yielded.append((tr.llm.asleep, tokens_left))
+
+        def on_generate_done(self):
+            self.done += 1
+
+    tr, _ = trainer(tmp_path, eos_digits=True, rewards=[words_said], max_new_tokens=3, exact=True)
+    rows = tr.rows[:2]
+
+    def roll():
+        ss = tr._engine_phase(lambda: tr.rollout(rows, 2, seed=7))
+        return [(s.completion_ids, s.logprobs, s.model_mask) for s in ss]
+
+    want = roll()
+    h = tr.hooks = YieldEvery3()
+    got = roll()
+    assert len(h.yielded) >= 2 and all(asleep for asleep, _ in h.yielded) and h.done == 1
+    assert max(sum(m) for _, _, m in want) > 3  # some episode ran more than one turn
+    assert got == want

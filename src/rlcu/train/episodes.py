@@ -73,9 +73,12 @@ class EpisodeRunner:
 
     def sample(self, llm, rows: list[dict], prompts: list, *, n: int, temperature: float, top_p: float = 1.0,
                top_k: int = -1, max_tokens: int, seed: int, stop_token_ids=(), ignore_eos: bool = False,
-               group_offset: int = 0, seed_offset: int = 0) -> list[Sample]:
+               group_offset: int = 0, seed_offset: int = 0, generate_kw: dict | None = None) -> list[Sample]:
         """n episodes of each row (consecutive, grouped), as rollout.sample's completions are,
-        with the same seeds: episode j of prompt g draws from sample_seed(prompt g's seed, j)."""
+        with the same seeds: episode j of prompt g draws from sample_seed(prompt g's seed, j).
+        generate_kw: more arguments of llm.run_episodes (the scheduler's yield_check / on_yield /
+        on_done, as rollout.sample passes them to generate), so a scheduled job's episodes yield
+        the device between engine steps as its completions do."""
         if not hasattr(llm, "run_episodes"):
             raise RuntimeError("multi_turn: this engine has no LLM.run_episodes (episodes need the engine of "
                                "issue 36)")
@@ -96,7 +99,7 @@ class EpisodeRunner:
                 sps += [SamplingParams(n=1, seed=sample_seed(s_g, j), **sp) for j in range(n)]
         eps = llm.run_episodes(starts, sps, lambda i, ids, fr: states[i].on_turn(ids, fr),
                                max_workers=self.max_workers, max_turns=self.limits.max_turns,
-                               max_episode_tokens=self.limits.max_tokens)
+                               max_episode_tokens=self.limits.max_tokens, **(generate_kw or {}))
         if len(eps) != len(states):
             raise RuntimeError(f"the engine returned {len(eps)} episodes, expected {len(states)}")
         return [self._sample(group_offset + k // n, rows[k // n], st, ep)

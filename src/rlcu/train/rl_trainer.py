@@ -243,7 +243,8 @@ class RLTrainer(Trainer):
                 self.llm, rows, [ro.prompt_text_of(r, c.data.prompt_field) for r in rows], n=n,
                 temperature=c.temperature if temperature is None else temperature, top_p=c.top_p, top_k=c.top_k,
                 max_tokens=max_tokens or c.max_new_tokens, seed=seed, stop_token_ids=self.stop_ids,
-                ignore_eos=not c.stop_at_eos, group_offset=group_offset + lo, seed_offset=lo))
+                ignore_eos=not c.stop_at_eos, group_offset=group_offset + lo, seed_offset=lo,
+                generate_kw=self._generate_kw()))
         enc = [self._encode(r) for r in rows]
         return dp.gather_samples(ro.sample(self.llm, [e[0] for e in enc], rows, n=n,
                          temperature=c.temperature if temperature is None else temperature,
