@@ -252,3 +252,4 @@ def test_memory_model_counts_the_experts(pair, keep):
         pad = E * gemm_config("prefill")[0] * (3 * Im + H) * 4 + 4 * 2 * E if c.sparse_layer(i) and keep == "all" else 0
         aux = 2 * 4 * E if c.sparse_layer(i) else 0  # the layer's aux stats, not per token
         assert want <= sum(seen.values()) - aux <= want + pad, (i, sum(seen.values()) - aux, want)
+

@@ -45,14 +45,12 @@ def mlp_fwd(model, i: int, h2: torch.Tensor, x2: torch.Tensor, ops, keep: str, r
 
 def mlp_bwd(model, i: int, dy: torch.Tensor, s: dict, g: dict | None, daux: torch.Tensor | None) -> torch.Tensor:
     """dy [N, H] (the gradient of y, which is also x2's through the residual) -> dh2 [N, H];
-    the experts' and the router's weight gradients accumulated into g (None: a frozen base, whose
-    experts' gradients go to a scratch buffer). daux [E] fp32: the load-balancing loss's gradient
-    at each row's probabilities (ops/moe_route.py aux_dprobs), None without it. s: `mlp_fwd`'s
-    kept activations of keep 'all', with h2."""
+    the experts' and the router's weight gradients accumulated into g (None: a frozen base, none).
+    daux [E] fp32: the load-balancing loss's gradient at each row's probabilities (ops/moe_route.py
+    aux_dprobs), None without it. s: `mlp_fwd`'s kept activations of keep 'all', with h2."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
     wgu, wd = w[p + "experts_gate_up"], w[p + "experts_down"]
-    dgu, dd = (g[p + "experts_gate_up"], g[p + "experts_down"]) if g is not None else \
-        (torch.zeros_like(wgu), torch.zeros_like(wd))
+    dgu, dd = (g[p + "experts_gate_up"], g[p + "experts_down"]) if g is not None else (None, None)
     dh2, dweights = experts_bwd(dy, s["h2"], s["wts"], wgu, wd, s["moe"], dgu, dd)
     dlogits = route_bwd(dweights, s["probs"], s["ids"], s["wts"], c.norm_topk_prob, daux)  # [N, E] fp32
     dlogits = dlogits.to(dy.dtype)  # the logits are the GEMM's output, in the activations' dtype

@@ -81,22 +81,25 @@ def experts_fwd(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
 
 
 def experts_bwd(dout: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, saved: MoeSaved, dw_gate_up: torch.Tensor,
-                dw_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                w_down: torch.Tensor, saved: MoeSaved, dw_gate_up: torch.Tensor | None,
+                dw_down: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """dout [T, H] -> (dx [T, H] in x's dtype, dweights [T, k] fp32: route_bwd's input);
-    dw_gate_up [E, 2I, H] and dw_down [E, H, I] accumulated in place (+=, in their dtype).
+    dw_gate_up [E, 2I, H] and dw_down [E, H, I] accumulated in place (+=, in their dtype); both
+    None: no weight gradient (a frozen base).
     The forward in reverse: combine, down, SwiGLU, gate_up, each token's k rows summed back in
     slot order."""
     layout, T = saved.layout, x.shape[0]
     if dout.shape != x.shape:
         raise ValueError(f"experts_bwd: dout must be {list(x.shape)}, got {list(dout.shape)}")
     for name, g, w in (("dw_gate_up", dw_gate_up, w_gate_up), ("dw_down", dw_down, w_down)):
-        if g.shape != w.shape:
+        if g is not None and g.shape != w.shape:
             raise ValueError(f"experts_bwd: {name} must be {list(w.shape)}, got {list(g.shape)}")
     dy, dweights = moe_combine_bwd(dout, saved.y, layout.pos, weights)  # [rows, H], [T, k]
-    grouped_dw(dy, saved.a, layout, False, dw_down)
+    if dw_down is not None:
+        grouped_dw(dy, saved.a, layout, False, dw_down)
     da = grouped_mm(dy, w_down.transpose(1, 2), layout, False, saved.cfg)  # [rows, I]
     dgu = swiglu_bwd(da, saved.gu)  # [rows, 2I]
-    grouped_dw(dgu, x, layout, True, dw_gate_up)
+    if dw_gate_up is not None:
+        grouped_dw(dgu, x, layout, True, dw_gate_up)
     dxr = grouped_mm(dgu, w_gate_up.transpose(1, 2), layout, False, saved.cfg)  # [rows, H]
     return moe_combine(dxr, layout.pos, None, T), dweights
