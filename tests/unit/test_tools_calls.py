@@ -46,7 +46,7 @@ def test_qwen_several_calls_and_text_around():
     text = ('<think>\nI need two tools.\n</think>\n\nLet me check.\n<tool_call>\n{"name": "add", "arguments": '
             '{"a": 1, "b": 2.5}}\n</tool_call>\n<tool_call>\n{"name": "lookup", "arguments": {"city": "Zürich", '
             '"units": ["C"]}}\n</tool_call>')
-    for family in ("qwen3", "qwen2"):
+    for family in ("qwen3", "qwen3_moe", "qwen2"):  # Qwen3-MoE's checkpoints share Qwen3's chat format
         p = parse_tool_calls(text, family, TOOLS)
         assert _calls(p) == [("add", {"a": 1, "b": 2.5}), ("lookup", {"city": "Zürich", "units": ["C"]})]
         assert p.content == "<think>\nI need two tools.\n</think>\n\nLet me check."

@@ -1,6 +1,6 @@
 """Tool calls in a completion's text, per family format, and running one under a time limit.
 
-    qwen3, qwen2   <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, several a message
+    qwen3, qwen3_moe, qwen2   <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, several a message
     llama          {"name": ..., "parameters": {...}} as the whole message, maybe after <|python_tag|>
     mistral        [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
 
@@ -21,7 +21,7 @@ from typing import Any
 from rlcu.timed import CallTimeout, call_with_timeout
 from rlcu.tools.schema import as_tool
 
-FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+FAMILIES = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral")
 _QWEN_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL_TAG = "[TOOL_CALLS]"
@@ -163,7 +163,7 @@ def _mistral(text: str, schemas) -> ParsedCalls:
     return ParsedCalls(content, [_call(o, json.dumps(o, ensure_ascii=False), "arguments", schemas) for o in objs])
 
 
-_PARSERS = {"qwen3": _qwen, "qwen2": _qwen, "llama": _llama, "mistral": _mistral}
+_PARSERS = {"qwen3": _qwen, "qwen3_moe": _qwen, "qwen2": _qwen, "llama": _llama, "mistral": _mistral}
 
 
 def parse_tool_calls(text: str, family: str, tools: list | None = None) -> ParsedCalls:
