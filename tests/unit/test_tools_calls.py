@@ -108,7 +108,7 @@ def test_nullable_and_number_accept_what_they_should():
 
 
 def test_unknown_family_is_refused():
-    with pytest.raises(ValueError, match="'gpt'.*qwen3, qwen2, llama, mistral"):
+    with pytest.raises(ValueError, match="'gpt'.*qwen3, qwen3_moe, qwen2, llama, mistral"):
         parse_tool_calls("", "gpt")
 
 
