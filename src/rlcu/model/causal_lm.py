@@ -206,23 +206,25 @@ class CausalLM:
 
     # ---------------------------------------------------------------- one layer
     def _layer_fwd(self, i: int, x: torch.Tensor, pos, cu, max_seqlen: int, keep: str = "none", attn=None,
-                   exact: bool | None = None, lora_seed: int | None = None, router_logits=None):
+                   exact: bool | None = None, lora_seed: int | None = None, router_logits=None, routes=None):
         """Decoder layer i (model/layer.py) over packed sequences -> (y, what `keep` keeps). `attn` =
         (o, lse) saved by a selective-checkpointing forward skips the attention kernel when the layer
         is recomputed. exact: the batch-invariant GEMMs and attention (None: the model's mode); the
         backward's recompute passes False. The norms and SwiGLU follow the model's mode either way.
         lora_seed: the adapters' dropout seed of a training forward (None: no dropout). router_logits:
-        a sparse MoE layer's kept logits, which route the recompute as the forward (model/moe.py)."""
+        a sparse MoE layer's kept logits, which route the recompute as the forward (model/moe.py);
+        routes: model/routes.py `Routes` (the forward's record and replay), or None."""
         ex = self.exact if exact is None else exact
         return layer.layer_fwd(self, i, x, pos, layer.Packed(self, cu, max_seqlen, ex, attn),
                                layer.Kernels(self.exact, ex), keep, lora=self._lora_run(ex, lora_seed),
-                               router_logits=router_logits)
+                               router_logits=router_logits, routes=routes)
 
     def _lora_run(self, exact: bool, seed: int | None):
         return None if self.lora is None else LoraRun(self.lora, exact, seed)
 
     # ---------------------------------------------------------------- trunk
-    def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str | tuple[str, ...], pos=None, lora_seed=None):
+    def _trunk_fwd(self, tokens, cu_seqlens, max_seqlen, keep: str | tuple[str, ...], pos=None, lora_seed=None,
+                   routes=None):
         """Embedding + layers. keep, one for all layers or one per layer: 'none' | 'inputs'
         (checkpointed) | 'attention' (layer input + attention output and lse) | 'all' (every
         activation). pos: the tokens' positions, or None to derive them from cu_seqlens."""
@@ -233,7 +235,7 @@ class CausalLM:
         x = embedding_fwd(tokens, self.w["embed"])
         saved = []
         for i in range(L):
-            x, kept = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen, keeps[i], lora_seed=lora_seed)
+            x, kept = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen, keeps[i], lora_seed=lora_seed, routes=routes)
             if kept is not None:
                 saved.append(kept)
         self.aux_loss = self._aux(saved, tokens.numel())
@@ -269,16 +271,17 @@ class CausalLM:
         z = mm_invariant(h, self.lm_head) if self.exact else h @ self.lm_head.t()
         return z.float().view(B, T, -1)
 
-    def hidden_forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *, grad: bool = True):
+    def hidden_forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *, grad: bool = True, routes=None):
         """The trunk: tokens [N], cu_seqlens [S+1] int32 -> final-normed hidden states h [N, H].
         With grad=True the activations `hidden_backward` needs are kept (per the
-        checkpointing mode). The critic's value head and the LM head both start here."""
+        checkpointing mode). The critic's value head and the LM head both start here.
+        routes: a Qwen3-MoE forward's model/routes.py `Routes` (its record, and replay), or None."""
         max_seqlen = check_cu(tokens, cu_seqlens, self.cfg.max_position_embeddings)
         check_ids(tokens, self.cfg.vocab_size, "tokens")
-        return self.hidden_forward_unchecked(tokens, cu_seqlens, max_seqlen, grad=grad)
+        return self.hidden_forward_unchecked(tokens, cu_seqlens, max_seqlen, grad=grad, routes=routes)
 
     def hidden_forward_unchecked(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                                 pos: torch.Tensor | None = None, grad: bool = True):
+                                 pos: torch.Tensor | None = None, grad: bool = True, routes=None):
         """`hidden_forward` without its input checks, which read the data on the host: for a
         CUDA-graph capture (train/step_graph.py), where nothing may. The caller guarantees valid
         token ids, cu_seqlens non-decreasing from 0 (empty sequences and rows past cu_seqlens[-1],
@@ -286,10 +289,11 @@ class CausalLM:
         longest sequence; pos [N] int32, when given, are the tokens' positions."""
         keep = self._keep_mode() if grad else "none"
         seed = self.lora.next_seed() if grad and self.lora is not None and self.lora.cfg.dropout else None
-        x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep, pos, seed)
+        x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep, pos, seed, routes)
         h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps, exact=self.exact)
         self._trunk_ctx = (dict(tokens=tokens, cu=cu_seqlens, max_seqlen=max_seqlen, pos=pos, saved=saved,
-                                x=x, rstd=rstd, lora_seed=seed, aux=self.aux_loss is not None) if grad else None)
+                                x=x, rstd=rstd, lora_seed=seed, aux=self.aux_loss is not None, routes=routes)
+                           if grad else None)
         return h
 
     def hidden_backward(self, dh: torch.Tensor) -> None:
@@ -312,7 +316,8 @@ class CausalLM:
             if "h1" not in acts:  # checkpointed: recompute the layer from its input, in the
                 # default mode's kernels even in exact mode: a gradient needs no batch invariance
                 _, acts = self._layer_fwd(i, acts["x"], pos, cu, ms, "all", attn=acts.get("attn"), exact=False,
-                                          lora_seed=seed, router_logits=acts.get("router_logits"))
+                                          lora_seed=seed, router_logits=acts.get("router_logits"),
+                                          routes=s["routes"])
             acts["daux"] = daux
             s["saved"][i] = None
             dx = layer.layer_bwd(self, i, dx, acts, pos, cu, ms, lora)
@@ -355,18 +360,19 @@ class CausalLM:
         self.hidden_backward(dh.index_copy_(0, rows, dhs))
 
     def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, *, temperature: float = 1.0,
-                return_entropy: bool = False, grad: bool = True):
+                return_entropy: bool = False, grad: bool = True, routes=None):
         """Packed log-probabilities.
 
         tokens: LongTensor[N], cu_seqlens: IntTensor[S+1] (int32 offsets into tokens).
         Returns lp: FloatTensor[N] with lp[i] = log p(tokens[i] | earlier tokens of its own
         sequence) at `temperature`, 0 at each sequence's first token; with
         `return_entropy=True`, (lp, ent) where ent[i] is the entropy of the same
-        distribution. With grad=True the activations `backward` needs are kept.
+        distribution. With grad=True the activations `backward` needs are kept. routes: as
+        `hidden_forward`'s.
         """
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
-        h = self.hidden_forward(tokens, cu_seqlens, grad=grad)
+        h = self.hidden_forward(tokens, cu_seqlens, grad=grad, routes=routes)
         N = tokens.numel()
         tgt, rows = self.head_rows(tokens, cu_seqlens)
         hs = h.index_select(0, rows)
@@ -394,7 +400,7 @@ class CausalLM:
         self._rows_backward(N, s["rows"], dhs)
 
     def forward_backward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, grad_fn, *,
-                         temperature: float = 1.0, return_entropy: bool = False):
+                         temperature: float = 1.0, return_entropy: bool = False, routes=None):
         """`forward` then `backward` with one sweep of the LM head, for a loss whose gradient
         at each token is a function of that token's own lp (and ent) and fixed per-token data:
         SFT's weights, the GRPO/PPO clipped surrogate against the rollout's logprobs, a KL to
@@ -406,12 +412,12 @@ class CausalLM:
         ent_c are FloatTensor[n] at those positions (ent_c None unless return_entropy;
         read-only), and dlp_c, dent_c are FloatTensor[n] -- what backward's dlp[idx],
         dentropy[idx] would be -- or None. Gradients accumulate into `self.grads`; returns
-        what `forward` returns.
+        what `forward` returns. routes: as `hidden_forward`'s.
         """
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self._ctx = None  # a pending forward's head does not belong to this trunk
-        h = self.hidden_forward(tokens, cu_seqlens, grad=True)
+        h = self.hidden_forward(tokens, cu_seqlens, grad=True, routes=routes)
         N = tokens.numel()
         tgt, rows = self.head_rows(tokens, cu_seqlens)
         hs = h.index_select(0, rows)

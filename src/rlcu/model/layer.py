@@ -107,12 +107,13 @@ class Packed:
 
 
 def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: str = "none", lora=None,
-              router_logits=None):
+              router_logits=None, routes=None):
     """Layer i of `model` (its cfg and weight views w) on the residual stream x [N, hidden] at
     positions pos [N] -> (y [N, hidden], kept): kept is None ('none'), {x} ('inputs': checkpointed),
     {x, attn: (o, lse)} ('attention') or every activation `layer_bwd` reads ('all'); a sparse MoE
     layer's also holds model/moe.py's (router_logits and aux at least). router_logits: a sparse
-    layer's kept logits, which route its recompute as its forward was routed."""
+    layer's kept logits, which route its recompute as its forward was routed; routes: who picks a
+    sparse layer's experts (model/moe.py mlp_fwd: the trainer's record and replay, the engine's log)."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
     N, eps = x.shape[0], c.rms_norm_eps
     h1, r1 = ops.norm(x, w[p + "input_norm"], eps)
@@ -129,7 +130,7 @@ def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: 
     h2, r2 = ops.norm(x2, w[p + "post_norm"], eps)
     gu = a = mk = None
     if c.sparse_layer(i):
-        y, mk = moe.mlp_fwd(model, i, h2, x2, ops, keep, router_logits)
+        y, mk = moe.mlp_fwd(model, i, h2, x2, ops, keep, router_logits, routes)
     else:
         gu = ops.linear(h2, w[p + "gate_up"])  # [N, 2I]
         if lora is not None:

@@ -26,13 +26,16 @@ from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.moe import aux_stats, experts_bwd, experts_fwd, route_bwd, route_fwd
 
 
-def mlp_fwd(model, i: int, h2: torch.Tensor, x2: torch.Tensor, ops, keep: str, router_logits=None):
+def mlp_fwd(model, i: int, h2: torch.Tensor, x2: torch.Tensor, ops, keep: str, router_logits=None, routes=None):
     """Sparse layer i's MLP on the post-normed h2 [N, H] with the residual x2 [N, H] -> (y [N, H],
     kept: None for keep 'none', else {router_logits, aux} and, for 'all', what `mlp_bwd` reads).
-    router_logits: the forward's (a checkpointed layer's recompute), else the router GEMM's."""
+    router_logits: the forward's (a checkpointed layer's recompute), else the router GEMM's.
+    routes: who chooses the experts from the logits (model/routes.py `Routes`, the engine's
+    engine/routes.py `RouteLog`: `route(i, logits, k, norm) -> (ids, weights, probs)`), None: route_fwd."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
     logits = ops.linear(h2, w[p + "router"]) if router_logits is None else router_logits  # [N, E]
-    ids, wts, probs = route_fwd(logits, c.num_experts_per_tok, c.norm_topk_prob)
+    route = route_fwd if routes is None else (lambda *a: routes.route(i, *a))
+    ids, wts, probs = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
     out, saved = experts_fwd(h2, ids, wts, w[p + "experts_gate_up"], w[p + "experts_down"], exact=ops.exact)
     y = x2.add_(out) if ops.in_place else x2 + out
     if keep == "none":

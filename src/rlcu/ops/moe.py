@@ -28,11 +28,12 @@ from typing import NamedTuple
 import torch
 
 from rlcu.ops.moe_gemm import gemm_config, grouped_dw, grouped_mm, moe_combine, moe_combine_bwd, regime
-from rlcu.ops.moe_route import aux_dprobs, aux_loss, aux_stats, route_bwd, route_fwd
+from rlcu.ops.moe_route import aux_dprobs, aux_loss, aux_stats, route_bwd, route_fwd, route_replay
 from rlcu.ops.moe_sort import MoeLayout, moe_sort
 from rlcu.ops.swiglu import swiglu_bwd, swiglu_fwd
 
-__all__ = ["MoeSaved", "aux_dprobs", "aux_loss", "aux_stats", "experts_bwd", "experts_fwd", "route_bwd", "route_fwd"]
+__all__ = ["MoeSaved", "aux_dprobs", "aux_loss", "aux_stats", "experts_bwd", "experts_fwd", "route_bwd", "route_fwd",
+           "route_replay"]
 
 
 class MoeSaved(NamedTuple):

@@ -3,7 +3,13 @@ renormalised over the k when `norm_topk_prob`; its backward; and the load-balanc
 transformers' `load_balancing_loss_func` with its gradient.
 
     ids, weights, probs = route_fwd(logits, k, norm)      ids [T, k] int32, weights [T, k], probs [T, E] fp32
+    weights, probs = route_replay(logits, ids, norm)      the weights of given ids (routing replay)
     dlogits = route_bwd(dweights, probs, ids, weights, norm, daux)
+
+Routing replay (model/routes.py) takes the experts from elsewhere (the rollout engine's choice)
+and the weights from this router's own logits over them, w_j = p[i_j] / S, S in slot order: the
+same function of the logits as route_fwd's at its own top-k, so route_bwd is its backward too
+(the router's gradient flows through the replayed choice as through its own).
 
 Top-k is taken on the probabilities (as transformers does), slot 0 the largest; equal
 probabilities go to the LOWER expert id first. transformers' `torch.topk` leaves ties to the
@@ -74,6 +80,29 @@ def _route_fwd_kernel(L, IDS, W, P, T, E, stride_l, K: tl.constexpr, KP: tl.cons
 
 
 @triton.jit(do_not_specialize=["T"])
+def _route_replay_kernel(L, IDS, W, P, T, E, stride_l, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
+                         BT: tl.constexpr, BE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BE)
+    rmask, cmask = rows < T, cols < E
+    p = _softmax_rows(L, rows, cols, rmask, cmask, stride_l)  # [BT, BE]
+    tl.store(P + rows[:, None] * E + cols[None, :], p, mask=rmask[:, None] & cmask[None, :])
+    slots = tl.arange(0, KP)
+    omask = rmask[:, None] & (slots < K)[None, :]
+    ids = tl.load(IDS + rows[:, None] * K + slots[None, :], mask=omask, other=-1)
+    vals = tl.zeros([BT, KP], tl.float32)
+    s = tl.zeros([BT], tl.float32)
+    for j in tl.static_range(K):  # p at the given id of slot j; S in slot order, as route_fwd's
+        i = tl.sum(tl.where(slots[None, :] == j, ids, 0), 1)
+        v = tl.sum(tl.where(cols[None, :] == i[:, None], p, 0.0), 1)
+        vals = tl.where(slots[None, :] == j, v[:, None], vals)
+        s += v
+    if NORM:
+        vals = vals / tl.where(rmask, s, 1.0)[:, None]
+    tl.store(W + rows[:, None] * K + slots[None, :], vals, mask=omask)
+
+
+@triton.jit(do_not_specialize=["T"])
 def _route_bwd_kernel(DW, P, IDS, W, DAUX, DL, T, E, K: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr,
                       HAS_AUX: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
@@ -121,6 +150,19 @@ def route_fwd_triton(logits, k, norm_topk_prob):
     return ids, w, p
 
 
+def route_replay_triton(logits, ids, norm_topk_prob):
+    T, E = logits.shape
+    k = ids.shape[1]
+    w = torch.empty(T, k, device=logits.device, dtype=torch.float32)
+    p = torch.empty(T, E, device=logits.device, dtype=torch.float32)
+    if T:
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        grid, BE, KP = _grid(T, E, k)
+        _route_replay_kernel[grid](logits, ids.contiguous(), w, p, T, E, logits.stride(0), K=k, KP=KP,
+                                   NORM=bool(norm_topk_prob), BT=BT, BE=BE, num_warps=4)
+    return w, p
+
+
 def route_bwd_triton(dweights, probs, ids, weights, norm_topk_prob, daux=None):
     T, E = probs.shape
     k = ids.shape[1]
@@ -155,6 +197,17 @@ def route_fwd_ref(logits, k, norm_topk_prob):
     return ids, vals, p
 
 
+def route_replay_ref(logits, ids, norm_topk_prob):
+    p = softmax_ref(logits)
+    vals = p.gather(1, ids.long())
+    if norm_topk_prob:
+        s = torch.zeros_like(vals[:, 0])
+        for j in range(vals.shape[1]):  # slot order, as the kernel
+            s = s + vals[:, j]
+        vals = vals / s[:, None]
+    return vals.contiguous(), p
+
+
 def route_bwd_ref(dweights, probs, ids, weights, norm_topk_prob, daux=None):
     dw, sel = dweights.float(), ids.long()
     if norm_topk_prob:
@@ -178,6 +231,18 @@ def route_fwd(logits: torch.Tensor, k: int, norm_topk_prob: bool):
         raise ValueError(f"route_fwd: logits must be [T, E] with 1 <= k <= E, got {list(logits.shape)} and k={k}")
     if not logits.dtype.is_floating_point:
         raise TypeError(f"route_fwd: logits must be floating point, got {logits.dtype}")
+
+
+@dispatch(route_replay_triton, route_replay_ref, on="logits")
+def route_replay(logits: torch.Tensor, ids: torch.Tensor, norm_topk_prob: bool):
+    """logits [T, E], ids [T, k] int32 (k distinct experts a row, chosen elsewhere: routing
+    replay) -> (weights [T, k] fp32, probs [T, E] fp32): route_fwd's weights and probs as if its
+    top-k had picked ids; route_bwd differentiates them."""
+    T, E = logits.shape if logits.dim() == 2 else (-1, -1)
+    if logits.dim() != 2 or ids.dim() != 2 or ids.shape[0] != T or ids.dtype != torch.int32 \
+            or not 1 <= ids.shape[1] <= E:
+        raise ValueError(f"route_replay: logits must be [T, E] and ids int32 [T, k <= E], got "
+                         f"{list(logits.shape)} and {ids.dtype} {list(ids.shape)}")
 
 
 @dispatch(route_bwd_triton, route_bwd_ref, on="probs")
