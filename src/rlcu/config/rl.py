@@ -1,5 +1,6 @@
-"""RL run configuration: GRPO (with multi-turn episodes) and PPO (with its critic), the run's
-sections (RunConfig: model, data, optim, checkpoint, log) plus the engine, the rewards, the rollout and the policy loss.
+"""RL run configuration: GRPO and PPO (with its critic), either over single completions or over
+multi-turn episodes (multi_turn), the run's sections (RunConfig: model, data, optim, checkpoint,
+log) plus the engine, the rewards, the rollout and the policy loss.
 Every field is documented; the YAML keys are the field names and `--set a.b=c` reaches any of
 them."""
 
@@ -15,8 +16,38 @@ _REWARD_KEYS = ("name", "fn", "weight", "kwargs")
 
 
 @dataclasses.dataclass
+class MultiTurnConfig(Section):
+    """Episodes instead of single completions (docs/tools.md): on when an environment or a tool is set."""
+
+    environment: str | None = opt(None, "an environment class 'module.path:Class', made once per episode: reset(row) "
+                                        "(the first observation), tool methods, step(messages), reward(messages), "
+                                        "done (docs/tools.md)")
+    tools: list[str] = opt([], "tool functions 'module.path:function' beside the environment's tool methods "
+                               "(rlcu.tools:python: the built-in sandboxed Python tool)")
+    max_turns: int = opt(4, "most model turns per episode", ge=1)
+    max_episode_tokens: int = opt(1024, "most tokens of an episode after its prompt, the model's and the "
+                                        "environment's (max_new_tokens limits each model turn)", ge=1)
+    tool_timeout_s: float = opt(30.0, "most seconds one tool call may take; a late call is an error message to "
+                                      "the model (its thread is abandoned: use a subprocess tool for code that may "
+                                      "hang)", gt=0)
+    tool_workers: int = opt(32, "episodes whose turns (tool calls, step) may run at once", ge=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.environment is not None or bool(self.tools)
+
+    def check(self):
+        if self.environment is not None and ":" not in self.environment:
+            raise ConfigError("environment", f"must be 'module.path:Class', got {self.environment!r}")
+        for i, t in enumerate(self.tools):
+            if ":" not in t:
+                raise ConfigError(f"tools[{i}]", f"must be 'module.path:function', got {t!r}")
+
+
+@dataclasses.dataclass
 class RLConfig(RunConfig):
-    """What GRPO and PPO share: the run's sections, the engine, the rollout and the policy loss."""
+    """What GRPO and PPO share: the run's sections, the engine, the rollout (completions or episodes) and the
+    policy loss."""
 
     engine: EngineConfig = opt(EngineConfig, "the rollout engine (shares the policy's weights)")
     rewards: list[dict] = opt([{"name": "math", "weight": 1.0}],
@@ -81,13 +112,19 @@ class RLConfig(RunConfig):
                              "eval/reward/NAME, each function's mean; eval/accuracy, the fraction whose total "
                              "reward is > 0 (with a shaped reward or several, read each function's mean)", ge=0)
     eval_max_prompts: int = opt(256, "held-out prompts used per evaluation", ge=1)
+    multi_turn: MultiTurnConfig = opt(MultiTurnConfig, "multi-turn episodes with tools or an environment "
+                                                       "(off unless multi_turn.environment or tools is set)")
 
     def sequence_new_tokens(self) -> int:
         """The most tokens a rollout sequence holds after its prompt: an episode's, else a completion's."""
-        mt = getattr(self, "multi_turn", None)
-        return mt.max_episode_tokens if mt is not None and mt.enabled else self.max_new_tokens
+        return self.multi_turn.max_episode_tokens if self.multi_turn.enabled else self.max_new_tokens
 
     def check(self):
+        if not self.rewards and self.multi_turn.environment is None:
+            raise ConfigError("rewards", "is empty: give a reward function, or a multi_turn.environment whose "
+                                         "reward(messages) scores the episodes")
+        if self.multi_turn.enabled and not self.chat_template:
+            raise ConfigError("multi_turn", "needs chat_template: true (episodes are chat conversations)")
         for i, spec in enumerate(self.rewards):
             if not isinstance(spec, dict):
                 raise ConfigError(f"rewards[{i}]", f"must be a mapping like {{name: math}}, got {spec!r}")
@@ -113,35 +150,6 @@ class RLConfig(RunConfig):
 
 
 @dataclasses.dataclass
-class MultiTurnConfig(Section):
-    """Episodes instead of single completions (docs/tools.md): on when an environment or a tool is set."""
-
-    environment: str | None = opt(None, "an environment class 'module.path:Class', made once per episode: reset(row) "
-                                        "(the first observation), tool methods, step(messages), reward(messages), "
-                                        "done (docs/tools.md)")
-    tools: list[str] = opt([], "tool functions 'module.path:function' beside the environment's tool methods "
-                               "(rlcu.tools:python: the built-in sandboxed Python tool)")
-    max_turns: int = opt(4, "most model turns per episode", ge=1)
-    max_episode_tokens: int = opt(1024, "most tokens of an episode after its prompt, the model's and the "
-                                        "environment's (max_new_tokens limits each model turn)", ge=1)
-    tool_timeout_s: float = opt(30.0, "most seconds one tool call may take; a late call is an error message to "
-                                      "the model (its thread is abandoned: use a subprocess tool for code that may "
-                                      "hang)", gt=0)
-    tool_workers: int = opt(32, "episodes whose turns (tool calls, step) may run at once", ge=1)
-
-    @property
-    def enabled(self) -> bool:
-        return self.environment is not None or bool(self.tools)
-
-    def check(self):
-        if self.environment is not None and ":" not in self.environment:
-            raise ConfigError("environment", f"must be 'module.path:Class', got {self.environment!r}")
-        for i, t in enumerate(self.tools):
-            if ":" not in t:
-                raise ConfigError(f"tools[{i}]", f"must be 'module.path:function', got {t!r}")
-
-
-@dataclasses.dataclass
 class GRPOConfig(RLConfig):
     scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (off: Dr. GRPO)")
     kl_coef: float = opt(0.0, "weight of the k3 KL to the frozen reference model in the loss (0: no "
@@ -149,16 +157,9 @@ class GRPOConfig(RLConfig):
     dynamic_sampling: bool = opt(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal "
                                         "and sample more prompts to refill the batch")
     dynamic_sampling_max_rounds: int = opt(3, "dynamic sampling: most extra rollout rounds per step", ge=0)
-    multi_turn: MultiTurnConfig = opt(MultiTurnConfig, "multi-turn episodes with tools or an environment "
-                                                       "(off unless multi_turn.environment or tools is set)")
 
     def check(self):
         super().check()
-        if not self.rewards and self.multi_turn.environment is None:
-            raise ConfigError("rewards", "is empty: give a reward function, or a multi_turn.environment whose "
-                                         "reward(messages) scores the episodes")
-        if self.multi_turn.enabled and not self.chat_template:
-            raise ConfigError("multi_turn", "needs chat_template: true (episodes are chat conversations)")
         if self.group_size < 2:
             raise ConfigError("group_size", f"must be >= 2 for GRPO (advantages are relative to the group), "
                                             f"got {self.group_size}")

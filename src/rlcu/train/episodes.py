@@ -34,7 +34,8 @@ def make_runner(cfg, tokenizer, model, environment=None, tools=None, reward_fns:
     mt = getattr(cfg, "multi_turn", None)
     if mt is None:
         if environment is not None or tools:
-            raise ConfigError("multi_turn", "episodes with an environment or tools are GRPO's (this trainer has none)")
+            raise ConfigError("multi_turn", "episodes with an environment or tools need a multi_turn section (GRPO's "
+                                           "and PPO's configs; this trainer's has none)")
         return None
     env = environment if environment is not None else mt.environment
     tools = tools if tools is not None else mt.tools

@@ -111,6 +111,16 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, lengths: list[int], gamma: 
     return adv[valid].float(), ret[valid].float()
 
 
+def masked_index(cu_seqlens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([M] positions of the tokens with mask > 0, sequence after sequence, [S] how many each
+    sequence has): the tokens GAE runs over (PPO), an episode's environment tokens left out."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=mask.device), lens)
+    live = mask > 0
+    counts = torch.zeros(lens.numel(), dtype=torch.long, device=mask.device).index_add_(0, seq, live.long())
+    return live.nonzero()[:, 0], counts
+
+
 def whiten(x: torch.Tensor, w: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the entries with w > 0 (all entries when w is None)."""
     sel = x if w is None else x[w > 0]

@@ -8,6 +8,16 @@ reward functions, normalised by their running mean/std -> per-token rewards
 advantages and returns (advantages whitened over the batch) -> mu epochs, each one policy
 update (the fused clipped loss, entropy bonus; no KL term: it is in the reward) and one
 critic update (the fused clipped value loss) over the whole batch.
+
+Multi-turn episodes (multi_turn: an environment or tools; rlcu.train.episodes, as GRPO's): a
+trajectory is the model's tokens interleaved with the environment's, and the environment's
+tokens are not actions. GAE runs over each trajectory's model tokens only, as one sequence of
+time steps with the environment's tokens skipped: the step after model token t is the next
+model token t' (perhaps after an environment reply), so delta_t = r_t + gamma V_t' - V_t, where
+V_t' is the critic's value of the state after the reply (its forward reads the whole
+trajectory); gamma and lambda discount per model token, never per environment token. The score
+(the reward functions' and the environment's, at the episode's end) lands on the last model
+token; environment tokens get no advantage, no return (no value target) and no loss.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from rlcu.parallel.zero import make_optimizer
 from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.critic import Critic
+from rlcu.train.episodes import overlong_lengths
 from rlcu.train.mismatch import StepCorrection
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
@@ -36,9 +47,9 @@ class PPOTrainer(RLTrainer):
     kind = "ppo"
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
-                 critic: Critic | None = None, hooks=None):
+                 critic: Critic | None = None, hooks=None, environment=None, tools=None):
         super().__init__(config, dataset, reward_fns, model=model, tokenizer=tokenizer, eval_dataset=eval_dataset,
-                         hooks=hooks)
+                         hooks=hooks, environment=environment, tools=tools)
         cc = self.cfg.critic
         if critic is None:
             if cc.path is not None:
@@ -81,19 +92,21 @@ class PPOTrainer(RLTrainer):
         return dp.all_sum(out)  # ... and every other rank's (zero elsewhere): the whole batch's values
 
     def advantages(self, batch: ro.RolloutBatch, scores: torch.Tensor) -> dict:
-        """Per-token rewards (KL penalty + the score at the last token), GAE advantages and
-        returns into batch.fields; returns metrics. scores: [S] (masked samples: any value)."""
+        """Per-token rewards (KL penalty + the score at the last model token), GAE advantages and
+        returns into batch.fields; returns metrics. scores: [S] (masked samples: any value).
+        GAE runs over the tokens of mask 1 only (a completion's, or an episode's model tokens:
+        the module docstring), each sequence's in order."""
         c = self.cfg
-        idx = batch.completion_index()  # [C] completion token positions, sequence by sequence
+        idx, lens = losses.masked_index(batch.cu_seqlens, batch.mask)  # [M] model tokens of kept samples
         r = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
         kl_tok = torch.zeros_like(r)
         if self.ref is not None:
             kl_tok = (batch.old_lp - batch.fields["ref_lp"]) * (batch.mask > 0)
             r -= c.kl_coef * kl_tok
-        last = batch.cu_seqlens[1:].long() - 1
-        r.index_add_(0, last, torch.nan_to_num(scores.to(r.device).float()))
-        r = r * batch.mask
-        adv_c, ret_c = losses.gae(r[idx], batch.fields["values"][idx], batch.completion_lens, c.gamma, c.lam)
+        has = lens > 0
+        last = idx[lens.cumsum(0)[has] - 1]  # each kept sequence's last model token
+        r.index_add_(0, last, torch.nan_to_num(scores.to(r.device).float()[has]))
+        adv_c, ret_c = losses.gae(r[idx], batch.fields["values"][idx], lens.tolist(), c.gamma, c.lam)
         adv = torch.zeros_like(r).index_copy_(0, idx, adv_c)
         ret = torch.zeros_like(r).index_copy_(0, idx, ret_c)
         if c.whiten_advantages:
@@ -145,8 +158,8 @@ class PPOTrainer(RLTrainer):
         m.update(self._length_metrics(samples))
         scores = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         if c.overlong == "penalty":
-            L = torch.tensor([len(s.completion_ids) for s in samples])
-            scores = scores + losses.overlong_penalty(L, c.max_new_tokens, c.overlong_buffer)
+            L, limit = overlong_lengths(samples, c.max_new_tokens)  # an episode's model tokens only
+            scores = scores + losses.overlong_penalty(L, limit, c.overlong_buffer)
         keep = ~torch.isnan(scores)
         if c.overlong == "mask":
             keep &= torch.tensor([not s.truncated for s in samples], dtype=torch.bool)
