@@ -287,50 +287,9 @@ class LLM:
 
     # ------------------------------------------------------------------ submission
     def _resolve(self, i: int, p) -> tuple[list[int] | None, str | None]:
-        """A prompt -> (token ids, None) or (None, the problem)."""
-        # a text prompt is encoded as vLLM encodes it: with the tokenizer's special tokens (the BOS
-        # of Llama's and Mistral's post-processors; Qwen's adds none); chat() renders the template,
-        # which writes its own BOS, and adds none
-        if isinstance(p, str):
-            ids = self.tokenizer.encode(p, add_special_tokens=True)
-        elif isinstance(p, dict):
-            if "prompt_token_ids" in p:
-                ids = p["prompt_token_ids"]
-            elif isinstance(p.get("prompt"), str):
-                ids = self.tokenizer.encode(p["prompt"], add_special_tokens=True)
-            else:
-                return None, "a dict prompt needs 'prompt_token_ids' (a list of ints) or 'prompt' (a str)"
-        elif isinstance(p, (list, tuple)):
-            ids = p
-        else:
-            return None, (f"a prompt is a str, {{'prompt_token_ids': [...]}} or a list of token ids, "
-                          f"got {type(p).__name__}")
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        ids = requests.token_ids(ids)
-        if ids is None:
-            return None, "prompt_token_ids must be a list of integers"
-        V = self.model.cfg.vocab_size
-        if not ids:
-            return None, "empty prompt (it has no tokens)"
-        if min(ids) < 0 or max(ids) >= V:
-            bad = next(t for t in ids if not 0 <= t < V)
-            return None, f"token id {bad} is outside the vocabulary [0, {V})"
-        if len(ids) >= self.max_model_len:
-            return None, (f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
-                          f"(max_model_len), with room for at least one new token")
-        return ids, None
-
-    @staticmethod
-    def _as_list(prompts) -> list:
-        if isinstance(prompts, (str, dict)):
-            return [prompts]
-        if isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist()
-        prompts = list(prompts)
-        if prompts and requests.token_ids(prompts) is not None:
-            return [prompts]  # one prompt of token ids
-        return prompts
+        """A prompt -> (token ids, None) or (None, the problem) (engine/requests.py `resolve_prompt`)."""
+        return requests.resolve_prompt(p, lambda text: self.tokenizer.encode(text, add_special_tokens=True),
+                                       self.model.cfg.vocab_size, self.max_model_len)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, progress: bool | None = None, on_error: str = "raise",
@@ -341,7 +300,7 @@ class LLM:
         RequestOutput per prompt, in order. on_error: "raise" | "return" (see the module docstring).
         yield_check, on_yield, on_done: preemption between engine steps (see the module docstring).
         lora: the adapter's name, one for all or one per prompt (None: the default; "base": none)."""
-        items = self._as_list(prompts)
+        items = requests.as_list(prompts)
         if any(isinstance(p, str) or (isinstance(p, dict) and "prompt_token_ids" not in p) for p in items):
             self.tokenizer  # noqa: B018  (text needs a tokenizer: fail now, for all requests, if there is none)
         resolved = []

@@ -1,6 +1,7 @@
-"""A `generate` call's requests before and after the engine runs them: validation of the
-sampling parameters, the `Sequence`s submitted, and the `RequestOutput`s assembled in
-prompt order (LLM._run calls these around the step loop, engine/step_loop.py).
+"""A `generate` call's requests before and after the engine runs them: each prompt resolved to
+its token ids or its problem, validation of the sampling parameters, the `Sequence`s submitted,
+and the `RequestOutput`s assembled in prompt order (LLM._run calls these around the step loop,
+engine/step_loop.py).
 
 `resolved` is the list `LLM.generate` and `LLM.chat` build: one (prompt as given, token ids
 or None, the problem or None) per request; `token_ids` is the check of a prompt's ids.
@@ -29,6 +30,55 @@ def token_ids(ids) -> list[int] | None:
     if all(issubclass(t, numbers.Integral) and not issubclass(t, bool) for t in types):
         return [int(t) for t in ids]  # numpy ints and the like
     return None
+
+
+def as_list(prompts) -> list:
+    """generate's prompts -> a list of prompts (one str, dict or list of token ids is one prompt)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    prompts = list(prompts)
+    if prompts and token_ids(prompts) is not None:
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def resolve_prompt(p, encode, vocab_size: int, max_model_len: int) -> tuple[list[int] | None, str | None]:
+    """A prompt -> (token ids, None) or (None, the problem). encode(text): the tokenizer's ids of
+    a text prompt, called only for one (token-id prompts need no tokenizer)."""
+    # a text prompt is encoded as vLLM encodes it: with the tokenizer's special tokens (the BOS
+    # of Llama's and Mistral's post-processors; Qwen's adds none); chat() renders the template,
+    # which writes its own BOS, and adds none
+    if isinstance(p, str):
+        ids = encode(p)
+    elif isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            ids = p["prompt_token_ids"]
+        elif isinstance(p.get("prompt"), str):
+            ids = encode(p["prompt"])
+        else:
+            return None, "a dict prompt needs 'prompt_token_ids' (a list of ints) or 'prompt' (a str)"
+    elif isinstance(p, (list, tuple)):
+        ids = p
+    else:
+        return None, (f"a prompt is a str, {{'prompt_token_ids': [...]}} or a list of token ids, "
+                      f"got {type(p).__name__}")
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    ids = token_ids(ids)
+    if ids is None:
+        return None, "prompt_token_ids must be a list of integers"
+    V = vocab_size
+    if not ids:
+        return None, "empty prompt (it has no tokens)"
+    if min(ids) < 0 or max(ids) >= V:
+        bad = next(t for t in ids if not 0 <= t < V)
+        return None, f"token id {bad} is outside the vocabulary [0, {V})"
+    if len(ids) >= max_model_len:
+        return None, (f"the prompt has {len(ids)} tokens but the context holds {max_model_len} "
+                      f"(max_model_len), with room for at least one new token")
+    return ids, None
 
 
 def check_on_error(on_error: str) -> None:

@@ -89,3 +89,24 @@ def load_object(spec: str, what: str, want_callable: bool = True):
     if want_callable and not callable(obj):
         raise ValueError(f"{what} {spec!r}: {fn_name!r} is not callable")
     return obj
+
+
+def reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
+    """reward_fns (Python API): None (use the config), one callable, or a list of callables,
+    'module:function' strings, built-in names or spec dicts."""
+    if reward_fns is None:
+        return cfg_specs
+    if callable(reward_fns) or isinstance(reward_fns, (str, dict)):
+        reward_fns = [reward_fns]
+    specs = []
+    for r in reward_fns:
+        if isinstance(r, dict):
+            specs.append(r)
+        elif isinstance(r, str):
+            specs.append({"fn": r} if ":" in r else {"name": r})
+        elif callable(r):
+            specs.append({"fn": r})
+        else:
+            raise TypeError(f"a reward must be a callable, a 'module:function' string, a built-in name or a spec "
+                            f"dict, got {r!r}")
+    return specs

@@ -26,7 +26,6 @@ from a checkpoint makes the same rollouts.
 from __future__ import annotations
 
 import abc
-import inspect
 import math
 import time
 
@@ -35,60 +34,19 @@ import torch
 from rlcu.config import RLConfig
 from rlcu.data.prompt_check import checked_prompts, prompt_limit
 from rlcu.engine import LLM
-from rlcu.errors import SetupError
 from rlcu.model.causal_lm import Qwen3
 from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
 from rlcu.parallel import batch as dp
-from rlcu.parallel.comm import world
 from rlcu.parallel.zero import make_optimizer
 from rlcu.rewards import RewardSet, TrainerState, reward_options
-from rlcu.train import episodes, losses, sizing
+from rlcu.rewards.loader import reward_specs
+from rlcu.train import episodes, losses, rl_engine, sizing
 from rlcu.train import rollout as ro
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean
 from rlcu.train.episodes import make_runner
-from rlcu.train.rows import EpochOrder, load_rows
+from rlcu.train.rows import PromptSampler, load_rows
 from rlcu.train.schedule import lr_at
-
-
-class PromptSampler:
-    """Rows in a seeded random order, epoch after epoch; the state is one integer."""
-
-    def __init__(self, rows: list[dict], seed: int, shuffle: bool = True, pos: int = 0):
-        if not rows:
-            raise ValueError("the prompt dataset is empty")
-        self.rows, self.pos = rows, pos
-        self._order = EpochOrder(len(rows), seed, shuffle)
-
-    def next(self, k: int) -> list[dict]:
-        out = []
-        n = len(self.rows)
-        for _ in range(k):
-            e, i = divmod(self.pos, n)
-            out.append(self.rows[self._order(e)[i]])
-            self.pos += 1
-        return out
-
-
-def _reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
-    """reward_fns (Python API): None (use the config), one callable, or a list of callables,
-    'module:function' strings, built-in names or spec dicts."""
-    if reward_fns is None:
-        return cfg_specs
-    if callable(reward_fns) or isinstance(reward_fns, (str, dict)):
-        reward_fns = [reward_fns]
-    specs = []
-    for r in reward_fns:
-        if isinstance(r, dict):
-            specs.append(r)
-        elif isinstance(r, str):
-            specs.append({"fn": r} if ":" in r else {"name": r})
-        elif callable(r):
-            specs.append({"fn": r})
-        else:
-            raise TypeError(f"a reward must be a callable, a 'module:function' string, a built-in name or a spec "
-                            f"dict, got {r!r}")
-    return specs
 
 
 class RLTrainer(Trainer):
@@ -114,7 +72,7 @@ class RLTrainer(Trainer):
         if llm is not None:  # an engine shared with other jobs (train/lora_host.py): it may move them into its slab
             trained = llm.adopt(self.model)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, "RL prompts")
-        specs = _reward_specs(reward_fns, cfg.rewards)
+        specs = reward_specs(reward_fns, cfg.rewards)
         self.episodes = make_runner(cfg, self.tokenizer, self.model, environment, tools, bool(specs))  # None: 1 turn
         self.rewards = RewardSet(specs, **reward_options(cfg)) if specs or self.episodes is None else None
         self.rows, self.eval_rows, self.n_filtered = self._load_data(dataset, eval_dataset)
@@ -182,36 +140,13 @@ class RLTrainer(Trainer):
         return ref
 
     def engine_kwargs(self) -> dict:
-        """rlcu.LLM's arguments for this job's engine (no adapters). Its KV pool: engine.num_kv_blocks
-        when set; else, with engine.gpu_memory_utilization set, what that fraction of the device
-        leaves (the engine's own sizing); else (the default) one step's sequences or one
-        evaluation's, whichever is more, and no more, so that the rollout's peak stays small."""
-        c, e = self.cfg, self.cfg.engine
-        kw = dict(device=str(self.device), max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-                  num_kv_blocks=e.num_kv_blocks, block_size=e.block_size, enforce_eager=e.enforce_eager,
-                  prefill_graphs=e.prefill_graphs,
-                  gpu_memory_utilization=e.gpu_memory_utilization)
-        if kw["num_kv_blocks"] is None and e.gpu_memory_utilization is None:
-            # RL knows its batch: a pool that holds one step's sequences (or one evaluation's),
-            # and no more, so that the generation phase's peak memory stays small
-            longest = max([r.longest for r in self.prompt_reports] + [1])  # over every prompt kept
-            kw["num_kv_blocks"] = sizing.rl_kv_blocks(c, world().size, longest,
-                                                      min(len(self.eval_rows), c.eval_max_prompts))
-        return kw
+        """rlcu.LLM's arguments for this job's engine (no adapters; train/rl_engine.py)."""
+        return rl_engine.engine_kwargs(self.cfg, self.device, self.prompt_reports, self.eval_rows)
 
     def _make_engine(self):
-        """The rollout engine on the policy's weights (engine_kwargs), given the live adapters."""
-        kw = self.engine_kwargs()
-        params = inspect.signature(LLM).parameters
-        if self.model.lora is not None:  # the engine reads the live adapters, unmerged
-            if "lora" not in params:
-                raise SetupError(f"lora: {self.kind.upper()} with LoRA needs an engine that applies adapters "
-                                 f"(rlcu.LLM(model, lora=...)); this build's engine does not yet, and the base is "
-                                 f"never merged: train LoRA with SFT, or full fine-tuning with lora.r: 0")
-            kw["lora"] = self.model.lora
-        if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-            kw = {k: v for k, v in kw.items() if k in params}
-        return LLM(self.model, **kw)
+        """The rollout engine on the policy's weights (engine_kwargs), given the live adapters;
+        `LLM` as this module names it (tests stand a merging engine in its place)."""
+        return rl_engine.make_engine(LLM, self.model, self.engine_kwargs(), self.kind)
 
     def _checkpoint_extra(self, loading: bool = False) -> dict:
         """Objects with state_dict() saved beside the model and optimizer. A reference model

@@ -6,9 +6,9 @@ else `data.path`; the held-out rows are the `eval_dataset` given, else `data.eva
 a row is (an SFT example, a checked prompt) is the trainer's: it passes the function that loads
 one source.
 
-Their order (`EpochOrder`): a seeded permutation per epoch, a function of (seed, epoch) only,
-so that a data position (epoch and cursor, or one running count) is the whole data state and a
-resumed run reads the rows in the same order.
+Their order (`EpochOrder`; `PromptSampler` draws RL prompts by it): a seeded permutation per
+epoch, a function of (seed, epoch) only, so that a data position (epoch and cursor, or one
+running count) is the whole data state and a resumed run reads the rows in the same order.
 """
 
 from __future__ import annotations
@@ -36,6 +36,25 @@ class EpochOrder:
                 self._order = list(range(self.n))
             self._epoch = epoch
         return self._order
+
+
+class PromptSampler:
+    """Rows in a seeded random order, epoch after epoch; the state is one integer."""
+
+    def __init__(self, rows: list[dict], seed: int, shuffle: bool = True, pos: int = 0):
+        if not rows:
+            raise ValueError("the prompt dataset is empty")
+        self.rows, self.pos = rows, pos
+        self._order = EpochOrder(len(rows), seed, shuffle)
+
+    def next(self, k: int) -> list[dict]:
+        out = []
+        n = len(self.rows)
+        for _ in range(k):
+            e, i = divmod(self.pos, n)
+            out.append(self.rows[self._order(e)[i]])
+            self.pos += 1
+        return out
 
 
 def split_eval(rows: list, eval_size: int, seed: int, src: str = "the data") -> tuple[list, list]:
