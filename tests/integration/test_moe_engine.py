@@ -79,6 +79,31 @@ def test_exact_engine_equals_trainer_bit_for_bit(pair, monkeypatch):
     assert engine_routes and engine_routes <= trainer_routes  # every route the engine took, bit for bit
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_completions_carry_the_engine_routes(pair, exact):
+    """Each completion's routes (engine/routes.py: the experts by kv slot, copied out as it
+    retires) are its prompt's and completion's rows but the last, the trainer's own choices on
+    the same packed rows; chunked prefill, prefix sharing of the n samples and stop tokens
+    included. In exact mode equal by construction; the CPU twins are batch invariant in both."""
+    from rlcu.engine.routes import bytes_per_token
+    from rlcu.model.routes import Routes
+
+    _, folder = pair
+    m = rlcu.from_pretrained(folder, exact=exact)
+    sp = SamplingParams(n=3, temperature=1.0, max_tokens=7, seed=5, logprobs=True)
+    llm = LLM(m, enforce_eager=True, num_kv_blocks=80, block_size=4, max_num_batched_tokens=7)
+    outs = llm.generate(_toks(PROMPTS), sp, use_tqdm=False)
+    Ls, k = len(m.cfg.sparse_layers), m.cfg.num_experts_per_tok
+    assert bytes_per_token(m.cfg) == Ls * k
+    for p, o in zip(PROMPTS, outs):
+        for c in o.outputs:
+            seq = p + c.token_ids
+            r = Routes(m.cfg, len(seq), m.device)
+            m.forward(torch.tensor(seq), torch.tensor([0, len(seq)], dtype=torch.int32), grad=False, routes=r)
+            assert c.routes.shape == (len(seq) - 1, Ls, k) and c.routes.dtype == torch.uint8
+            assert torch.equal(c.routes.to(torch.int16), r.taken[:-1])
+
+
 def test_engine_on_kernels_equals_twins(pair, monkeypatch):
     _, folder = pair
     m = rlcu.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")

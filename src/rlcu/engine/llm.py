@@ -180,6 +180,8 @@ class LLM:
         self._sync_lora()
         self.block_manager = BlockManager(self.runner.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        if cfg.fam.moe:
+            self.scheduler.on_retire = self.runner.keep_routes  # the completions' routes (engine/routes.py)
         self.async_scheduling = async_scheduling
         self.asleep = False
         self.stats: dict = {}

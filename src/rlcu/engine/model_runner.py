@@ -5,6 +5,8 @@ reads its samples back. It holds the step's parts, each owned by its own module:
 - the CUDA graphs of the pure decode steps: engine/graphs.py (`DecodeGraphs`);
 - the pure decode steps' fields on the device: engine/decode_state.py (`DecodeState`);
 - the CUDA graphs of prefill and mixed steps, and their fields: engine/prefill_graphs.py;
+- a Qwen3-MoE model's route log (engine/routes.py `RouteLog`, with the pool): every step's
+  experts by kv slot, copied out for a sequence as it retires (`keep_routes`);
 - the LoRA adapters it serves (`lora`, engine/lora.py `LoraSlots`, or None): each step passes
   the slots with its per-token slot index (`Sequence.lora` repeated over the sequence's chunk;
   in the decode and prefill graphs' static fields, so that a replay takes new adapters).
@@ -34,6 +36,7 @@ from rlcu.engine import kv_pool, paged_forward, warmup
 from rlcu.engine.decode_state import DecodeState
 from rlcu.engine.graphs import DecodeGraphs
 from rlcu.engine.prefill_graphs import PrefillGraphs
+from rlcu.engine.routes import RouteLog, sequence_slots
 from rlcu.engine.scheduler import ScheduledBatch
 from rlcu.model.causal_lm import Qwen3
 from rlcu.ops.paged_attention import prefill_tiles
@@ -99,6 +102,7 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks
         self.max_model_len = min(max_model_len, self.num_blocks * block_size)
         self.kv: torch.Tensor | None = None  # the KV pool (engine/kv_pool.py); None while released
+        self.routes: RouteLog | None = None  # a MoE model's experts by kv slot (engine/routes.py), with kv
         self.decode_graphs = DecodeGraphs(max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                                           block_size=block_size, num_kv_heads=c.num_key_value_heads,
                                           device=self.device, weights_ptr=model.flat.data_ptr(), exact=model.exact)
@@ -160,7 +164,7 @@ class ModelRunner:
             if lora_idx is None:
                 lora_idx = torch.zeros(args[0].shape[0], device=self.device, dtype=torch.int32)
             lora = self.lora.step(lora_idx)
-        return paged_forward.hidden(self.model, self.kv, *args, lora=lora)
+        return paged_forward.hidden(self.model, self.kv, *args, lora=lora, routes=self.routes)
 
     def _sample(self, h: torch.Tensor, samp: tuple):
         """paged_forward.sample_rows: the LM head and the sampler -> (tokens, logprobs)."""
@@ -243,6 +247,8 @@ class ModelRunner:
         if batch.copies:
             idx = torch.tensor(batch.copies, dtype=torch.int64).t().to(self.device)
             self.kv[:, :, idx[1]] = self.kv[:, :, idx[0]]
+            if self.routes is not None:
+                self.routes.copy_blocks(idx[0], idx[1], self.block_size)
         if batch.is_decode and len(batch.seqs) <= self.max_num_seqs:
             graph = self.use_graphs
             out = self._decode(batch)
@@ -331,8 +337,21 @@ class ModelRunner:
         graphs hold its addresses); else they are dropped and captured again."""
         if self.kv is None:
             self.kv = kv_pool.new_pool(self.cfg, self.num_blocks, self.block_size, self.device, self.dtype)
-            self.decode_graphs.rebind(self.kv.data_ptr())
-            self.prefill_graphs.rebind(self.kv.data_ptr())
+            if self.cfg.fam.moe:
+                self.routes = RouteLog(self.cfg, self.num_blocks * self.block_size, self.device)
+            self.decode_graphs.rebind(self._pool_key())
+            self.prefill_graphs.rebind(self._pool_key())
+
+    def _pool_key(self) -> tuple[int, int]:
+        """The addresses graphs hold of the pool's tensors: the KV pool's and the route log's."""
+        return self.kv.data_ptr(), (self.routes.buf.data_ptr() if self.routes is not None else 0)
+
+    def keep_routes(self, seq) -> None:
+        """A retiring sequence's routes, copied out of the log before its blocks are freed: `seq.routes`
+        [n, Ls, k] on the device, n = its tokens but the last (the rows the engine computed)."""
+        if self.routes is not None:
+            n = len(seq.token_ids) - 1
+            seq.routes = self.routes.gather(sequence_slots(seq.block_table, self.block_size, n))
 
     def release(self, keep_graphs: bool = False) -> None:
         """Give the KV pool, and unless keep_graphs the graphs, back to the allocator (and the
@@ -342,13 +361,13 @@ class ModelRunner:
         8B), which a trainer sharing the device wants; a bucket is captured again on the second
         step that needs it (`PrefillGraphs.take`)."""
         if keep_graphs and self.graphs and self.kv is not None:
-            self.decode_graphs.keep(self.kv.data_ptr())
+            self.decode_graphs.keep(self._pool_key())
             self._dec.reset()
         else:
             self.decode_graphs.drop()
             self._dec = None
         self.prefill_graphs.drop()  # always: its pool is a full step's activations, which training wants
-        self.kv = None
+        self.kv = self.routes = None
         kv_pool.give_back(self.device)
 
     def graph_plan(self, max_context: int | None = None) -> list[tuple[int, int]]:

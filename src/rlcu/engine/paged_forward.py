@@ -50,20 +50,22 @@ from rlcu.ops.sampling import sample
 
 
 def hidden(model: Qwen3, kv: torch.Tensor, ids, pos, kv_slots, block_tables, cu_q, seq_lens, max_q: int, max_k: int,
-           rows=None, tiles=None, lora=None) -> torch.Tensor:
+           rows=None, tiles=None, lora=None, routes=None) -> torch.Tensor:
     """ids, pos (int32), kv_slots (int64, -1: write nowhere): [N]; block_tables [S, W] int32;
     cu_q [S+1], seq_lens [S] int32; rows: [R] indices of the tokens whose logits are wanted (None: all);
     tiles: the prefill attention's tile list (ops/paged_attention.py `prefill_tiles`), or None;
-    lora: the step's adapters (engine/lora.py `LoraStep`), or None -> final-normed hidden states
-    [R, hidden]."""
+    lora: the step's adapters (engine/lora.py `LoraStep`), or None; routes: a Qwen3-MoE engine's
+    route log (engine/routes.py `RouteLog`: the rows' experts written by kv slot), or None ->
+    final-normed hidden states [R, hidden]."""
     x = embedding_fwd(ids, model.w["embed"])
     # a decode step's attention work list, built once for every layer (None unless the decode
     # plan is the list kernel, ops/paged_decode_list.py)
     work = decode_work(cu_q, seq_lens, model.cfg.num_key_value_heads) if max_q == 1 and not model.exact else None
     cache = PagedKV(model, kv, kv_slots, block_tables, cu_q, seq_lens, max_q, max_k, tiles, work)
     ops = schedule(model, x.shape[0], lora is not None)
+    rec = routes.step(kv_slots) if routes is not None else None
     for i in range(model.cfg.num_hidden_layers):
-        x = layer.layer_fwd(model, i, x, pos, cache, ops, lora=lora)[0]
+        x = layer.layer_fwd(model, i, x, pos, cache, ops, lora=lora, routes=rec)[0]
     return final(model, x, rows)
 
 

@@ -91,13 +91,16 @@ class SamplingParams:
 class CompletionOutput:
     """One sample: `index` j of its request, the generated token ids (a stop token included),
     the decoded text ("" when no tokenizer is at hand), "stop" or "length", and the logprob
-    of each token (None unless SamplingParams.logprobs)."""
+    of each token (None unless SamplingParams.logprobs). routes: a Qwen3-MoE engine's experts of
+    the prompt's and completion's tokens but the last ([n, Ls, k] on the device: engine/routes.py),
+    else None."""
 
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None
     logprobs: list[float] | None = None
+    routes: Any = None
 
     @property
     def cumulative_logprob(self) -> float | None:

@@ -146,6 +146,6 @@ def assemble(resolved: list[tuple], errors: dict[int, str], done: dict[int, list
             tids = s.completion_ids
             text = decode(tids, skip_special_tokens=True) if decode else ""
             comps.append(CompletionOutput(s.sample_index, tids, text, s.finish_reason,
-                                          list(s.logprobs) if s.params.logprobs else None))
+                                          list(s.logprobs) if s.params.logprobs else None, s.routes))
         outs.append(RequestOutput(i, p, ids, comps))
     return outs

@@ -84,6 +84,7 @@ class Scheduler:
         self.parked: dict[int, Sequence] = {}  # episodes between turns, oldest first (blocks kept)
         self.ready: deque[Sequence] = deque()  # resumed episodes that hold blocks, not yet admitted
         self.num_preemptions = 0
+        self.on_retire = None  # called with a finished sequence before its blocks are freed (the route log)
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -305,6 +306,8 @@ class Scheduler:
                     s.status = Status.PARKED
                     self.parked[s.seq_id] = s
                 else:
+                    if self.on_retire is not None:
+                        self.on_retire(s)
                     self.bm.free(s)
                 self.unresolved.pop(s.seq_id, None)
                 finished.append(s)

@@ -54,6 +54,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # prefix keys of its full blocks of tokens (lazy)
         self.block_table: list[int] = []
         self.logprobs: list[float] = []
+        self.routes = None  # a MoE engine's experts of its rows, [n, Ls, k] on the device, set as it retires
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         # one-step lookahead: the last num_pending tokens were sampled but their values are

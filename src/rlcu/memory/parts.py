@@ -294,8 +294,16 @@ def critic_work(s: JobShape) -> int:
 
 # ---------------------------------------------------------------- the engine
 def kv_token_bytes(cfg: Qwen3Config, kv_bytes: int) -> int:
-    """One token's K and V in every layer."""
-    return 2 * cfg.num_hidden_layers * cfg.kv_size * kv_bytes
+    """One token's K and V in every layer, and a Qwen3-MoE engine's routes of it (route_token_bytes)."""
+    return 2 * cfg.num_hidden_layers * cfg.kv_size * kv_bytes + route_token_bytes(cfg)
+
+
+def route_token_bytes(cfg: Qwen3Config) -> int:
+    """A KV slot's routes in a MoE engine's route log (engine/routes.py): the top-k expert ids of
+    every sparse layer, one byte each for E <= 256 (else two); 0 for a dense model."""
+    if not cfg.fam.moe:
+        return 0
+    return len(cfg.sparse_layers) * cfg.num_experts_per_tok * (1 if cfg.num_experts <= 256 else 2)
 
 
 def kv_block_bytes(cfg: Qwen3Config, block_size: int, kv_bytes: int) -> int:
