@@ -45,6 +45,19 @@ class MultiTurnConfig(Section):
 
 
 @dataclasses.dataclass
+class MoeConfig(Section):
+    """A Qwen3-MoE policy's routing between the rollout and the trainer (train/moe_routes.py; ignored
+    for a dense model)."""
+
+    routing: str = opt("default", "default: the trainer routes each token itself, and every step logs how "
+                                  "often its top-k experts differ from the rollout engine's (moe/route_mismatch); "
+                                  "replay: the trainer takes the rollout's experts (the weights from its own "
+                                  "router's logits over them, the router's gradient through that choice), as slime "
+                                  "and verl's routing replay. In exact mode the two route alike by construction "
+                                  "and replay changes nothing", choices=("default", "replay"))
+
+
+@dataclasses.dataclass
 class RLConfig(RunConfig):
     """What GRPO and PPO share: the run's sections, the engine, the rollout (completions or episodes) and the
     policy loss."""
@@ -112,6 +125,7 @@ class RLConfig(RunConfig):
                              "eval/reward/NAME, each function's mean; eval/accuracy, the fraction whose total "
                              "reward is > 0 (with a shaped reward or several, read each function's mean)", ge=0)
     eval_max_prompts: int = opt(256, "held-out prompts used per evaluation", ge=1)
+    moe: MoeConfig = opt(MoeConfig, "a Qwen3-MoE policy's routing: the disagreement metric, or routing replay")
     multi_turn: MultiTurnConfig = opt(MultiTurnConfig, "multi-turn episodes with tools or an environment "
                                                        "(off unless multi_turn.environment or tools is set)")
 

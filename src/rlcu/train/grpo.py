@@ -94,7 +94,7 @@ class GRPOTrainer(RLTrainer):
             return m
         r = torch.tensor([s.reward if k else math.nan for s, k in zip(samples, keep.tolist())])
         adv, gstd = losses.group_advantages(r, G, scale=c.scale_rewards)
-        batch = ro.pack(samples, keep, device=self.device)
+        batch = self._pack(samples, keep)
         batch.fields["adv"] = batch.per_token(adv) * batch.mask
         ok = ~torch.isnan(r)
         m["adv_abs"] = float(adv[ok].abs().mean()) if ok.any() else 0.0
@@ -119,6 +119,7 @@ class GRPOTrainer(RLTrainer):
         if upd:
             m.update(_mean_update_metrics(upd))
         m.update(sc.metrics())
+        m.update(self.route_mismatch.metrics())
         gen_tokens = sum(len(s.completion_ids) for s in samples)
         m.update({"time/generate": t1 - t0, "time/logprobs": t2 - t1, "time/train": t3 - t2,
                   "time/step": t3 - t0, "time/gen_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),

@@ -167,7 +167,7 @@ class PPOTrainer(RLTrainer):
         if c.reward_norm:
             self.score_stats.update(scores[keep])
             scores = self.score_stats.normalise(scores)
-        batch = ro.pack(samples, keep, device=self.device)
+        batch = self._pack(samples, keep)
         sc = StepCorrection(c, self.model, batch)  # old_logprobs (the KL reward reads them), correction
         if self.ref is not None:
             with self.hooks.phase("ref_logprobs"):  # each rank its sequences, then all of them
@@ -196,6 +196,7 @@ class PPOTrainer(RLTrainer):
                     upd[u].update(self._critic_update(batch, step * c.mu + u, c.steps * c.mu))
             m.update(_mean_update_metrics(upd))
         m.update(sc.metrics())
+        m.update(self.route_mismatch.metrics())
         self._end_train_phase()
         t3 = time.perf_counter()
         gen_tokens = sum(len(s.completion_ids) for s in samples)

@@ -40,7 +40,7 @@ from rlcu.parallel import batch as dp
 from rlcu.parallel.zero import make_optimizer
 from rlcu.rewards import RewardSet, TrainerState, reward_options
 from rlcu.rewards.loader import reward_specs
-from rlcu.train import episodes, losses, rl_engine, sizing
+from rlcu.train import episodes, losses, moe_routes, rl_engine, sizing
 from rlcu.train import rollout as ro
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean
@@ -56,6 +56,8 @@ class RLTrainer(Trainer):
     llm: an engine shared with other LoRA jobs on this base (rlcu.train.lora_host's `JobEngine`):
     it adopts the job's adapters before the optimizer is made over them (`llm.adopt(model)`)
     and serves the rollouts in place of an engine of the job's own."""
+
+    route_mismatch: moe_routes.RouteMismatch | None = None  # the step's (a MoE policy's routing metric)
 
     config_cls = RLConfig
     kind = "rl"
@@ -317,6 +319,18 @@ class RLTrainer(Trainer):
             return
         self._log_info(sizing.resolve_auto(self.model, self._memory_shape()))
 
+    def _pack(self, samples: list[ro.Sample], keep: torch.Tensor) -> ro.RolloutBatch:
+        """The step's packed batch; a MoE policy's with the engine's routes (fields "routes", and
+        "replay_routes" with moe.routing: replay) and a fresh `route_mismatch` (train/moe_routes.py)."""
+        batch = ro.pack(samples, keep, device=self.device)
+        routes = moe_routes.pack_routes(samples, self.model.cfg, self.device)
+        if routes is not None:
+            batch.fields["routes"] = routes
+            if self.cfg.moe.routing == "replay":
+                batch.fields[moe_routes.REPLAY] = routes
+        self.route_mismatch = moe_routes.RouteMismatch(self.model.cfg, self.device)
+        return batch
+
     def _policy_update(self, batch: ro.RolloutBatch, update: int, total_updates: int, agg: str,
                        kl_coef: float, record=None) -> dict:
         """One optimizer step of the policy over the whole batch, micro-batch by micro-batch;
@@ -348,10 +362,13 @@ class RLTrainer(Trainer):
                 parts.append(st)
                 return dlp, (dent if c.entropy_coef > 0 else None)
 
+            routes = moe_routes.routes_for(model, mb)  # a MoE policy's record (and replay) of its experts
             lp_mb, _ = model.forward_backward(mb.tokens, mb.cu_seqlens, grad_fn, temperature=c.temperature,
-                                              return_entropy=True)
+                                              return_entropy=True, routes=routes)
             if record is not None:
                 record(a + s0, b + s0, lp_mb)  # in the global batch's numbering
+                if self.route_mismatch is not None:
+                    self.route_mismatch.record(mb, routes)
             stats += torch.stack(parts).sum(0).double().cpu()
         stats = dp.all_sum(stats)
         info = self.opt.step(self._lr(update, total_updates), loss=float(stats[0]))

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
 from rlcu.engine import SamplingParams
 from rlcu.parallel.batch import rank_seq_range
 from rlcu.parallel.comm import world
+from rlcu.train import moe_routes
 
 
 @dataclasses.dataclass
@@ -36,6 +38,7 @@ class Sample:
     messages: list[dict] | None = None  # the conversation after the prompt (TRL's completion messages)
     prompt_messages: list[dict] | None = None  # its start (the prompt, or the environment's reset)
     episode: dict | None = None  # turns, tool calls and errors, truncation, env reward (episodes.py)
+    routes: Any = None  # a MoE engine's experts of its rows ([P + C - 1, Ls, k], train/moe_routes.py)
 
     @property
     def truncated(self) -> bool:
@@ -98,7 +101,7 @@ def sample(llm, prompts: list[list[int]], rows: list[dict], *, n: int, temperatu
             lps = list(c.logprobs) if c.logprobs is not None else [0.0] * len(toks)
             text = tokenizer.decode(toks, skip_special_tokens=True) if tokenizer is not None else c.text
             samples.append(Sample(group_offset + g, list(ids), toks, lps, c.finish_reason, row,
-                                  prompt_texts[g] if prompt_texts else "", text))
+                                  prompt_texts[g] if prompt_texts else "", text, routes=c.routes))
     return samples
 
 
@@ -187,12 +190,16 @@ def pack(samples: list[Sample], keep: torch.Tensor | None = None, device="cpu") 
 
 
 def batch_logprobs(model, batch: RolloutBatch, temperature: float, max_tokens: int) -> torch.Tensor:
-    """[N] logprobs of the batch's tokens under `model` (no gradient), micro-batch by micro-batch."""
+    """[N] logprobs of the batch's tokens under `model` (no gradient), micro-batch by micro-batch;
+    a MoE model replays the batch's routes where it holds them (train/moe_routes.py)."""
     out = torch.zeros(batch.num_tokens, device=batch.tokens.device, dtype=torch.float32)
     for a, b in batch.micro_batches(max_tokens):
         mb = batch.view(a, b)
         t0 = int(batch.cu_seqlens[a])
-        out[t0 : t0 + mb.num_tokens] = model.forward(mb.tokens, mb.cu_seqlens, temperature=temperature, grad=False)
+        routes = moe_routes.routes_for(model, mb)
+        kw = {} if routes is None else {"routes": routes}  # (a dense model's forward needs none)
+        out[t0 : t0 + mb.num_tokens] = model.forward(mb.tokens, mb.cu_seqlens, temperature=temperature, grad=False,
+                                                     **kw)
     return out
 
 
