@@ -14,6 +14,12 @@ Every A and B of every layer is a view into ONE flat buffer (`LoraAdapters.flat`
 dtype), with one flat gradient buffer of the same layout: the optimizer (optim.FlatAdamW takes
 any object with flat, grad_flat, grad_dtype and release_grads) keeps its fp32 master and
 moments over that buffer alone, and the base, frozen, has neither gradients nor optimizer state.
+
+Qwen3-MoE: the attention of every layer and the MLP of its dense layers (mlp_only_layers) are
+adapted; a sparse layer's experts are not. PEFT (0.21) reaches fused expert tensors only through
+`target_parameters` (a ParamWrapper of one [r] pair over the whole 3-D gate_up_proj / down_proj,
+not an adapter per expert), and rlcu's grouped expert GEMMs (ops/moe_gemm.py) take no adapter
+yet; `gate_proj` / `up_proj` / `down_proj` in target_modules name the dense layers' MLPs only.
 """
 
 from __future__ import annotations
@@ -106,6 +112,8 @@ class LoraLayout:
         off = 0
         for i in range(model_cfg.num_hidden_layers):
             for module in MODULES:
+                if module in ("gate_up", "down") and model_cfg.sparse_layer(i):
+                    continue  # a MoE layer's experts take no adapter (module docstring)
                 picked = [(n, j) for n, (m, j) in HF_TARGETS.items() if m == module and n in cfg.target_modules]
                 if not picked:
                     continue
