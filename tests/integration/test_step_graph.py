@@ -190,6 +190,106 @@ def test_static_step_does_not_depend_on_the_schedule(monkeypatch):
         assert torch.equal(x, y), name
 
 
+def lora_tiny(dropout=0.2):
+    from support.lora_util import random_adapter
+
+    from rlcu.model.lora import LoraConfig
+
+    m = tiny()
+    random_adapter(m, LoraConfig(r=4, alpha=8, dropout=dropout, target_modules="all-linear"))
+    return m
+
+
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_padded_lora_step_matches_the_model(ckpt):
+    """With adapters and dropout: the padded step's loss and the adapters' gradient are the model's
+    own forward/backward's with the same seeds (the adapters' count, which the step advances as an
+    eager forward does); other seeds give other masks, another gradient. The base gets none."""
+    m = lora_tiny()
+    m.gradient_checkpointing = ckpt
+    parts = [batch([5, 9, 2], seed=1), batch([13, 4], seed=2)]
+    m.zero_grad()
+    want = 0.0
+    for tokens, cu, dlp in parts:
+        want += float((m.forward(tokens, cu) * dlp).sum())
+        m.backward(dlp)
+    g_want, n = m.lora.grad_flat.clone(), m.lora._forwards
+    m.lora._forwards = 0
+    sg = StepGraph(m, None, budget=24, max_seqlen=20, graphs=False)
+    packed = [pack(t, c, d, 24, s) for (t, c, d), s in zip(parts, (8, 2))]
+    loss, _ = sg.step(packed)
+    assert m.lora._forwards == n == 2 and m.grad_flat is None
+    assert abs(loss - want) < 1e-5 * abs(want)
+    assert rel_err(m.lora.grad_flat, g_want) < 1e-5
+    sg.step(packed)  # seeds 3 and 4
+    assert rel_err(m.lora.grad_flat, g_want) > 1e-2
+
+
+class _CpuGraphs(StepGraph):
+    """StepGraph's graph path on the CPU: `_record` runs the warm-ups (the update gated off) and
+    keeps the region; its replay runs the region again with the adapters' host seed draw
+    forbidden, as a CUDA graph replays device work only (a seed drawn on the host inside the region
+    would be frozen into the graph at capture). It records the seed each replay reads."""
+
+    def _record(self, fn):
+        self.enable.zero_()
+        for _ in range(self.warmup):
+            fn()
+        self.enable.fill_(1.0)
+        self.captures += 1
+        return _Replay(self, fn)
+
+
+class _Replay:
+    def __init__(self, sg, fn):
+        self.sg, self.fn = sg, fn
+
+    def replay(self):
+        ad = self.sg.lora
+        if self.fn != self.sg._update:  # a micro-batch's region: the seed its forward reads
+            self.sg.seeds.append(int(self.sg.lora_seed))
+
+        def drawn_on_the_host():
+            raise AssertionError("a host seed drawn inside a captured region")
+        ad.next_seed = drawn_on_the_host
+        try:
+            self.fn()
+        finally:
+            del ad.next_seed
+
+
+@needs_triton
+def test_graphed_lora_step_equals_the_eager_one(monkeypatch):
+    """A LoRA step (dropout on) through the graph path -- capture's warm-ups, every region replayed
+    from static buffers, the device-scalar AdamW, the gate -- against the eager step (the model's
+    forward and backward, FlatAdamW.step), two steps of two micro-batches: the adapters, the
+    optimizer's master and moments and the seeds' count bit for bit, every replay reading a fresh
+    seed that the host wrote, the eager forwards' seeds."""
+    from rlcu.config import OptimConfig
+    from rlcu.optim import FlatAdamW
+
+    monkeypatch.setenv("RLCU_BACKEND", "triton")
+    parts = [batch([5, 9, 2], seed=1), batch([13, 4], seed=2)]
+    packed = [pack(t, c, d / 33, 32, s) for (t, c, d), s in zip(parts, (4, 2))]
+
+    def run(cls):
+        m = lora_tiny()
+        opt = FlatAdamW(m.lora, OptimConfig(lr=1e-2, max_grad_norm=0.05))
+        sg = cls(m, opt, budget=32, max_seqlen=32, graphs=False)
+        sg.graphs, sg.seeds = cls is _CpuGraphs, []
+        out = [sg.step(packed, lr) for lr in (1e-2, 5e-3)]
+        return out, sg, [m.lora.flat.clone(), opt.master.clone(), opt.m.clone(), opt.v.clone()], m.lora._forwards
+
+    out_e, _, bufs_e, n_e = run(StepGraph)
+    out_g, sg, bufs_g, n_g = run(_CpuGraphs)
+    assert sg.captures == 3 and out_e[0][1]["skipped"] == 0 and out_e[0][1]["clip_scale"] < 1
+    assert out_g == out_e and n_g == n_e == 4
+    seeds = [(0 * 1_000_003 + k) % (1 << 62) for k in (1, 2, 3, 4)]  # LoraConfig.seed 0, forwards 1..4
+    assert sg.seeds == seeds
+    for name, x, y in zip(("adapters", "master", "m", "v"), bufs_e, bufs_g):
+        assert torch.equal(x, y), name
+
+
 def test_config_switch(tmp_path):
     assert SFTConfig().cuda_graph is False
     assert load_config(SFTConfig, None, ["cuda_graph=yes"]).cuda_graph is True

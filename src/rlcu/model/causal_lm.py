@@ -281,14 +281,19 @@ class CausalLM:
         return self.hidden_forward_unchecked(tokens, cu_seqlens, max_seqlen, grad=grad, routes=routes)
 
     def hidden_forward_unchecked(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                                 pos: torch.Tensor | None = None, grad: bool = True, routes=None):
+                                 pos: torch.Tensor | None = None, grad: bool = True, routes=None,
+                                 lora_seed: torch.Tensor | None = None):
         """`hidden_forward` without its input checks, which read the data on the host: for a
         CUDA-graph capture (train/step_graph.py), where nothing may. The caller guarantees valid
         token ids, cu_seqlens non-decreasing from 0 (empty sequences and rows past cu_seqlens[-1],
         a padded budget, are allowed: attention gives those rows zeros) and max_seqlen >= the
-        longest sequence; pos [N] int32, when given, are the tokens' positions."""
+        longest sequence; pos [N] int32, when given, are the tokens' positions. lora_seed: the
+        adapters' dropout seed as an int64 device tensor the caller fills (a captured step's, read at
+        every replay); None: the adapters' next seed (LoraAdapters.next_seed), with dropout on."""
         keep = self._keep_mode() if grad else "none"
-        seed = self.lora.next_seed() if grad and self.lora is not None and self.lora.cfg.dropout else None
+        seed = lora_seed
+        if seed is None and grad and self.lora is not None and self.lora.cfg.dropout:
+            seed = torch.tensor([self.lora.next_seed()], device=self.device, dtype=torch.int64)
         x, pos, saved = self._trunk_fwd(tokens, cu_seqlens, max_seqlen, keep, pos, seed, routes)
         h, rstd = rmsnorm_fwd(x, self.w["final_norm"], self.cfg.rms_norm_eps, exact=self.exact)
         self._trunk_ctx = (dict(tokens=tokens, cu=cu_seqlens, max_seqlen=max_seqlen, pos=pos, saved=saved,

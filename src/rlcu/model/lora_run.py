@@ -16,6 +16,9 @@ recomputed (r columns a slice: cheaper than keeping it):
 (dy_j: the slice's output columns of dy). Dropout, in a training forward only, draws each slice's
 mask from (the forward's seed, layer, module, slice), as PEFT's separate q/k/v modules have
 masks of their own, so the recompute of a checkpointed layer and the backward see the same masks.
+The seed is an int64 tensor on the device that the masks' kernel reads (ops/dropout.py), never a
+host number, so a captured training step (train/step_graph.py) replays with the seed written
+there before each replay: fresh masks every step, the eager step's bits.
 """
 
 from __future__ import annotations
@@ -24,25 +27,25 @@ import torch
 
 from rlcu.model.lora import MODULES, LoraAdapters, ModuleSpec
 from rlcu.ops._matmul import acc_wgrad
+from rlcu.ops.dropout import dropout_mask
 from rlcu.ops.lora import lora_expand, lora_shrink
 
 
 class LoraRun:
     """The trainer's adapter application for one forward (and its backward). exact: the grouped
-    kernels (the engine's launches); seed: the forward's dropout seed, None for no dropout (the
-    engine, logits, a forward without gradients)."""
+    kernels (the engine's launches); seed: the forward's dropout seed, an int64 [1] tensor on the
+    device, None for no dropout (the engine, logits, a forward without gradients)."""
 
-    def __init__(self, adapters: LoraAdapters, exact: bool = False, seed: int | None = None):
+    def __init__(self, adapters: LoraAdapters, exact: bool = False, seed: torch.Tensor | None = None):
         self.ad, self.exact, self.seed = adapters, exact, seed
         self.p = adapters.cfg.dropout if seed is not None else 0.0
         self.scale, self.r = adapters.cfg.scale, adapters.cfg.r
 
     def _mask(self, x: torch.Tensor, i: int, module: str, j: int) -> torch.Tensor:
-        """Slice j's dropout multiplier (mask / (1 - p), in x's dtype), from the forward's seed."""
-        s = (self.seed * 7919 + i * 131 + MODULES.index(module) * 7 + j) % (1 << 62)
-        gen = torch.Generator(device=x.device).manual_seed(s)
-        keep = torch.rand(x.shape, generator=gen, device=x.device) >= self.p
-        return keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+        """Slice j's dropout multiplier (mask / (1 - p), in x's dtype), from the forward's seed and
+        the slice's own stream."""
+        return dropout_mask(self.seed, i * 131 + MODULES.index(module) * 7 + j, self.p, x.shape[0], x.shape[1],
+                            x.dtype)
 
     def _shrink(self, sp: ModuleSpec, i: int, x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         """h = drop(x) A^T [N, S r] (each slice's own mask)."""

@@ -30,6 +30,13 @@ replay and an eager launch do not share: no atomics (the embedding backward's we
 difference, in the fp32 master and moments; tests/integration/test_step_graph.py runs the step with every
 launch's programs reversed).
 
+With LoRA the adapters train and the base is frozen: the optimizer's buffers and the gradient
+the graphs write are the adapters' (`model.lora.grad_flat`, kept at its address as the base's
+is), and dropout's masks are drawn from a seed in device memory (`lora_seed`, ops/dropout.py)
+that the host writes before each micro-batch's replay from the adapters' own count
+(`LoraAdapters.next_seed`, which checkpoints save): each replay draws the masks an eager step
+with the same seeds draws.
+
 The step's loss is sum_i dlp_i lp_i over the rows (the SFT loss, whose gradient in lp is the
 constant dlp), or the critic's clipped value loss (ops/rl_loss.value_loss).
 """
@@ -64,8 +71,8 @@ def why_not(model, optimizer=None) -> str | None:
         return "the ops run their PyTorch twins here (RLCU_BACKEND=torch)"
     if t.exact:
         return "exact mode is on (its batch-invariant kernels are not captured)"
-    if getattr(t, "lora", None) is not None:  # dropout's masks come from a host seed per forward
-        return "LoRA adapters train (their step is not captured: eager steps)"
+    if getattr(t, "lora", None) is not None and t is not model:
+        return "the critic's trunk has adapters (only a policy's adapters are captured)"
     if t.grad_sink is not None:
         return "data parallel: the gradient goes to reduce-scatter buckets during the backward"
     if t.grad_dtype != torch.float32 or getattr(model, "grad_dtype", torch.float32) != torch.float32:
@@ -87,6 +94,8 @@ class StepGraph:
             raise ValueError(f"cannot capture this training step: {reason}")
         self.model, self.opt, self.trunk = model, optimizer, _trunk(model)
         self.critic = self.trunk is not model
+        self.lora = getattr(self.trunk, "lora", None)  # adapters train, the base frozen
+        self.trained = self.lora if self.lora is not None else model  # whose grad_flat the backward writes
         self.budget, self.max_seqlen, self.graphs, self.warmup = budget, min(max_seqlen, budget), graphs, warmup
         self.value_clip, self.temperature = value_clip, temperature
         dev = model.device
@@ -100,6 +109,9 @@ class StepGraph:
         self.coef = torch.zeros(4, **f32)  # adamw_step_device's (decay, step_size, inv_bc2_sqrt, gate)
         self.key = torch.zeros(1, device=dev, dtype=torch.int32)
         self.enable = torch.ones((), **f32)  # 0 while warming up: the update changes nothing
+        # the adapters' dropout seed, written before each micro-batch (the adapters' next_seed)
+        drop = self.lora is not None and self.lora.cfg.dropout > 0
+        self.lora_seed = torch.zeros(1, device=dev, dtype=torch.int64) if drop else None
         self._micro_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # sequence slots -> graph
         self._update_graph = None
         self._pool = self._stream = self._state = None
@@ -110,7 +122,8 @@ class StepGraph:
         """Forward, loss and backward of the micro-batch in the static buffers; gradients and
         the loss accumulate."""
         sb, t = self.sb, self.trunk
-        h = t.hidden_forward_unchecked(sb.tokens, sb.cu_view(slots), self.max_seqlen, pos=sb.pos)
+        h = t.hidden_forward_unchecked(sb.tokens, sb.cu_view(slots), self.max_seqlen, pos=sb.pos,
+                                       lora_seed=self.lora_seed)
         if self.critic:
             dh = self._value_head(h)
         else:
@@ -135,13 +148,14 @@ class StepGraph:
     def _update(self) -> None:
         """The optimizer step from device scalars: norm, gate, clip scale, AdamW."""
         opt, cfg = self.opt, self.opt.cfg
-        gn = grad_norm(self.model.grad_flat)
+        g = self.trained.grad_flat
+        gn = grad_norm(g)
         ok = torch.isfinite(gn) & torch.isfinite(self.loss_sum)
         scale = clip_scale(gn, cfg.max_grad_norm) if cfg.max_grad_norm > 0 else torch.ones_like(gn)
         self.coef[3:].copy_((ok.float() * self.enable).view(1))
         b1, b2 = cfg.betas
-        adamw_step_device(opt.master, self.model.grad_flat, opt.m, opt.v,
-                          None if opt.master_is_model else self.model.flat, self.coef, self.key,
+        adamw_step_device(opt.master, g, opt.m, opt.v, None if opt.master_is_model else self.trained.flat,
+                          self.coef, self.key,
                           beta1=b1, beta2=b2, eps=cfg.eps, grad_scale=scale)
         self.gn.copy_(gn)
         self.scale.copy_(scale)
@@ -154,8 +168,8 @@ class StepGraph:
         which the caching allocator hands back at the freed block's address unless something
         took the block in between -- then the graphs write the live buffer and are kept; at
         another address they are captured again (test_step_graph_gpu.py does both)."""
-        m, o = self.model, self.opt
-        ptrs = (m.flat.data_ptr(), m.grad_flat.data_ptr())
+        m, o, tr = self.model, self.opt, self.trained
+        ptrs = (m.flat.data_ptr(), tr.flat.data_ptr(), tr.grad_flat.data_ptr())
         if o is not None:
             ptrs += (o.master.data_ptr(), o.m.data_ptr(), o.v.data_ptr())
         return ptrs + (self.trunk.exact, self.trunk._keep_mode())
@@ -223,6 +237,8 @@ class StepGraph:
             self.key.copy_(key)
         for p in packed:
             s = self.load(p)
+            if self.lora_seed is not None:  # a forward's seed, as an eager forward draws it
+                self.lora_seed.fill_(self.lora.next_seed())
             if self.graphs:
                 self._micro_graphs[s].replay()
             else:
