@@ -36,7 +36,7 @@ from rlcu.hub import TOKENIZER_FILES, model_folder
 from rlcu.parallel.comm import barrier, print_once, world
 from rlcu.rewards import RewardsFailed
 from rlcu.train import resume as rs
-from rlcu.train import run_dir
+from rlcu.train import run_dir, sizing
 from rlcu.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlcu.train.logging import run_logger
 from rlcu.train.lora import LoraCheckpoint, attach_lora, save_final
@@ -181,6 +181,12 @@ class Trainer(abc.ABC):
         return f"{self.kind}: {self.step} of {self.cfg.steps} steps done"
 
     # ---------------------------------------------------------------- LoRA (rlcu.train.lora)
+    def _refuse_unfit(self, model=None) -> None:
+        """Full fine-tuning that does not fit the device, refused before the model is built or
+        the optimizer made (rlcu.train.sizing.refuse_unfit); `model`: one given, already built."""
+        sizing.refuse_unfit(self.cfg, world().size, model_cfg=None if model is None else model.cfg,
+                            device=None if model is None else model.device.type)
+
     def _attach_lora(self, model):
         """The run's `lora:` adapters attached to `model`; returns what its optimizer trains:
         the adapters (the base frozen), else the model itself."""

@@ -66,6 +66,7 @@ class RLTrainer(Trainer):
                  hooks: Hooks | None = None, environment=None, tools=None, llm=None):
         super().__init__(config, hooks)
         cfg = self.cfg
+        self._refuse_unfit(model)
         self.model = model if model is not None else build_model(cfg.model)
         self.model.exact = cfg.exact  # the policy's mode, which its engine reads (ops/exact.py)
         self._model_given = model is not None

@@ -90,6 +90,7 @@ class SFTTrainer(Trainer):
                  tokenizer=None, hooks: Hooks | None = None):
         super().__init__(config, hooks)
         cfg = self.cfg
+        self._refuse_unfit(model)
         self.model = model if model is not None else build_model(cfg.model)
         self.device = self.model.device
         trained = self._attach_lora(self.model)  # the adapters with lora:, else the model

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from rlcu.engine.kv_pool import dtype_bytes, engine_shape
+from rlcu.errors import SetupError
 from rlcu.hub import model_folder
-from rlcu.memory import JobShape, checkpointing_name, job_memory
+from rlcu.memory import GiB, JobShape, checkpointing_name, job_memory
 from rlcu.memory.fit import fit_checkpointing, step_kv_blocks
 from rlcu.memory.shape import AdapterShape
 from rlcu.model.config import Qwen3Config
@@ -47,20 +48,74 @@ def rl_kv_blocks(cfg, world_size: int, longest_prompt: int | None = None, eval_p
 def config_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = None) -> JobShape:
     """The shape of a GRPO/PPO job on one of its `world_size` ranks from its config alone (the
     engine's pool as the RL trainer sizes it by default: one step's sequences)."""
-    m, o, e = cfg.model, cfg.optim, cfg.engine
+    m, e = cfg.model, cfg.engine
     qc = model_config(m) if model_cfg is None else model_cfg
     m.check_layers(qc.num_hidden_layers)
     dtype = m.resolve_dtype()
-    wb = dtype_bytes(dtype)
     engine = engine_shape(qc, dtype, kv_tokens=(e.num_kv_blocks or rl_kv_blocks(cfg, world_size)) * e.block_size,
                           max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
                           graphs=m.resolve_device() == "cuda" and not e.enforce_eager, prefill_graphs=e.prefill_graphs)
-    return JobShape(qc, weight_bytes=wb, master=o.master_weights, state_bytes=2 if o.state_dtype == "bfloat16" else 4,
-                    grad_bytes=2 if wb == 2 and o.grad_dtype == "bfloat16" else 4, world_size=max(1, world_size),
-                    micro_batch_tokens=cfg.micro_batch_tokens,
-                    checkpointing=checkpointing_name(m.gradient_checkpointing), release_grads=o.release_grads,
+    return JobShape(qc, **_precisions(cfg), world_size=max(1, world_size), micro_batch_tokens=cfg.micro_batch_tokens,
+                    checkpointing=checkpointing_name(m.gradient_checkpointing), release_grads=cfg.optim.release_grads,
                     reference=cfg.kl_coef > 0 and not cfg.lora.enabled, critic=hasattr(cfg, "critic"),
                     random_init=m.path is None, engine=engine.engine, adapter=config_adapter(cfg.lora))
+
+
+def _precisions(cfg) -> dict:
+    """A config's weight, master, moment and gradient precisions as JobShape's fields."""
+    o = cfg.optim
+    wb = dtype_bytes(cfg.model.resolve_dtype())
+    return dict(weight_bytes=wb, master=o.master_weights, state_bytes=2 if o.state_dtype == "bfloat16" else 4,
+                grad_bytes=2 if wb == 2 and o.grad_dtype == "bfloat16" else 4)
+
+
+def train_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = None) -> JobShape:
+    """A trainer's job from its config: an RL config's `config_shape`; an SFT config's (no
+    engine, micro-batches of batch_tokens, the head's gradient in a second sweep). A
+    checkpointing still 'auto' is every layer checkpointed, the least that auto can choose."""
+    if hasattr(cfg, "prompts_per_step"):
+        shape = config_shape(cfg, world_size, model_cfg=model_cfg)
+    else:
+        m = cfg.model
+        qc = model_config(m) if model_cfg is None else model_cfg
+        m.check_layers(qc.num_hidden_layers)
+        shape = JobShape(qc, **_precisions(cfg), world_size=max(1, world_size), micro_batch_tokens=cfg.batch_tokens,
+                         checkpointing=checkpointing_name(m.gradient_checkpointing), fused_head=False,
+                         random_init=m.path is None, adapter=config_adapter(cfg.lora))
+    return shape.with_(checkpointing="full") if cfg.model.gradient_checkpointing == "auto" else shape
+
+
+def device_memory(device: str) -> int | None:
+    """The bytes of the device a run trains on, which a job's estimate is held to: a CUDA
+    device's total (what an otherwise empty device gives; the memory free now depends on other
+    jobs sharing it); None on the CPU, which has no budget to hold a run to."""
+    return torch.cuda.mem_get_info()[1] if device == "cuda" else None
+
+
+def refuse_unfit(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = None, device: str | None = None,
+                 budget: int | None = None) -> None:
+    """Refuse full fine-tuning (no `lora:`) of a model whose job, by the memory model, needs more
+    than the device has: a SetupError with the estimate, the budget and a pointer to LoRA, at
+    setup rather than an out-of-memory error an hour into loading. device: where the model lives
+    (else model.device's); budget: bytes (else `device_memory`; nothing is checked where neither
+    gives one)."""
+    if cfg.lora.enabled:
+        return
+    budget = device_memory(device or cfg.model.resolve_device()) if budget is None else budget
+    if budget is None:
+        return
+    mem = job_memory(train_shape(cfg, world_size, model_cfg=model_cfg))
+    need = mem.device_bytes(mem.peak)
+    if need <= budget:
+        return
+    state = mem.weights + mem.master + mem.optimizer_state + mem.gradients
+    n = mem.weights // mem.shape.weight_bytes
+    raise SetupError(
+        f"full fine-tuning of this model ({n:,} parameters, {world_size} rank{'s' if world_size > 1 else ''}) "
+        f"does not fit: estimated {need / GiB:.2f} GiB a rank (weights, master, optimizer state and gradients "
+        f"{state / GiB:.2f} GiB) against {budget / GiB:.2f} GiB of device memory; "
+        f"train LoRA adapters instead (lora: {{r: 16}}: the base frozen, with no master, moments or gradient), "
+        f"or add ranks (the optimizer state is sharded across them)")
 
 
 HOST_MAX_SEQS = 1024  # the most sequences a LoRA host's shared engine takes in one step (its graphs' largest batch)
