@@ -74,11 +74,16 @@ def equal_passes(n_local: int) -> int:
 
 def dummy_backward(model) -> None:
     """One backward pass that adds nothing to the gradient (a rank short of micro-batches
-    keeps the overlapped reduce-scatters of the other ranks company)."""
+    keeps the overlapped reduce-scatters of the other ranks company). A MoE model's
+    load-balancing loss is weighted 0 through it: its gradient does not depend on the head's."""
     dev = model.device
     tokens = torch.zeros(2, dtype=torch.long, device=dev)
     cu = torch.tensor([0, 2], dtype=torch.int32, device=dev)
-    model.forward_backward(tokens, cu, lambda lp_c, ent_c, idx: (torch.zeros_like(lp_c), None))
+    weight, model.aux_weight = model.aux_weight, 0.0
+    try:
+        model.forward_backward(tokens, cu, lambda lp_c, ent_c, idx: (torch.zeros_like(lp_c), None))
+    finally:
+        model.aux_weight = weight
 
 
 def global_mean_std(x: torch.Tensor) -> tuple[float, float]:
