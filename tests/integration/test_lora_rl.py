@@ -6,12 +6,10 @@ support.lora_engine (the merged stand-in, and the engine's own adapters once it 
 
 import math
 
-import pytest
 import torch
-from support.lora_engine import lora_engine, real_engine_lora  # noqa: F401 (the fixture)
+from support.lora_engine import lora_engine  # noqa: F401 (the fixture)
 from support.trainers import first_is_even, grpo_trainer, ppo_trainer
 
-from rlcu.errors import SetupError
 from rlcu.memory import job_memory
 
 LORA = dict(r=4, alpha=8)  # no dropout: the first update's forward is then the engine's function
@@ -75,13 +73,6 @@ def test_ppo_with_lora_one_step(tmp_path, lora_engine):  # noqa: F811
         assert k in h and math.isfinite(h[k]), (k, h.get(k))
     assert torch.equal(model.flat, base)
     assert bool(ad.flat.abs().sum() > 0) and not torch.equal(tr.critic.flat, c0)
-
-
-def test_rl_with_lora_refuses_an_engine_without_adapters(tmp_path):
-    if real_engine_lora():
-        pytest.skip("rlcu.LLM applies adapters")
-    with pytest.raises(SetupError, match="needs an engine that applies adapters"):
-        grpo_trainer(tmp_path, lora=dict(r=4))
 
 
 def test_the_scheduler_sizes_a_lora_job_from_its_config(tmp_path):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 
-from rlcu.errors import SetupError
 from rlcu.parallel.comm import world
 from rlcu.train import sizing
 
@@ -33,15 +32,11 @@ def engine_kwargs(cfg, device, prompt_reports: list, eval_rows: list) -> dict:
     return kw
 
 
-def make_engine(llm_cls, model, kw: dict, kind: str):
+def make_engine(llm_cls, model, kw: dict):
     """llm_cls(model, **kw) on the policy's weights, given its live adapters (model.lora); kw
-    keeps only what llm_cls takes unless it takes **kwargs. kind names the trainer in errors."""
+    keeps only what llm_cls takes unless it takes **kwargs (a test's stand-in engine)."""
     params = inspect.signature(llm_cls).parameters
     if model.lora is not None:  # the engine reads the live adapters, unmerged
-        if "lora" not in params:
-            raise SetupError(f"lora: {kind.upper()} with LoRA needs an engine that applies adapters "
-                             f"(rlcu.LLM(model, lora=...)); this build's engine does not yet, and the base is "
-                             f"never merged: train LoRA with SFT, or full fine-tuning with lora.r: 0")
         kw = {**kw, "lora": model.lora}
     if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
         kw = {k: v for k, v in kw.items() if k in params}

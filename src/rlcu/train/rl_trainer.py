@@ -149,7 +149,7 @@ class RLTrainer(Trainer):
     def _make_engine(self):
         """The rollout engine on the policy's weights (engine_kwargs), given the live adapters;
         `LLM` as this module names it (tests stand a merging engine in its place)."""
-        return rl_engine.make_engine(LLM, self.model, self.engine_kwargs(), self.kind)
+        return rl_engine.make_engine(LLM, self.model, self.engine_kwargs())
 
     def _checkpoint_extra(self, loading: bool = False) -> dict:
         """Objects with state_dict() saved beside the model and optimizer. A reference model
