@@ -136,19 +136,49 @@ SHAPES = {  # published shapes, by name: Qwen3's (0.6B: Qwen3Config's defaults),
                        num_attention_heads=28, num_key_value_heads=4, head_dim=128, intermediate_size=18944,
                        rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
                        bos_token_id=151643, eos_token_id=151643),
+    # Qwen3-30B-A3B (its published config.json): 128 experts of 768, top 8 renormalised, every layer sparse
+    "qwen3-30b-a3b": dict(family="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False),
 }
+# cut to the layers whose full fine-tuning fits one H200 (train_step.py's 32 x 1024 tokens, full checkpointing, fused
+# head, fp32 master and moments): 10 by the memory model (tests/unit/test_bench_shapes.py), 11 do not
+SHAPES["qwen3-30b-a3b-cut"] = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=10)
 
 
 def shape_name(shape: str) -> str:
     """A SHAPES key as the published model's name: '8b' -> 'Qwen3-8B', 'llama3.1-8b' -> 'Llama-3.1-8B'."""
     if shape in ("0.6b", "4b", "8b"):
         return f"Qwen3-{shape.upper()}"
+    if shape.startswith("qwen3-"):  # 'qwen3-30b-a3b-cut' -> 'Qwen3-30B-A3B (cut)'
+        cut = shape.endswith("-cut")
+        return f"Qwen3-{shape[6:len(shape) - 4 * cut].upper()}" + (f" (cut to {SHAPES[shape]['num_hidden_layers']} "
+                                                                    "layers)" if cut else "")
     fam, size = shape.rsplit("-", 1)
     named = {"llama": "Llama-", "qwen": "Qwen"}
     for k, v in named.items():
         if fam.startswith(k):
             return f"{v}{fam[len(k):]}-{size.upper()}"
     return shape
+
+
+def matmul_params(cfg) -> int:
+    """The matmul weights one token goes through (its FLOPs are twice this): every layer's
+    attention projections; a dense layer's gate, up and down; a sparse layer's router and the k
+    experts the token is routed to, of its E (the active parameters of a MoE); the LM head."""
+    H = cfg.hidden_size
+    attn = H * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * H
+    sparse = len(cfg.sparse_layers) if cfg.fam.moe else 0
+    dense_mlp = 3 * cfg.intermediate_size * H
+    moe_mlp = H * cfg.num_experts + cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size * H if sparse else 0
+    return cfg.num_hidden_layers * attn + (cfg.num_hidden_layers - sparse) * dense_mlp + sparse * moe_mlp \
+        + cfg.vocab_size * H
+
+
+def expected_experts(E: int, k: int, T: int) -> float:
+    """The expected number of distinct experts T tokens route to when each picks k of E uniformly
+    at random: E (1 - (1 - k/E)^T) (each expert is missed by a token with probability 1 - k/E)."""
+    return E * (1.0 - (1.0 - k / E) ** T)
 
 
 # the optimizer's precisions: default (fp32 master, m, v and gradients) and the bf16 memory mode

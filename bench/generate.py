@@ -10,6 +10,10 @@ The bound: a step must read every weight once plus the K/V of every running sequ
 (and a prefill step must do its matmul FLOPs), so
     bound(step) = max((weight bytes + context tokens x KV bytes per token) / bandwidth,
                       2 x matmul params x tokens / matmul peak)
+For a MoE (--shape qwen3-30b-a3b) the weight bytes are attention's, the routers', the dense
+parts' and only the experts the step's tokens are routed to (`step_weight_bytes`: the expected
+distinct experts under uniform routing), and the matmul params the active ones (the router and
+k experts a token).
 and the achieved fraction is sum(bound) / wall. The per-phase host timings (schedule, launch,
 wait for the device, postprocess) and the prefill/decode split say where the rest goes.
 
@@ -18,6 +22,8 @@ wait for the device, postprocess) and the prefill/decode split say where the res
                              [--split-kernel]
 
 --shape picks another published shape, llama3.1-8b and qwen2.5-7b too (JSON generate_<shape>.json);
+qwen3-30b-a3b's 61 GB of weights want --gpu-memory-utilization 0.85 and --no-hf (transformers'
+MoE loops over the experts in Python);
 --no-prefill-graphs runs prefill and mixed steps eagerly (engine/prefill_graphs.py; JSON *_eager_prefill.json);
 --split-cap caps the decode attention's splits (ops/paged_attention.py decode_splits, max_part
 512: past the 1k context bucket no split longer than 512 keys below 12 programs an SM; JSON
@@ -42,7 +48,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import SHAPES, hf_model, measure_ceilings, qwen3_06b_config, random_prompts, write_json  # noqa: E402
+from bench.common import (  # noqa: E402  # noqa: E402
+    SHAPES,
+    expected_experts,
+    hf_model,
+    matmul_params,
+    measure_ceilings,
+    qwen3_06b_config,
+    random_prompts,
+    write_json,
+)
 
 MATMUL_PEAK = 790e12  # bf16 dense, measured on the H200 (BENCHMARKS.md section 4)
 
@@ -78,14 +93,26 @@ def sync():
         torch.cuda.synchronize()
 
 
+def step_weight_bytes(cfg, weight_bytes: int, ntok: int) -> float:
+    """The weight bytes a step of ntok tokens reads: every weight of a dense model; of a MoE's
+    sparse layers only the experts the step's tokens are routed to. The engine's step log does
+    not say which (its route log is per token, on the device), so this takes the expected number
+    of distinct experts of ntok tokens under uniform routing, E (1 - (1 - k/E)^ntok)
+    (common.py expected_experts; a random model's routing is close to uniform)."""
+    if not cfg.fam.moe:
+        return weight_bytes
+    L, E, k = len(cfg.sparse_layers), cfg.num_experts, cfg.num_experts_per_tok
+    expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2  # an expert's bf16 gate, up and down
+    return weight_bytes - L * E * expert + L * expected_experts(E, k, ntok) * expert
+
+
 def bound_seconds(stats, cfg, weight_bytes, bandwidth):
     kv_tok = 2 * cfg.num_hidden_layers * cfg.kv_size * 2  # bf16 K and V of every layer
-    per_layer = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size \
-        + 3 * cfg.intermediate_size * cfg.hidden_size
-    matmul_params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    flops_tok = 2 * matmul_params(cfg)  # a MoE's active parameters
     tot = dec = dec_t = pre_t = 0.0
     for ntok, nseq, ctx, _graph, dt in stats["step_log"]:
-        b = max((weight_bytes + ctx * kv_tok) / bandwidth, 2 * matmul_params * ntok / MATMUL_PEAK)
+        b = max((step_weight_bytes(cfg, weight_bytes, ntok) + ctx * kv_tok) / bandwidth,
+                flops_tok * ntok / MATMUL_PEAK)
         tot += b
         if ntok == nseq:
             dec += b
@@ -188,10 +215,12 @@ def main(argv=None) -> int:
     dev = "cuda" if cuda else "cpu"
     ceil = measure_ceilings() if (args.measure and cuda) else {}
     bw = ceil["copy_GBps"] * 1e9 if ceil else args.bandwidth
-    if args.quick:
-        cfg = qwen3_06b_config(num_hidden_layers=2) if cuda else qwen3_06b_config(
+    if args.quick:  # the shape cut to 2 layers; on the CPU a small one of its family (a MoE: 8 experts, top 2)
+        moe = dict(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                   norm_topk_prob=True) if SHAPES[args.shape].get("family") == "qwen3_moe" else {}
+        cfg = qwen3_06b_config(**dict(SHAPES[args.shape], num_hidden_layers=2)) if cuda else qwen3_06b_config(
             vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, bos_token_id=None, eos_token_id=None)
+            num_key_value_heads=2, head_dim=32, bos_token_id=None, eos_token_id=None, **moe)
         n_req, lo, hi, fixed = min(args.requests, 32 if cuda else 8), 16, 128 if cuda else 48, [(8, 32, 32)]
     else:
         cfg = qwen3_06b_config(**SHAPES[args.shape])
@@ -221,7 +250,8 @@ def main(argv=None) -> int:
     sync()
     print(f"warm-up {time.perf_counter() - t:.1f} s ({graphs} CUDA graphs)", flush=True)
 
-    results = {"config": {"layers": cfg.num_hidden_layers, "params": m.num_params(), "bandwidth_Bps": bw,
+    results = {"config": {"layers": cfg.num_hidden_layers, "family": cfg.family, "params": m.num_params(),
+                          "bandwidth_Bps": bw,
                           "matmul_peak_flops": MATMUL_PEAK, "max_num_seqs": args.max_num_seqs,
                           "max_num_batched_tokens": args.max_num_batched_tokens,
                           "kv_blocks": llm.runner.num_blocks, "block_size": llm.runner.block_size,
@@ -256,7 +286,7 @@ def main(argv=None) -> int:
         for r, h in zip(results["rlcu"][1:], results["hf"]):
             r["speedup_vs_hf"] = r["tok_per_s"] / h["tok_per_s"]
             print(f"{r['case']}: rlcu / hf = {r['speedup_vs_hf']:.2f}x", flush=True)
-    name = "generate_quick" if args.quick else "generate" + ("" if args.shape == "0.6b" else "_" + args.shape)
+    name = ("generate_quick" if args.quick else "generate") + ("" if args.shape == "0.6b" else "_" + args.shape)
     name += ("_eager_prefill" if args.no_prefill_graphs else "") + ("_split_cap" if args.split_cap else "")
     name += ("_fused_linear" + ("_pdl" if args.pdl else "")) if args.fused_linear is not None else ""
     name += "_split_kernel" if args.split_kernel else ""

@@ -9,7 +9,13 @@ completion 256 tokens. Rows, each in its own process:
 Reported: median s/step after warm-up, the phases, the peak GPU memory (the step's and each
 phase's). Targets: LoRA's peak <= 40 GiB and its step <= 0.8x full fine-tuning's.
 
-    python bench/lora_grpo.py                 # on the H200: lora and full rows, JSON lora_grpo_8b.json
+--shape qwen3-30b-a3b (issue 37): the lora row alone by default (full fine-tuning of 30B-A3B does
+not fit one H200: the trainer refuses it at setup, rlcu.train.sizing.refuse_unfit); all-linear
+adapts the attention of every layer and the experts not (model/lora.py), the bf16 base of 61 GB
+frozen. With --tiny a small model of the shape's family (a MoE: 8 experts, top 2).
+
+    python bench/lora_grpo.py                 # on the H200: lora and full rows, JSON lora_grpo_8b_r64.json
+    python bench/lora_grpo.py --shape qwen3-30b-a3b   # lora_grpo_qwen3-30b-a3b_r64.json
     python bench/lora_grpo.py --quick --tiny  # a CPU smoke test (tiny model, 1 + 1 steps)
 """
 
@@ -30,10 +36,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import MEMORY_MODES, SHAPES, write_json  # noqa: E402
+from bench.generate import random_model  # noqa: E402
 from bench.grpo import TINY, _PhasePeaks, _prompts, _sync, _word_tokenizer, hash_reward  # noqa: E402
 
 PROTOCOL = dict(prompts=32, group=8, prompt_len=128, completion_len=256)
 ROWS = ("lora", "full")
+
+
+def is_moe(shape: str) -> bool:
+    return SHAPES[shape].get("family") == "qwen3_moe"
+
+
+def tiny_family(shape: str) -> dict:
+    """--tiny's family fields for `shape`: a MoE's 8 experts of 64, top 2; none for a dense one."""
+    return dict(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                norm_topk_prob=True) if is_moe(shape) else {}
 
 
 def bench_side(side: str, a) -> dict:
@@ -44,7 +61,8 @@ def bench_side(side: str, a) -> dict:
 
     cuda = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    cfg = Qwen3Config(**TINY, eos_token_id=1, bos_token_id=None) if a.tiny else Qwen3Config(**SHAPES[a.shape])
+    cfg = Qwen3Config(**TINY, **tiny_family(a.shape), eos_token_id=1, bos_token_id=None) if a.tiny else \
+        Qwen3Config(**SHAPES[a.shape])
     P, G, Lp, Lc = PROTOCOL["prompts"], PROTOCOL["group"], PROTOCOL["prompt_len"], PROTOCOL["completion_len"]
     if a.tiny:
         P, G, Lp, Lc = 4, 4, 16, 16
@@ -52,7 +70,8 @@ def bench_side(side: str, a) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    model = Qwen3.from_config(cfg, device=dev, dtype=dtype, seed=0)
+    # on the GPU straight in bf16 (from_config stages the weights in fp32 first: 183 GB at 30B-A3B)
+    model = random_model(cfg, dev) if cuda else Qwen3.from_config(cfg, device=dev, dtype=dtype, seed=0)
     block = 16
     kv_blocks = P * G * (-(-(Lp + Lc + 1) // block)) + 64
     lora = dict(r=a.lora, alpha=2 * a.lora, target_modules="all-linear") if side == "lora" else {}
@@ -97,7 +116,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lora", type=int, default=64, help="the adapters' rank r (all linear)")
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="the model shape (bench/common.py)")
-    ap.add_argument("--sides", default=",".join(ROWS))
+    ap.add_argument("--sides", default=None, help="rows (default: lora,full; lora for a MoE shape)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
@@ -108,6 +127,8 @@ def main():
     a = ap.parse_args()
     if a.quick:
         a.steps, a.warmup = 1, 1
+    if a.sides is None:
+        a.sides = "lora" if is_moe(a.shape) else ",".join(ROWS)
     if a.side:
         print("RESULT " + json.dumps(bench_side(a.side, a)))
         return
@@ -131,7 +152,8 @@ def main():
         res["targets"] = {"peak_le_40GiB": lo.get("peak_GiB", 0) <= 40, "step_le_0.8x_full":
                           res["step_ratio_lora_vs_full"] <= 0.8}
     res["wall_s"] = time.time() - t0
-    write_json("lora_grpo_tiny.json" if a.tiny else f"lora_grpo_{a.shape}_r{a.lora}.json", res)
+    write_json(f"lora_grpo_tiny{'_moe' if is_moe(a.shape) else ''}.json" if a.tiny
+               else f"lora_grpo_{a.shape}_r{a.lora}.json", res)
     for side in a.sides.split(","):
         r = res.get(side, {})
         if r.get("s_per_step"):

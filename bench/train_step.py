@@ -1,7 +1,8 @@
 """Training-step benchmark (BENCHMARKS.md section 2): batch 32 x 1024 tokens, next-token loss
 on all tokens, AdamW step, Qwen3-0.6B shape with random bf16 weights (--shape 4b | 8b: the
 larger published shapes, e.g. 8 x 2048 in the bf16 memory mode; llama3.1-8b | qwen2.5-7b: the
-other families').
+other families'; qwen3-30b-a3b-cut: Qwen3-30B-A3B cut to the 10 layers whose full fine-tuning
+fits one H200).
 
 rlcu: bf16 weights, rlcu's FlatAdamW (fp32 master + moments, or the bf16 memory mode), the
 fused logprob head, Triton kernels; three sides by gradient checkpointing: full, keeping the
@@ -9,7 +10,8 @@ attention outputs, and auto (the fewest checkpointed layers whose estimated peak
 rlcu.memory). Peer (same run): HF transformers' model of the family in bf16, SDPA attention,
 torch.optim.AdamW(fused=True), without checkpointing (gradient accumulation if the batch does
 not fit) and with it (hf_ckpt); speedups are against the faster of the two.
-MFU = 3 x forward FLOPs x tokens / time / 989e12 (recomputation is not counted as work).
+MFU = 3 x forward FLOPs x tokens / time / 989e12 (recomputation is not counted as work; a MoE's
+FLOPs are its active parameters': the router and the k experts each token is routed to).
 
     python bench/train_step.py [--batch 32 --seqlen 1024 --steps 6 --sides rlcu_auto,hf --profile]
     python bench/train_step.py --shape 4b --batch 8 --seqlen 2048 --memory-mode bf16 \
@@ -34,18 +36,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import MEMORY_MODES, SHAPES, hf_model, replay_ms, shape_name, write_json  # noqa: E402
+from bench.common import MEMORY_MODES, SHAPES, hf_model, matmul_params, replay_ms, shape_name, write_json  # noqa: E402
 
 PEAK_FLOPS = 989e12
 
 
 def fwd_flops_per_token(cfg, T: int) -> float:
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    per_layer = H * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * H + 2 * I * H + I * H
-    matmul_params = cfg.num_hidden_layers * per_layer + V * H
+    """A token's forward FLOPs in a sequence of T: its matmuls (a MoE's active parameters: the
+    router and the k experts it is routed to, common.py matmul_params) and causal attention."""
     # causal attention: QK^T and PV, 2 FLOPs per MAC, half the T x T square on average
     attn = cfg.num_hidden_layers * 2 * 2 * cfg.q_size * T / 2
-    return 2 * matmul_params + attn
+    return 2 * matmul_params(cfg) + attn
 
 
 KERNEL_CLASSES = (("gemm", ("nvjet", "gemm", "cutlass", "splitkreduce", "cublas")), ("attention", ("_attn_",)),
