@@ -28,13 +28,11 @@ default mode).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 
-from rlcu import files
-from rlcu.model import io, layer
+from rlcu.model import io, layer, moe
 from rlcu.model.config import CausalLMConfig, layer_keeps
 from rlcu.model.inputs import check_cu, check_ids
 from rlcu.model.layout import ParamLayout
@@ -43,13 +41,9 @@ from rlcu.model.rope import inv_freq, mscale
 from rlcu.ops.embedding import embedding_bwd, embedding_fwd
 from rlcu.ops.logprob import logprob_bwd, logprob_fwd, logprob_fwd_bwd
 from rlcu.ops.matmul_invariant import mm as mm_invariant
-from rlcu.ops.moe import aux_dprobs, aux_loss
+from rlcu.ops.moe import aux_dprobs
 from rlcu.ops.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from rlcu.ops.rope import positions_from_cu_seqlens
-
-# files copied along when a model loaded from a folder is saved to another
-_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 class CausalLM:
@@ -122,12 +116,7 @@ class CausalLM:
         from rlcu.hub import model_folder
 
         path = model_folder(path, revision)
-        cfg = io.read_config(path)
-        layout = ParamLayout(cfg)
-        flat = layout.empty(device, dtype)
-        flat.zero_()  # alignment padding stays zero
-        io.load_into(path, layout, flat)
-        m = cls(cfg, flat, exact)
+        m = cls(*io.load_flat(path, device, dtype), exact)
         m.source = path
         return m
 
@@ -136,16 +125,7 @@ class CausalLM:
                     init_std: float = 0.02, exact: bool = False) -> CausalLM:
         """Random initialisation as HF does it: N(0, init_std) matrices, unit norms. exact: exact
         on-policy mode (ops/exact.py)."""
-        layout = ParamLayout(cfg)
-        flat = torch.zeros(layout.numel, device=device, dtype=torch.float32)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        views = layout.views(flat)
-        for name, v in views.items():
-            if name.endswith("norm"):
-                v.fill_(1.0)
-            else:
-                v.copy_(torch.randn(v.shape, generator=gen) * init_std)
-        return cls(cfg, flat.to(dtype), exact)
+        return cls(cfg, io.random_flat(cfg, device, dtype, seed, init_std), exact)
 
     def save_pretrained(self, path, dtype: torch.dtype | None = None) -> None:
         """Write an HF-loadable folder: the weights and config.json, each file replaced
@@ -153,11 +133,8 @@ class CausalLM:
         are kept. The tokenizer and generation files of the folder the model was loaded
         from are copied in where `path` has none."""
         io.save_folder(path, self.layout, self.flat, dtype=dtype)
-        if self.source is not None and Path(self.source).resolve() != Path(path).resolve():
-            for name in _SIDE_FILES:
-                src, dst = Path(self.source) / name, Path(path) / name
-                if src.is_file() and not dst.exists():
-                    files.atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))
+        if self.source is not None:
+            io.copy_side_files(self.source, path)
 
     def num_params(self) -> int:
         return sum(v.numel() for v in self.params.values())
@@ -238,18 +215,9 @@ class CausalLM:
             x, kept = self._layer_fwd(i, x, pos, cu_seqlens, max_seqlen, keeps[i], lora_seed=lora_seed, routes=routes)
             if kept is not None:
                 saved.append(kept)
-        self.aux_loss = self._aux(saved, tokens.numel())
+        aux = moe.trunk_aux(saved, tokens.numel())  # the load-balancing loss, (C, rows) for its gradient
+        self.aux_loss, self._aux_grad_args = (None, None) if aux is None else (aux[0], aux[1:])
         return x, pos, saved
-
-    def _aux(self, saved: list[dict], N: int) -> torch.Tensor | None:
-        """The load-balancing loss of the sparse layers' kept aux stats, summed over the layers
-        (ops/moe_route.py aux_loss); their counts, summed, become each layer's `daux` at the backward."""
-        stats = [s["aux"] for s in saved if "aux" in s]
-        if not stats:
-            return None
-        C, P = (torch.stack(t).sum(0) for t in zip(*stats))
-        self._aux_counts, self._aux_rows = C, N * len(stats)
-        return aux_loss(C, P, self._aux_rows)
 
     def _keep_mode(self) -> tuple[str, ...]:
         """What each layer's forward keeps, per `gradient_checkpointing` (model/config.py
@@ -335,7 +303,7 @@ class CausalLM:
         """The load-balancing loss's gradient at each row's router probabilities, weighted by
         `aux_weight` (None: cfg.aux_coef); None where the weight is 0."""
         coef = self.cfg.aux_coef if self.aux_weight is None else self.aux_weight
-        return aux_dprobs(self._aux_counts, self._aux_rows, coef) if coef else None
+        return aux_dprobs(*self._aux_grad_args, coef) if coef else None
 
     def head_rows(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor):
         """(tgt, rows): the positions that have a predicted token, and the hidden rows

@@ -1,6 +1,8 @@
 """Reading and writing HF model folders (any family of model/family.py): config.json plus
 model.safetensors or shards listed in model.safetensors.index.json. Tensors are copied straight
-into the flat buffer's views.
+into the flat buffer's views (`load_flat` makes one for a folder; `random_flat` one drawn as HF
+initialises); a save copies the tokenizer's and generation files of the folder the model came
+from (`copy_side_files`).
 
 Qwen3-MoE's experts are written one tensor an expert and matrix (`mlp.experts.{e}.gate_proj.weight`,
 as transformers 5 still writes them and the published checkpoints hold); either that form or
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -181,3 +184,45 @@ def _weight_files(folder: Path) -> set[str]:
         except (json.JSONDecodeError, AttributeError, OSError):
             pass
     return {n for n in out if (folder / n).is_file()}
+
+
+# files copied along when a model loaded from a folder is saved to another
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+              "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def load_flat(folder: str | Path, device, dtype: torch.dtype) -> tuple[Qwen3Config, torch.Tensor]:
+    """A folder's config and its weights in a new flat buffer of `dtype` on `device` (the
+    alignment padding zero)."""
+    cfg = read_config(folder)
+    layout = ParamLayout(cfg)
+    flat = layout.empty(device, dtype)
+    flat.zero_()
+    load_into(folder, layout, flat)
+    return cfg, flat
+
+
+def random_flat(cfg: Qwen3Config, device, dtype: torch.dtype, seed: int, init_std: float) -> torch.Tensor:
+    """A flat buffer initialised as HF does: N(0, init_std) matrices, unit norms; drawn from a
+    CPU generator in fp32 (the same weights on any device), then cast to `dtype`."""
+    layout = ParamLayout(cfg)
+    flat = torch.zeros(layout.numel, device=device, dtype=torch.float32)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, v in layout.views(flat).items():
+        if name.endswith("norm"):
+            v.fill_(1.0)
+        else:
+            v.copy_(torch.randn(v.shape, generator=gen) * init_std)
+    return flat.to(dtype)
+
+
+def copy_side_files(source: str | Path, folder: str | Path) -> None:
+    """The tokenizer's and generation files (`SIDE_FILES`) of `source` copied into `folder` where
+    it has none, each atomically; nothing when the two are one folder."""
+    source, folder = Path(source), Path(folder)
+    if source.resolve() == folder.resolve():
+        return
+    for name in SIDE_FILES:
+        src, dst = source / name, folder / name
+        if src.is_file() and not dst.exists():
+            atomic_write(dst, lambda p, src=src: shutil.copyfile(src, p))

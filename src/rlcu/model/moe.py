@@ -15,7 +15,7 @@ could then take other experts; routing the recompute from the kept logits gives 
 experts and weights exactly. Every training forward also keeps the layer's share of the
 load-balancing loss (`aux`: ops/moe_route.py aux_stats, C and P [E] fp32), which the trunk sums
 over the sparse layers before the backward: the loss's gradient at every row needs every layer's
-counts (`aux_dprobs`).
+counts (`aux_dprobs`): `trunk_aux`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from rlcu.ops._matmul import acc_wgrad
-from rlcu.ops.moe import aux_stats, experts_bwd, experts_fwd, route_bwd, route_fwd
+from rlcu.ops.moe import aux_loss, aux_stats, experts_bwd, experts_fwd, route_bwd, route_fwd
 
 
 def mlp_fwd(model, i: int, h2: torch.Tensor, x2: torch.Tensor, ops, keep: str, router_logits=None, routes=None):
@@ -60,3 +60,15 @@ def mlp_bwd(model, i: int, dy: torch.Tensor, s: dict, g: dict | None, daux: torc
     if g is not None:
         acc_wgrad(g[p + "router"], dlogits, s["h2"])
     return dh2.addmm_(dlogits, w[p + "router"])
+
+
+def trunk_aux(saved: list[dict], N: int):
+    """A training forward's load-balancing loss over its N tokens: its sparse layers' kept aux
+    stats summed (ops/moe_route.py aux_loss) -> (the loss, the summed counts C [E], the rows L N),
+    which the backward's `aux_dprobs` reads; None where no layer kept any (a dense model)."""
+    stats = [s["aux"] for s in saved if "aux" in s]
+    if not stats:
+        return None
+    C, P = (torch.stack(t).sum(0) for t in zip(*stats))
+    rows = N * len(stats)
+    return aux_loss(C, P, rows), C, rows
