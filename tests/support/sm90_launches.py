@@ -258,8 +258,16 @@ def calls():
 
     yield "lora", lora
 
+    def dropout():  # LoRA's dropout masks from a seed in device memory (ops/dropout.py)
+        from rlcu.ops.dropout import dropout_mask
+
+        dropout_mask(torch.zeros(1, dtype=torch.int64), 3, 0.1, 256, H, bf)
+
+    yield "dropout", dropout
+
     def moe():  # Qwen3-30B-A3B's experts (E = 128, k = 8, H = 2048, I = 768): decode's tiles and prefill's
         from rlcu.ops.moe import experts_bwd, experts_fwd, route_bwd, route_fwd
+        from rlcu.ops.moe_route import route_replay
 
         E, k, Hm, Im = 128, 8, 2048, 768
         wgu, wd = torch.randn(E, 2 * Im, Hm).to(bf), torch.randn(E, Hm, Im).to(bf)
@@ -270,6 +278,7 @@ def calls():
             out, saved = experts_fwd(xm, ids, wts, wgu, wd)
             experts_bwd(xm, xm, wts, wgu, wd, saved, torch.zeros(E, 2 * Im, Hm), torch.zeros(E, Hm, Im))
             route_bwd(wts, p, ids, wts, True, torch.zeros(E))
+            route_replay(torch.randn(M, E).to(bf), ids, True)  # routing replay: the rollout's experts
 
     yield "moe", moe
 
