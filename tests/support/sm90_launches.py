@@ -261,7 +261,8 @@ def calls():
     def dropout():  # LoRA's dropout masks from a seed in device memory (ops/dropout.py)
         from rlcu.ops.dropout import dropout_mask
 
-        dropout_mask(torch.zeros(1, dtype=torch.int64), 3, 0.1, 256, H, bf)
+        for stream in (1, 3):  # 1: the value the JIT would make a constant if it specialised it
+            dropout_mask(torch.zeros(1, dtype=torch.int64), stream, 0.1, 256, H, bf)
 
     yield "dropout", dropout
 

@@ -23,7 +23,9 @@ BLOCK = 1024
 _SALT = 0x243F6A88
 
 
-@triton.jit
+# stream and n not specialised: the JIT makes an int argument equal to 1 a Python constant (no .to),
+# and a new variant for each stream would be compiled otherwise
+@triton.jit(do_not_specialize=["n", "stream"])
 def _dropout_mask_kernel(SEED, OUT, n, stream, thresh, scale, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     e = pid * BLOCK + tl.arange(0, BLOCK)
