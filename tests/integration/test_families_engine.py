@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from support.engine_util import GREEDY, PROMPTS
+from support.exact_util import assert_engine_is_trainer, sample
 from support.hf_util import FAMILY_CASES, make_family_model
 
 import rlcu
@@ -46,18 +47,7 @@ def test_exact_engine_equals_trainer_bit_for_bit(pair):
     m = rlcu.from_pretrained(folder, exact=True)
     sp = SamplingParams(n=2, temperature=0.8, max_tokens=6, ignore_eos=True, seed=11, logprobs=True)
     llm = LLM(m, enforce_eager=True, num_kv_blocks=80, block_size=4, max_num_batched_tokens=7)
-    outs = llm.generate(_toks(PROMPTS), sp, use_tqdm=False)
-    seqs, gens = [], []
-    for p, o in zip(PROMPTS, outs):
-        for c in o.outputs:
-            seqs.append(p + c.token_ids)
-            gens.append((len(p), c.logprobs))
-    tokens = torch.tensor([t for s in seqs for t in s])
-    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32)
-    lp = m.forward(tokens, cu, temperature=sp.temperature, grad=False)
-    for k, (n_prompt, lps) in enumerate(gens):
-        start = int(cu[k]) + n_prompt
-        assert torch.equal(torch.tensor(lps, dtype=torch.float32), lp[start:start + len(lps)]), k
+    assert_engine_is_trainer(m, sample(llm, PROMPTS, sp), sp.temperature)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "decode_qkv"])

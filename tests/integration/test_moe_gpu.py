@@ -5,6 +5,7 @@ for bit."""
 
 import pytest
 import torch
+from support.exact_util import assert_engine_is_trainer, sample
 from support.hf_util import make_moe_model
 
 import rlcu
@@ -40,17 +41,6 @@ def test_exact_engine_equals_trainer_bit_for_bit(pair):
                for L in torch.randint(5, 90, (8,), generator=g)]
     sp = SamplingParams(n=4, temperature=1.0, max_tokens=40, ignore_eos=True, seed=11, logprobs=True)
     llm = LLM(m, num_kv_blocks=512, max_num_batched_tokens=64)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    gens = sample(llm, prompts, sp)
     assert llm.runner.use_graphs
-    seqs, gens = [], []
-    for p, o in zip(prompts, outs):
-        for c in o.outputs:
-            seqs.append(p + c.token_ids)
-            gens.append((len(p), c.logprobs))
-    tokens = torch.tensor([t for s in seqs for t in s], device="cuda")
-    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32,
-                      device="cuda")
-    lp = m.forward(tokens, cu, temperature=sp.temperature, grad=False).float().cpu()
-    for k, (n_prompt, lps) in enumerate(gens):
-        start = int(cu[k]) + n_prompt
-        assert torch.equal(torch.tensor(lps, dtype=torch.float32), lp[start:start + len(lps)]), k
+    assert_engine_is_trainer(m, gens, sp.temperature)

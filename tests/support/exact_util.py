@@ -27,6 +27,32 @@ def tiny_model(device="cpu", seed=0, exact=False, **shape):
     return m
 
 
+def sample(llm, prompts, sp) -> list[tuple[list[int], list[int], list[float]]]:
+    """(prompt, completion tokens, the engine's logprobs) of every completion of `prompts`
+    (token lists) sampled by `llm` under `sp`, prompt by prompt and sample by sample."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [(p, c.token_ids, c.logprobs) for p, o in zip(prompts, outs) for c in o.outputs]
+
+
+def forward_logprobs(m, gens, temperature: float) -> list[torch.Tensor]:
+    """The trainer's forward over `gens`' sequences (sample's output) packed in one batch on m's
+    device: each completion's logprobs at its sampled tokens (float32, CPU), to set beside the
+    engine's, which exact mode makes equal bit for bit."""
+    seqs = [p + t for p, t, _ in gens]
+    tokens = torch.tensor([x for s in seqs for x in s], device=m.device)
+    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist(), dtype=torch.int32,
+                      device=m.device)
+    lp = m.forward(tokens, cu, temperature=temperature, grad=False).float().cpu()
+    starts = cu[:-1].tolist()
+    return [lp[s + len(p):s + len(p) + len(t)] for (p, t, _), s in zip(gens, starts)]
+
+
+def assert_engine_is_trainer(m, gens, temperature: float) -> None:
+    """Every sampled token's engine logprob equals the trainer's forward bit for bit."""
+    for k, ((_, _, lps), want) in enumerate(zip(gens, forward_logprobs(m, gens, temperature))):
+        assert torch.equal(torch.tensor(lps, dtype=torch.float32), want), k
+
+
 def mm_rows_check():
     """The batch-invariant GEMM: a row's bits do not depend on the rows beside it (K = 37: a
     masked last K tile), in place too."""
