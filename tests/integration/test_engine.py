@@ -305,7 +305,7 @@ def test_sleep_keeping_graphs_emulated(model):
 
         def pool_at(*a, **k):
             t = zeros(*a, **k)
-            r.decode_graphs.kv_ptr = -1 if moved else t.data_ptr()
+            r.decode_graphs.kv_ptr = -1 if moved else (t.data_ptr(), 0)  # ModelRunner._pool_key: (KV, no route log)
             return t
 
         torch.zeros = pool_at

@@ -94,7 +94,7 @@ class GraphSet:
         self._pool = None
         self.weights_ptr = weights_ptr  # model.flat's address when the graphs were captured
         self.exact = exact  # the model's exact mode when the graphs were captured
-        self.kv_ptr = 0  # the KV pool's address when graphs were kept through a release
+        self.kv_ptr = None  # the pool's addresses (ModelRunner._pool_key) when graphs were kept through a release
         self.wakes = {"kept": 0, "recaptured": 0}  # wakes after a release that kept the graphs
         self.num_captures = 0  # CUDA graphs captured, ever
 
@@ -109,12 +109,12 @@ class GraphSet:
             self.weights_ptr = weights_ptr
             self.exact = exact
 
-    def keep(self, kv_ptr: int) -> None:
-        """The KV pool at kv_ptr goes away and the graphs stay (see `rebind`)."""
+    def keep(self, kv_ptr) -> None:
+        """The KV pool at kv_ptr (its tensors' addresses) goes away and the graphs stay (see `rebind`)."""
         self.kv_ptr = kv_ptr
 
-    def rebind(self, kv_ptr: int) -> None:
-        """A new KV pool at kv_ptr: graphs kept through a release stay if it sits where the old
+    def rebind(self, kv_ptr) -> None:
+        """A new KV pool at kv_ptr (its tensors' addresses): graphs kept through a release stay if it sits where the old
         one was, else they are dropped (and captured again)."""
         if self.graphs:
             kept = kv_ptr == self.kv_ptr
