@@ -183,6 +183,38 @@ def families() -> str:
         f"source: `families.json`, trees {', '.join(sorted(trees))}, {device(d)}.")
 
 
+# ---------------------------------------------------------------- LoRA and episodes
+def lora() -> str:
+    d = load("lora_grpo_8b_r64.json")
+    rows = [[f"LoRA r = {d['lora_r']}, all linear" if side == "lora" else "full fine-tuning, bf16 memory mode",
+             f"{d[side]['s_per_step']:.2f} s", f"{d[side]['phases_s']['generate']:.2f} s",
+             f"{d[side]['phases_s']['train']:.2f} s", f"{d[side]['peak_GiB']:.1f} GiB"] for side in ("lora", "full")]
+    out = _table(["Qwen3-8B shape, 32 x 8, 128 + 256", "step", "generate", "train", "peak memory"], rows)
+    out += (f"\n\nLoRA's step is {d['step_ratio_lora_vs_full']:.2f}x full fine-tuning's (target 0.8x); its peak "
+            f"is under the 40 GiB target. Source: {source('lora_grpo_8b_r64.json', d)}.\n\n")
+    g = load("generate_lora_0.6b_n8_r64.json")
+    rows = [[c["case"], f"{_k(c['tok_per_s'])} tok/s", _pct(c["overhead_vs_no_lora"]) if "overhead_vs_no_lora" in c
+             else ""] for c in g["cases"]]
+    return out + _table(["generation protocol, Qwen3-0.6B shape, adapters r = 64", "throughput",
+                         "overhead against an engine without adapters"], rows) + \
+        (f"\n\nThe first three rows are an engine serving adapter slots (the plain schedule, the grouped "
+         f"kernels; 'no adapters': requests on the base); measured before a step's rows were ordered by "
+         f"adapter (`261bd17`), which the kernel bench puts at 385 -> 138 us a layer for 8 interleaved adapters "
+         f"at 8B. Source: {source('generate_lora_0.6b_n8_r64.json', g)}.")
+
+
+def episodes() -> str:
+    d = load("episodes.json")
+    c, e, s = d["config"], d["episodes"], d["single_turn"]
+    rows = [[f"{c['episodes']} episodes x {c['turns']} turns of {c['turn_tokens']} tokens, "
+             f"{c['tool_tokens']}-token tool results after {1000 * c['tool_sleep']:.0f} ms",
+             f"{_k(e['tok_per_s'])} tok/s"],
+            [f"{s['requests']} single-turn completions of the same {s['model_tokens']:,} tokens",
+             f"{_k(s['tok_per_s'])} tok/s"]]
+    return _table(["Qwen3-0.6B shape, model tokens", "throughput"], rows) + \
+        f"\n\nEpisodes at {d['ratio']:.2f}x single-turn (target 0.8x). Source: {source('episodes.json', d)}."
+
+
 # ---------------------------------------------------------------- exact mode and the mismatch
 def exact() -> str:
     g = load("exact_gpu.json")
@@ -289,7 +321,7 @@ TABLES = {
     "generation": generation, "generation-peers": generation_peers, "cold-start": cold_start,
     "training": training, "train-graph": train_graph, "grpo": grpo, "grpo-8b": grpo_8b, "exact": exact,
     "mismatch": mismatch, "learning": learning, "scheduler": scheduler, "sched-service": sched_service,
-    "kernels": kernels, "families": families,
+    "kernels": kernels, "families": families, "lora": lora, "episodes": episodes,
 }
 
 # the figures the page shows beside the tables (copied into the site by the build)
