@@ -181,7 +181,9 @@ def _collect(proc: subprocess.Popen, lim: SandboxLimits, uid: int | None,
         if not killed and proc.poll() is not None:
             killed = True
             _kill(proc, uid)
-        for key, _ in sel.select(timeout=0.05 if not killed else 1.0):
+        elif killed:  # again until the pipes close: a fork bomb's children forked while its group was
+            _kill(proc, uid)  # being killed escape one killpg and would hold the pipes past the deadline
+        for key, _ in sel.select(timeout=0.05):
             chunk = os.read(key.fileobj.fileno(), 1 << 16)
             if not chunk:
                 sel.unregister(key.fileobj)
