@@ -3,11 +3,10 @@ engine's greedy tokens against HF transformers' `generate`, exact mode's engine 
 the trainer's forward bit for bit, the engine through the Triton kernels (interpreted) equal to the
 twins (decode_qkv's fused schedule too), and `rlcu generate --model FOLDER`."""
 
-import os
 
 import pytest
 import torch
-from support.engine_util import GREEDY, PROMPTS
+from support.engine_util import GREEDY, PROMPTS, assert_kernels_equal_twins
 from support.exact_util import assert_engine_is_trainer, sample
 from support.hf_util import FAMILY_CASES, make_family_model
 
@@ -16,7 +15,6 @@ from rlcu.engine import LLM, SamplingParams
 from rlcu.ops.decode_linear import CONFIGS as DL_CONFIGS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_CASES))
@@ -60,16 +58,7 @@ def test_engine_on_kernels_equals_twins(pair, monkeypatch, fused):
     monkeypatch.setattr(pf, "decode_qkv", lambda *a, **k: calls.append(k.get("bias")) or decode_qkv(*a, **k))
     _, folder = pair
     m = rlcu.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
-    sp = SamplingParams(n=1, temperature=0.8, max_tokens=3, ignore_eos=True, seed=3, logprobs=True)
-    outs = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("RLCU_BACKEND", backend)
-        llm = LLM(m, num_kv_blocks=16, block_size=4, max_num_batched_tokens=12, enforce_eager=True)
-        outs[backend] = llm.generate(_toks([[5, 17, 3, 9, 11], list(range(40, 52))]), sp, use_tqdm=False)
-    for a, b in zip(outs["torch"], outs["triton"]):
-        x, y = a.outputs[0], b.outputs[0]
-        assert x.token_ids == y.token_ids
-        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < (1e-5 if INTERPRET else 1e-3)
+    assert_kernels_equal_twins(m, monkeypatch)
     assert bool(calls) == fused and all((b is not None) == m.cfg.fam.qkv_bias for b in calls)
 
 

@@ -3,11 +3,10 @@ transformers' `generate`, exact mode's engine logprobs equal to the trainer's fo
 with every routing the engine made the trainer's too, and the engine through the Triton kernels
 (interpreted) equal to the twins."""
 
-import os
 
 import pytest
 import torch
-from support.engine_util import GREEDY, PROMPTS
+from support.engine_util import GREEDY, PROMPTS, assert_kernels_equal_twins
 from support.exact_util import assert_engine_is_trainer, sample
 from support.hf_util import make_moe_model
 
@@ -17,7 +16,6 @@ from rlcu.engine.paged_forward import schedule
 from rlcu.model import layer, moe
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +96,7 @@ def test_completions_carry_the_engine_routes(pair, exact):
 def test_engine_on_kernels_equals_twins(pair, monkeypatch):
     _, folder = pair
     m = rlcu.from_pretrained(folder, device="cuda" if torch.cuda.is_available() else "cpu")
-    sp = SamplingParams(n=1, temperature=0.8, max_tokens=3, ignore_eos=True, seed=3, logprobs=True)
-    outs = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setenv("RLCU_BACKEND", backend)
-        llm = LLM(m, num_kv_blocks=16, block_size=4, max_num_batched_tokens=12, enforce_eager=True)
-        outs[backend] = llm.generate(_toks([[5, 17, 3, 9, 11], list(range(40, 52))]), sp, use_tqdm=False)
-    for a, b in zip(outs["torch"], outs["triton"]):
-        x, y = a.outputs[0], b.outputs[0]
-        assert x.token_ids == y.token_ids
-        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < (1e-5 if INTERPRET else 1e-3)
+    assert_kernels_equal_twins(m, monkeypatch)
 
 
 def _moe_folder(tmp_path):
