@@ -109,15 +109,12 @@ def test_a_failing_job_leaves_the_others(tmp_path, capsys):
     (dict(model=dict(init_seed=4)), "model.init_seed"),
     (dict(exact=True), "exact"),
     (dict(engine=dict(block_size=32)), "engine.block_size"),
-    ({}, "multi_turn"),
 ])
 def test_refused_by_file_and_field(tmp_path, change, field):
     a, _ = job(tmp_path, 0, "r")
     b, _ = job(tmp_path, 1, "r", **change)
     if field == "lora":
         b.lora = type(b.lora)()  # off: full fine-tuning
-    if field == "multi_turn":
-        b.multi_turn.environment = "rlcu.tools.lookup:LookupEnv"  # (set after the config's own checks)
     with pytest.raises(ConfigError) as e:
         LoraHost([a, b], sources=["a.yaml", "b.yaml"])
     assert e.value.path == field and e.value.source == "b.yaml", str(e.value)
@@ -173,3 +170,40 @@ def test_cli_runs_several_configs_as_one_host(tmp_path, capsys):
     assert main(["grpo", a, full, "--overwrite"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lora must be set" in err[0] and "full.yaml" in err[0], err
+
+
+def words_said(completions, **_):
+    """The words of the model's turns (a conversation's) or of the completion: differs in a group."""
+    return [float(sum(len(m["content"].split()) for m in c if m["role"] == "assistant")) if isinstance(c, list)
+            else float(len(c.split())) for c in completions]
+
+
+def test_hosted_multi_turn_jobs_equal_each_alone_exact_mode(tmp_path):
+    """Two multi-turn jobs (support.episode_trainer's Again environment, each its own max_turns) and
+    a single-turn one share a host: the episodes of both run in one run_episodes call per round
+    (with their own limits), the completions in a generate call, and each job's adapter, losses
+    and episode metrics are those of the job run alone, bit for bit."""
+    from support.episode_trainer import chat_tokenizer
+
+    tok = chat_tokenizer()
+    eos = [tok.eos_token_id] + [tok.token_to_id(d) for d in syn.DIGITS]
+    tiny = dict(TINY, vocab_size=tok.vocab_size, eos_token_id=eos, max_position_embeddings=96)
+    env = {"environment": "support.episode_trainer:Again", "max_episode_tokens": 40}
+    turns = {0: dict(multi_turn=dict(env, max_turns=3)), 1: dict(multi_turn=dict(env, max_turns=2)), 2: {}}
+
+    def cfg(i, out):
+        c, _ = job(tmp_path, i, out, steps=2, prompts_per_step=2, group_size=2, max_new_tokens=3, exact=True,
+                   model=dict(tiny=tiny), **turns[i])
+        return c
+
+    host = LoraHost([cfg(i, "mh") for i in range(3)], [ROWS] * 3, [[words_said]] * 3, tokenizers=[tok] * 3)
+    jobs = host.train()
+    assert [j.status for j in jobs] == [0, 0, 0]
+    assert host.engine.generate_calls == 4  # two rounds, each a generate and a run_episodes call
+    assert jobs[0].history[-1]["episodes/turns_max"] == 3 and jobs[1].history[-1]["episodes/turns_max"] == 2
+    for i, j in enumerate(jobs):
+        tr = GRPOTrainer(cfg(i, "malone"), ROWS, [words_said], tokenizer=tok)
+        tr.train()
+        assert torch.equal(j.trainer.model.lora.flat, tr.model.lora.flat), i
+        keys = ("loss", "reward", "grad_norm", "episodes/turns", "episodes/turns_max")
+        assert [[h.get(k) for k in keys] for h in j.history] == [[h.get(k) for k in keys] for h in tr.history], i

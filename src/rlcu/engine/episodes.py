@@ -28,8 +28,9 @@ Limits: `max_turns` (the model's turns; an `on_turn` that returns tokens after t
 ends the episode with "max_turns", the tokens not appended) and `max_episode_tokens` (the
 tokens after the start, model's and environment's; the context's max_model_len also bounds
 it): a turn is cut there, and tokens that leave no room for one more sampled token end the
-episode with "length", not appended. `on_turn` is called at the end of every turn, so that the
-environment sees each; an exception in it (or tokens that are not a non-empty list of ids in
+episode with "length", not appended. Either may be a list of one per start (a LoRA host runs
+several jobs' episodes, each with its own limits, in one call). `on_turn` is called at the end
+of every turn, so that the environment sees each; an exception in it (or tokens that are not a non-empty list of ids in
 the vocabulary) ends that episode with "error" and the exception on `Episode.error`.
 """
 
@@ -98,12 +99,22 @@ def _check(name: str, v, lo: int, allow_none: bool) -> None:
                      f"got {v!r}")
 
 
+def _per_start(name: str, v, n: int) -> list:
+    """A limit as one per start: one value for all, or a list of n (each checked as _check's)."""
+    vs = list(v) if isinstance(v, (list, tuple)) else [v] * n
+    if len(vs) != n:
+        raise ValueError(f"run_episodes({name}=...) got {len(vs)} values for {n} starts: give one, or one per start")
+    for x in vs:
+        _check(name, x, 1, True)
+    return vs
+
+
 class EpisodeLoop(StepLoop):
     """The step loop of run_episodes: a turn's end (`_finished`) hands the turn to on_turn in the
     pool; between steps the callbacks' answers resume or end their episodes."""
 
     def __init__(self, sch: Scheduler, runner, episodes: list[Episode], base: dict[int, int], on_turn: Callable,
-                 pool: ThreadPoolExecutor, *, lookahead: bool, max_turns: int | None, limit: list[int],
+                 pool: ThreadPoolExecutor, *, lookahead: bool, max_turns: list[int | None], limit: list[int],
                  vocab_size: int, yield_check=None, do_yield=None):
         super().__init__(sch, runner, {}, lookahead=lookahead, yield_check=yield_check, do_yield=do_yield)
         self.episodes, self.base, self.on_turn, self.pool = episodes, base, on_turn, pool
@@ -179,7 +190,8 @@ class EpisodeLoop(StepLoop):
             return self._end(ep, s, "error")
         if out is None:
             return self._end(ep, s, s.finish_reason)
-        if self.max_turns is not None and ep.turns >= self.max_turns:
+        turns = self.max_turns[ep.start_index]
+        if turns is not None and ep.turns >= turns:
             return self._end(ep, s, "max_turns")
         limit = self.limit[ep.start_index]
         if len(s) + len(ids) >= limit:
@@ -202,7 +214,8 @@ def run_episodes(llm, starts, sampling_params: SamplingParams | list[SamplingPar
                  max_workers: int = 32, use_tqdm: bool = False, max_turns: int | None = None,
                  max_episode_tokens: int | None = None, lora=None, yield_check=None, on_yield=None,
                  on_done=None) -> list[Episode]:
-    """LLM.run_episodes (see the module docstring). starts: token-id lists or
+    """LLM.run_episodes (see the module docstring); max_turns, max_episode_tokens: one for all
+    or a list of one per start. starts: token-id lists or
     {"prompt_token_ids": [...]} dicts. lora: an adapter's name, one for all or one per start, as
     generate's. yield_check, on_yield, on_done: generate's (LLM's module docstring), asked
     between steps (not while the loop waits on callbacks); a yield frees parked episodes' blocks
@@ -214,11 +227,11 @@ def run_episodes(llm, starts, sampling_params: SamplingParams | list[SamplingPar
         if fn is not None and not callable(fn):
             raise TypeError(f"run_episodes({name}=...) must be a callable or None, got {type(fn).__name__}")
     _check("max_workers", max_workers, 1, False)
-    _check("max_turns", max_turns, 1, True)
-    _check("max_episode_tokens", max_episode_tokens, 1, True)
     if llm.asleep:
         raise RuntimeError("the engine is asleep (its KV pool is released): call llm.wake() first")
     items = [starts] if isinstance(starts, dict) else list(starts)
+    max_turns = _per_start("max_turns", max_turns, len(items))
+    max_episode_tokens = _per_start("max_episode_tokens", max_episode_tokens, len(items))
     resolved = []
     for i, p in enumerate(items):
         if isinstance(p, str) or (isinstance(p, dict) and "prompt_token_ids" not in p):
@@ -236,8 +249,8 @@ def run_episodes(llm, starts, sampling_params: SamplingParams | list[SamplingPar
     for s in seqs:
         i, n = s.request_id, checked[s.request_id].n
         base[i] = len(episodes)
-        cap = llm.max_model_len if max_episode_tokens is None else min(llm.max_model_len,
-                                                                         len(s) + max_episode_tokens)
+        most = max_episode_tokens[i]
+        cap = llm.max_model_len if most is None else min(llm.max_model_len, len(s) + most)
         limit.append(cap)
         s.parks, s.max_len, s.lora = True, min(s.max_len, cap), slot[i]
         episodes += [Episode(len(episodes) + j, i, j, list(s.token_ids)) for j in range(n)]

@@ -10,14 +10,21 @@ keep their own buffers and the slots copy them into a zero-padded slab at every 
 
 `serve(requests)` runs the rollouts of every job waiting on the engine as ONE generate call:
 each job's prompts tagged with its adapter's slot (`generate(lora=[name per prompt])`), so their
-sequences decode in the same engine steps. Each job keeps its own sampling parameters and seeds
-(the engine's sampling is counter-based per (seed, sample, position), so a sequence's tokens do
-not depend on the batch it ran in; in exact mode neither do its logprobs). A job's bad request
-fails that job only (the call runs with on_error="return", the others' requests as if alone).
+sequences decode in the same engine steps. Jobs with multi-turn episodes (a `multi_turn:`
+section) are served likewise by ONE `run_episodes` call: every job's starts with its adapter's
+slot and its own limits (max_turns, max_episode_tokens per start), each episode's turns handed to
+its job's callback (its environment), so the jobs' episodes decode in the same steps too. When
+both kinds wait, the completions' call runs, then the episodes' (each its own engine loop).
+Each job keeps its own sampling parameters and seeds (the engine's sampling is counter-based per
+(seed, sample, position), so a sequence's tokens do not depend on the batch it ran in; in exact
+mode neither do its logprobs). A job's bad request fails that job only (the call runs with
+on_error="return", the others' requests as if alone); a bad episode start fails the episodes'
+call (run_episodes validates every start before it runs), and so every job in it.
 
-`JobEngine` is what a job's trainer holds as its `llm`: generate hands its requests to the host
-(train/lora_host.py parks the job until the host has served everyone's), sleep and wake are the
-host's business (no-ops here), anything else is read from the shared engine.
+`JobEngine` is what a job's trainer holds as its `llm`: generate and run_episodes hand their
+requests to the host (train/lora_host.py parks the job until the host has served everyone's),
+sleep and wake are the host's business (no-ops here), anything else is read from the shared
+engine.
 """
 
 from __future__ import annotations
@@ -75,27 +82,79 @@ class HostEngine:
         slots = self.llm.runner.lora if self.llm is not None else None
         return bool(slots is not None and slots.in_place)
 
-    def serve(self, requests: list[tuple[str, list, list[SamplingParams], str]], generate_kw: dict | None = None):
-        """[(job, prompts, sampling params per prompt, on_error)] -> [outputs or an exception per
-        job], by one generate call with the engine awake (see the module docstring)."""
+    def serve(self, requests: list[tuple[str, str, tuple]], generate_kw: dict | None = None) -> list:
+        """[(job, "generate" | "episodes", its arguments)] -> [outputs or an exception per job], with
+        the engine awake: the completions in one generate call, the episodes in one run_episodes
+        call (see the module docstring); generate_kw (the host's preemption callbacks) go to both,
+        its on_done to the last."""
+        got: list = [None] * len(requests)
+        kinds = [[i for i, r in enumerate(requests) if r[1] == k] for k in ("generate", "episodes")]
+        calls = [(k, idx) for k, idx in zip((self._generate, self._episodes), kinds) if idx]
+        kw = dict(generate_kw or {})
+        done = kw.pop("on_done", None)
+        self.llm.wake()
+        try:
+            for c, (call, idx) in enumerate(calls):
+                last = {"on_done": done} if done is not None and c == len(calls) - 1 else {}
+                try:
+                    outs = call([(requests[i][0], *requests[i][2]) for i in idx], {**kw, **last})
+                except Exception as e:  # noqa: BLE001 (this call failed: every job in it gets the error)
+                    outs = [e] * len(idx)
+                self.engine_steps += int(self.llm.stats.get("steps", 0))
+                self.generate_calls += 1
+                for i, o in zip(idx, outs):
+                    got[i] = o
+        finally:
+            self.llm.sleep(keep_graphs=True)
+        return got
+
+    def _generate(self, requests: list[tuple[str, list, list[SamplingParams], str]], kw: dict) -> list:
+        """[(job, prompts, sampling params per prompt, on_error)]: one generate call; a job's bad
+        requests fail that job only."""
         items, sps, tags, spans = [], [], [], []
         for name, prompts, params, _ in requests:
             spans.append((len(items), len(items) + len(prompts)))
             items += prompts
             sps += params
             tags += [name] * len(prompts)
-        self.llm.wake()
-        try:
-            outs = self.llm.generate(items, sps, use_tqdm=False, on_error="return", lora=tags, **(generate_kw or {}))
-        finally:
-            self.llm.sleep(keep_graphs=True)
-        self.engine_steps += int(self.llm.stats.get("steps", 0))
-        self.generate_calls += 1
+        outs = self.llm.generate(items, sps, use_tqdm=False, on_error="return", lora=tags, **kw)
         got = []
         for (*_, on_error), (a, b) in zip(requests, spans):
             mine = outs[a:b]
             bad = {i: o.error for i, o in enumerate(mine) if getattr(o, "error", None)}
             got.append(InvalidRequestError(bad, len(mine)) if bad and on_error == "raise" else mine)
+        return got
+
+    def _episodes(self, requests: list[tuple], kw: dict) -> list:
+        """[(job, starts, sampling params per start, on_turn, max_workers, max_turns,
+        max_episode_tokens)]: one run_episodes call over every job's starts, each start with its
+        job's adapter and limits, each episode's turns going to its job's on_turn under the job's
+        own numbering; returns each job's episodes, numbered as if it ran alone. A bad start
+        fails the call (run_episodes validates them all before anything runs)."""
+        starts, sps, tags, turns, most, spans, ep_spans, workers = [], [], [], [], [], [], [], 0
+        for name, st, params, _, max_workers, max_turns, max_tokens in requests:
+            spans.append((len(starts), len(starts) + len(st)))
+            first = ep_spans[-1][1] if ep_spans else 0
+            ep_spans.append((first, first + sum(sp.n for sp in params)))
+            starts += st
+            sps += params
+            tags += [name] * len(st)
+            turns += [max_turns] * len(st)
+            most += [max_tokens] * len(st)
+            workers += max_workers
+
+        def on_turn(i: int, ids, reason):
+            j = next(k for k, (a, b) in enumerate(ep_spans) if a <= i < b)
+            return requests[j][3](i - ep_spans[j][0], ids, reason)
+
+        eps = self.llm.run_episodes(starts, sps, on_turn, max_workers=max(1, workers), max_turns=turns,
+                                    max_episode_tokens=most, lora=tags, **kw)
+        got = []
+        for (a, _), (ea, eb) in zip(spans, ep_spans):
+            mine = eps[ea:eb]
+            for ep in mine:
+                ep.index, ep.start_index = ep.index - ea, ep.start_index - a
+            got.append(mine)
         return got
 
 
@@ -126,7 +185,16 @@ class JobEngine:
         """The job's requests, served in the host's next shared generate call. The per-call
         preemption callbacks are the host's (one engine, one lease), not the job's."""
         items, sps = per_prompt(prompts, sampling_params)
-        return self._host.request(self.name, items, sps, on_error)
+        return self._host.request(self.name, "generate", items, sps, on_error)
+
+    def run_episodes(self, starts, sampling_params, on_turn, *, max_workers: int = 32, max_turns: int | None = None,
+                     max_episode_tokens: int | None = None, **_ignored):
+        """The job's episodes (LLM.run_episodes' arguments), run in the host's next shared
+        run_episodes call with every other job's, under this job's limits; as generate's, the
+        preemption callbacks are the host's."""
+        items, sps = per_prompt(starts, sampling_params)
+        return self._host.request(self.name, "episodes", items, sps, on_turn, max_workers, max_turns,
+                                  max_episode_tokens)
 
     def sleep(self, keep_graphs: bool = False) -> None:
         """The host's engine sleeps and wakes around each shared call, not a job's phase."""

@@ -8,7 +8,8 @@ optimizer state, checkpoints, run folder, metrics, trackers and exit status. Wha
 - the base: loaded once; each job's model is a view of its flat buffer (`Qwen3(cfg, base.flat)`)
   with the job's adapter attached, so the base is frozen and counted once;
 - the engine (train/host_engine.py): one rlcu.LLM over the base serving every job's adapter as a
-  slot; the jobs' rollouts go to it together and their sequences decode in the same steps.
+  slot; the jobs' rollouts go to it together and their sequences decode in the same steps, the
+  multi-turn jobs' episodes (`multi_turn:`, each job its own environment and limits) likewise.
 
 Turns. Each job runs its trainer's own loop in a thread of its own, but only one thread runs at a
 time, in the jobs' order: a job runs until it asks the engine for rollouts (or ends), then hands
@@ -27,8 +28,7 @@ to the host stops every job after its step in flight, with a checkpoint, as it s
 
 Refused by name (ConfigError naming the file and the field) before anything runs: a config
 without `lora:`, one naming another base (model.path, revision, tiny, init_seed, dtype, device)
-or another exact mode or engine section than the first, multi-turn episodes (their engine loop
-is per job), and two jobs writing one log.out_dir.
+or another exact mode or engine section than the first, and two jobs writing one log.out_dir.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class HostedJob:
     status: int | None = None
     error: BaseException | None = None
     history: list = dataclasses.field(default_factory=list)
-    pending: tuple | None = None  # (prompts, sampling params, on_error) it waits on the engine for
+    pending: tuple | None = None  # ("generate" | "episodes", arguments) it waits on the engine for
     result: object = None
     thread: threading.Thread | None = None
 
@@ -89,9 +89,6 @@ def check_jobs(jobs: list[HostedJob]) -> None:
         if not c.lora.enabled:
             raise ConfigError("lora", "must be set in every job of a LoRA host (lora.r > 0 or lora.path): the base "
                                       "is shared and frozen", _where(job))
-        if c.multi_turn.enabled:
-            raise ConfigError("multi_turn", "is not served by a LoRA host yet (its episodes run an engine loop of "
-                                            "their own): run this job alone", _where(job))
         for f in BASE_FIELDS:
             if getattr(c.model, f) != getattr(first.cfg.model, f):
                 raise ConfigError(f"model.{f}", f"is {getattr(c.model, f)!r}, and {_where(first)} has "
@@ -196,11 +193,12 @@ class LoraHost:
         return kw
 
     # ---------------------------------------------------------------- turns
-    def request(self, name: str, prompts: list, sps: list, on_error: str):
-        """A job's generate (from its thread): park with the request, hand the turn back, and
-        return (or raise) what the host's shared call gave it once the turn comes back."""
+    def request(self, name: str, kind: str, *args):
+        """A job's generate or run_episodes (`kind`, with its arguments as HostEngine.serve takes
+        them; from the job's thread): park with the request, hand the turn back, and return (or
+        raise) what the host's shared call gave it once the turn comes back."""
         job = next(j for j in self.jobs if j.name == name)
-        job.pending, job.result = (prompts, sps, on_error), None
+        job.pending, job.result = (kind, args), None
         self._hand_back(name)
         res, job.result = job.result, None
         if isinstance(res, BaseException):
@@ -243,7 +241,7 @@ class LoraHost:
         reqs = [(j.name, *j.pending) for j in waiting]
         h = self.hooks
         kw = dict(yield_check=h.yield_check, on_yield=h.on_yield, on_done=h.on_generate_done) if h.preemptible else {}
-        work = float(sum(sp.n * sp.max_tokens for _, _, sps, _ in reqs for sp in sps))
+        work = float(sum(sp.n * sp.max_tokens for _, _, args in reqs for sp in args[1]))
         try:
             with h.phase("rollout", work=work):
                 got = self.engine.serve(reqs, kw)
