@@ -9,6 +9,14 @@ completion 256 tokens. Rows, each in its own process:
 Reported: median s/step after warm-up, the phases, the peak GPU memory (the step's and each
 phase's). Targets: LoRA's peak <= 40 GiB and its step <= 0.8x full fine-tuning's.
 
+Checkpointing: each row's `--ckpt` (default auto: the fewest checkpointed layers whose modelled peak
+fits what the process may hold). The lora row runs under `--lora-budget-gib` (default 40, the
+target): its allocator is capped there (torch.cuda.set_per_process_memory_fraction, which fails any
+allocation past it) and auto fits that cap, as it would on a 40 GiB device; the full row has the
+whole H200. `--ckpt full` with `--lora-budget-gib 0` is the first protocol (every layer
+checkpointed, no cap). A MoE shape records the rollout-against-training route disagreement
+(moe/route_mismatch*, rlcu.train.moe_routes); `--exact` runs the job in exact mode (0 expected).
+
 --shape qwen3-30b-a3b (issue 37): the lora row alone by default (full fine-tuning of 30B-A3B does
 not fit one H200: the trainer refuses it at setup, rlcu.train.sizing.refuse_unfit); all-linear
 adapts the attention of every layer and the experts not (model/lora.py), the bf16 base of 61 GB
@@ -67,6 +75,10 @@ def bench_side(side: str, a) -> dict:
     if a.tiny:
         P, G, Lp, Lc = 4, 4, 16, 16
     total = a.warmup + a.steps
+    ckpt = {"true": True, "false": False}.get(a.ckpt, int(a.ckpt) if a.ckpt.isdigit() else a.ckpt)
+    mbt = a.lora_micro_batch_tokens if side == "lora" and a.lora_micro_batch_tokens else a.micro_batch_tokens
+    if cuda and side == "lora" and a.lora_budget_gib > 0:
+        torch.cuda.set_per_process_memory_fraction(a.lora_budget_gib * 2**30 / torch.cuda.mem_get_info()[1])
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
@@ -77,19 +89,19 @@ def bench_side(side: str, a) -> dict:
     lora = dict(r=a.lora, alpha=2 * a.lora, target_modules="all-linear") if side == "lora" else {}
     gcfg = _build(GRPOConfig, dict(
         steps=total, prompts_per_step=P, group_size=G, max_new_tokens=Lc, temperature=1.0, stop_at_eos=False, mu=1,
-        micro_batch_tokens=a.micro_batch_tokens, lora=lora,
+        micro_batch_tokens=mbt, lora=lora,
         optim=dict(lr=1e-6, **MEMORY_MODES["default" if side == "lora" else "bf16"]),
-        model=dict(gradient_checkpointing=True), data=dict(shuffle=False),
+        model=dict(gradient_checkpointing=ckpt), data=dict(shuffle=False), exact=a.exact,
         engine=dict(max_num_seqs=P * G, block_size=block, num_kv_blocks=kv_blocks,
                     max_num_batched_tokens=max(8192, P * Lp)),
         log=dict(out_dir=tempfile.mkdtemp(prefix="rlcu-bench-lora-grpo-"), progress=False, tensorboard=False,
                  plot=False),
         checkpoint=dict(save_at_end=False)))
-    model.gradient_checkpointing = True
+    model.gradient_checkpointing = ckpt
     rows = [{"prompt_token_ids": p} for p in _prompts(cfg.vocab_size, P * total, Lp)]
     tr = GRPOTrainer(gcfg, rows, [hash_reward], model=model, tokenizer=_word_tokenizer(cfg.vocab_size))
     pp = _PhasePeaks(tr) if cuda else None
-    times, phases = [], []
+    times, phases, moe = [], [], []
     for s in range(total):
         if s == a.warmup and cuda:
             pp.reset()
@@ -100,11 +112,16 @@ def bench_side(side: str, a) -> dict:
         if s >= a.warmup:
             times.append(time.perf_counter() - t0)
             phases.append({k[5:]: m[k] for k in ("time/generate", "time/logprobs", "time/train") if k in m})
+            moe.append({k: m[k] for k in m if k.startswith("moe/")})
     st = tr.opt.state_bytes()
     res = {"s_per_step": statistics.median(times), "steps": times,
            "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
            "trained_params": model.lora.num_params() if model.lora is not None else model.num_params(),
-           "optimizer_state_GiB": sum(st.values()) / 2**30, "micro_batch_tokens": a.micro_batch_tokens}
+           "optimizer_state_GiB": sum(st.values()) / 2**30, "micro_batch_tokens": mbt,
+           "gradient_checkpointing": {"asked": a.ckpt, "ran": model.gradient_checkpointing},
+           "budget_GiB": a.lora_budget_gib if cuda and side == "lora" and a.lora_budget_gib > 0 else None}
+    if moe and moe[0]:
+        res["moe"] = {k: statistics.median(x[k] for x in moe) for k in moe[0]}
     if cuda:
         res["peak_GiB"] = (pp.peak() - base) / 2**30
         res["phase_peak_GiB"] = {k: (v - base) / 2**30 for k, v in pp.peaks.items()}
@@ -120,6 +137,11 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--lora-micro-batch-tokens", type=int, default=4096, help="the lora row's (0: as the full row)")
+    ap.add_argument("--ckpt", default="auto", help="gradient checkpointing of every row: auto, full/true, attention, "
+                                                    "none/false or a number of layers")
+    ap.add_argument("--lora-budget-gib", type=float, default=40.0, help="the lora row's allocator cap (0: none)")
+    ap.add_argument("--exact", action="store_true", help="exact mode (the MoE rows: 0 route disagreement)")
     ap.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed step")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke test)")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds per side")
@@ -133,11 +155,14 @@ def main():
         print("RESULT " + json.dumps(bench_side(a.side, a)))
         return
     t0 = time.time()
-    res = {"protocol": PROTOCOL, "shape": a.shape, "lora_r": a.lora, "tiny": a.tiny,
+    res = {"protocol": PROTOCOL, "shape": a.shape, "lora_r": a.lora, "tiny": a.tiny, "exact": a.exact,
+           "ckpt": a.ckpt, "lora_budget_GiB": a.lora_budget_gib,
            "method": __doc__.split("\n\n")[0].replace("\n", " "), "timed_steps": a.steps, "warmup_steps": a.warmup}
     for side in a.sides.split(","):
         cmd = [sys.executable, __file__, "--side", side, "--lora", str(a.lora), "--shape", a.shape, "--steps",
-               str(a.steps), "--warmup", str(a.warmup), "--micro-batch-tokens", str(a.micro_batch_tokens)]
+               str(a.steps), "--warmup", str(a.warmup), "--micro-batch-tokens", str(a.micro_batch_tokens),
+               "--lora-micro-batch-tokens", str(a.lora_micro_batch_tokens), "--ckpt", a.ckpt,
+               "--lora-budget-gib", str(a.lora_budget_gib)] + (["--exact"] if a.exact else [])
         cmd += ["--tiny"] if a.tiny else []
         try:
             pr = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
@@ -153,7 +178,7 @@ def main():
                           res["step_ratio_lora_vs_full"] <= 0.8}
     res["wall_s"] = time.time() - t0
     write_json(f"lora_grpo_tiny{'_moe' if is_moe(a.shape) else ''}.json" if a.tiny
-               else f"lora_grpo_{a.shape}_r{a.lora}.json", res)
+               else f"lora_grpo_{a.shape}_r{a.lora}{'_exact' if a.exact else ''}.json", res)
     for side in a.sides.split(","):
         r = res.get(side, {})
         if r.get("s_per_step"):

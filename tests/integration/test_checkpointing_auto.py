@@ -185,11 +185,27 @@ def test_resolve_auto_on_a_gpu_fits_what_the_device_leaves(monkeypatch):
     budget = int(_need(cfg, 9, micro_batch_tokens=MB, **BF16)) + 1  # 9 layers fit, 8 do not
     monkeypatch.setattr(sizing.torch.cuda, "mem_get_info", lambda d: (budget - 5 * GiB, 141 * GiB))
     monkeypatch.setattr(sizing.torch.cuda, "memory_reserved", lambda d: 5 * GiB)
+    monkeypatch.setattr(sizing.torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0, raising=False)
     model = types.SimpleNamespace(cfg=cfg, device=torch.device("cuda"), gradient_checkpointing="auto")
     msg = sizing.resolve_auto(model, shape)
     assert model.gradient_checkpointing == 9 == fit_checkpointing(budget, shape)
     peak = job_memory(shape.with_(checkpointing=9)).peak
     assert "9 of 36 layers checkpointed" in msg and f"estimated peak {peak / GiB:.1f} GiB" in msg
+
+
+def test_resolve_auto_keeps_within_the_per_process_memory_fraction(monkeypatch):
+    """A process capped by torch.cuda.set_per_process_memory_fraction (its allocator fails past the cap)
+    gets the layers that fit the cap, not the free memory: a user's 40 GiB budget on a bigger device."""
+    cfg = Qwen3Config(**SHAPES["8b"])
+    shape = JobShape(cfg, micro_batch_tokens=MB, **BF16)
+    cap = int(_need(cfg, 20, micro_batch_tokens=MB, **BF16)) + 1  # 20 layers fit the cap, 19 do not
+    monkeypatch.setattr(sizing.torch.cuda, "mem_get_info", lambda d: (136 * GiB, 141 * GiB))
+    monkeypatch.setattr(sizing.torch.cuda, "memory_reserved", lambda d: 5 * GiB)
+    monkeypatch.setattr(sizing.torch.cuda, "get_per_process_memory_fraction", lambda d: cap / (141 * GiB),
+                        raising=False)
+    k, budget = sizing.auto_layers(shape, torch.device("cuda"))
+    assert k == 20 == fit_checkpointing(cap, shape) and abs(budget - cap) <= 1
+    assert fit_checkpointing(141 * GiB, shape) < 20  # without the cap, fewer layers would be checkpointed
 
 
 # ---------------------------------------------------------------- the config field
