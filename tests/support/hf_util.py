@@ -103,3 +103,42 @@ def make_moe_model(tmp_path, seed=0, name="moe", **kw):
     folder = tmp_path / name
     m.save_pretrained(folder)
     return m, folder
+
+
+# the reward models' families as HF's sequence classification: Qwen3, Qwen2 (biases, YaRN), Llama (tied), Mistral
+SEQ_CLS_CASES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False)),
+                 **{k: FAMILY_CASES[k] for k in ("qwen2.5-yarn", "llama-tied", "mistral")}}
+
+
+def make_seq_cls_model(tmp_path, case: str, seed=0, pad_token_id=0):
+    """A tiny random HF `...ForSequenceClassification` (one label, `pad_token_id`) of a SEQ_CLS_CASES
+    family saved under tmp_path/case-rm; returns (model, folder). Every parameter randomised."""
+    import transformers
+
+    cfg_cls, model_cls, extra = SEQ_CLS_CASES[case]
+    torch.manual_seed(seed)
+    d = dict(vocab_size=333, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+             num_attention_heads=6, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+             rope_theta=10000.0, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+             attn_implementation="eager", num_labels=1, pad_token_id=pad_token_id, **extra)
+    if "rope_parameters" in d:
+        del d["rope_theta"]
+    cls = getattr(transformers, model_cls.replace("ForCausalLM", "ForSequenceClassification"))
+    m = cls(getattr(transformers, cfg_cls)(**d)).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in n else 0.05 * torch.randn_like(p))
+    folder = tmp_path / f"{case}-rm"
+    m.save_pretrained(folder)
+    return m, folder
+
+
+def hf_scores(hf, seqs: list[list[int]], pad: int = 0) -> torch.Tensor:
+    """HF's scores of token sequences, one right-padded batch with its attention mask."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+    return hf(input_ids=ids, attention_mask=mask).logits[:, 0]

@@ -82,15 +82,18 @@ def read_config(folder: str | Path) -> Qwen3Config:
     return Qwen3Config.from_file(folder / "config.json")
 
 
-def load_into(folder: str | Path, layout: ParamLayout, buf: torch.Tensor) -> None:
-    """Fill the flat buffer `buf` from the folder's safetensors, checking every name and shape."""
+def load_into(folder: str | Path, layout: ParamLayout, buf: torch.Tensor, skip: frozenset[str] = frozenset()) -> None:
+    """Fill the flat buffer `buf` from the folder's safetensors, checking every name and shape.
+    skip: names the folder may hold beside the layout's, read by the caller (a reward model's
+    `score.weight`)."""
     folder = Path(folder)
     files = _tensor_files(folder)
     views = layout.file_views(buf, fused=frozenset(k for k in files if k.endswith(("experts.gate_up_proj",
                                                                                    "experts.down_proj"))))
     need = set(views)
     # a tied checkpoint may still carry lm_head.weight (equal to the embedding): ignore it
-    extra = sorted(k for k in files if k not in views and not (k == "lm_head.weight" and layout.cfg.tie_word_embeddings)
+    extra = sorted(k for k in files if k not in views and k not in skip
+                   and not (k == "lm_head.weight" and layout.cfg.tie_word_embeddings)
                    and not k.endswith("rotary_emb.inv_freq"))
     if extra:
         raise ValueError(f"{folder}: unexpected tensor(s) for this config: {', '.join(extra[:5])}")
@@ -129,14 +132,18 @@ def _check_finite(v: torch.Tensor, name: str, path: Path) -> None:
 
 
 def save_folder(folder: str | Path, layout: ParamLayout, buf: torch.Tensor,
-                dtype: torch.dtype | None = None, shard_bytes: int = _SHARD_BYTES) -> None:
+                dtype: torch.dtype | None = None, shard_bytes: int = _SHARD_BYTES,
+                extra: dict[str, torch.Tensor] | None = None, config: dict | None = None) -> None:
     """Write the weights and config.json of an HF folder into `folder`, each file atomically
     (see atomic_write); other files there (a tokenizer) are left alone. The weight files of
     an earlier save in the other layout (single file vs shards) are removed once the new
-    ones are in place, so that a loader cannot pick up stale weights."""
+    ones are in place, so that a loader cannot pick up stale weights. extra: tensors written
+    beside the layout's (a reward model's score head); config: the config.json dict to write in
+    place of the layout's own."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in layout.file_views(buf).items()}
+    views = {**layout.file_views(buf), **(extra or {})}
+    tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in views.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, t in tensors.items():
@@ -166,7 +173,7 @@ def save_folder(folder: str | Path, layout: ParamLayout, buf: torch.Tensor,
     # the index decides which files a loader reads: drop a stale one first, then its shards
     for name in sorted(old - written, key=lambda n: not n.endswith(".index.json")):
         (folder / name).unlink(missing_ok=True)
-    cfg = layout.cfg.to_hf_dict()
+    cfg = dict(config) if config is not None else layout.cfg.to_hf_dict()
     cfg["torch_dtype"] = str(dtype if dtype is not None else buf.dtype).replace("torch.", "")
     text = json.dumps(cfg, indent=2)
     atomic_write(folder / "config.json", lambda p: p.write_text(text))
