@@ -148,6 +148,33 @@ def test_phases_peak_and_request():
     assert line.startswith("memory per rank (estimate, 1 rank): peak") and "kv pool" in line
 
 
+def test_reward_models_by_hand():
+    """A reward model's weights (its flat buffer: the trunk without an LM head, the head's H + 1 ->
+    128), resident or on the device only in the rollout when offloaded; its scoring forward of T
+    tokens (a layer's input and output, its activations) beside the engine's step, not on it."""
+    from rlcu.memory import RewardModelShape
+    from rlcu.train.sizing import choose_offload
+
+    untied = Qwen3Config(**dict(ODD, tie_word_embeddings=False))  # its LM head is not held
+    rm, T = RewardModelShape(untied, tokens=63), 63
+    eng = EngineShape(kv_tokens=1000, max_num_seqs=7, budget=100)
+    s = odd(micro_batch_tokens=63, engine=eng, reward_models=(rm,))
+    m = job_memory(s)
+    assert m.reward_model == (P + 128) * 2 and m.reward_model_offloaded == 0
+    assert m.reward_work == T * (2 * 2 * 96 + 2404)
+    assert m.resident == job_memory(odd(micro_batch_tokens=63, engine=eng)).resident + (P + 128) * 2
+    assert m.phases()["rollout"] == m.kv_pool + max(m.engine_step, m.reward_work)
+    off = job_memory(s.with_(reward_models=(RewardModelShape(untied, tokens=63, offload=True),)))
+    assert off.reward_model == 0 and off.reward_model_offloaded == (P + 128) * 2
+    assert off.phases()["rollout"] == off.kv_pool + max(off.engine_step, (P + 128) * 2 + off.reward_work)
+    assert off.resident == m.resident - (P + 128) * 2
+    # offload auto: kept where the peak fits the budget, offloaded where only that fits
+    need = m.device_bytes(m.peak)
+    assert choose_offload(s, [0], need).reward_models[0].offload is False
+    assert choose_offload(s, [0], need - 1).reward_models[0].offload is True
+    assert choose_offload(s, [], 0) is s and choose_offload(s, [0], None) is s
+
+
 def test_the_shape_checks_its_fields():
     with pytest.raises(ValueError, match="checkpointing"):
         odd(checkpointing="sometimes")

@@ -12,7 +12,8 @@
   adapters (their weights, master, moments and gradients; the frozen base then has none), the
   activations a micro-batch keeps per token under each checkpointing mode, the backward's and
   the fused LM head's work (its logits tile), KV per token and per block, the engine's step and
-  its graphs' pools, a reference model, a critic;
+  its graphs' pools, a reference model, a critic, the reward models (their weights, resident or
+  offloaded, and their scoring forward);
 - job.py: `JobMemory`, the parts of one job and their phases (init, rollout, ref_logprobs,
   actor_train, critic_train), its peak, the scheduler's request and one line of summary; the
   measured factors (fragmentation, the CUDA context) as named constants;
@@ -32,7 +33,7 @@ else sizes memory: the consumers read the parts through `job_memory`.
 """
 
 from rlcu.memory.job import CONTEXT_BYTES, FRAGMENTATION, GiB, JobMemory, job_memory
-from rlcu.memory.shape import AdapterShape, EngineShape, JobShape, checkpointing_name
+from rlcu.memory.shape import AdapterShape, EngineShape, JobShape, RewardModelShape, checkpointing_name
 
 __all__ = ["CONTEXT_BYTES", "FRAGMENTATION", "GiB", "AdapterShape", "EngineShape", "JobMemory", "JobShape",
-           "checkpointing_name", "job_memory"]
+           "RewardModelShape", "checkpointing_name", "job_memory"]

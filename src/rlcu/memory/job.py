@@ -5,7 +5,9 @@ The parts are bytes the job's tensors take from torch's allocator (what
 resident parts) plus what that phase alone holds:
     init          a random initialisation's fp32 copy of the weights (beside the weights alone:
                   a phase only where that is more than the resident parts)
-    rollout       the KV pool, the engine's widest step, the prefill graphs' pool
+    rollout       the KV pool, the prefill graphs' pool, and the larger of the engine's widest step
+                  and the reward models' scoring (their widest forward, and the weights of those
+                  offloaded between scorings)
     ref_logprobs  the frozen reference's forward of a micro-batch
     actor_train   the gradient (the adapters' too; when released between steps), the data-parallel buckets, and a
                   micro-batch's kept activations with the larger of the backward's and the LM
@@ -36,7 +38,7 @@ FRAGMENTATION = 1.05
 CONTEXT_BYTES = int(1.5 * GiB)
 
 RESIDENT = ("weights", "master", "optimizer_state", "gradients", "adapters", "adapter_gradients", "reference",
-            "critic", "critic_gradients", "decode_graphs", "workspace")
+            "critic", "critic_gradients", "reward_model", "decode_graphs", "workspace")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,9 @@ class JobMemory:
     reference: int
     critic: int
     critic_gradients: int
+    reward_model: int
+    reward_model_offloaded: int
+    reward_work: int
     workspace: int
     kept_activations: int
     layer_work: int
@@ -70,7 +75,7 @@ class JobMemory:
     @property
     def resident(self) -> int:
         """What stays across phases: weights, master, moments, the adapters (their weights, master
-        and moments), the reference, the critic, the
+        and moments), the reference, the critic, the reward models not offloaded, the
         decode graphs' pool (kept through the engine's sleep), cuBLAS's workspace, and the
         gradients unless released between steps."""
         s = self.shape
@@ -85,13 +90,19 @@ class JobMemory:
         released = self.gradients + self.adapter_gradients if s.release_grads else 0
         # building: the staging copy beside the weights, before the other buffers exist
         out = {"init": max(0, self.weights + self.init_staging - self.resident),
-               "rollout": self.kv_pool + self.engine_step + self.prefill_graphs,
+               "rollout": self.kv_pool + self.prefill_graphs + max(self.engine_step, self.reward_scoring),
                "ref_logprobs": self.ref_forward,
                "actor_train": released + self.grad_buckets + self.kept_activations
                + max(self.layer_work, self.head_work)}
         if s.critic:
             out["critic_train"] = released + (self.critic_gradients if s.release_grads else 0) + self.critic_work
         return out
+
+    @property
+    def reward_scoring(self) -> int:
+        """What scoring with the reward models adds in the rollout phase (after generation, the
+        engine's step done): the offloaded ones' weights and the widest forward."""
+        return self.reward_model_offloaded + self.reward_work
 
     def total(self, phase: str) -> int:
         """Allocated bytes at the phase's peak: the resident parts and the phase's own."""
@@ -115,7 +126,7 @@ class JobMemory:
     def summary(self) -> str:
         """One line: the peak and its parts, GiB."""
         names = (*RESIDENT, "grad_buckets", "kept_activations", "layer_work", "head_work", "kv_pool", "engine_step",
-                 "prefill_graphs")
+                 "prefill_graphs", "reward_model_offloaded", "reward_work")
         body = ", ".join(f"{k.replace('_', ' ')} {getattr(self, k) / GiB:.2f}" for k in names if getattr(self, k))
         phases = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.phases().items() if v)
         s = self.shape

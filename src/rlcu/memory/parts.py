@@ -10,6 +10,7 @@ indices 8.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -151,6 +152,32 @@ def critic(s: JobShape) -> int:
 def critic_gradients(s: JobShape) -> int:
     """The critic's gradient buffer (whole on every rank)."""
     return critic_params(s.cfg) * s.grad_bytes if s.critic else 0
+
+
+def _rm_weights(rm) -> int:
+    """A reward model's flat buffer (model/scalar_head.py: the trunk with no LM head slot, its
+    config made tied as model/reward_model.py makes it, then the head's H + 1)."""
+    return critic_params(dataclasses.replace(rm.cfg, tie_word_embeddings=True))
+
+
+def reward_model(s: JobShape) -> int:
+    """The reward models kept on the device (their flat weights, in the policy's dtype)."""
+    return sum(_rm_weights(r) for r in s.reward_models if not r.offload) * s.weight_bytes
+
+
+def reward_model_offloaded(s: JobShape) -> int:
+    """The offloaded reward models' weights, on the device only while they score (the rollout
+    phase); their host copy is not device memory."""
+    return sum(_rm_weights(r) for r in s.reward_models if r.offload) * s.weight_bytes
+
+
+def reward_work(s: JobShape) -> int:
+    """The widest scoring forward (rlcu.model.reward_model `score`, no gradient) of the reward
+    models: over its tokens T, a layer's input, its activations and output, then the final-normed
+    rows; the scores themselves are one float a sequence."""
+    ab = s.weight_bytes
+    return max((r.tokens * (2 * ab * r.cfg.hidden_size + max(layer_acts(r.cfg, ab, sp) for sp in _kinds(r.cfg)))
+                for r in s.reward_models), default=0)
 
 
 def init_staging(s: JobShape) -> int:

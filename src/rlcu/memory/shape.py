@@ -62,6 +62,17 @@ class AdapterShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardModelShape:
+    """A reward model in the loop (rewards/model_reward.py): its config (a one-label head on that
+    trunk), the tokens of one scoring forward, and whether its weights live in host memory between
+    scorings (offload: on the device only through the rollout phase, where it scores)."""
+
+    cfg: Qwen3Config
+    tokens: int = 16384
+    offload: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class JobShape:
     """One rank of a job.
 
@@ -78,7 +89,8 @@ class JobShape:
     shape with its own optimizer state of the same precisions; optimizer: False for a model
     that is not trained (an engine alone); random_init: the weights are drawn on the device in
     fp32 (a model made from scratch) rather than read in their dtype; engine: the rollout
-    engine, or None; adapter: LoRA adapters that train while the base stays frozen (the base then
+    engine, or None; reward_models: the reward models that score the rollouts (`RewardModelShape`);
+    adapter: LoRA adapters that train while the base stays frozen (the base then
     has no master, moments or gradient; the adapters have theirs, whole on every rank), or None."""
 
     cfg: Qwen3Config
@@ -98,6 +110,7 @@ class JobShape:
     random_init: bool = False
     engine: EngineShape | None = None
     adapter: AdapterShape | None = None
+    reward_models: tuple[RewardModelShape, ...] = ()
 
     def __post_init__(self):
         for name in ("weight_bytes", "state_bytes", "grad_bytes", "world_size", "micro_batch_tokens"):

@@ -6,6 +6,8 @@ auto` made a number of layers (`resolve_auto`), and the per-rank estimate logged
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rlcu.engine.kv_pool import dtype_bytes, engine_shape
@@ -43,6 +45,23 @@ def rl_kv_blocks(cfg, world_size: int, longest_prompt: int | None = None, eval_p
     longest = longest_prompt or cfg.data.max_prompt_tokens or DEFAULT_PROMPT_TOKENS
     return step_kv_blocks(longest, cfg.sequence_new_tokens(), cfg.engine.block_size, rl_step_seqs(cfg, world_size,
                                                                                              eval_prompts))
+
+
+def choose_offload(shape: JobShape, auto: list[int], budget: int | None) -> JobShape:
+    """`offload: auto` decided: the reward models at indices `auto` stay on the device unless the
+    job's peak with them there (fragmentation and context included) exceeds `budget` bytes (the
+    device's; None: kept). Offloading costs a host-device copy of their weights each step, so it
+    pays only where keeping them does not fit."""
+    if not auto or budget is None:
+        return shape
+    rms = list(shape.reward_models)
+    kept = shape.with_(reward_models=tuple(dataclasses.replace(r, offload=False) if i in auto else r
+                                           for i, r in enumerate(rms)))
+    mem = job_memory(kept)
+    if mem.device_bytes(mem.peak) <= budget:
+        return kept
+    return shape.with_(reward_models=tuple(dataclasses.replace(r, offload=True) if i in auto else r
+                                           for i, r in enumerate(rms)))
 
 
 def config_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = None) -> JobShape:
@@ -192,21 +211,13 @@ def run_shape(model, opt, *, micro_batch_tokens: int, fused_head: bool, release_
 
 def auto_layers(shape: JobShape, device: torch.device) -> tuple[int, int]:
     """(k, the budget): the fewest checkpointed layers whose peak fits what this process may hold
-    on its GPU (the free memory and what it has reserved already, within the caching allocator's
-    per-process cap, `torch.cuda.set_per_process_memory_fraction`, which fails any allocation past it);
-    every layer on the CPU (budget 0)."""
+    on its GPU (the free memory and what it has reserved already); every layer on the CPU
+    (budget 0)."""
     if device.type != "cuda":
         return shape.cfg.num_hidden_layers, 0
-    free, total = torch.cuda.mem_get_info(device)
-    budget = min(free + torch.cuda.memory_reserved(device), process_cap(device, total))
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = free + torch.cuda.memory_reserved(device)
     return fit_checkpointing(budget, shape), budget
-
-
-def process_cap(device: torch.device, total: int) -> int:
-    """The bytes this process's caching allocator may hold on `device`: its per-process memory
-    fraction of the device's total (the whole device unless a caller set one)."""
-    frac = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    return int(total * frac(device)) if frac is not None else total
 
 
 def resolve_auto(model, shape: JobShape) -> str:
