@@ -1,15 +1,17 @@
 """GRPO and PPO with LoRA (issue 35): the base frozen (its bits unchanged, no gradient, no
 optimizer state), the adapters trained, the KL reference the base itself (the same buffer with
-the adapters off, no copy), the engine sampling from base + adapters, PPO's critic a full model,
+the adapters off, no copy), the engine sampling from base + adapters, PPO's critic an adapter on the same base,
 and the memory model counting the adapters and no reference copy. Rollouts go through
 support.lora_engine (the merged stand-in, and the engine's own adapters once it applies them)."""
 
 import math
 
+import pytest
 import torch
 from support.lora_engine import lora_engine  # noqa: F401 (the fixture)
 from support.trainers import first_is_even, grpo_trainer, ppo_trainer
 
+from rlcu.config import ConfigError
 from rlcu.memory import job_memory
 
 LORA = dict(r=4, alpha=8)  # no dropout: the first update's forward is then the engine's function
@@ -63,16 +65,37 @@ def test_grpo_lora_memory_counts_adapters_and_no_reference(tmp_path, lora_engine
 
 
 def test_ppo_with_lora_one_step(tmp_path, lora_engine):  # noqa: F811
-    tr = ppo_trainer(tmp_path, steps=1, lora=dict(r=4, alpha=8, dropout=0.1))
-    model, ad = tr.model, tr.model.lora
-    base, c0 = model.flat.clone(), tr.critic.flat.clone()
-    assert tr.critic.trunk.lora is None  # the critic stays a full model (its own trunk and optimizer)
+    """PPO with lora: the critic is an adapter of its own (the lora section's shape, another seed)
+    and the value head over the policy's base buffer: one base in memory and in the memory
+    model, whose critic is the adapters and the head (its state a LoRA critic's, not a trunk's);
+    a checkpoint's critic state is the adapters and the head."""
+    from rlcu.memory import parts
+    from rlcu.train.lora_critic import LoraCritic
+
+    kw = dict(steps=1, lora=dict(r=4, alpha=8, dropout=0.1), critic=dict(optim=dict(lr=3e-3), head_init_std=0.1))
+    tr = ppo_trainer(tmp_path, checkpoint=dict(save_at_end=True), **kw)
+    model, ad, critic = tr.model, tr.model.lora, tr.critic
+    base, c0 = model.flat.clone(), critic.flat.clone()
+    assert isinstance(critic, LoraCritic) and critic.trunk.flat.data_ptr() == model.flat.data_ptr()  # one base
+    assert critic.ad is not ad and critic.ad.cfg.r == 4 and critic.flat.numel() < model.flat.numel() // 4
+    assert tr.critic_opt.m.numel() == critic.flat.numel()  # the critic's optimizer state: adapters and head
     hist = tr.train()
     h = hist[0]
     for k in ("reward", "vf_loss", "loss", "kl_penalty"):
         assert k in h and math.isfinite(h[k]), (k, h.get(k))
     assert torch.equal(model.flat, base)
-    assert bool(ad.flat.abs().sum() > 0) and not torch.equal(tr.critic.flat, c0)
+    assert bool(ad.flat.abs().sum() > 0) and not torch.equal(critic.flat, c0)
+    o = critic.layout.head_offset
+    assert not torch.equal(critic.flat[:o], c0[:o]) and not torch.equal(critic.flat[o:], c0[o:])  # adapter, head
+    mem = job_memory(tr._memory_shape())
+    s = mem.shape
+    assert s.critic and mem.critic == parts.critic(s) and mem.critic < parts.params(s.cfg) * s.weight_bytes  # no base
+    full = job_memory(s.with_(adapter=None))
+    assert full.critic > parts.params(s.cfg) * s.weight_bytes > mem.critic
+    saved = torch.load(tr.last_checkpoint / "critic.pt")["flat"]
+    assert torch.equal(saved, critic.flat)  # the checkpoint's critic: the adapters and the head, no base
+    with pytest.raises(ConfigError, match="critic.path is set with lora:"):
+        ppo_trainer(tmp_path / "p", **{**kw, "critic": dict(path=str(tmp_path))})
 
 
 def test_the_scheduler_sizes_a_lora_job_from_its_config(tmp_path):

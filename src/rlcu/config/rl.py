@@ -181,7 +181,8 @@ class GRPOConfig(RLConfig):
 
 @dataclasses.dataclass
 class CriticConfig(Section):
-    path: str | None = opt(None, "HF folder of the critic's trunk; null: a copy of the policy's initial weights")
+    path: str | None = opt(None, "HF folder of the critic's trunk; null: a copy of the policy's initial weights "
+                                 "(with lora: an adapter of the lora section's shape on the policy's base)")
     optim: OptimConfig = opt(OptimConfig, "the critic's optimizer and learning-rate schedule")
     value_clip: float = opt(0.2, "clip the new value to v_old +- value_clip in the value loss (0: no clipping)",
                             ge=0)

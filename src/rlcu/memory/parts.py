@@ -140,18 +140,27 @@ def critic_params(cfg: Qwen3Config) -> int:
     return params(cfg) + -(-(cfg.hidden_size + 1) // ALIGN) * ALIGN
 
 
+def critic_flat(s: JobShape) -> int:
+    """The critic's trained buffer: a full trunk and head (critic_params), or with adapters
+    (train/lora_critic.py) its own adapters' layout and the head, over the policy's base (no
+    second copy of the base is counted)."""
+    if s.adapter is None:
+        return critic_params(s.cfg)
+    return adapter_params(s) + -(-(s.cfg.hidden_size + 1) // ALIGN) * ALIGN
+
+
 def critic(s: JobShape) -> int:
     """PPO's critic: its weights, and its optimizer's master and moments (1/N shards)."""
     if not s.critic:
         return 0
-    Pc = critic_params(s.cfg)
+    Pc = critic_flat(s)
     Sc = -(-Pc // s.world_size)
     return Pc * s.weight_bytes + (4 * Sc if s.has_master else 0) + 2 * s.state_bytes * Sc
 
 
 def critic_gradients(s: JobShape) -> int:
     """The critic's gradient buffer (whole on every rank)."""
-    return critic_params(s.cfg) * s.grad_bytes if s.critic else 0
+    return critic_flat(s) * s.grad_bytes if s.critic else 0
 
 
 def _rm_weights(rm) -> int:

@@ -1,5 +1,6 @@
 """PPO with a critic: a value head on a Qwen3 trunk (rlcu.train.critic) with its own flat
-buffers and optimizer.
+buffers and optimizer; with `lora:` the critic is an adapter of its own and the head over the
+policy's frozen base (rlcu.train.lora_critic: one base, no second copy).
 
 One step: sample completions (the policy's weights, through the engine) -> scores from the
 reward functions, normalised by their running mean/std -> per-token rewards
@@ -27,7 +28,7 @@ import time
 
 import torch
 
-from rlcu.config import PPOConfig
+from rlcu.config import ConfigError, PPOConfig
 from rlcu.hub import model_folder
 from rlcu.ops.rl_loss import VALUE_STATS, value_loss
 from rlcu.parallel import batch as dp
@@ -36,6 +37,7 @@ from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.critic import Critic
 from rlcu.train.episodes import overlong_lengths
+from rlcu.train.lora_critic import LoraCritic
 from rlcu.train.mismatch import StepCorrection
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
@@ -52,7 +54,12 @@ class PPOTrainer(RLTrainer):
                          hooks=hooks, environment=environment, tools=tools)
         cc = self.cfg.critic
         if critic is None:
-            if cc.path is not None:
+            if self.model.lora is not None:  # lora: the critic's own adapter on the policy's base (lora_critic.py)
+                if cc.path is not None:
+                    raise ConfigError("critic.path", "is set with lora:, whose critic is an adapter on the policy's "
+                                                     "base (no second base): leave critic.path null")
+                critic = LoraCritic.for_policy(self.model, cc.head_init_std, seed=self.cfg.seed)
+            elif cc.path is not None:
                 critic = Critic.from_pretrained(model_folder(cc.path, None, "critic.path"), device=self.device,
                                                 dtype=self.model.dtype,
                                                 head_init_std=cc.head_init_std, seed=self.cfg.seed)
