@@ -7,12 +7,15 @@ them."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from rlcu.config.fields import ConfigError, Section, opt
 from rlcu.config.sections import EngineConfig, OptimConfig, RunConfig
 from rlcu.config_hints import hint, hint_text
+from rlcu.hub import hub_id
+from rlcu.rewards.model_reward import SPEC_KEYS, ModelRewardError, check_folder, check_spec
 
-_REWARD_KEYS = ("name", "fn", "weight", "kwargs")
+_REWARD_KEYS = ("name", "fn", "weight", "kwargs")  # a function's; a reward model's: model_reward.SPEC_KEYS
 
 
 @dataclasses.dataclass
@@ -64,8 +67,12 @@ class RLConfig(RunConfig):
 
     engine: EngineConfig = opt(EngineConfig, "the rollout engine (shares the policy's weights)")
     rewards: list[dict] = opt([{"name": "math", "weight": 1.0}],
-                              "reward functions, summed with weights: each {name: math|format} or "
-                              "{fn: 'module.path:function'}, plus optional weight (1.0) and kwargs ({})")
+                              "rewards, summed with weights: each {name: math|format} or "
+                              "{fn: 'module.path:function'}, plus optional weight (1.0) and kwargs ({}); or a "
+                              "reward model {model: FOLDER (an HF *ForSequenceClassification folder of one "
+                              "label), weight, batch_size, max_tokens (tokens per scoring forward; "
+                              "micro_batch_tokens), offload (auto|true|false: its weights in host memory between "
+                              "scorings), kwargs (its chat template's variables)} (docs/rewards.md)")
     reward_timeout_s: float | None = opt(300.0, "most seconds one call of a user reward function may take; a late "
                                                 "call fails for its samples (null: no limit)", gt=0)
     reward_workers: str = opt("main", "where user reward functions run under the time limit: main (the trainer's "
@@ -133,6 +140,23 @@ class RLConfig(RunConfig):
         """The most tokens a rollout sequence holds after its prompt: an episode's, else a completion's."""
         return self.multi_turn.max_episode_tokens if self.multi_turn.enabled else self.max_new_tokens
 
+    @staticmethod
+    def _check_model_reward(i: int, spec: dict) -> None:
+        """A reward model's entry: its options, and its folder when it is a path here (a Hub id is
+        fetched and checked at setup)."""
+        if "fn" in spec:
+            raise ConfigError(f"rewards[{i}].fn", f"is not an option of a reward model (allowed: "
+                                                  f"{', '.join(SPEC_KEYS)})")
+        try:
+            check_spec(spec, f"rewards[{i}]")
+            m = spec["model"]
+            if not isinstance(m, str):
+                raise ModelRewardError(f"rewards[{i}].model", f"must be a folder, got {m!r}")
+            if Path(m).expanduser().exists() or hub_id(m) is None:
+                check_folder(m, f"rewards[{i}].model")
+        except ModelRewardError as e:
+            raise ConfigError(e.field, e.detail) from None
+
     def check(self):
         if not self.rewards and self.multi_turn.environment is None:
             raise ConfigError("rewards", "is empty: give a reward function, or a multi_turn.environment whose "
@@ -142,6 +166,9 @@ class RLConfig(RunConfig):
         for i, spec in enumerate(self.rewards):
             if not isinstance(spec, dict):
                 raise ConfigError(f"rewards[{i}]", f"must be a mapping like {{name: math}}, got {spec!r}")
+            if "model" in spec:
+                self._check_model_reward(i, spec)
+                continue
             bad = [k for k in spec if k not in _REWARD_KEYS]
             if bad:
                 near = hint_text(str(bad[0]), hint(str(bad[0]), list(_REWARD_KEYS), list(_REWARD_KEYS)),

@@ -93,15 +93,18 @@ def load_object(spec: str, what: str, want_callable: bool = True):
 
 def reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
     """reward_fns (Python API): None (use the config), one callable, or a list of callables,
-    'module:function' strings, built-in names or spec dicts."""
+    'module:function' strings, built-in names, spec dicts, reward models (a RewardModel, or the
+    folder of one as a Path or a string naming a folder)."""
     if reward_fns is None:
         return cfg_specs
-    if callable(reward_fns) or isinstance(reward_fns, (str, dict)):
+    if callable(reward_fns) or isinstance(reward_fns, (str, dict, Path)) or _is_model(reward_fns):
         reward_fns = [reward_fns]
     specs = []
     for r in reward_fns:
         if isinstance(r, dict):
             specs.append(r)
+        elif _is_model(r) or isinstance(r, Path) or (isinstance(r, str) and Path(r).expanduser().is_dir()):
+            specs.append({"model": r})
         elif isinstance(r, str):
             specs.append({"fn": r} if ":" in r else {"name": r})
         elif callable(r):
@@ -110,3 +113,10 @@ def reward_specs(reward_fns, cfg_specs: list[dict]) -> list[dict]:
             raise TypeError(f"a reward must be a callable, a 'module:function' string, a built-in name or a spec "
                             f"dict, got {r!r}")
     return specs
+
+
+def _is_model(r) -> bool:
+    """A reward model object: a RewardModel (score(sequences), cfg) or a ModelReward."""
+    from rlcu.rewards.model_reward import ModelReward
+
+    return isinstance(r, ModelReward) or (hasattr(r, "score") and hasattr(r, "cfg") and not callable(r))

@@ -12,6 +12,10 @@ returns one float or None per sample. Per function and per sample, a value is on
   is nan: a sum without one of its terms would silently mean something else), the failure
   is counted (`reward_failed/<name>`) and reported with the sample's prompt and completion.
 
+A reward model (`{model: FOLDER}`, rewards/model_reward.py) is an entry like a function: its
+score per sample times its weight, its failures (a sample it cannot read, a forward that raises,
+a non-finite score) masked and counted the same way.
+
 A function that raises on the whole batch is called again one sample at a time, so that
 the samples it can score survive (a late call is not: a hang would only repeat). When a
 function fails on every sample of `max_failed_steps` steps in a row, the call raises
@@ -24,12 +28,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from rlcu.config_hints import hint, hint_text
 from rlcu.rewards.call import BATCH_KEYS, CALL_KEYS, CallPlan, as_completions, describe
 from rlcu.rewards.loader import BUILTIN, load_reward
+from rlcu.rewards.model_reward import ModelReward, check_spec
 from rlcu.rewards.runner import CallTimeout, make_runner
 
 
@@ -78,21 +84,26 @@ class _Fn:
     streak: int = 0
     streak_step: object = None
     streak_error: str = ""
+    model: ModelReward | None = None  # a reward model's entry (fn, runner and plan unused)
 
 
 class RewardSet:
     """specs: a list of 'name' strings, callables, or dicts {name | fn, weight=1.0,
     kwargs={}} (`name` a built-in or 'module:function'; `fn` the same or a callable).
     timeout_s: most seconds a call may take (None: no limit; the built-ins run without one);
-    workers: 'main', 'thread' or 'process' (see runner.py); max_failed_steps: 0 never stops."""
+    workers: 'main', 'thread' or 'process' (see runner.py); max_failed_steps: 0 never stops.
+    A reward model is a dict {model: FOLDER or RewardModel, weight, batch_size, max_tokens,
+    offload, kwargs} (rewards/model_reward.py), loaded with `model_kw` (device, dtype,
+    policy_tokenizer, max_tokens: the default of its entries)."""
 
     def __init__(self, specs, on_error: Callable[[str], None] | None = None, *, timeout_s: float | None = None,
-                 workers: str = "main", max_failed_steps: int = 3):
+                 workers: str = "main", max_failed_steps: int = 3, model_kw: dict | None = None):
         if isinstance(specs, (str, dict)) or callable(specs):
             specs = [specs]
         if not specs:
             raise ValueError("rewards: at least one reward function is needed")
         self.timeout_s, self.max_failed_steps = timeout_s, int(max_failed_steps)
+        self.model_kw = dict(model_kw or {})
         self.fns: list[_Fn] = []
         for i, s in enumerate(specs):
             self.fns.append(self._entry(i, s, workers))
@@ -106,6 +117,8 @@ class RewardSet:
             s = {"fn": s}
         if not isinstance(s, dict):
             raise ValueError(f"rewards[{i}] must be a name, 'module:function', a callable or a mapping, got {s!r}")
+        if "model" in s:
+            return self._model_entry(i, s)
         known = ["name", "fn", "weight", "kwargs"]
         bad = sorted(map(str, set(s) - set(known)))
         if bad:
@@ -135,6 +148,30 @@ class RewardSet:
         runner = make_runner(fn, spec, builtin, workers, self.timeout_s)
         return _Fn(name, fn, float(w), dict(kw), runner, CallPlan(fn))
 
+    def _model_entry(self, i: int, s: dict) -> _Fn:
+        field = f"rewards[{i}]"
+        check_spec(s, field)
+        w = s.get("weight", 1.0)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"{field}.weight must be a finite number, got {w!r}")
+        kw = dict(self.model_kw)
+        run_tokens = kw.pop("max_tokens", None)
+        max_tokens = s.get("max_tokens") or run_tokens  # the entry's, else the run's
+        src = s["model"]
+        m = src if isinstance(src, ModelReward) else ModelReward.load(
+            src, f"{field}.model", max_tokens=max_tokens, batch_size=s.get("batch_size"),
+            offload=s.get("offload", "auto"), template_kwargs=s.get("kwargs"), **kw)
+        base = s.get("name") or (Path(str(src)).name if isinstance(src, (str, Path)) else "reward_model")
+        name, k = base, 2
+        while name in self.names:
+            name, k = f"{base}_{k}", k + 1
+        return _Fn(name, m, float(w), {}, None, None, model=m)
+
+    @property
+    def models(self) -> list[ModelReward]:
+        """The reward models among the entries."""
+        return [f.model for f in self.fns if f.model is not None]
+
     @property
     def names(self) -> list[str]:
         return [f.name for f in self.fns]
@@ -149,15 +186,19 @@ class RewardSet:
     def close(self) -> None:
         """Stop the worker processes (reward_workers=process)."""
         for f in self.fns:
-            f.runner.close()
+            if f.runner is not None:
+                f.runner.close()
 
     # ---------------------------------------------------------------- scoring
     def __call__(self, prompts: list, completions: list, rows: list[dict] | None = None, *,
-                 completion_ids: list | None = None, trainer_state=None, prompt_field: str = "prompt"):
+                 completion_ids: list | None = None, trainer_state=None, prompt_field: str = "prompt",
+                 sequence_ids: list | None = None):
         """-> (rewards: FloatTensor[n], nan where masked; {name: FloatTensor[n]}, nan where the
         function gave no value; [one message per function that failed on some sample]).
         `completions` are texts (chat prompts get them as assistant messages); `rows[i]` is
-        sample i's data row, whose columns other than `prompt_field` reach the functions."""
+        sample i's data row, whose columns other than `prompt_field` reach the functions;
+        `sequence_ids[i]` the policy's whole sequence (prompt and completion ids), which a reward
+        model reads when it shares the policy's tokenizer."""
         n = len(completions)
         if len(prompts) != n or (rows is not None and len(rows) != n) or \
                 (completion_ids is not None and len(completion_ids) != n):
@@ -181,7 +222,10 @@ class RewardSet:
         errors: list[str] = []
         self.last_metrics, self.last_extra = {}, {}
         for f in self.fns:
-            vals, fails, note, logs = self._score(f, batch, trainer_state, n)
+            if f.model is not None:
+                vals, fails, note, logs = self._score_model(f, batch, sequence_ids, n)
+            else:
+                vals, fails, note, logs = self._score(f, batch, trainer_state, n)
             ok = ~torch.isnan(vals)
             total[ok] += f.weight * vals[ok]
             scored |= ok
@@ -237,6 +281,16 @@ class RewardSet:
             else:
                 vals[i] = r
         return vals, fails, "", logs
+
+    @staticmethod
+    def _score_model(f: _Fn, batch: dict, sequence_ids: list | None, n: int):
+        """A reward model's entry: as `_score` returns."""
+        vals = torch.full((n,), math.nan, dtype=torch.float64)
+        if n == 0:
+            return vals, {}, "", {}
+        out, fails = f.model(batch["prompts"], batch["completions"], sequence_ids)
+        vals[:] = torch.tensor(out, dtype=torch.float64)
+        return vals, fails, "", {}
 
     def _retry(self, f: _Fn, batch: dict, const: dict, n: int, batch_error: str):
         vals = torch.full((n,), math.nan, dtype=torch.float64)

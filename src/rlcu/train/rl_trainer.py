@@ -77,13 +77,17 @@ class RLTrainer(Trainer):
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model, "RL prompts")
         specs = reward_specs(reward_fns, cfg.rewards)
         self.episodes = make_runner(cfg, self.tokenizer, self.model, environment, tools, bool(specs))  # None: 1 turn
-        self.rewards = RewardSet(specs, **reward_options(cfg)) if specs or self.episodes is None else None
+        self.rewards = RewardSet(specs, **reward_options(cfg), model_kw=dict(  # reward models: on the policy's device
+            device=self.device, dtype=self.model.dtype, policy_tokenizer=self.tokenizer,
+            max_tokens=cfg.micro_batch_tokens)) if specs or self.episodes is None else None
         self.rows, self.eval_rows, self.n_filtered = self._load_data(dataset, eval_dataset)
         self.sampler = PromptSampler(self.rows, cfg.data.seed, cfg.data.shuffle)
         self.ref = self._make_ref() if self._needs_ref() else None
         self.opt = make_optimizer(trained, cfg.optim)  # ShardedAdamW across ranks
         self.llm = llm if llm is not None else self._make_engine()
         self.llm.sleep(keep_graphs=True)  # its pool is taken back by the first rollout
+        for line in sizing.settle_offload(self.rewards, self._memory_shape(), self.device):  # reward models
+            self._log_info(line)
         self.stop_ids = ro.stop_ids(self.tokenizer, self.model) if cfg.stop_at_eos else []
         self.last_eval: dict = {}
         self._notes += [rep.message() for rep in self.prompt_reports if rep.message()]  # dropped prompts, by row
@@ -94,7 +98,8 @@ class RLTrainer(Trainer):
         return sizing.run_shape(self.model, self.opt, micro_batch_tokens=self.cfg.micro_batch_tokens, fused_head=True,
                                 release_grads=self.cfg.optim.release_grads, llm=self.llm,
                                 reference=self.ref is not None and self.model.lora is None,
-                                critic=getattr(self, "critic", None) is not None)
+                                critic=hasattr(self.cfg, "critic"),  # PPO's, before its critic is built too
+                                reward_models=sizing.reward_model_shapes(self.rewards))
 
     def _log_estimate(self) -> None:
         sizing.log_estimate(self.logger, self._memory_shape(), self.device)
@@ -210,7 +215,8 @@ class RLTrainer(Trainer):
         if self.rewards is not None:
             rewards, breakdown, errors = self.rewards(prompts, comps, [s.row for s in samples], prompt_field=pf,
                                                       completion_ids=[s.completion_ids for s in samples],
-                                                      trainer_state=state)
+                                                      trainer_state=state,
+                                                      sequence_ids=[s.prompt_ids + s.completion_ids for s in samples])
         if ep:
             rewards, breakdown = episodes.with_env_rewards(samples, rewards, breakdown)
         for s, r in zip(samples, rewards.tolist()):

@@ -15,7 +15,7 @@ from rlcu.errors import SetupError
 from rlcu.hub import model_folder
 from rlcu.memory import GiB, JobShape, checkpointing_name, job_memory
 from rlcu.memory.fit import fit_checkpointing, step_kv_blocks
-from rlcu.memory.shape import AdapterShape
+from rlcu.memory.shape import AdapterShape, RewardModelShape
 from rlcu.model.config import Qwen3Config
 from rlcu.parallel.comm import World, world
 
@@ -47,6 +47,22 @@ def rl_kv_blocks(cfg, world_size: int, longest_prompt: int | None = None, eval_p
                                                                                              eval_prompts))
 
 
+def config_reward_models(cfg, offload_auto: bool = False) -> tuple[RewardModelShape, ...]:
+    """The reward models of a run's `rewards` (their config.json read, not their weights), each
+    scoring forward of its max_tokens (else micro_batch_tokens); `offload: auto` as offload_auto."""
+    from rlcu.rewards.model_reward import model_config
+
+    out = []
+    for i, spec in enumerate(cfg.rewards):
+        if not isinstance(spec, dict) or not isinstance(spec.get("model"), str):
+            continue
+        folder = model_folder(spec["model"], None, f"rewards[{i}].model", ("config.json",))
+        off = spec.get("offload", "auto")
+        out.append(RewardModelShape(model_config(folder), spec.get("max_tokens") or cfg.micro_batch_tokens,
+                                    offload_auto if off == "auto" else bool(off)))
+    return tuple(out)
+
+
 def choose_offload(shape: JobShape, auto: list[int], budget: int | None) -> JobShape:
     """`offload: auto` decided: the reward models at indices `auto` stay on the device unless the
     job's peak with them there (fragmentation and context included) exceeds `budget` bytes (the
@@ -64,9 +80,12 @@ def choose_offload(shape: JobShape, auto: list[int], budget: int | None) -> JobS
                                            for i, r in enumerate(rms)))
 
 
-def config_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = None) -> JobShape:
+def config_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = None,
+                 offload_auto: bool = False) -> JobShape:
     """The shape of a GRPO/PPO job on one of its `world_size` ranks from its config alone (the
-    engine's pool as the RL trainer sizes it by default: one step's sequences)."""
+    engine's pool as the RL trainer sizes it by default: one step's sequences); reward models
+    with `offload: auto` kept on the device (the larger need: a scheduler's request) unless
+    offload_auto."""
     m, e = cfg.model, cfg.engine
     qc = model_config(m) if model_cfg is None else model_cfg
     m.check_layers(qc.num_hidden_layers)
@@ -77,7 +96,8 @@ def config_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = No
     return JobShape(qc, **_precisions(cfg), world_size=max(1, world_size), micro_batch_tokens=cfg.micro_batch_tokens,
                     checkpointing=checkpointing_name(m.gradient_checkpointing), release_grads=cfg.optim.release_grads,
                     reference=cfg.kl_coef > 0 and not cfg.lora.enabled, critic=hasattr(cfg, "critic"),
-                    random_init=m.path is None, engine=engine.engine, adapter=config_adapter(cfg.lora))
+                    random_init=m.path is None, engine=engine.engine, adapter=config_adapter(cfg.lora),
+                    reward_models=config_reward_models(cfg, offload_auto))
 
 
 def _precisions(cfg) -> dict:
@@ -91,9 +111,10 @@ def _precisions(cfg) -> dict:
 def train_shape(cfg, world_size: int = 1, *, model_cfg: Qwen3Config | None = None) -> JobShape:
     """A trainer's job from its config: an RL config's `config_shape`; an SFT config's (no
     engine, micro-batches of batch_tokens, the head's gradient in a second sweep). A
-    checkpointing still 'auto' is every layer checkpointed, the least that auto can choose."""
+    checkpointing still 'auto' is every layer checkpointed, and a reward model's offload 'auto'
+    offloaded: the least that auto can choose."""
     if hasattr(cfg, "prompts_per_step"):
-        shape = config_shape(cfg, world_size, model_cfg=model_cfg)
+        shape = config_shape(cfg, world_size, model_cfg=model_cfg, offload_auto=True)
     else:
         m = cfg.model
         qc = model_config(m) if model_cfg is None else model_cfg
@@ -191,7 +212,7 @@ def adapter_shape(model) -> AdapterShape | None:
 
 
 def run_shape(model, opt, *, micro_batch_tokens: int, fused_head: bool, release_grads: bool = False, llm=None,
-              reference: bool = False, critic: bool = False) -> JobShape:
+              reference: bool = False, critic: bool = False, reward_models: tuple = ()) -> JobShape:
     """The shape of a run on this rank from its buffers: the model's and the optimizer's dtypes
     and modes, the engine's pool and graphs. A checkpointing still 'auto' is the number of
     layers it will become (`auto_layers`). With adapters attached the optimizer's state and the
@@ -203,10 +224,36 @@ def run_shape(model, opt, *, micro_batch_tokens: int, fused_head: bool, release_
                      state_bytes=opt.m.element_size(), grad_bytes=dtype_bytes(grad_dtype), world_size=world().size,
                      overlap=getattr(opt, "sink", None) is not None, micro_batch_tokens=micro_batch_tokens,
                      fused_head=fused_head, release_grads=release_grads, reference=reference, critic=critic,
-                     engine=llm.runner.memory_shape().engine if llm is not None else None, adapter=adapter_shape(model))
+                     engine=llm.runner.memory_shape().engine if llm is not None else None, adapter=adapter_shape(model),
+                     reward_models=tuple(reward_models))
     mode = model.gradient_checkpointing
     k = auto_layers(shape, model.device)[0] if mode == "auto" else checkpointing_name(mode)
     return shape.with_(checkpointing=k)
+
+
+def reward_model_shapes(rewards) -> tuple[RewardModelShape, ...]:
+    """The reward models of a RewardSet (rewards/model_reward.py) as the memory model sees them;
+    `offload: auto` as kept, until `settle_offload` decides it."""
+    return tuple(RewardModelShape(m.rm.cfg, m.max_tokens, m.offload is True)
+                 for m in (rewards.models if rewards is not None else []))
+
+
+def settle_offload(rewards, shape: JobShape, device: torch.device) -> list[str]:
+    """Decide each reward model's `offload: auto` (`choose_offload` against the device's memory;
+    kept on the CPU) and put the offloaded ones to sleep; returns a line per model for the log."""
+    models = rewards.models if rewards is not None else []
+    auto = [i for i, m in enumerate(models) if m.offload == "auto"]
+    budget = device_memory(device.type) if device.type == "cuda" else None
+    chosen = choose_offload(shape, auto, budget).reward_models
+    lines = []
+    for i, m in enumerate(models):
+        m.offload = chosen[i].offload
+        if m.offload:
+            m.sleep()
+        if i in auto and budget is not None:
+            how = "offloaded between scorings (it does not fit kept)" if m.offload else "kept on the device"
+            lines.append(f"reward model {i}: offload auto: {how}")
+    return lines
 
 
 def auto_layers(shape: JobShape, device: torch.device) -> tuple[int, int]:

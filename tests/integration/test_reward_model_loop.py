@@ -1,0 +1,55 @@
+"""A reward model in the RL loop on the CPU twins: PPO's four models in one process (policy,
+frozen reference, reward model, critic) scoring with the reward model beside a function reward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from support.trainers import TINY, ppo_trainer
+
+from rlcu.data import synthetic as syn
+from rlcu.memory import job_memory
+from rlcu.model.causal_lm import CausalLM
+from rlcu.model.config import CausalLMConfig
+from rlcu.model.reward_model import RewardModel
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def tiny_rm_folder(tmp_path, seed=11):
+    """A reward model of the policy's tiny shape and vocabulary (random trunk, a head of std 1),
+    saved as an HF sequence-classification folder without a tokenizer: it reads the policy's ids."""
+    tok = syn.make_tokenizer()
+    lm = CausalLM.from_config(CausalLMConfig(**dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id)),
+                              seed=seed)
+    rm = RewardModel.from_causal_lm(lm, head_init_std=1.0, seed=seed)
+    rm.save_pretrained(tmp_path / "rm")
+    return tmp_path / "rm"
+
+
+def test_ppo_four_models_in_one_process(tmp_path):
+    """Two PPO steps with a KL reference, a critic and a reward model (weight 2) beside the
+    partial-match function: every model's buffer its own, the reward model frozen, its part in
+    the memory model, and the step's scores the reward model's for the policy's own ids."""
+    folder = tiny_rm_folder(tmp_path)
+    tr = ppo_trainer(tmp_path, rewards=[{"model": str(folder), "weight": 2.0},
+                                        {"fn": "rlcu.data.synthetic:partial_match_reward"}])
+    assert tr.ref is not None and tr.critic is not None and len(tr.rewards.models) == 1
+    rm = tr.rewards.models[0]
+    ptrs = {tr.model.flat.data_ptr(), tr.ref.flat.data_ptr(), tr.critic.flat.data_ptr(), rm.rm.flat.data_ptr()}
+    assert len(ptrs) == 4
+    w0 = rm.rm.flat.clone()
+    hist = tr.train()
+    assert len(hist) == 2 and torch.equal(w0, rm.rm.flat)
+    for h in hist:
+        for k in ("reward", "reward/rm", "reward/partial_match_reward", "vf_loss", "loss", "kl_penalty"):
+            assert k in h and math.isfinite(h[k]), (k, h.get(k))
+    mem = job_memory(tr._memory_shape())
+    assert mem.reward_model == rm.rm.flat.numel() * 4 and mem.reward_work > 0 and mem.critic > 0
+    samples = tr._engine_phase(lambda: tr.rollout(tr.rows[:2], 2, seed=3))
+    tr.score(samples)
+    want = rm.rm.score([s.prompt_ids + s.completion_ids for s in samples])
+    fn = syn.partial_match_reward(None, [s.completion_text for s in samples], [s.row["answer"] for s in samples])
+    torch.testing.assert_close(torch.tensor([s.reward for s in samples]), 2.0 * want + torch.tensor(fn))
