@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlcu.config import DemoConfig, GRPOConfig, PPOConfig, Section, SFTConfig, default_text, field_types, type_name
+from rlcu.config import (
+    DemoConfig,
+    DPOConfig,
+    GRPOConfig,
+    PPOConfig,
+    Section,
+    SFTConfig,
+    default_text,
+    field_types,
+    type_name,
+)
 
 # (command, config class): the order of the page
-COMMANDS = (("rlcu sft", SFTConfig), ("rlcu grpo", GRPOConfig), ("rlcu ppo", PPOConfig), ("rlcu demo", DemoConfig))
+COMMANDS = (("rlcu sft", SFTConfig), ("rlcu dpo", DPOConfig),
+            ("rlcu grpo", GRPOConfig), ("rlcu ppo", PPOConfig), ("rlcu demo", DemoConfig))
 
 
 def _is_section(tp) -> bool:

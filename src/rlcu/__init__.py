@@ -18,7 +18,7 @@ from_pretrained = CausalLM.from_pretrained  # the family from config.json's arch
 # heavier subsystems load on first use
 _LAZY = {
     "LLM": "rlcu.engine", "SamplingParams": "rlcu.engine",
-    "SFTTrainer": "rlcu.train", "GRPOTrainer": "rlcu.train", "PPOTrainer": "rlcu.train",
+    "SFTTrainer": "rlcu.train", "DPOTrainer": "rlcu.train", "GRPOTrainer": "rlcu.train", "PPOTrainer": "rlcu.train",
     "Tokenizer": "rlcu.data.tokenizer",
 }
 

@@ -24,13 +24,14 @@ COMMANDS = {
     "demo": ("rlcu.train.demo", "train a tiny Qwen3 from scratch: SFT warm-up, then GRPO (the built-in demo)"),
     "generate": ("rlcu.engine.cli", "prompts JSONL in, completions JSONL out"),
     "sft": ("rlcu.train.cli", "supervised fine-tuning from a YAML config"),
+    "dpo": ("rlcu.train.cli", "DPO (sigmoid or IPO loss) on preference pairs from a YAML config"),
     "grpo": ("rlcu.train.cli", "GRPO from a YAML config"),
     "ppo": ("rlcu.train.cli", "PPO (actor + critic) from a YAML config"),
     "merge": ("rlcu.model.merge_cli", "merge a PEFT LoRA adapter into its base: a full HF folder"),
     "sched": ("rlcu.sched.cli", "phase-aware multi-job GPU scheduler: serve, submit, status, cancel, simulate"),
 }
 # commands that compute with a model, which a stale RLCU_EXACT would have switched to exact mode
-_MODEL_COMMANDS = ("demo", "generate", "sft", "grpo", "ppo")
+_MODEL_COMMANDS = ("demo", "generate", "sft", "dpo", "grpo", "ppo")
 
 
 def info_main(argv: list[str]) -> int:

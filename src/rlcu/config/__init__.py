@@ -2,13 +2,14 @@
 
 One concept a module: fields.py (`opt`, `Section`, `ConfigError`: how a field is declared,
 coerced and checked), sections.py (model, data, optim, checkpoint, log, engine, and
-`RunConfig`, the sections every trainer's config begins with), sft.py, rl.py (GRPO, PPO and
+`RunConfig`, the sections every trainer's config begins with), sft.py, dpo.py, rl.py (GRPO, PPO and
 the critic), demo.py, load.py (YAML + overrides, back to data, `config_help`). This face
 re-exports them: `from rlcu.config import GRPOConfig`. The package sits below the engine and
 the trainers (it imports the model's config only).
 """
 
 from rlcu.config.demo import MODEL, DemoConfig, DemoTaskConfig
+from rlcu.config.dpo import DPO_LOSSES, DPOConfig
 from rlcu.config.fields import (
     ConfigError,
     Section,
@@ -50,7 +51,8 @@ from rlcu.config.sections import (
 from rlcu.config.sft import SFTConfig
 
 __all__ = [
-    "CHECKPOINTING_MODES", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig", "DemoConfig",
+    "CHECKPOINTING_MODES", "CheckpointConfig", "ConfigError", "CriticConfig", "DPO_LOSSES", "DPOConfig", "DataConfig",
+    "DemoConfig",
     "DemoTaskConfig", "EngineConfig", "GPU_MEMORY_UTILIZATION", "GRPOConfig", "LogConfig", "LoraSection", "MODEL",
     "ModelConfig", "MultiTurnConfig", "OptimConfig", "PPOConfig", "RLConfig", "RunConfig", "SFTConfig", "Section",
     "UnknownOption", "check_device", "command_config", "config_from_dict", "config_help", "config_to_dict",

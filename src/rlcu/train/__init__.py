@@ -1,4 +1,4 @@
-"""Trainers (SFT, GRPO, PPO) and their shared pieces: the lr schedule, checkpoints and run
+"""Trainers (SFT, DPO, GRPO, PPO) and their shared pieces: the lr schedule, checkpoints and run
 logging; FlatAdamW (rlcu.optim, which rlcu.parallel shares) and the errors a run raises
 (rlcu.errors) are named here too. Submodules are imported on first use so that
 `import rlcu.train` stays light."""
@@ -7,6 +7,7 @@ import importlib
 
 _LAZY = {
     "SFTTrainer": "rlcu.train.sft",
+    "DPOTrainer": "rlcu.train.dpo",
     "Trainer": "rlcu.train.core",
     "Hooks": "rlcu.train.core",
     "FlatAdamW": "rlcu.optim",
