@@ -263,18 +263,24 @@ def test_yields_change_nothing(exact):
     the episodes are those of an uninterrupted call, bit for bit."""
     sp = SamplingParams(temperature=1.0, max_tokens=6, seed=2, logprobs=True)
     llm = LLM(exact, enforce_eager=True, num_kv_blocks=64, block_size=4)
-    want = llm.run_episodes(STARTS, sp, env(turns=2, sleep=lambda i: 0.01 * (i % 2)))
-    asked, yielded, parked = [0], [], []
+    want = llm.run_episodes(STARTS, sp, env(turns=2, sleep=lambda i: 0.01 * (i % 2)), max_turns=3)
+    asked, yielded, parked, lefts = [0], [], [], []
 
     def on_yield(left):
         yielded.append((llm.asleep, llm.runner.kv is None))
         parked.append(len(llm.scheduler.parked))
+        lefts.append((left, len(llm.scheduler.parked)))
 
     got = llm.run_episodes(STARTS, sp, env(turns=2, sleep=lambda i: 0.01 * (i % 2)),
                            yield_check=lambda: (asked.__setitem__(0, asked[0] + 1), asked[0] % 3 == 0)[1],
-                           on_yield=on_yield, on_done=lambda: yielded.append("done"))
+                           on_yield=on_yield, on_done=lambda: yielded.append("done"), max_turns=3)
     assert llm.stats["yields"] >= 3 and yielded[-1] == "done" and set(yielded[:-1]) == {(True, True)}
     assert max(parked) > 0  # some yields found episodes parked
+    # the work asked again: the unfinished episodes' turns left of 6 tokens, parked ones' too (so it
+    # only falls as turns end)
+    left = [w for w, _ in lefts]
+    print("LEFTS", lefts)
+    assert 0 < left[-1] and left[0] <= 3 * 6 * len(STARTS) and left == sorted(left, reverse=True)
     assert [(e.ids, e.logprobs) for e in got] == [(e.ids, e.logprobs) for e in want]
     assert llm.block_manager.num_free == llm.block_manager.num_blocks
 

@@ -205,3 +205,32 @@ def test_a_preemptible_jobs_episodes_yield_the_device_and_change_nothing(tmp_pat
     assert len(h.yielded) >= 2 and all(asleep for asleep, _ in h.yielded) and h.done == 1
     assert max(sum(m) for _, _, m in want) > 3  # some episode ran more than one turn
     assert got == want
+
+
+def test_the_schedulers_work_estimate_counts_turns_environment_tokens_and_its_wait(tmp_path):
+    """The rollout's work (the scheduler's split of spare devices weighs jobs by it) in decoded
+    tokens: turns x max_new_tokens within the episode's tokens, the environment's rest of them at
+    PREFILL_WORK, and after a rollout the environment's measured wait at the rollout's rate."""
+    import time
+
+    from rlcu.train.episodes import PREFILL_WORK, episode_work
+
+    assert episode_work(8, 16, 4, 100) == 8 * (64 + PREFILL_WORK * 36)
+    assert episode_work(8, 16, 4, 40) == 8 * 40  # the model's turns may fill the episode
+    assert episode_work(8, 16, 1, 100) == 8 * 16  # one turn: a completion's work
+    assert episode_work(8, 16, 4, 100, env_time_s=0.5, tokens_per_s=200) == 8 * (64 + PREFILL_WORK * 36) + 100
+
+    class Slow(Again):
+        def step(self, messages):
+            time.sleep(0.05)
+            return super().step(messages)
+
+    tr, tok = trainer(tmp_path, rewards=[words_said], max_new_tokens=3, environment=Slow)
+    n = tr.cfg.prompts_per_step * tr.cfg.group_size
+    before = tr._rollout_work()
+    assert before == episode_work(n, 3, 4, 40) == n * (12 + PREFILL_WORK * 28)  # the config's bound
+    llm = ScriptedLLM([[tok.token_to_id("7"), tok.eos_token_id]])
+    tr.episodes.sample(llm, tr.rows[:1], [tr.rows[0]["prompt"]], n=2, temperature=1.0, max_tokens=3, seed=0)
+    ep = tr.episodes
+    assert ep.env_time_s >= 3 * 0.05 and ep.tokens_per_s > 0  # three steps of the environment each
+    assert tr._rollout_work() == pytest.approx(before + ep.env_time_s * ep.tokens_per_s)

@@ -125,6 +125,18 @@ class EpisodeLoop(StepLoop):
         self.pending = 0  # callbacks submitted whose answers are not applied yet
         self.deferred: list[tuple] = []  # answers for sequences with a step in flight
 
+    def tokens_left(self, s: Sequence) -> int:
+        """The model tokens s's episodes may still sample (a yield's work, which a scheduled job
+        asks again with): the rest of the turn in progress (none while parked) and max_tokens
+        per turn that max_turns leaves, within the episode's room (its token limit)."""
+        ep = self.episodes[self.base[s.request_id] + s.sample_index]
+        parked = self.sch.parked.get(s.seq_id) is s
+        room = max(self.limit[s.request_id] - len(s), 0)
+        turn = 0 if parked else max(s.max_len - len(s), 0)
+        turns = self.max_turns[s.request_id]
+        more = room if turns is None else max(turns - ep.turns - (0 if parked else 1), 0) * s.params.max_tokens
+        return s.num_samples * min(room, turn + more)
+
     # ------------------------------------------------------------------ the turn's end
     def _finished(self, s: Sequence) -> None:
         ep = self.episodes[self.base[s.request_id] + s.sample_index]
@@ -258,7 +270,7 @@ def run_episodes(llm, starts, sampling_params: SamplingParams | list[SamplingPar
     pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rlcu-episode")
     loop = EpisodeLoop(llm.scheduler, llm.runner, episodes, base, on_turn, pool, lookahead=llm.async_scheduling,
                        max_turns=max_turns, limit=limit, vocab_size=llm.model.cfg.vocab_size,
-                       yield_check=yield_check, do_yield=lambda: llm._yield(on_yield))
+                       yield_check=yield_check, do_yield=lambda: llm._yield(on_yield, loop.tokens_left))
     try:
         with Progress(len(episodes), use_tqdm, "episodes", "episodes") as bar:
             loop.run(bar.update)

@@ -350,11 +350,14 @@ class LLM:
                                      lora=lora, yield_check=yield_check, on_yield=on_yield, on_done=on_done)
 
     # ------------------------------------------------------------------ the loop
-    def _yield(self, on_yield) -> None:
+    def _yield(self, on_yield, left_of: Callable | None = None) -> None:
         """Give the device back between two steps (no step in flight): preempt every live
-        sequence for recompute, sleep, on_yield(tokens left), wake."""
-        live = self.scheduler.preempt_all()
-        left = sum(s.num_samples * max(min(s.max_len, self.max_model_len) - len(s), 0) for s in live)
+        sequence for recompute, sleep, on_yield(tokens left), wake. left_of(seq): a sequence's
+        tokens left (run_episodes': its episode's turns left, parked episodes' too); by default
+        its completion's rest."""
+        live = self.scheduler.preempt_all() + list(self.scheduler.parked.values())
+        left_of = left_of or (lambda s: s.num_samples * max(min(s.max_len, self.max_model_len) - len(s), 0))
+        left = sum(left_of(s) for s in live)
         self.sleep(keep_graphs=True)  # a pool that comes back at its address keeps them (see sleep)
         if on_yield is not None:
             on_yield(left)  # an exception leaves the engine asleep: the pool may no longer be ours

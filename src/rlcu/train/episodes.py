@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import torch
 
@@ -25,6 +26,8 @@ from rlcu.tools.environment import Environment
 from rlcu.tools.episode import EpisodeLimits, EpisodeState
 from rlcu.tools.render import TurnRenderer
 from rlcu.train.rollout import Sample, stop_ids
+
+PREFILL_WORK = 0.125  # an environment token's work in decoded tokens (episode_work says why)
 
 
 def make_runner(cfg, tokenizer, model, environment=None, tools=None, reward_fns: bool = True) -> EpisodeRunner | None:
@@ -64,6 +67,13 @@ class EpisodeRunner:
         self.spec, self.family, self.limits = spec, family, limits
         self.renderer = TurnRenderer(tokenizer, spec.schemas or None, template_kwargs, stop_ids)
         self.max_workers, self.context = max_workers, context
+        self.env_time_s, self.tokens_per_s = 0.0, 0.0  # the last sample's: env seconds per episode, tokens/s
+
+    def work(self, episodes: int, max_new_tokens: int) -> float:
+        """The scheduler's work estimate of `episodes` episodes (episode_work), their tool time
+        the environment's time the last call's (none before the first)."""
+        return episode_work(episodes, max_new_tokens, self.limits.max_turns, self.limits.max_tokens,
+                            self.env_time_s, self.tokens_per_s)
 
     def start(self, row: dict, prompt) -> EpisodeState:
         st = EpisodeState(self.spec.make(), self.renderer, self.family, row, prompt, self.limits)
@@ -98,11 +108,15 @@ class EpisodeRunner:
             else:  # reset(row) made different starts: one each
                 starts += [st.start_ids for st in group]
                 sps += [SamplingParams(n=1, seed=sample_seed(s_g, j), **sp) for j in range(n)]
+        t0 = time.perf_counter()
         eps = llm.run_episodes(starts, sps, lambda i, ids, fr: states[i].on_turn(ids, fr),
                                max_workers=self.max_workers, max_turns=self.limits.max_turns,
                                max_episode_tokens=self.limits.max_tokens, **(generate_kw or {}))
         if len(eps) != len(states):
             raise RuntimeError(f"the engine returned {len(eps)} episodes, expected {len(states)}")
+        if states:
+            self.env_time_s = sum(getattr(ep, "env_time_s", 0.0) for ep in eps) / len(eps)
+            self.tokens_per_s = sum(len(ep.ids) for ep in eps) / max(time.perf_counter() - t0, 1e-9)
         return [self._sample(group_offset + k // n, rows[k // n], st, ep)
                 for k, (st, ep) in enumerate(zip(states, eps))]
 
@@ -136,6 +150,31 @@ class EpisodeRunner:
             stats["error"] = f"reward: {describe(e)}"
             return math.nan
         return r if math.isfinite(r) else math.nan
+
+
+def episode_work(episodes: int, max_new_tokens: int, max_turns: int | None, max_tokens: int | None,
+                 env_time_s: float = 0.0, tokens_per_s: float = 0.0) -> float:
+    """The scheduler's estimate of a rollout of `episodes` episodes, in its unit for completions
+    (tokens decoded, the most a step may make: prompts x group x max_new_tokens), so that episode
+    jobs and completion jobs weigh alike in its split of spare devices:
+
+        episodes x (model + PREFILL_WORK x environment tokens) + env_time_s x tokens_per_s
+
+    - model tokens: max_turns turns of max_new_tokens, within max_tokens (the episode's tokens,
+      model's and environment's); the environment's: the rest of max_tokens, which they may fill
+      (the most work, since a prefilled token costs less than a decoded one). A decoded token
+      takes a step of its own; an environment token is one of a prefill chunk's, whose weights
+      are read once for the chunk, so at the batch sizes of a rollout it costs a fraction of a
+      decode step's share: PREFILL_WORK = 1/8 is a round figure of that, not a measurement.
+    - the environment's wait: the mean seconds an episode waited for its tools or the
+      environment's step in the last step (`env_time_s`, the engine's on_turn time) at the
+      rollout's rate (`tokens_per_s`, all episodes' tokens over its wall time), as if each
+      waiting episode held its decode slot idle; 0 before a step.
+    Without max_turns or max_tokens the bound is the one a limit left gives."""
+    turns = max(1, max_turns or 1)
+    model = turns * max_new_tokens if max_tokens is None else min(turns * max_new_tokens, max_tokens)
+    env = 0 if max_tokens is None or turns == 1 else max_tokens - model
+    return float(episodes * (model + PREFILL_WORK * env) + max(env_time_s, 0.0) * max(tokens_per_s, 0.0))
 
 
 def overlong_lengths(samples: list[Sample], max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

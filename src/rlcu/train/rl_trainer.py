@@ -260,8 +260,12 @@ class RLTrainer(Trainer):
                 self.llm.sleep(keep_graphs=True)
 
     def _rollout_work(self) -> float:
-        """Tokens one step's rollout may generate (the scheduler's work estimate)."""
+        """Tokens one step's rollout may generate (the scheduler's work estimate); episodes:
+        their turns' tokens, the environment's prefilled ones and the tools' wait
+        (episodes.episode_work)."""
         c = self.cfg
+        if self.episodes is not None:
+            return self.episodes.work(c.prompts_per_step * c.group_size, c.max_new_tokens)
         return float(c.prompts_per_step * c.group_size * c.max_new_tokens)
 
     # ---------------------------------------------------------------- evaluation
