@@ -207,3 +207,37 @@ def test_hosted_multi_turn_jobs_equal_each_alone_exact_mode(tmp_path):
         assert torch.equal(j.trainer.model.lora.flat, tr.model.lora.flat), i
         keys = ("loss", "reward", "grad_norm", "episodes/turns", "episodes/turns_max")
         assert [[h.get(k) for k in keys] for h in j.history] == [[h.get(k) for k in keys] for h in tr.history], i
+
+
+def test_a_job_joins_a_running_host_and_equals_itself_alone(tmp_path):
+    """Job 1 joins the host while job 0 is stepping (queued from job 0's second reward call, taken
+    between rounds): its adapter becomes an engine slot of its own, it runs its steps beside job
+    0's, its on_end gets its status, and both jobs' adapters are bit for bit those of each run
+    alone (exact mode). A join refused by check_jobs ends with status 2; once the host ended,
+    join raises HostClosed."""
+    from rlcu.train.lora_host import HostClosed
+
+    a, tok = job(tmp_path, 0, "j", exact=True, steps=4)
+    b, _ = job(tmp_path, 1, "j", exact=True, steps=2)
+    bad, _ = job(tmp_path, 2, "j", steps=2)  # another exact mode: refused
+    ended, calls = [], [0]
+
+    def joining(*args, **kw):
+        calls[0] += 1
+        if calls[0] == 2:
+            host.join(b, ROWS, [first_is_even], tokenizer=tok, name="b", on_end=ended.append)
+            host.join(bad, ROWS, [first_is_even], tokenizer=tok, name="bad", on_end=ended.append)
+        return first_is_even(*args, **kw)
+
+    host = LoraHost([a], [ROWS], [[joining]], tokenizers=[tok], names=["a"])
+    jobs = host.train()
+    assert [j.name for j in jobs] == ["a", "b"] and [j.status for j in jobs] == [0, 0]
+    assert sorted((j.name, j.status) for j in ended) == [("b", 0), ("bad", 2)]
+    assert "exact" in str(next(j for j in ended if j.name == "bad").error)
+    assert len(jobs[1].history) == 2 and jobs[1].trainer.model.flat.data_ptr() == host.base.flat.data_ptr()
+    with pytest.raises(HostClosed):
+        host.join(b, name="late")
+    for i, j in enumerate(jobs):
+        tr, _ = alone(tmp_path, i, exact=True, steps=4 if i == 0 else 2)
+        assert torch.equal(j.trainer.model.lora.flat, tr.model.lora.flat), j.name
+        assert losses(j.history) == losses(tr.history), j.name

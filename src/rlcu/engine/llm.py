@@ -223,6 +223,19 @@ class LLM:
         self.runner.set_lora(engine_lora.LoraSlots(self.model, named, self._lora_live | {engine_lora.MODEL})
                              if named else None)
 
+    def add_lora(self, name: str, adapter) -> None:
+        """Serve one more named adapter (a PEFT folder or a live LoraAdapters, as LLM(lora=...)
+        takes them) from the next call on: the slots are built again (and the graphs with them).
+        A LoRA host's job that joins a running host (train/lora_host.py) is added so."""
+        if name in self.adapters:
+            raise ValueError(f"LLM.add_lora: this engine already serves an adapter named {name!r}")
+        added, _, live = engine_lora.resolve({name: adapter}, self.model)
+        self.adapters.update(added)
+        self._lora_live |= live
+        self.runner.set_lora(None)
+        self._lora_model = None
+        self._sync_lora()
+
     def lora_names(self) -> list[str]:
         """The adapters a request may name ("base": none)."""
         return [engine_lora.BASE] + (self.runner.lora.names if self.runner.lora is not None else [])

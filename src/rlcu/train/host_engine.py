@@ -60,7 +60,8 @@ class HostEngine:
         if ad is None:
             raise ValueError(f"job {name!r}: a LoRA host's job needs a lora: section (lora.r > 0 or lora.path)")
         j = self.names.index(name)
-        if self.slab is not None and self.slab.shape[1] == ad.layout.numel and ad.flat.dtype == self.slab.dtype:
+        if (self.slab is not None and j < self.slab.shape[0] and self.slab.shape[1] == ad.layout.numel
+                and ad.flat.dtype == self.slab.dtype):
             row = self.slab[j]
             row.copy_(ad.flat)
             moved = LoraAdapters(ad.layout.model_cfg, ad.cfg, row)
@@ -75,6 +76,18 @@ class HostEngine:
         kw = dict(engine_kw, lora={n: self.adapters[n] for n in self.names if n in self.adapters})
         self.llm = LLM(self.model, **kw)
         self.llm.sleep(keep_graphs=True)  # its pool is taken back by the first rollout
+
+    def add(self, name: str) -> None:
+        """A job joining the running engine (LoraHost.join): its name, before its trainer is built
+        (its adapter keeps its own buffer: the slab's rows are the first jobs'); `serve_added`
+        then serves the adapter it adopted."""
+        if name in self.names:
+            raise ValueError(f"job {name!r} is already in this host")
+        self.names.append(name)
+
+    def serve_added(self, name: str) -> None:
+        """The joined job's adopted adapter, served from the next call on (the slots rebuilt)."""
+        self.llm.add_lora(name, self.adapters[name])
 
     @property
     def in_place(self) -> bool:

@@ -21,6 +21,14 @@ arithmetic is the one it does alone. In exact mode a hosted job's adapters are b
 of the same job run alone (the engine's kernels are batch invariant and its sampling is seeded
 per sequence); in the default mode they are close (the engine's batch-dependent sums).
 
+Joining. `join(config, ...)` (from any thread; under a scheduler, rlcu.sched.host's join channel)
+queues a job on the same base; between two rounds the host checks it (check_jobs' rules against
+its first job), builds its trainer over the shared base, adds its adapter to the engine (as a
+slot of its own: the slab's rows are the first jobs', so the engine copies the adapters once a
+call from then on) and gives it turns from the next round on; in exact mode a joined job's
+adapters are still bit for bit those of the job run alone. The host ends (and refuses joins:
+HostClosed) once its last job ended and none is queued.
+
 A job that ends (done, or failed: a reward that raises, too many non-finite steps, an error)
 leaves; the others go on. Its status is the one `rlcu grpo` gives alone (rlcu.train.core
 exit_status: 0, 1, 2, 74, 128 + N) and the host's is the worst (the largest) of them. A signal
@@ -70,6 +78,7 @@ class HostedJob:
     pending: tuple | None = None  # ("generate" | "episodes", arguments) it waits on the engine for
     result: object = None
     thread: threading.Thread | None = None
+    on_end: object = None  # a joined job's callback, called with the job once it ended (LoraHost.join)
 
     @property
     def done(self) -> bool:
@@ -107,6 +116,10 @@ def check_jobs(jobs: list[HostedJob]) -> None:
             raise ConfigError("log.out_dir", f"{out} is also {_where(outs[out])}'s: each job needs a run folder "
                                              f"of its own", _where(job))
         outs[out] = job
+
+
+class HostClosed(RuntimeError):
+    """LoraHost.join after the host's last job ended (or it was stopped): start a host of your own."""
 
 
 class _HostHooks(Hooks):
@@ -153,6 +166,10 @@ class LoraHost:
         self.signum: int | None = None
         self._cv = threading.Condition()
         self._turn: str | None = None
+        self._jlock = threading.Lock()
+        self._joins: list[tuple[HostedJob, tuple]] = []  # jobs queued by join, taken between steps
+        self.closed = False  # no more joins: the last job ended
+        self.on_join = None  # called with a joined job once built (rlcu.sched.host grows the host's lease)
         c0 = self.jobs[0].cfg
         self.base = build_model(c0.model)
         self.base.exact = c0.exact
@@ -191,6 +208,73 @@ class LoraHost:
             kw["num_kv_blocks"] = sum(k["num_kv_blocks"] for k in kws)
         kw["max_num_seqs"] = min(sum(k["max_num_seqs"] for k in kws), sizing.HOST_MAX_SEQS)
         return kw
+
+    # ---------------------------------------------------------------- joining
+    def join(self, config, dataset=None, reward_fns=None, *, tokenizer=None, name: str | None = None,
+             source: str | None = None, on_end=None) -> HostedJob:
+        """Queue a job (a GRPO config, a dict or a YAML path, and what GRPOTrainer takes) to join
+        this host between two steps; from any thread. The host checks it as check_jobs does
+        (against its first job: the same base, exact mode and engine section; a run folder of its
+        own), builds its trainer over the shared base (in an `init` phase), adds its adapter to the
+        engine, and runs it from the next round on; `on_end(job)` is called once it ended (its
+        status as `rlcu grpo` gives it alone: 2 when refused). Raises HostClosed once the host's
+        last job ended."""
+        cfg = coerce_config(GRPOConfig, config)
+        with self._jlock:
+            if self.closed:
+                raise HostClosed("this LoRA host has ended: its jobs are done")
+            taken = {j.name for j in self.jobs} | {j.name for j, _ in self._joins}
+            name = name or job_names([source if source is not None else config])[0]
+            while name in taken:
+                name += "+"
+            job = HostedJob(name, cfg, source if source is not None else _source(config), on_end=on_end)
+            self._joins.append((job, (dataset, reward_fns, tokenizer)))
+        return job
+
+    def _take_joins(self) -> list[HostedJob]:
+        """The jobs queued by join, each checked, built and started (module docstring)."""
+        with self._jlock:
+            todo, self._joins = self._joins, []
+        out = []
+        for job, (dataset, reward_fns, tokenizer) in todo:
+            if self.stop is not None:
+                job.status, job.error = 128 + (self.signum or 15), HostClosed(f"the host {self.stop}")
+                self._ended(job)
+                continue
+            try:
+                check_jobs([*self.jobs, job])
+            except ConfigError as e:
+                job.status, job.error = 2, e
+                print(f"rlcu grpo [{job.name}]: {e}", file=sys.stderr)
+                self._ended(job)
+                continue
+            self.jobs.append(job)
+            self.engine.add(job.name)
+            with self.hooks.phase("init"):
+                self._build(job, dataset, reward_fns, tokenizer)
+                if job.trainer is not None:
+                    self.engine.serve_added(job.name)
+            if job.trainer is None:
+                self._ended(job)
+                continue
+            if self.on_join is not None:
+                self.on_join(job)
+            self._start(job)
+            out.append(job)
+        return out
+
+    def _ended(self, job: HostedJob) -> None:
+        cb, job.on_end = job.on_end, None
+        if cb is not None:
+            cb(job)
+
+    def _close(self) -> bool:
+        """No more joins once none is queued; False when one is (the loop takes it first)."""
+        with self._jlock:
+            if self._joins:
+                return False
+            self.closed = True
+            return True
 
     # ---------------------------------------------------------------- turns
     def request(self, name: str, kind: str, *args):
@@ -256,14 +340,21 @@ class LoraHost:
         its status, history and error."""
         live = [j for j in self.jobs if j.trainer is not None and j.status is None]
         for j in live:
-            j.thread = threading.Thread(target=self._body, args=(j,), name=f"lora-host:{j.name}", daemon=True)
-            j.thread.start()
+            self._start(j)
         with SignalGuard() as sig:
-            while live:
+            while True:
+                live += self._take_joins()
+                if not live:
+                    if self._close():
+                        break
+                    continue
                 for j in live:
                     self._give_turn(j)
                     if sig.signum and self.stop is None:
                         self.stop, self.signum = f"received {sig.name}", sig.signum
+                for j in live:
+                    if j.done:
+                        self._ended(j)
                 live = [j for j in live if not j.done]
                 waiting = [j for j in live if j.pending is not None]
                 if waiting:
@@ -272,6 +363,10 @@ class LoraHost:
             if j.thread is not None:
                 j.thread.join()
         return self.jobs
+
+    def _start(self, job: HostedJob) -> None:
+        job.thread = threading.Thread(target=self._body, args=(job,), name=f"lora-host:{job.name}", daemon=True)
+        job.thread.start()
 
     @property
     def status(self) -> int:
