@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -223,7 +224,9 @@ class RewardSet:
         self.last_metrics, self.last_extra = {}, {}
         for f in self.fns:
             if f.model is not None:
+                t0 = time.perf_counter()
                 vals, fails, note, logs = self._score_model(f, batch, sequence_ids, n)
+                self.last_metrics[f"time/reward/{f.name}"] = time.perf_counter() - t0
             else:
                 vals, fails, note, logs = self._score(f, batch, trainer_state, n)
             ok = ~torch.isnan(vals)
