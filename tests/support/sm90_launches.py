@@ -244,7 +244,7 @@ def calls():
     yield "decode_qkv", heuristic_tiles(fused_qkv)
 
     def lora():  # the grouped LoRA products at decode's and prefill's tiles (8B's qkv slices, r = 64)
-        from rlcu.ops.lora import lora_expand, lora_shrink
+        from rlcu.ops.lora import lora_apply, lora_expand, lora_shrink
 
         n, r, N = 8, 64, (Hq + 2 * Hk) * D
         a, b = torch.randn(n, 3 * r, H).to(bf), torch.randn(n, N, r).to(bf)
@@ -253,6 +253,8 @@ def calls():
             idx = torch.zeros(M, dtype=torch.int32)
             h = lora_shrink(torch.randn(M, H).to(bf), a, idx, idx)
             lora_expand(h, b, idx, torch.randn(M, N).to(bf), torch.ones(n), sl, idx)
+            # H = 2 splits: up to fuse_max_t rows the expand adds the partials (S = 2), past it the reduce's h
+            lora_apply(torch.randn(M, H).to(bf), a, b, idx, torch.randn(M, N).to(bf), torch.ones(n), sl, idx)
         b8 = b[:, :, :8].contiguous()  # r = 8: a tail under the MMA's 16, one tiling for every T
         lora_expand(h[:, :8].contiguous(), b8, idx, torch.randn(1024, N).to(bf), torch.ones(n))
 

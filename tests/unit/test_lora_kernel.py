@@ -8,7 +8,10 @@ The `gpu` tests: the decode tiles against prefill's on the device, and a CUDA gr
 import pytest
 import torch
 
+from rlcu.ops import lora
 from rlcu.ops.lora import (
+    lora_apply,
+    lora_apply_triton,
     lora_expand,
     lora_expand_ref,
     lora_expand_triton,
@@ -160,6 +163,27 @@ def test_fp32_operands_and_dispatch(monkeypatch):
     assert _rel(lora_shrink(x, a, idx), _ref_h(x, a, idx)) < 1e-6
     assert _rel(lora_expand(h, b, idx, y.clone(), scale, slices), want) < 1e-6
     assert lora_shrink(x[:0], a, idx[:0]).shape == (0, 16)
+
+
+def test_apply_is_shrink_then_expand_bit_for_bit(monkeypatch):
+    """lora_apply, shrink then expand with the split partials added by the expand (K = 200: four
+    splits under the interpreter), or by the reduce past fuse_max_t rows: the two ops' bits, in
+    any row order; the twin path the twins'; the checks of both ops."""
+    x, a, b, idx, scale, y, slices = _case(37, 200, 16, (56, 40), 3, seed=9)
+    order = idx.argsort(stable=True).to(torch.int32)
+    want = lora_expand_triton(lora_shrink_triton(x, a, idx), b, idx, y.clone(), scale, slices)
+    for fuse in (256, 8):
+        monkeypatch.setitem(lora._INTERPRET, "fuse_max_t", fuse)
+        yk = y.clone()
+        assert lora_apply_triton(x, a, b, idx, yk, scale, slices) is yk
+        assert torch.equal(yk, want), fuse
+        assert torch.equal(lora_apply_triton(x, a, b, idx, y.clone(), scale, slices, order), want), fuse
+    twin = lora_expand_ref(lora_shrink_ref(x, a, idx), b, idx, y.clone(), scale, slices)
+    assert torch.equal(lora_apply(x, a, b, idx, y.clone(), scale, slices), twin)
+    with pytest.raises(ValueError, match="need h"):
+        lora_apply(x, a, b, idx, y, scale, ((0, 40),))
+    with pytest.raises(ValueError, match="idx must be int32"):
+        lora_apply(x, a, b, idx.long(), y, scale, slices)
 
 
 def test_checks_name_the_argument():

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from rlcu.model.lora import HF_TARGETS, LoraAdapters, LoraConfig, LoraLayout
-from rlcu.ops.lora import lora_expand, lora_shrink
+from rlcu.ops.lora import lora_apply
 
 BASE = "base"  # the request-level name of "no adapter"
 DEFAULT = "default"  # the name of the one adapter LLM(lora=PATH or LoraAdapters) serves
@@ -130,7 +130,8 @@ def _shared_slab(sources: list[LoraAdapters], layout: LoraLayout, model) -> torc
 class LoraStep:
     """model/layer.py's `lora` for one engine step: after each adapted linear, y += scale[s]
     (x A_s^T) B_s^T for each row's slot s = idx[row] (none where idx is -1), by the grouped
-    kernels in one shrink and one expand launch for the whole mixed batch.
+    kernels in one shrink and one expand launch for the whole mixed batch (ops/lora.py's
+    lora_apply).
 
     With more than one slot the step's rows are grouped by slot once (`order`, a stable argsort
     of idx on the device, inside the graphs), which every module's launches share: a kernel tile
@@ -149,8 +150,7 @@ class LoraStep:
         a = s.a.get(key)
         if a is None:
             return
-        h = lora_shrink(x, a, self.idx, self.order)
-        lora_expand(h, s.b[key], self.idx, y, s.scale, s.slices[key], self.order)
+        lora_apply(x, a, s.b[key], self.idx, y, s.scale, s.slices[key], self.order)
 
 
 _SHAPE = ("family", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",

@@ -5,7 +5,7 @@ in place, slice by slice of the fused module (model/lora.py's layout). The engin
 object of the same protocol (the grouped multi-adapter kernels of ops/lora.py over a batch's
 per-sequence adapter index); this one is the trainer's, for one adapter set:
 - default mode: cuBLAS GEMMs;
-- exact mode: ops/lora.py's grouped kernels (`lora_shrink`, `lora_expand`) with every row on
+- exact mode: ops/lora.py's grouped kernels (`lora_apply`: shrink then expand) with every row on
   adapter 0, the launches the engine makes, so that the trainer's forward and the engine's agree
   bit for bit (their batch invariance is the kernels').
 
@@ -28,7 +28,7 @@ import torch
 from rlcu.model.lora import MODULES, LoraAdapters, ModuleSpec
 from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.dropout import dropout_mask
-from rlcu.ops.lora import lora_expand, lora_shrink
+from rlcu.ops.lora import lora_apply
 
 
 class LoraRun:
@@ -64,7 +64,7 @@ class LoraRun:
         if self.exact and not self.p:  # dropout has no engine twin: it makes no exact forward
             idx = torch.zeros(x.shape[0], device=x.device, dtype=torch.int32)
             scale = torch.full((1,), self.scale, device=x.device, dtype=torch.float32)
-            lora_expand(lora_shrink(x, A[None], idx), B[None], idx, y, scale, sp.slices)
+            lora_apply(x, A[None], B[None], idx, y, scale, sp.slices)
             return
         h, r = self._shrink(sp, i, x, A), self.r
         for j, (c0, c1) in enumerate(sp.slices):

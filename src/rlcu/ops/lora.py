@@ -18,9 +18,10 @@ every layer): the tiles then take the rows order[m0 : m0 + BM], gathered and sca
 
 Batch invariance, by construction (exact mode rests on it): a row's sums depend on its own x, h
 and adapter alone. Shrink walks K in a fixed split (K_SPLIT a function of K only, never of T)
-of fixed BK steps into one fp32 accumulator per split, the splits' partials then added in split
-order (`_reduce_kernel`); expand sums the r terms of a row in one chain. The row and column tiles
-follow T (a row's sums are the same under any of them where the reduced dim has no tail, as
+of BK steps into one fp32 accumulator per split, the splits' partials then added in split order
+(`_reduce_kernel`, or the expand itself: `lora_apply`, one launch fewer, the same adds in the same
+order); expand sums the r terms of a row in one chain. The row and column tiles follow T (a
+row's sums are the same under any of them where the reduced dim has no tail, as
 matmul_invariant measured for its tiles; with a tail, one tiling serves every T).
 
 Precision and rounding, kernel and twin alike:
@@ -49,16 +50,23 @@ else:  # pragma: no cover - the kernels are never launched without triton
     dot_invariant = None
 
 MAX_SLICES = 4
-K_SPLIT = 512  # shrink's K per split, for every T (the splits' order is part of a row's bits)
-BK = 128  # shrink's K step (bf16: 256-byte rows of x and a)
-# (BM, BR, warps, stages) of shrink and (BM, BN, warps, stages) of expand, by T: decode's few
-# rows in 16-row tiles (mma.sync) with narrow R / N tiles, so that T = 1 still spreads a's and
-# b's bytes over many SMs; prefill's in 64-row tiles (warpgroup MMAs, a and b re-read from L2 a
-# quarter as often)
-DECODE_MAX_T = 256
-SHRINK = {"decode": (16, 16, 4, 4), "prefill": (64, 64, 4, 3)}
-EXPAND = {"decode": (16, 64, 4, 2), "prefill": (64, 128, 8, 2)}
-_INTERPRET = {"k_split": 64, "bk": 32, "shrink": (16, 16, 4, 1), "expand": (16, 16, 4, 1)}
+# K_SPLIT: shrink's K per split, for every T (the splits' order is part of a row's bits).
+# tiles: rows (max T or None, shrink's (BK, BM, BR, warps, stages), expand's (BM, BN, warps,
+# stages)); a T takes the first row whose max T is not below it. Decode's few rows in 16-row
+# tiles (mma.sync) with narrow R / N tiles, so that T = 1 still spreads a's and b's bytes over
+# many SMs; prefill's in 64-row tiles (warpgroup MMAs, a and b re-read from L2 a quarter as
+# often). BK (bf16: 256-byte rows of x and a) may follow T only where bench/kernel_tune.py found
+# the candidate's h bit-equal to the default's (the tensor cores chain K in 16-wide steps).
+# fuse_max_t: lora_apply's expand adds shrink's split partials itself (no reduce launch) up to
+# this T; past it the one reduce pass is cheaper than each column tile re-reading S partials.
+CONFIGS = {
+    "k_split": 512,
+    "tiles": ((16, (128, 16, 16, 4, 4), (16, 64, 4, 2)),
+              (256, (128, 16, 16, 4, 4), (16, 64, 4, 2)),
+              (None, (128, 64, 64, 4, 3), (64, 128, 8, 2))),
+    "fuse_max_t": 256,
+}
+_INTERPRET = {"k_split": 64, "tiles": ((None, (32, 16, 16, 4, 1), (16, 16, 4, 1)),), "fuse_max_t": 256}
 _REF_ELEMS = 1 << 22  # the twins' [rows, cols, K] product block, at most
 
 
@@ -159,11 +167,12 @@ def _slice_bounds(sl, C0, C1, C2, C3, C4, C5, C6, C7):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _expand_kernel(H, B, IDX, ORDER, SCALE, Y, T, r, stride_h, stride_bn, stride_bc, stride_y,
+def _expand_kernel(H, B, IDX, ORDER, SCALE, Y, T, r, S, stride_h, stride_hs, stride_bn, stride_bc, stride_y,
                    C0, C1, C2, C3, C4, C5, C6, C7, HAS_ORDER: tl.constexpr, SPLIT_H: tl.constexpr,
                    IEEE: tl.constexpr, INTERP: tl.constexpr, RNE_B: tl.constexpr, RNE_Y: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
-    # grid (row tiles, column tiles of the widest slice, slices)
+    # grid (row tiles, column tiles of the widest slice, slices); H holds S split partials of h
+    # (stride_hs apart), added here in split order as _reduce_kernel adds them (S = 1: h itself)
     sl = tl.program_id(2)
     c0, c1 = _slice_bounds(sl, C0, C1, C2, C3, C4, C5, C6, C7)
     n0 = c0 + tl.program_id(1) * BN
@@ -173,8 +182,11 @@ def _expand_kernel(H, B, IDX, ORDER, SCALE, Y, T, r, stride_h, stride_bn, stride
         cmask = cols < c1
         offs_k = tl.arange(0, BR)
         kmask = offs_k < r
-        h = tl.load(H + rows[:, None] * stride_h + sl * r + offs_k[None, :], mask=mmask[:, None] & kmask[None, :],
-                    other=0.0)  # [BM, BR] fp32
+        hp = H + rows[:, None] * stride_h + sl * r + offs_k[None, :]
+        hmask = mmask[:, None] & kmask[None, :]
+        h = tl.load(hp, mask=hmask, other=0.0)  # [BM, BR] fp32
+        for q in range(1, S):
+            h += tl.load(hp + q * stride_hs, mask=hmask, other=0.0)
         if SPLIT_H:  # h = hi + lo to about 16 bits, both in b's dtype (module docstring)
             hi = _to(h, B.dtype.element_ty, RNE_B)
             lo = _to(h - hi.to(tl.float32), B.dtype.element_ty, RNE_B)
@@ -198,72 +210,95 @@ def _expand_kernel(H, B, IDX, ORDER, SCALE, Y, T, r, stride_h, stride_bn, stride
         tl.store(yp, _to(y + acc, Y.dtype.element_ty, RNE_Y), mask=omask)
 
 
-def _phase(T: int, reduced_tail: bool) -> str:
-    # decode's tiles or prefill's; a reduced dim with a tail keeps one tiling for every T
-    return "decode" if T <= DECODE_MAX_T or reduced_tail else "prefill"
+def _tiles(T: int, reduced_tail: bool) -> tuple:
+    # the tiles row of T; a reduced dim with a tail keeps the first row for every T
+    rows = (_INTERPRET if interpreting() else CONFIGS)["tiles"]
+    return rows[0] if reduced_tail else next(row for row in rows if row[0] is None or T <= row[0])
 
 
 def shrink_config(T: int, K: int) -> tuple:
-    """(K_SPLIT, BK, BM, BR, warps, stages) of an T-row shrink over K (K_SPLIT and BK never depend on T)."""
-    if interpreting():
-        return (_INTERPRET["k_split"], _INTERPRET["bk"], *_INTERPRET["shrink"])
-    return (K_SPLIT, BK, *SHRINK[_phase(T, K % BK != 0)])
+    """(K_SPLIT, BK, BM, BR, warps, stages) of a T-row shrink over K (K_SPLIT never depends on T)."""
+    k_split = (_INTERPRET if interpreting() else CONFIGS)["k_split"]
+    return (k_split, *_tiles(T, K % 128 != 0)[1])
 
 
 def expand_config(T: int, r: int) -> tuple:
     """(BM, BN, BR, warps, stages) of a T-row expand of rank r (BR: r padded to a power of two >= 16)."""
-    BR = max(16, triton.next_power_of_2(r))
-    if interpreting():
-        return (*_INTERPRET["expand"][:2], BR, *_INTERPRET["expand"][2:])
-    BM, BN, warps, stages = EXPAND[_phase(T, r % 16 != 0)]
-    return BM, BN, BR, warps, stages
+    BM, BN, warps, stages = _tiles(T, r % 16 != 0)[2]
+    return BM, BN, max(16, triton.next_power_of_2(r)), warps, stages
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def lora_shrink_triton(x, a, idx, order=None):
+def _shrink_partials(x, a, idx, order):
+    # shrink's launch -> (p [S, T, R] fp32, the S split partials (h itself when S = 1), S)
     T, K = x.shape
-    n, R, _ = a.shape
-    h = torch.empty(T, R, device=x.device, dtype=torch.float32)
-    if T == 0:
-        return h
+    R = a.shape[1]
     x, a = _rows(x), _rows(a)
     k_split, bk, BM, BR, warps, stages = shrink_config(T, K)
     S = triton.cdiv(K, k_split)
-    p = h if S == 1 else torch.empty(S, T, R, device=x.device, dtype=torch.float32)
+    p = torch.empty(S, T, R, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(T, BM), triton.cdiv(R, BR), S)
     _shrink_kernel[grid](x, a, idx, order if order is not None else idx, p, T, K, R, k_split, x.stride(0),
                          a.stride(0), a.stride(1), R, T * R, HAS_ORDER=order is not None,
                          IEEE=x.dtype == torch.float32, BY_SUM=interpreting(), BM=BM, BR=BR, BK=bk,
                          num_warps=warps, num_stages=stages)
-    if S > 1:
-        BLOCK = 1024
-        _reduce_kernel[(triton.cdiv(T * R, BLOCK),)](p, h, T * R, S, T * R, BLOCK=BLOCK, num_warps=4)
+    return p, S
+
+
+def _reduce(p, S):
+    # h [T, R] = the S partials added in split order
+    if S == 1:
+        return p[0]
+    h = torch.empty(p.shape[1:], device=p.device, dtype=torch.float32)
+    BLOCK = 1024
+    _reduce_kernel[(triton.cdiv(h.numel(), BLOCK),)](p, h, h.numel(), S, h.numel(), BLOCK=BLOCK, num_warps=4)
     return h
 
 
-def lora_expand_triton(h, b, idx, y, scale, slices=None, order=None):
-    T = h.shape[0]
-    r = b.shape[2]
-    if T == 0:
-        return y
+def lora_shrink_triton(x, a, idx, order=None):
+    if x.shape[0] == 0:
+        return torch.empty(0, a.shape[1], device=x.device, dtype=torch.float32)
+    return _reduce(*_shrink_partials(x, a, idx, order))
+
+
+def _expand(p, S, b, idx, y, scale, slices, order):
+    # y += the expand of h = the S partials p [S, T, R] (or h [T, R] itself, S = 1)
+    T, r = y.shape[0], b.shape[2]
     if y.stride(1) != 1:
         raise ValueError("lora_expand: y must have a unit column stride (it is updated in place)")
-    h, b = _rows(h), _rows(b)
+    b = _rows(b)
     slices = _slices(slices, y.shape[1])
     BM, BN, BR, warps, stages = expand_config(T, r)
     widest = max(c1 - c0 for c0, c1 in slices)
     bounds = [c for s in slices for c in s] + [0, 0] * (MAX_SLICES - len(slices))
     grid = (triton.cdiv(T, BM), triton.cdiv(widest, BN), len(slices))
-    _expand_kernel[grid](h, b, idx, order if order is not None else idx, scale, y, T, r, h.stride(0), b.stride(0),
-                         b.stride(1), y.stride(0), *bounds, HAS_ORDER=order is not None,
-                         SPLIT_H=b.dtype != torch.float32, IEEE=b.dtype == torch.float32, INTERP=interpreting(),
+    _expand_kernel[grid](p, b, idx, order if order is not None else idx, scale, y, T, r, S, p.stride(-2),
+                         p.stride(0) if S > 1 else 0, b.stride(0), b.stride(1), y.stride(0), *bounds,
+                         HAS_ORDER=order is not None, SPLIT_H=b.dtype != torch.float32,
+                         IEEE=b.dtype == torch.float32, INTERP=interpreting(),
                          RNE_B=interpreting() and b.dtype == torch.bfloat16,
                          RNE_Y=interpreting() and y.dtype == torch.bfloat16,
                          BM=BM, BN=BN, BR=BR, num_warps=warps, num_stages=stages)
     return y
+
+
+def lora_expand_triton(h, b, idx, y, scale, slices=None, order=None):
+    if h.shape[0] == 0:
+        return y
+    return _expand(_rows(h), 1, b, idx, y, scale, slices, order)
+
+
+def lora_apply_triton(x, a, b, idx, y, scale, slices=None, order=None):
+    T = x.shape[0]
+    if T == 0:
+        return y
+    p, S = _shrink_partials(x, a, idx, order)
+    if T > (_INTERPRET if interpreting() else CONFIGS)["fuse_max_t"]:
+        p, S = _reduce(p, S), 1
+    return _expand(p, S, b, idx, y, scale, slices, order)
 
 
 def _blocks(T: int, cols: int, k: int):
@@ -327,18 +362,40 @@ def _check_float(name, **ts):
             raise TypeError(f"{name}: {k} must be bfloat16 or float32, got {t.dtype}")
 
 
-@dispatch(lora_shrink_triton, lora_shrink_ref, on="x")
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K], a [n, R, K] (the n adapters' A of one module, slices stacked: R = S r), idx [T]
-    int32 (an adapter, or -1) -> h [T, R] fp32, h[t] = x[t] a[idx[t]]^T, 0 where idx is -1.
-    order: None, or an int32 permutation of the rows that groups them by adapter (speed only:
-    the bits are the same)."""
+def _check_shrink(x, a, idx, order):
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(f"lora_shrink: x must be [T, K] and a [n, R, K], got {list(x.shape)} and {list(a.shape)}")
     if x.dtype != a.dtype:
         raise TypeError(f"lora_shrink: x and a must share a dtype, got {x.dtype} and {a.dtype}")
     _check_float("lora_shrink", x=x)
     _check_rows("lora_shrink", idx, order, x.shape[0])
+
+
+def _check_expand(h_shape, h_dtype, b, idx, y, scale, slices, order):
+    T, n, N, r = h_shape[0], b.shape[0], y.shape[1] if y.dim() == 2 else -1, b.shape[-1]
+    if len(h_shape) != 2 or h_dtype != torch.float32:
+        raise ValueError(f"lora_expand: h must be fp32 [T, R], got {h_dtype} {list(h_shape)}")
+    if b.dim() != 3 or y.shape != (T, b.shape[1]):
+        raise ValueError(f"lora_expand: b must be [n, N, r] and y [T, N], got {list(b.shape)} and {list(y.shape)}")
+    _check_float("lora_expand", b=b, y=y)
+    if scale.shape != (n,) or scale.dtype != torch.float32:
+        raise ValueError(f"lora_expand: scale must be fp32 [{n}], got {scale.dtype} {list(scale.shape)}")
+    sl = _slices(slices, N)
+    if not 1 <= len(sl) <= MAX_SLICES or h_shape[1] != len(sl) * r:
+        raise ValueError(f"lora_expand: {len(sl)} slices (1 to {MAX_SLICES}) of rank {r} need h [T, {len(sl) * r}], "
+                         f"got {list(h_shape)}")
+    if any(not 0 <= c0 < c1 <= N for c0, c1 in sl):
+        raise ValueError(f"lora_expand: slices must be column ranges 0 <= c0 < c1 <= {N}, got {sl}")
+    _check_rows("lora_expand", idx, order, T)
+
+
+@dispatch(lora_shrink_triton, lora_shrink_ref, on="x")
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K], a [n, R, K] (the n adapters' A of one module, slices stacked: R = S r), idx [T]
+    int32 (an adapter, or -1) -> h [T, R] fp32, h[t] = x[t] a[idx[t]]^T, 0 where idx is -1.
+    order: None, or an int32 permutation of the rows that groups them by adapter (speed only:
+    the bits are the same)."""
+    _check_shrink(x, a, idx, order)
 
 
 @dispatch(lora_expand_triton, lora_expand_ref, on="h")
@@ -349,18 +406,18 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, y: torch.Te
     ((c0, c1), ...) of y (None: one, all N columns) -> y[t, c0_j:c1_j] += scale[idx[t]]
     h[t, j r:(j+1) r] b[idx[t], c0_j:c1_j]^T, rounded once into y (module docstring); rows
     with idx -1 unchanged. order: as lora_shrink's."""
-    T, n, N, r = h.shape[0], b.shape[0], y.shape[1] if y.dim() == 2 else -1, b.shape[-1]
-    if h.dim() != 2 or h.dtype != torch.float32:
-        raise ValueError(f"lora_expand: h must be fp32 [T, R], got {h.dtype} {list(h.shape)}")
-    if b.dim() != 3 or y.shape != (T, b.shape[1]):
-        raise ValueError(f"lora_expand: b must be [n, N, r] and y [T, N], got {list(b.shape)} and {list(y.shape)}")
-    _check_float("lora_expand", b=b, y=y)
-    if scale.shape != (n,) or scale.dtype != torch.float32:
-        raise ValueError(f"lora_expand: scale must be fp32 [{n}], got {scale.dtype} {list(scale.shape)}")
-    sl = _slices(slices, N)
-    if not 1 <= len(sl) <= MAX_SLICES or h.shape[1] != len(sl) * r:
-        raise ValueError(f"lora_expand: {len(sl)} slices (1 to {MAX_SLICES}) of rank {r} need h [T, {len(sl) * r}], "
-                         f"got {list(h.shape)}")
-    if any(not 0 <= c0 < c1 <= N for c0, c1 in sl):
-        raise ValueError(f"lora_expand: slices must be column ranges 0 <= c0 < c1 <= {N}, got {sl}")
-    _check_rows("lora_expand", idx, order, T)
+    _check_expand(h.shape, h.dtype, b, idx, y, scale, slices, order)
+
+
+def lora_apply_ref(x, a, b, idx, y, scale, slices=None, order=None):
+    return lora_expand_ref(lora_shrink_ref(x, a, idx), b, idx, y, scale, slices)
+
+
+@dispatch(lora_apply_triton, lora_apply_ref, on="x")
+def lora_apply(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, y: torch.Tensor,
+               scale: torch.Tensor, slices=None, order: torch.Tensor | None = None) -> torch.Tensor:
+    """lora_expand(lora_shrink(x, a, idx, order), b, idx, y, scale, slices, order), bit for bit,
+    in two launches where K takes several splits (up to CONFIGS' fuse_max_t rows the expand adds
+    shrink's split partials itself, in split order: no reduce launch) -> y, updated in place."""
+    _check_shrink(x, a, idx, order)
+    _check_expand((x.shape[0], a.shape[1]), torch.float32, b, idx, y, scale, slices, order)
