@@ -224,3 +224,82 @@ def test_policy_loss_gpu(dtype):
     v, vold, ret, w = _value_inputs(N=100_003, device="cuda")
     for x, y in zip(rl_loss.value_loss_triton(v, vold, ret, w, 0.2), value_loss_ref(v, vold, ret, w, 0.2)):
         assert rel_err(x, y) < 1e-5
+
+
+def _gspo_inputs(seed=1):
+    """Five packed sequences of odd lengths, prompts (w = 0) and one fully masked sequence;
+    per-sequence advantages of both signs; log-ratios wide enough that some sequences clip."""
+    g = torch.Generator().manual_seed(seed)
+    lens, prompt = [7, 12, 5, 9, 11], [3, 4, 2, 3, 5]
+    N = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    old = -torch.rand(N, generator=g) * 3
+    lp = old + 0.3 * torch.randn(N, generator=g)
+    ref = old + 0.2 * torch.randn(N, generator=g)
+    ent = torch.rand(N, generator=g)
+    adv_s = torch.tensor([1.0, -0.7, 0.4, -1.2, 0.9])
+    seq = torch.repeat_interleave(torch.arange(5), torch.tensor(lens))
+    pos = torch.arange(N) - cu[:-1].long()[seq]
+    mask = (pos >= torch.tensor(prompt)[seq]).float()
+    mask[seq == 3] = 0.0  # a masked sample
+    w = mask / mask.sum()
+    lp[mask == 0] = 40.0  # garbage off the loss's tokens must not leak
+    is_w = 0.5 + torch.rand(N, generator=g)
+    return lp, old, ref, adv_s[seq], w, cu, ent, is_w, seq
+
+
+def _gspo_autograd(lp, old, ref, adv, w, ent, is_w, seq, level, cl, ch, beta, ce):
+    """GSPO from its definition (double precision, autograd): s = exp(mean log-ratio) per
+    sequence; sequence_token's s_t = sg(s) exp(lp_t - sg(lp_t))."""
+    lp = lp.clone().double().requires_grad_(True)
+    ent_t = ent.clone().double().requires_grad_(True)
+    live = w != 0
+    lpm = torch.where(live, lp, old.double())
+    d = (lpm - old.double()) * live
+    n = torch.zeros(5, dtype=torch.float64).index_add_(0, seq, live.double()).clamp_min(1)
+    ls = (torch.zeros(5, dtype=torch.float64).index_add_(0, seq, d) / n)[seq]
+    s = torch.exp(ls) if level == "sequence" else torch.exp(ls.detach() + lpm - lpm.detach())
+    A = adv.double()
+    pg = torch.maximum(-s * A, -s.clamp(1 - cl, 1 + ch) * A)
+    k = ref.double() - lpm
+    tok = is_w.double() * pg + beta * (torch.exp(k) - k - 1) - ce * ent_t
+    loss = (w.double() * tok * live).sum()
+    loss.backward()
+    clipped = (s.detach() > 1 + ch) & (A > 0) | (s.detach() < 1 - cl) & (A < 0)
+    return loss.detach(), lp.grad, ent_t.grad, clipped
+
+
+@pytest.mark.parametrize("level", ["sequence", "sequence_token"])
+def test_sequence_policy_loss_vs_autograd(level):
+    """GSPO's loss, its gradient and its statistics against the definition: the sequence's
+    mean log-ratio, one clip per sequence (some clip, low and high), KL, entropy, and the
+    behaviour weights on the surrogate; masked tokens and a masked sequence contribute 0."""
+    lp, old, ref, adv, w, cu, ent, is_w, seq = _gspo_inputs()
+    kw = dict(clip_low=0.03, clip_high=0.04, kl_coef=0.05, entropy_coef=0.01)
+    loss, dlp, dent, st = rl_loss.sequence_policy_loss(lp, old, ref, adv, w, cu, ent, level=level, is_w=is_w, **kw)
+    L, g_lp, g_ent, clipped = _gspo_autograd(lp, old, ref, adv, w, ent, is_w, seq, level, *kw.values())
+    assert abs(loss.sum().item() - L.item()) <= 1e-5 * abs(L.item()) + 1e-7
+    assert rel_err(dlp, g_lp) < 1e-5 and rel_err(dent, g_ent) < 1e-6
+    assert torch.all(dlp[w == 0] == 0)
+    s = dict(zip(POLICY_STATS, st.tolist()))
+    assert 0 < s["clip_low"] + s["clip_high"] < s["weight"]  # some sequences clip, not all
+    live = w != 0
+    assert s["clip_high"] + s["clip_low"] == pytest.approx(float(w[clipped & live].sum()), rel=1e-5)
+    if level == "sequence":  # every token of a sequence has the same gradient but for KL and entropy
+        g_pg = dlp - w * kw["kl_coef"] * (1 - torch.exp(ref - lp)) * live
+        for i in (0, 1, 2, 4):
+            x = (g_pg / w.clamp_min(1e-30))[(seq == i) & live]
+            assert torch.allclose(x, x[0].expand_as(x), rtol=1e-4)
+
+
+def test_sequence_policy_loss_at_ratio_one_is_token_level():
+    """At lp == old every ratio is 1 (nothing clips): GSPO-token's gradient is the token loss's
+    and GSPO's is each sequence's mean of it."""
+    lp, old, ref, adv, w, cu, ent, is_w, seq = _gspo_inputs()
+    lp = old.clone()
+    kw = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.05, entropy_coef=0.01, is_w=is_w)
+    tok = policy_loss(lp, old, ref, adv, w, ent, **kw)
+    st = rl_loss.sequence_policy_loss(lp, old, ref, adv, w, cu, ent, level="sequence_token", **kw)
+    assert rel_err(st[1], tok[1]) < 1e-6 and rel_err(st[0], tok[0]) < 1e-6
+    with pytest.raises(ValueError, match="sequence or sequence_token"):
+        rl_loss.sequence_policy_loss(lp, old, ref, adv, w, cu, ent, level="token")

@@ -112,8 +112,16 @@ class RLConfig(RunConfig):
     clip_high: float = opt(0.2, "ratio clip above: 1 + clip_high (DAPO's clip-higher: e.g. 0.28)", ge=0)
     entropy_coef: float = opt(0.0, "entropy bonus: loss -= entropy_coef * entropy", ge=0)
     loss_agg: str = opt("token", "loss aggregation: token (DAPO: mean over all completion tokens of the "
-                                 "batch) or seq_mean (GRPO: mean per sequence, then over sequences)",
-                        choices=("token", "seq_mean"))
+                                 "batch), seq_mean (GRPO: mean per sequence, then over sequences) or "
+                                 "seq_mean_token_sum_norm (Dr. GRPO: the sum over all completion tokens divided "
+                                 "by a constant, sequences x max_new_tokens; verl's name)",
+                        choices=("token", "seq_mean", "seq_mean_token_sum_norm"))
+    importance_sampling_level: str = opt("token", "the ratio the loss clips (TRL's name): token (PPO/GRPO: "
+                                                  "each token's pi/pi_old); sequence (GSPO: the sequence's "
+                                                  "exp(mean over its completion tokens of log pi - log pi_old), "
+                                                  "clipped as one); sequence_token (GSPO-token: the sequence's "
+                                                  "ratio and clip, each token's own gradient). docs/estimators.md",
+                                         choices=("token", "sequence", "sequence_token"))
     overlong: str = opt("none", "completions cut at max_new_tokens: none, mask (no loss), or penalty "
                                 "(DAPO's soft penalty over the last overlong_buffer tokens, added to the reward)",
                         choices=("none", "mask", "penalty"))
@@ -190,20 +198,46 @@ class RLConfig(RunConfig):
                                                  f"got {self.overlong_buffer}")
 
 
+ADVANTAGES = ("grpo", "rloo", "reinforce++", "reinforce++_baseline")
+
+
 @dataclasses.dataclass
 class GRPOConfig(RLConfig):
-    scale_rewards: bool = opt(True, "divide group-centred rewards by the group's std (off: Dr. GRPO)")
-    kl_coef: float = opt(0.0, "weight of the k3 KL to the frozen reference model in the loss (0: no "
-                              "reference model is kept)", ge=0)
+    advantage: str = opt("grpo", "the advantage estimator (verl's adv_estimator): grpo (r - the group's mean, "
+                                 "over its std with scale_rewards); rloo (r - the mean of the group's other "
+                                 "samples, TRL's RLOO); reinforce++ (OpenRLHF: the KL to the reference in the "
+                                 "per-token reward, returns whitened over the batch, no critic); "
+                                 "reinforce++_baseline (the same after the group's mean is subtracted). "
+                                 "docs/estimators.md", choices=ADVANTAGES)
+    scale_rewards: bool | None = opt(None, "divide group-centred rewards by the group's std: null is the "
+                                           "advantage's own (grpo: true; rloo and reinforce++: false); false "
+                                           "with grpo: Dr. GRPO's advantage")
+    kl_coef: float = opt(0.0, "weight of the KL to the frozen reference model (0: no reference model is kept): "
+                              "the k3 KL in the loss; with advantage reinforce++ or reinforce++_baseline the k1 "
+                              "KL (old_lp - ref_lp) per token in the reward instead", ge=0)
     dynamic_sampling: bool = opt(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal "
                                         "and sample more prompts to refill the batch")
     dynamic_sampling_max_rounds: int = opt(3, "dynamic sampling: most extra rollout rounds per step", ge=0)
 
+    @property
+    def scales_rewards(self) -> bool:
+        """Whether the group-centred rewards are divided by the group's std (scale_rewards resolved)."""
+        return self.advantage == "grpo" if self.scale_rewards is None else self.scale_rewards
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """REINFORCE++'s KL: in the per-token reward, not in the loss."""
+        return self.advantage.startswith("reinforce++")
+
     def check(self):
         super().check()
-        if self.group_size < 2:
-            raise ConfigError("group_size", f"must be >= 2 for GRPO (advantages are relative to the group), "
-                                            f"got {self.group_size}")
+        if self.group_size < 2 and self.advantage != "reinforce++":
+            raise ConfigError("group_size", f"must be >= 2 for advantage {self.advantage} (advantages are "
+                                            f"relative to the group), got {self.group_size}")
+        if self.scale_rewards and self.advantage != "grpo":
+            raise ConfigError("scale_rewards", f"true is GRPO's std scaling; advantage {self.advantage} scales "
+                                               f"by nothing (rloo) or whitens over the batch (reinforce++): "
+                                               f"leave it null or false")
 
 
 @dataclasses.dataclass

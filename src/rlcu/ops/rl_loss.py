@@ -25,7 +25,21 @@ the caller: deterministic, no atomics); dividing by the `weight` statistic gives
 the chosen aggregation, and sums over micro-batches add up. `pg_loss` is the corrected term
 (sum w b pg); the clip fractions, ratio and approx_kl are w-weighted, b does not enter them.
 Tokens with w = 0 contribute exactly zero to every output (their logprobs may be anything).
-The public ops are `policy_loss` and `value_loss` (each is forward and backward at once).
+
+Sequence-level ratio (GSPO, `sequence_policy_loss`): sequence s's log-ratio is the mean over its
+live tokens (w != 0, n_s of them) l_s = sum_t (lp_t - old_t) / n_s, its ratio s = exp(l_s), and
+every token of s takes the surrogate pg_s = max(-s A_t, -clip(s) A_t) (A_t = A_s for GRPO), so
+    loss = sum_t w_t (b_t pg_s + beta kl_t - c_ent ent_t)
+    dlp_t = w_t beta (1 - exp(k_t)) + (1 / n_s) sum_{t' in s} w_t' b_t' (-s A_t') [unclipped]
+The pg part is the token op above run on l_s broadcast to its tokens (old 0, no KL): its dlp at
+t' is w_t' b_t' d pg_s / d l_s, and d l_s / d lp_t = 1 / n_s spreads their sum over the
+sequence. The KL and entropy parts are the token op with A = 0. GSPO-token (`level="sequence_token"`)
+is the same clip on the same s with each token's own gradient, s_t = sg(s) pi_t / sg(pi_t):
+dlp_t = w_t b_t (-s A_t) [unclipped], the pg part's dlp as it comes. Statistics: the clip
+fractions and the ratio are the sequences' (w-weighted, so per sequence under seq_mean), kl,
+entropy and approx_kl the tokens'.
+The public ops are `policy_loss`, `sequence_policy_loss` and `value_loss` (each is forward and
+backward at once).
 """
 
 from __future__ import annotations
@@ -256,3 +270,39 @@ def value_loss(v, v_old, returns, w, *, clip: float):
     if use_triton(v):
         return value_loss_triton(v, v_old, returns, w, clip)
     return value_loss_ref(v, v_old, returns, w, clip)
+
+
+def sequence_policy_loss(lp, old_lp, ref_lp, adv, w, cu_seqlens, ent=None, *, level: str = "sequence",
+                         clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
+                         entropy_coef: float = 0.0, is_w=None):
+    """The clipped policy loss on each sequence's ratio (GSPO; module docstring) and its gradient.
+
+    As `policy_loss`, over whole sequences: cu_seqlens [S+1] int offsets into the [N] inputs
+    (a micro-batch never splits a sequence). level: sequence (GSPO) or sequence_token
+    (GSPO-token). Returns (loss [N], dlp [N], dent [N] | None, stats [len(POLICY_STATS)])."""
+    if level not in ("sequence", "sequence_token"):
+        raise ValueError(f"sequence_policy_loss: level must be sequence or sequence_token, got {level!r}")
+    N = lp.shape[0]
+    if cu_seqlens.ndim != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != N:
+        raise ValueError(f"sequence_policy_loss: cu_seqlens must run from 0 to N = {N}, got "
+                         f"{cu_seqlens.tolist() if cu_seqlens.numel() < 16 else list(cu_seqlens.shape)}")
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(lens.numel(), device=lp.device), lens)  # [N] sequence of each token
+    live = (w != 0).float()
+    S = lens.numel()
+    n = torch.zeros(S, device=lp.device).index_add_(0, seq, live).clamp_min(1)
+    d = torch.where(live > 0, lp.float() - old_lp.float(), torch.zeros_like(live))
+    ls = (torch.zeros(S, device=lp.device).index_add_(0, seq, d) / n)[seq]  # [N] l_s on each token
+    zero = torch.zeros_like(ls)
+    loss_t, dlp_t, dent, st_t = policy_loss(lp, old_lp, ref_lp, zero, w, ent, clip_low=clip_low,
+                                            clip_high=clip_high, kl_coef=kl_coef, entropy_coef=entropy_coef)
+    loss_s, dls, _, st_s = policy_loss(ls, zero, None, adv, w, None, clip_low=clip_low, clip_high=clip_high,
+                                       is_w=is_w)
+    if level == "sequence":
+        dls = (torch.zeros(S, device=lp.device).index_add_(0, seq, dls) / n)[seq] * live
+    stats = st_t.clone()
+    for k in ("pg_loss", "clip_low", "clip_high", "ratio"):
+        i = POLICY_STATS.index(k)
+        stats[i] = st_s[i]
+    stats[0] = st_t[0] + st_s[0]
+    return loss_t + loss_s, dlp_t + dls, dent, stats

@@ -8,10 +8,16 @@ model.forward_backward, whose LM-head sweep applies the fused policy loss (clipp
 against the sampling logprobs, k3 KL to the reference, entropy bonus) chunk by chunk and
 takes dlp, dent from it at once -> FlatAdamW.
 
-Options: token-level (DAPO) or per-sequence-mean aggregation, clip_low != clip_high, std
-scaling on/off, dynamic sampling (drop groups whose rewards are all equal, refill from more
-prompts), overlong completions masked or softly penalised (an episode by its model's tokens
-against its own room: rlcu.train.episodes.overlong_lengths).
+Estimators (docs/estimators.md): the advantage (`advantage`: GRPO's group-relative one, RLOO's
+leave-one-out baseline, REINFORCE++'s batch-whitened returns with the KL in the reward, with or
+without the group's mean subtracted first), the ratio (`importance_sampling_level`: per token,
+or GSPO's per sequence) and the aggregation (`loss_agg`: token, per-sequence mean, or Dr. GRPO's
+constant normaliser).
+
+Options: clip_low != clip_high, std scaling on/off, dynamic sampling (drop groups whose
+rewards are all equal, refill from more prompts), overlong completions masked or softly
+penalised (an episode by its model's tokens against its own room:
+rlcu.train.episodes.overlong_lengths).
 
 Reproducibility: the data order is a seeded permutation per epoch and every step's sampling
 seed is a function of (seed, step), so a run resumed from a checkpoint makes the same
@@ -26,6 +32,7 @@ import time
 import torch
 
 from rlcu.config import GRPOConfig
+from rlcu.parallel import batch as dp
 from rlcu.train import losses
 from rlcu.train import rollout as ro
 from rlcu.train.episodes import overlong_lengths
@@ -81,6 +88,27 @@ class GRPOTrainer(RLTrainer):
             keep &= torch.tensor([not s.truncated for s in kept], dtype=torch.bool)
         return kept, keep, out
 
+    def advantages(self, batch: ro.RolloutBatch, r: torch.Tensor) -> dict:
+        """The advantage estimator's per-token advantages into batch.fields["adv"] (docs/estimators.md);
+        r: [S] rewards (nan = masked), groups of G consecutive. Returns metrics."""
+        c, G = self.cfg, self.cfg.group_size
+        centred, gstd = losses.group_advantages(r, G, scale=c.scales_rewards)  # (scales for grpo only)
+        if c.advantage in ("grpo", "rloo"):
+            adv = centred if c.advantage == "grpo" else losses.rloo_advantages(r, G)
+            batch.fields["adv"] = batch.per_token(adv) * batch.mask
+            ok = ~torch.isnan(r)
+            m = {"adv_abs": float(adv[ok].abs().mean()) if ok.any() else 0.0}
+        else:  # REINFORCE++: token-level returns with the KL in the reward, whitened over the batch
+            scores = centred if c.advantage == "reinforce++_baseline" else r
+            kl_tok = batch.old_lp - batch.fields["ref_lp"] if "ref_lp" in batch.fields else None
+            adv, m = losses.reinforce_pp_advantages(scores, batch.cu_seqlens, batch.mask, kl_tok, c.kl_coef)
+            batch.fields["adv"] = adv
+            live = batch.mask > 0
+            m["adv_abs"] = float(adv[live].abs().mean()) if live.any() else 0.0
+        if G > 1:
+            m["groups_all_equal"] = float(torch.isnan(gstd).sum() + (gstd == 0).sum()) / max(gstd.numel(), 1)
+        return m
+
     def train_step(self, step: int) -> dict:
         c = self.cfg
         t0 = time.perf_counter()
@@ -93,16 +121,13 @@ class GRPOTrainer(RLTrainer):
             m.update({"time/generate": t1 - t0, "time/step": time.perf_counter() - t0, "skipped": 1})
             return m
         r = torch.tensor([s.reward if k else math.nan for s, k in zip(samples, keep.tolist())])
-        adv, gstd = losses.group_advantages(r, G, scale=c.scale_rewards)
         batch = self._pack(samples, keep)
-        batch.fields["adv"] = batch.per_token(adv) * batch.mask
-        ok = ~torch.isnan(r)
-        m["adv_abs"] = float(adv[ok].abs().mean()) if ok.any() else 0.0
-        m["groups_all_equal"] = float(torch.isnan(gstd).sum() + (gstd == 0).sum()) / max(gstd.numel(), 1)
         if self.ref is not None:
-            with self.hooks.phase("ref_logprobs"):  # this rank's sequences only
-                batch.fields["ref_lp"] = ro.local_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens, G)
+            with self.hooks.phase("ref_logprobs"):  # this rank's sequences only (all of them for a KL reward)
+                ref_lp = ro.local_logprobs(self.ref, batch, c.temperature, c.micro_batch_tokens, G)
+                batch.fields["ref_lp"] = dp.all_sum(ref_lp) if c.kl_in_reward else ref_lp
         sc = StepCorrection(c, self.model, batch)  # old_logprobs, behaviour correction, mismatch metrics
+        m.update(self.advantages(batch, r))
         pb = sc.policy_batch()
         t2 = time.perf_counter()
         if float(pb.mask.sum()) == 0:
@@ -111,7 +136,8 @@ class GRPOTrainer(RLTrainer):
             upd = []
         else:
             with self.hooks.phase("actor_train"):
-                upd = [self._policy_update(pb, step * c.mu + u, c.steps * c.mu, c.loss_agg, c.kl_coef,
+                kl_loss = 0.0 if c.kl_in_reward else c.kl_coef  # REINFORCE++'s KL is in its reward
+                upd = [self._policy_update(pb, step * c.mu + u, c.steps * c.mu, c.loss_agg, kl_loss,
                                            record=sc.record if u == 0 else None)
                        for u in range(c.mu)]
         self._end_train_phase()

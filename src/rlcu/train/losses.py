@@ -1,12 +1,17 @@
-"""What turns rewards into per-token training signal: group advantages (GRPO), GAE (PPO),
-the per-token weights that implement the loss aggregation, the overlong penalty, and running
-reward normalisation. The per-token loss itself is the fused op `rlcu.ops.rl_loss`.
+"""What turns rewards into per-token training signal: group advantages (GRPO, RLOO),
+REINFORCE++'s whitened returns, GAE (PPO), the per-token weights that implement the loss
+aggregation, the overlong penalty, and running reward normalisation. The per-token loss itself
+is the fused op `rlcu.ops.rl_loss`. docs/estimators.md gives the formulas beside TRL's and
+verl's names.
 
 Aggregation is folded into per-token weights w so that the total loss is sum_i w_i loss_i:
     token    (DAPO):   w_i = m_i / sum_j m_j                     (every token of the batch counts once)
     seq_mean (GRPO):   w_i = m_i / (|o_s| S)                     (mean over each sequence, then over S)
-with m_i = 1 on the completion tokens of unmasked samples. The weights sum to 1 over the
-whole batch, so the sums over micro-batches of w-weighted statistics are batch means.
+    seq_mean_token_sum_norm (Dr. GRPO):  w_i = m_i / (S L)       (L = max_new_tokens, a constant)
+with m_i = 1 on the completion tokens of unmasked samples and S the batch's sequences with
+such a token. The first two sum to 1 over the whole batch, so the sums over micro-batches of
+w-weighted statistics are batch means; Dr. GRPO's sum to (mean length) / L <= 1, and its
+statistics are divided by that sum (the `weight` statistic) to read as means.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import math
 
 import torch
 
-AGGREGATIONS = ("token", "seq_mean")
+AGGREGATIONS = ("token", "seq_mean", "seq_mean_token_sum_norm")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4):
@@ -42,6 +47,42 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     return adv.view(-1).float(), std.view(-1).float()
 
 
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO's leave-one-out advantage: rewards [P*G] (nan = masked), groups of G consecutive.
+
+    A_i = r_i - mean_{j != i} r_j over the group's unmasked samples = n/(n-1) (r_i - mean), n
+    of them; no std scaling (TRL's RLOOTrainer, normalize_advantages off). A group with fewer
+    than two unmasked samples gives 0, and so does a masked sample."""
+    adv, _ = group_advantages(rewards, group_size, scale=False)
+    n = (~torch.isnan(rewards.view(-1, group_size))).sum(1, keepdim=True).double()
+    return (adv.double().view(-1, group_size) * n / (n - 1).clamp_min(1)).view(-1).float()
+
+
+def reinforce_pp_advantages(scores: torch.Tensor, cu_seqlens: torch.Tensor, mask: torch.Tensor,
+                            kl_tok: torch.Tensor | None, kl_coef: float) -> tuple[torch.Tensor, dict]:
+    """REINFORCE++ (OpenRLHF): per-token rewards r_t = -kl_coef kl_t on the loss's tokens
+    (mask 1; kl_tok the k1 estimate old_lp - ref_lp, or None) plus the sequence's score on its
+    last such token; returns G_t = sum_{t' >= t} r_t' within the sequence (gamma 1, no critic:
+    GAE with V = 0 and lambda 1); the advantages are those returns whitened over every loss
+    token of the batch. scores: [S] (masked samples: any value; the baseline flavour passes
+    them group-centred). Returns (adv [N], 0 off the mask; metrics)."""
+    idx, lens = masked_index(cu_seqlens, mask)  # the loss's tokens, sequence after sequence
+    r = torch.zeros(mask.numel(), device=mask.device, dtype=torch.float32)
+    if kl_tok is not None and kl_coef:
+        r -= kl_coef * kl_tok * (mask > 0)
+    has = lens > 0
+    last = idx[lens.cumsum(0)[has] - 1]
+    r.index_add_(0, last, torch.nan_to_num(scores.to(r.device).float()[has]))
+    ret_c, _ = gae(r[idx], torch.zeros_like(r[idx]), lens.tolist(), 1.0, 1.0)
+    ret = torch.zeros_like(r).index_copy_(0, idx, ret_c)
+    adv = whiten(ret, mask) * (mask > 0)
+    live = mask > 0
+    m = {"returns": float(ret[live].mean()) if live.any() else 0.0}
+    if kl_tok is not None:
+        m["kl_penalty"] = float((kl_tok * live).sum()) / max(int(has.sum()), 1)  # per sequence, as PPO's
+    return adv, m
+
+
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """[P] bool: the groups whose unmasked rewards are not all equal (dynamic sampling keeps these)."""
     r = rewards.view(-1, group_size)
@@ -52,12 +93,13 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def token_weights(cu_seqlens: torch.Tensor, mask: torch.Tensor, agg: str, n_seqs: int | None = None,
-                  n_tokens: int | None = None) -> torch.Tensor:
+                  n_tokens: int | None = None, horizon: int | None = None) -> torch.Tensor:
     """Per-token weights for the aggregation `agg` over one packed (micro-)batch.
 
     mask: [N] 0/1 per token (completion tokens of kept samples). `n_seqs` / `n_tokens` are the
     normalisers of the WHOLE batch (when this is one micro-batch of it): the number of
-    sequences with at least one masked-in token, and the number of masked-in tokens."""
+    sequences with at least one masked-in token, and the number of masked-in tokens.
+    horizon: seq_mean_token_sum_norm's constant L (max_new_tokens), which it needs."""
     if agg not in AGGREGATIONS:
         raise ValueError(f"loss aggregation must be one of {', '.join(AGGREGATIONS)}, got {agg!r}")
     m = mask.float()
@@ -68,6 +110,10 @@ def token_weights(cu_seqlens: torch.Tensor, mask: torch.Tensor, agg: str, n_seqs
     seq = torch.repeat_interleave(torch.arange(lens.numel(), device=m.device), lens)
     per_seq = torch.zeros(lens.numel(), device=m.device).index_add_(0, seq, m)  # masked-in tokens per sequence
     S = int((per_seq > 0).sum()) if n_seqs is None else n_seqs
+    if agg == "seq_mean_token_sum_norm":
+        if not horizon or horizon < 1:
+            raise ValueError(f"loss aggregation {agg} needs horizon (max_new_tokens) >= 1, got {horizon!r}")
+        return m / (max(S, 1) * float(horizon))
     return m / (per_seq.clamp_min(1)[seq] * max(S, 1))
 
 

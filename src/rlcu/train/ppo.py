@@ -140,7 +140,8 @@ class PPOTrainer(RLTrainer):
         stats = torch.zeros(len(VALUE_STATS), dtype=torch.float64)
         for a, b in (batch.micro_batches(c.micro_batch_tokens) if batch.num_seqs else []):
             mb = batch.view(a, b)
-            w = losses.token_weights(mb.cu_seqlens, mb.mask, c.loss_agg, n_seqs=n_seq, n_tokens=n_tok)
+            w = losses.token_weights(mb.cu_seqlens, mb.mask, c.loss_agg, n_seqs=n_seq, n_tokens=n_tok,
+                                     horizon=c.sequence_new_tokens())
             v = self.critic.forward(mb.tokens, mb.cu_seqlens)
             _, dv, st = value_loss(v, mb.fields["values"], mb.fields["returns"], w, clip=clip)
             self.critic.backward(dv)

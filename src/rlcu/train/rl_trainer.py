@@ -35,7 +35,7 @@ from rlcu.config import RLConfig
 from rlcu.data.prompt_check import checked_prompts, prompt_limit
 from rlcu.engine import LLM
 from rlcu.model.causal_lm import Qwen3
-from rlcu.ops.rl_loss import POLICY_STATS, policy_loss
+from rlcu.ops.rl_loss import POLICY_STATS
 from rlcu.parallel import batch as dp
 from rlcu.parallel.zero import make_optimizer
 from rlcu.rewards import RewardSet, TrainerState, reward_options
@@ -45,6 +45,7 @@ from rlcu.train import rollout as ro
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean
 from rlcu.train.episodes import make_runner
+from rlcu.train.policy_pass import policy_pass
 from rlcu.train.rows import PromptSampler, load_rows
 from rlcu.train.schedule import lr_at
 
@@ -359,28 +360,15 @@ class RLTrainer(Trainer):
             dp.dummy_backward(model)  # overlapped reduce-scatters: as many backward passes as every rank
         for a, b in spans:
             mb = batch.view(a, b)
-            w = losses.token_weights(mb.cu_seqlens, mb.mask, agg, n_seqs=n_seq, n_tokens=n_tok)
-            ref, adv, bw = mb.fields.get("ref_lp"), mb.fields["adv"], mb.fields.get("is_w")
-            parts = []
-
-            def grad_fn(lp_c, ent_c, idx, mb=mb, w=w, ref=ref, adv=adv, bw=bw, parts=parts):
-                # the loss is elementwise, so each chunk of the LM head takes its gradient
-                # while its logits are in memory (no second sweep of the head)
-                _, dlp, dent, st = policy_loss(lp_c, mb.old_lp[idx], None if ref is None else ref[idx], adv[idx],
-                                               w[idx], ent_c, clip_low=c.clip_low, clip_high=c.clip_high,
-                                               kl_coef=kl_coef, entropy_coef=c.entropy_coef,
-                                               is_w=None if bw is None else bw[idx])
-                parts.append(st)
-                return dlp, (dent if c.entropy_coef > 0 else None)
-
+            w = losses.token_weights(mb.cu_seqlens, mb.mask, agg, n_seqs=n_seq, n_tokens=n_tok,
+                                     horizon=c.sequence_new_tokens())
             routes = moe_routes.routes_for(model, mb)  # a MoE policy's record (and replay) of its experts
-            lp_mb, _ = model.forward_backward(mb.tokens, mb.cu_seqlens, grad_fn, temperature=c.temperature,
-                                              return_entropy=True, routes=routes)
+            lp_mb, st = policy_pass(model, c, mb, w, kl_coef, routes)
             if record is not None:
                 record(a + s0, b + s0, lp_mb)  # in the global batch's numbering
                 if self.route_mismatch is not None:
                     self.route_mismatch.record(mb, routes)
-            stats += torch.stack(parts).sum(0).double().cpu()
+            stats += st.double().cpu()
         stats = dp.all_sum(stats)
         info = self.opt.step(self._lr(update, total_updates), loss=float(stats[0]))
         s = dict(zip(POLICY_STATS, stats.tolist()))
