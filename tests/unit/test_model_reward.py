@@ -117,6 +117,12 @@ def test_config_errors_name_the_field(rm, tmp_path):
 
     cfg({"model": str(folder), "weight": 0.5, "batch_size": 8, "max_tokens": 4096, "offload": True,
          "kwargs": {"enable_thinking": False}})
+    # the memory model reads it from the config (the scheduler's request: auto kept; the fit check: offloaded)
+    from rlcu.train.sizing import config_shape, train_shape
+
+    c = cfg({"model": str(folder), "max_tokens": 4096})
+    (r,) = config_shape(c).reward_models
+    assert (r.cfg.hidden_size, r.tokens, r.offload) == (96, 4096, False) and train_shape(c).reward_models[0].offload
     (tmp_path / "lm").mkdir()
     (tmp_path / "lm" / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
     (tmp_path / "two").mkdir()
