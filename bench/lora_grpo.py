@@ -112,7 +112,7 @@ def bench_side(side: str, a) -> dict:
         if s >= a.warmup:
             times.append(time.perf_counter() - t0)
             phases.append({k[5:]: m[k] for k in ("time/generate", "time/logprobs", "time/train") if k in m})
-            moe.append({k: m[k] for k in m if k.startswith("moe/")})
+            moe.append({k: m[k] for k in m if k.startswith(("moe/", "mismatch/"))})
     st = tr.opt.state_bytes()
     res = {"s_per_step": statistics.median(times), "steps": times,
            "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},

@@ -11,57 +11,10 @@ when the build runs in a clone, and "not recorded" otherwise.
 
 from __future__ import annotations
 
-import json
-import subprocess
-from pathlib import Path
+import tables_models
+from results import RESULTS, _k, _pct, _table, device, load, source
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
-
-
-def load(name: str) -> dict:
-    with open(RESULTS / name) as f:
-        return json.load(f)
-
-
-def tree(name: str, data: dict | None = None) -> str:
-    """The tree a result file measured: its meta.commit, else the commit that added it."""
-    meta = (data if data is not None else load(name)).get("meta") or {}
-    if meta.get("commit"):
-        return f"`{meta['commit']}`"
-    try:
-        out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%h", "-1", "--", str(RESULTS / name)],
-                             cwd=RESULTS, capture_output=True, text=True, timeout=30, check=False).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    return f"added in `{out}` (the file names no tree)" if out else "not recorded in the file"
-
-
-def device(data: dict) -> str:
-    """The device a file names; a host-only benchmark (the scheduler service) names its cores."""
-    found = (data.get("meta") or {}).get("device") or data.get("device")
-    if found:
-        return found
-    return f"{data['cpus']} CPU cores" if data.get("cpus") else "device not recorded"
-
-
-def source(name: str, data: dict | None = None) -> str:
-    """'`file`, tree X, device' for a table's last column."""
-    data = data if data is not None else load(name)
-    return f"`{name}`, {tree(name, data)}, {device(data)}"
-
-
-def _k(x: float) -> str:
-    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%" if x < 0.1 else f"{100 * x:.0f}%"
-
-
-def _table(head: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
-    return "\n".join(lines)
+__all__ = ["RESULTS", "IMAGES", "TABLES", "render"]
 
 
 # ---------------------------------------------------------------- generation
@@ -159,60 +112,6 @@ def grpo_8b() -> str:
                      f"{g['phases_s']['train']:.2f} s", f"{g['peak_GiB_per_rank']:.1f} GiB", source(name, d)])
     return _table(["Qwen3-8B, 32 x 8, 128 + 256, bf16 memory mode", "step", "generate", "train", "peak memory",
                    "file, tree, device"], rows)
-
-
-# ---------------------------------------------------------------- the model families
-def families() -> str:
-    d = load("families.json")
-    names = {"8b": "Qwen3-8B", "llama3.1-8b": "Llama-3.1-8B", "qwen2.5-7b": "Qwen2.5-7B"}
-    rows, trees = [], set()
-    for shape, row in d["shapes"].items():
-        t, g, e = row["train"], row["generate"], row["exact"]["exact"]
-        trees |= {f"`{p['meta']['commit']}`" for p in (t, g, row["exact"])}
-        pct = "{:.1%}".format  # one decimal: these are read against the issue's 50% and 75% targets
-        rows.append([names.get(shape, shape), f"{t['ms']:.0f} ms", pct(t["mfu"]), f"{t['peak_GiB']:.0f} GiB",
-                     f"{_k(g['tok_per_s'])} tok/s", pct(g["bound_fraction"]), pct(g["decode_bound_fraction"]),
-                     f"{_pct(e['exact_frac'])} of {e['tokens']:,}"])
-    return _table(["shape (random bf16 weights)", "train step 8 x 2048", "MFU", "peak", "generation protocol",
-                   "of bound", "decode of bound", "exact mode bit-equal"], rows) + (
-        f"\n\nTraining: the bf16 memory mode, checkpointing auto, fused head; MFU against 989 TFLOP/s. "
-        f"Generation: 256 requests, prompt and output uniform in [100, 1024]; the bound reads every weight once "
-        f"a step plus the running sequences' KV at 4.3 TB/s, or the prefill's FLOPs. Exact mode: 32 prompts x 8 "
-        f"samples x 128 tokens, the engine's logprobs against the trainer's forward. `bench/families.py` runs "
-        f"a part at every shape in one call, each in its own process; each part names its tree in the file; "
-        f"source: `families.json`, trees {', '.join(sorted(trees))}, {device(d)}.")
-
-
-# ---------------------------------------------------------------- LoRA and episodes
-def lora() -> str:
-    d = load("lora_grpo_8b_r64.json")
-    rows = [[f"LoRA r = {d['lora_r']}, all linear" if side == "lora" else "full fine-tuning, bf16 memory mode",
-             f"{d[side]['s_per_step']:.2f} s", f"{d[side]['phases_s']['generate']:.2f} s",
-             f"{d[side]['phases_s']['train']:.2f} s", f"{d[side]['peak_GiB']:.1f} GiB"] for side in ("lora", "full")]
-    out = _table(["Qwen3-8B shape, 32 x 8, 128 + 256", "step", "generate", "train", "peak memory"], rows)
-    out += (f"\n\nLoRA's step is {d['step_ratio_lora_vs_full']:.2f}x full fine-tuning's (target 0.8x); its peak "
-            f"is under the 40 GiB target. Source: {source('lora_grpo_8b_r64.json', d)}.\n\n")
-    g = load("generate_lora_0.6b_n8_r64.json")
-    rows = [[c["case"], f"{_k(c['tok_per_s'])} tok/s", _pct(c["overhead_vs_no_lora"]) if "overhead_vs_no_lora" in c
-             else ""] for c in g["cases"]]
-    return out + _table(["generation protocol, Qwen3-0.6B shape, adapters r = 64", "throughput",
-                         "overhead against an engine without adapters"], rows) + \
-        (f"\n\nThe first three rows are an engine serving adapter slots (the plain schedule, the grouped "
-         f"kernels; 'no adapters': requests on the base); measured before a step's rows were ordered by "
-         f"adapter (`261bd17`), which the kernel bench puts at 385 -> 138 us a layer for 8 interleaved adapters "
-         f"at 8B. Source: {source('generate_lora_0.6b_n8_r64.json', g)}.")
-
-
-def episodes() -> str:
-    d = load("episodes.json")
-    c, e, s = d["config"], d["episodes"], d["single_turn"]
-    rows = [[f"{c['episodes']} episodes x {c['turns']} turns of {c['turn_tokens']} tokens, "
-             f"{c['tool_tokens']}-token tool results after {1000 * c['tool_sleep']:.0f} ms",
-             f"{_k(e['tok_per_s'])} tok/s"],
-            [f"{s['requests']} single-turn completions of the same {s['model_tokens']:,} tokens",
-             f"{_k(s['tok_per_s'])} tok/s"]]
-    return _table(["Qwen3-0.6B shape, model tokens", "throughput"], rows) + \
-        f"\n\nEpisodes at {d['ratio']:.2f}x single-turn (target 0.8x). Source: {source('episodes.json', d)}."
 
 
 # ---------------------------------------------------------------- exact mode and the mismatch
@@ -321,7 +220,7 @@ TABLES = {
     "generation": generation, "generation-peers": generation_peers, "cold-start": cold_start,
     "training": training, "train-graph": train_graph, "grpo": grpo, "grpo-8b": grpo_8b, "exact": exact,
     "mismatch": mismatch, "learning": learning, "scheduler": scheduler, "sched-service": sched_service,
-    "kernels": kernels, "families": families, "lora": lora, "episodes": episodes,
+    "kernels": kernels, **tables_models.TABLES,
 }
 
 # the figures the page shows beside the tables (copied into the site by the build)
