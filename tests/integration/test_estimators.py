@@ -62,3 +62,30 @@ def test_gspo_under_ppo(tmp_path):
     hist = tr.train()
     assert all(math.isfinite(h["loss"]) and math.isfinite(h["vf_loss"]) for h in hist)
     assert not torch.equal(tr.model.flat, w0)
+
+
+EST_DP_KW = dict(steps=2, advantage="reinforce++", kl_coef=0.05, importance_sampling_level="sequence",
+                 loss_agg="seq_mean_token_sum_norm", micro_batch_tokens=24, optim=dict(lr=3e-2))
+
+
+def _est_run(rank, out):
+    tr = grpo_trainer(out, rewards=[first_is_even], **EST_DP_KW)
+    w0 = tr.model.flat.clone()
+    hist = tr.train()
+    return w0, tr.model.flat.clone(), hist
+
+
+def test_estimators_two_ranks_equal_one_process(tmp_path):
+    """REINFORCE++ (whitened over the whole batch, its KL reward from each rank's reference
+    logprobs summed), GSPO's sequence ratio and Dr. GRPO's normaliser at 2 ranks (gloo) end with
+    one process's weights. Two spawned ranks cost ~15 s; one run covers the three."""
+    from support.parallel_util import ok, run_ranks
+
+    d, _ = run_ranks(_est_run, 2, tmp_path, tmp_path / "two", timeout=240)
+    (init, w0, h0), (_, w1, _) = ok(d)
+    _, w, h = _est_run(0, tmp_path / "one")
+    assert torch.equal(w0, w1)
+    assert rel_err(w - init, w0 - init) < 1e-4 and rel_err(w, init) > 1e-3
+    for a, b in zip(h0, h):
+        assert a["reward"] == b["reward"] and a["kl_penalty"] == pytest.approx(b["kl_penalty"], rel=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)

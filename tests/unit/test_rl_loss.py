@@ -303,3 +303,14 @@ def test_sequence_policy_loss_at_ratio_one_is_token_level():
     assert rel_err(st[1], tok[1]) < 1e-6 and rel_err(st[0], tok[0]) < 1e-6
     with pytest.raises(ValueError, match="sequence or sequence_token"):
         rl_loss.sequence_policy_loss(lp, old, ref, adv, w, cu, ent, level="token")
+
+
+def test_sequence_policy_loss_triton_vs_twin(monkeypatch):
+    """GSPO through the Triton kernel (interpreted on the CPU) equals it through the twin."""
+    lp, old, ref, adv, w, cu, ent, is_w, seq = _gspo_inputs(seed=2)
+    kw = dict(level="sequence", clip_low=0.03, clip_high=0.04, kl_coef=0.05, entropy_coef=0.01, is_w=is_w)
+    b = rl_loss.sequence_policy_loss(lp, old, ref, adv, w, cu, ent, **kw)
+    monkeypatch.setenv("RLCU_BACKEND", "triton")
+    a = rl_loss.sequence_policy_loss(lp, old, ref, adv, w, cu, ent, **kw)
+    for x, y in zip(a, b):
+        assert rel_err(x, y) < 1e-6
