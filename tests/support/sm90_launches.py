@@ -282,6 +282,10 @@ def calls():
             experts_bwd(xm, xm, wts, wgu, wd, saved, torch.zeros(E, 2 * Im, Hm), torch.zeros(E, Hm, Im))
             route_bwd(wts, p, ids, wts, True, torch.zeros(E))
             route_replay(torch.randn(M, E).to(bf), ids, True)  # routing replay: the rollout's experts
+        from rlcu.ops import moe_gemm
+
+        with overriding(moe_gemm.CONFIGS, prefill=(*moe_gemm.CONFIGS["prefill"][:5], 8)):  # blocks in groups of 8
+            experts_fwd(xm, ids, wts, wgu, wd)
 
     yield "moe", moe
 

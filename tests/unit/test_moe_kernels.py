@@ -163,15 +163,21 @@ def test_token_alone_equals_token_in_batch(monkeypatch, impl):
 
 @needs_triton(moe_gemm._grouped_mm_kernel)
 def test_same_inputs_same_bits(monkeypatch):
+    """Run twice: the same bits; and again under other program orders (GROUP: blocks sweeping
+    the column tiles in groups of 1 and 2) and other dA tiles (BN): still the same bits."""
     monkeypatch.setenv("RLCU_BACKEND", "triton")
     x, ids, w, wgu, wd = _experts(9, 40, 24, 5, 2, seed=7, dtype=BF)
     dout = torch.randn(9, 40, generator=torch.Generator().manual_seed(8)).to(BF)
+    table = moe_gemm._INTERPRET if moe_gemm.interpreting() else moe_gemm.CONFIGS
+    BM, BN, BK, warps, stages, _ = table["decode"]
     runs = []
-    for _ in range(2):
+    for group, dx_bn in ((0, BN), (0, BN), (1, BN // 2), (2, 2 * BN)):
+        monkeypatch.setitem(table, "decode", (BM, BN, BK, warps, stages, group))
+        monkeypatch.setitem(table, "decode_dx", (BM, dx_bn, BK, warps, stages, 2 - group))
         out, saved = experts_fwd(x, ids, w, wgu, wd)
         dg, dd = torch.zeros(wgu.shape), torch.zeros(wd.shape)  # fp32 gradients of bf16 weights
         runs.append((out, *experts_bwd(dout, x, w, wgu, wd, saved, dg, dd), dg, dd))
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
 
 
 def test_against_transformers_sparse_moe_block():

@@ -98,9 +98,10 @@ def experts_bwd(dout: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, w_ga
     dy, dweights = moe_combine_bwd(dout, saved.y, layout.pos, weights)  # [rows, H], [T, k]
     if dw_down is not None:
         grouped_dw(dy, saved.a, layout, False, dw_down)
-    da = grouped_mm(dy, w_down.transpose(1, 2), layout, False, saved.cfg)  # [rows, I]
+    dx_cfg = f"{saved.cfg}_dx"  # the dA GEMMs' own tiles, at the layout's BM
+    da = grouped_mm(dy, w_down.transpose(1, 2), layout, False, dx_cfg)  # [rows, I]
     dgu = swiglu_bwd(da, saved.gu)  # [rows, 2I]
     if dw_gate_up is not None:
         grouped_dw(dgu, x, layout, True, dw_gate_up)
-    dxr = grouped_mm(dgu, w_gate_up.transpose(1, 2), layout, False, saved.cfg)  # [rows, H]
+    dxr = grouped_mm(dgu, w_gate_up.transpose(1, 2), layout, False, dx_cfg)  # [rows, H]
     return moe_combine(dxr, layout.pos, None, T), dweights

@@ -12,14 +12,19 @@ row r when `gather` (the first GEMM reads x in token order), else r itself.
 
 One program a (block, column tile): the block's expert from block_expert, its BM rows' A tiles
 times W_e's, K walked from 0 in BK steps into one fp32 accumulator (no split-K), padding rows
-masked. A token's bits depend on its own row and W_e alone (exact mode): the tiles (BM, BN, BK)
+masked. The programs' order (GROUP: 0, blocks fastest, each column tile over all blocks; g > 0, g
+blocks sweep the column tiles together, so their A rows are read from HBM about once) and the
+backward's dA GEMMs' own tiles (`<regime>_dx`, at the layout's BM) change the speed, not a bit.
+A token's bits depend on its own row and W_e alone (exact mode): the tiles (BM, BN, BK)
 follow the regime (decode's few pairs an expert: 16-row blocks, each touched expert's weights
 read once a column tile; prefill's many: 64-row blocks at tensor-core tiles), which the K order
 does not depend on where K is a multiple of 128 (matmul_invariant measured it for its tiles);
 with a K tail every T takes one tiling. The combine sums the k slots in slot order in fp32.
 
 The weight gradient: one program an (expert, N tile, K tile) walks its expert's rows in order,
-no atomics: the same inputs give the same bits. An expert without pairs adds nothing.
+no atomics: the same inputs give the same bits. An expert without pairs adds nothing. The
+expert is the slowest grid dim, so that an expert's g and a rows stay in L2 while its tiles run
+(experts fastest streamed every row from HBM once a tile).
 """
 
 from __future__ import annotations
@@ -36,15 +41,19 @@ else:  # pragma: no cover - the kernels are never launched without triton
 
     dot_invariant = None
 
-# (BM, BN, BK, warps, stages) of the grouped GEMM by regime; BM is the layout's block rows
+# (BM, BN, BK, warps, stages, GROUP) of the grouped GEMM by regime, BM the layout's block rows;
+# <regime>_dx: the backward's dA = dY W GEMMs' (BM the regime's); bench/kernel_tune.py sweeps them
 CONFIGS = {
-    "decode": (16, 64, 128, 4, 4),
-    "prefill": (64, 128, 64, 4, 3),
+    "decode": (16, 64, 128, 4, 4, 0),
+    "prefill": (64, 128, 64, 4, 3, 0),
+    "decode_dx": (16, 64, 128, 4, 4, 0),
+    "prefill_dx": (64, 128, 64, 4, 3, 0),
     "dw": (64, 64, 64, 4, 3),  # (BM: rows a step, BN, BK, warps, stages) of the weight gradient
     "decode_pairs": 32,  # pairs an expert on average at most, for decode's tiles
     "combine_bn": 1024,
 }
-_INTERPRET = {"decode": (16, 16, 32, 4, 1), "prefill": (32, 32, 32, 4, 1), "dw": (16, 32, 32, 4, 1)}
+_INTERPRET = {"decode": (16, 16, 32, 4, 1, 0), "prefill": (32, 32, 32, 4, 1, 0), "decode_dx": (16, 16, 32, 4, 1, 0),
+              "prefill_dx": (32, 32, 32, 4, 1, 0), "dw": (16, 32, 32, 4, 1)}
 
 
 def regime(T: int, k: int, E: int, K: int = 128) -> str:
@@ -70,14 +79,29 @@ def _rows_of(PAIRS, offs_m, lim, TOPK: tl.constexpr, GATHER: tl.constexpr):
 
 
 @triton.jit
+def _block_tile(N: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    # this program's (block, column tile) of a 1-D grid of blocks x column tiles (module docstring)
+    pid = tl.program_id(0)
+    n_n: tl.constexpr = (N + BN - 1) // BN
+    n_b = tl.num_programs(0) // n_n
+    if GROUP == 0:
+        pid_b, pid_n = pid % n_b, pid // n_b
+    else:
+        first = (pid // (GROUP * n_n)) * GROUP
+        size = tl.minimum(n_b - first, GROUP)
+        pid_b, pid_n = first + (pid % (GROUP * n_n)) % size, (pid % (GROUP * n_n)) // size
+    return pid_b.to(tl.int64), pid_n.to(tl.int64)
+
+
+@triton.jit
 def _grouped_mm_kernel(A, W, Y, PAIRS, BLOCK_E, stride_am, stride_we, stride_wn, stride_wk, stride_ym,
                        N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATHER: tl.constexpr,
                        IEEE: tl.constexpr, BY_SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, EVEN_K: tl.constexpr):
-    pid_b = tl.program_id(0).to(tl.int64)
+                       BK: tl.constexpr, EVEN_K: tl.constexpr, GROUP: tl.constexpr):
+    pid_b, pid_n = _block_tile(N, BN, GROUP)
     e = tl.load(BLOCK_E + pid_b).to(tl.int64)
     offs_m = pid_b * BM + tl.arange(0, BM)
-    offs_n = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < N
     acc = tl.zeros([BM, BN], tl.float32)
     if e >= 0:  # blocks past the last expert's are empty: zeros, as padding rows get
@@ -104,10 +128,10 @@ def _grouped_dw_kernel(G, A, PAIRS, STARTS, DW, stride_gm, stride_am, stride_de,
                        N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATHER: tl.constexpr,
                        IEEE: tl.constexpr, BY_SUM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr):
-    # dw[e][n, k] += sum over e's rows r (in order) of g[r, n] a[row(r), k]
-    e = tl.program_id(0).to(tl.int64)
+    # dw[e][n, k] += sum over e's rows r (in order) of g[r, n] a[row(r), k]; grid (K tiles, N tiles, E)
+    e = tl.program_id(2).to(tl.int64)
     offs_n = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
-    offs_k = tl.program_id(2).to(tl.int64) * BK + tl.arange(0, BK)
+    offs_k = tl.program_id(0).to(tl.int64) * BK + tl.arange(0, BK)
     nmask, kmask = offs_n < N, offs_k < K
     start = tl.load(STARTS + e).to(tl.int64)
     end = tl.load(STARTS + e + 1).to(tl.int64)
@@ -170,17 +194,17 @@ def grouped_mm_triton(a, w, layout, gather, cfg="decode", exact=False):
     E, N, K = w.shape
     rows = layout.pairs.shape[0]
     y = torch.empty(rows, N, device=a.device, dtype=a.dtype)
-    BM, BN, BK, warps, stages = gemm_config(cfg)
+    BM, BN, BK, warps, stages, group = gemm_config(cfg)
     if rows == 0:
         return y
     if BM != layout.BM:
         raise ValueError(f"grouped_mm: config {cfg!r} has BM={BM}, the layout was made for BM={layout.BM}")
     a = _unit_rows(a)
-    grid = (layout.block_expert.shape[0], triton.cdiv(N, BN))
+    grid = (layout.block_expert.shape[0] * triton.cdiv(N, BN),)
     _grouped_mm_kernel[grid](a, w, y, layout.pairs, layout.block_expert, a.stride(0), w.stride(0), w.stride(1),
                              w.stride(2), y.stride(0), N=N, K=K, TOPK=layout.k, GATHER=bool(gather),
                              IEEE=a.dtype == torch.float32, BY_SUM=interpreting(), BM=BM, BN=BN, BK=BK,
-                             EVEN_K=K % BK == 0, num_warps=warps, num_stages=stages)
+                             EVEN_K=K % BK == 0, GROUP=group, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -192,7 +216,7 @@ def grouped_dw_triton(g, a, layout, gather, dw):
         raise ValueError("grouped_dw: dw must have a unit last stride (it is updated in place)")
     g, a = _unit_rows(g), _unit_rows(a)
     BM, BN, BK, warps, stages = gemm_config("dw")
-    grid = (E, triton.cdiv(N, BN), triton.cdiv(K, BK))
+    grid = (triton.cdiv(K, BK), triton.cdiv(N, BN), E)
     _grouped_dw_kernel[grid](g, a, layout.pairs, layout.starts, dw, g.stride(0), a.stride(0), dw.stride(0),
                              dw.stride(1), N=N, K=K, TOPK=layout.k, GATHER=bool(gather),
                              IEEE=g.dtype == torch.float32, BY_SUM=interpreting(), BM=BM, BN=BN, BK=BK,
@@ -286,7 +310,8 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, layout: MoeLayout, gather: bool
                exact: bool = False) -> torch.Tensor:
     """a [T, K] (gather: rows by token) or [rows, K] (the layout's sorted rows), w [E, N, K] (a
     view's strides allowed) -> y [rows, N] in a's dtype, y[r] = a[row(r)] w[e(r)]^T; padding rows
-    zero. cfg: the regime ('decode' | 'prefill', whose BM the layout was made with). exact:
+    zero. cfg: the regime ('decode' | 'prefill', whose BM the layout was made with; the backward's
+dA GEMMs '<regime>_dx'). exact:
     the twin's fixed-tree sums (the kernel is batch invariant in both modes)."""
     _check_w("grouped_mm", w, a, layout)
 
