@@ -115,11 +115,16 @@ def _dispatch(argv: list[str] | None) -> int:
 
 def scheduled_grpo(prog: str, cfg, addr: str, job_name: str | None, sources: list[str] | None = None) -> int:
     """`rlcu grpo CONFIG --scheduler ADDR`: the run as a job of that scheduler (rlcu.sched.job);
-    several configs (a list): one LoRA host, one job of the scheduler (rlcu.sched.host)."""
+    several configs (a list): one LoRA host, one job of the scheduler (rlcu.sched.host); one LoRA
+    config in one process: joined into a running host of its base, else a host of its own."""
     if isinstance(cfg, list):
         from rlcu.sched.host import run_host_exit_code
 
         return run_host_exit_code(prog, cfg, addr, job_name, sources=sources)
+    if cfg.lora.enabled and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        from rlcu.sched.host import submit_lora_exit_code
+
+        return submit_lora_exit_code(prog, cfg, addr, job_name, source=(sources or [None])[0])
     from rlcu.sched.job import run_grpo_exit_code  # the scheduler's client loads for --scheduler only
 
     return run_grpo_exit_code(prog, cfg, addr, job_name, threads=True)

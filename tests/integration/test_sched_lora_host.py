@@ -59,3 +59,75 @@ def test_same_base_jobs_placed_in_one_host(tmp_path, service):
     plain.train()
     for a, b in zip(host.jobs, plain.jobs):
         assert torch.equal(a.trainer.model.lora.flat, b.trainer.model.lora.flat)
+
+
+def test_a_job_submitted_later_joins_the_running_host(tmp_path):
+    """Two processes: `rlcu grpo a.yaml --scheduler ADDR` starts a host (nothing runs on its base
+    yet) and steps job a; job b, submitted from this process while a steps (submit_lora), finds
+    the host in the scheduler's status by its base's key, joins it over the host's join channel
+    (the token's proofs), runs its steps there and gets its exit status back; the scheduler sees
+    one job (the host), whose phases grew by b's share; b's adapter equals b run alone, bit for
+    bit (exact mode). The host is then cancelled (a stops after its step)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+    from safetensors.torch import load_file
+    from support.trainers import TINY
+
+    from rlcu.data import synthetic as syn
+    from rlcu.sched.host import submit_lora
+    from rlcu.sched.job import grpo_config
+    from rlcu.train.grpo import GRPOTrainer
+
+    tok = syn.make_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for r in syn.sort_rows(16, "train", min_len=2, max_len=3):
+            f.write(json.dumps(r) + "\n")
+
+    def write(name, steps, seed):
+        cfg = {"model": {"tiny": dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id),
+                         "tokenizer": str(tmp_path / "tok")},
+               "data": {"path": str(tmp_path / "train.jsonl")}, "steps": steps, "prompts_per_step": 2,
+               "group_size": 2, "max_new_tokens": 3, "exact": True, "seed": seed,
+               "rewards": [{"fn": "rlcu.data.synthetic:partial_match_reward"}], "lora": {"r": 4, "seed": seed},
+               "log": {"out_dir": str(tmp_path / name), "progress": False, "plot": False, "tensorboard": False}}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        return str(tmp_path / f"{name}.yaml")
+
+    a, b = write("a", 400, 1), write("b", 2, 2)
+    core = Core([1000.0], state=tmp_path / "s.db", heartbeat_timeout=30)
+    srv = SchedServer(core, f"unix:{tmp_path / 's.sock'}", "tok", tick_s=0.05).start()
+    env = dict(os.environ, RLCU_SCHED_TOKEN="tok", PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "rlcu", "grpo", a, "--scheduler", srv.address, "--job-name", "a"],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = SchedClient(srv.address, "tok")
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "a" / "metrics.jsonl").is_file() and (tmp_path / "a" / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        (host,) = list(core.snapshot().jobs)  # a's host: one job of the scheduler
+        asked = dict(core.snapshot().jobs[host].spec)
+        assert asked["kind"] == "lora-host" and asked["join"].startswith("unix:")
+        status, err = submit_lora(b, client=client, name="b")
+        assert (status, err) == (0, None)
+        assert list(core.snapshot().jobs) == [host]  # b ran in a's host, not a host of its own
+        assert proc.poll() is None  # a still steps
+        rollouts = [sp.mem[0] for sp in core.snapshot().spans if sp.phase == "rollout"]
+        assert rollouts[-1] > rollouts[0]  # the host's leases grew by b's share when it joined
+        client.cancel(host, graceful=True)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.stop()
+    assert "rlcu grpo [b]" not in out, out  # b's steps went well
+    cfg = grpo_config(b, [f"log.out_dir={tmp_path / 'alone'}"])
+    GRPOTrainer(cfg).train()
+    got, want = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors") for d in ("b", "alone"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in got)

@@ -35,7 +35,7 @@ TIERS = {
         ("client", {"transport", "client"}),
         ("services", {"service", "conns", "server", "ray_backend", "dashboard"}),
         ("leases", {"lease", "hooks"}),  # the one lease holder, and the trainer's hooks on it
-        ("jobs", {"dp", "job", "host", "ray_launch", "integrations"}),
+        ("jobs", {"dp", "job", "host", "join", "ray_launch", "integrations"}),
         ("face", {"cli", "__init__"}),
     ],
 }

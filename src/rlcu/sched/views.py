@@ -96,6 +96,9 @@ def _status_row(core, j: Job, now: float) -> dict:
                          if le.phase != RESIDENT]
         row["devices"] = sorted({names[d] for le in held.values() for d in le.devices})
         row["mem"] = sum(sum(le.mem) for le in held.values())
+    spec = j.spec or {}
+    if spec.get("kind") == "lora-host" and spec.get("join"):  # where a LoRA job on its base joins (sched/join.py)
+        row["host"] = {"base": spec.get("base"), "join": spec["join"]}
     if pend:
         waits = [max(0.0, now - core.asked.get(r.id, now)) for r in pend.values()]
         row["waiting"] = [{"phase": r.phase, "for_s": w} for r, w in zip(pend.values(), waits)]

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None, scheduled=None) -> int:
 
     apply(cfg.model.threads)  # before any work: torch's default counts every core of the machine
     if getattr(args, "scheduler", None):  # under torchrun: one job, its leases span the ranks' devices
-        return scheduled(f"rlcu {cmd}", cfg, args.scheduler, args.job_name)
+        return scheduled(f"rlcu {cmd}", cfg, args.scheduler, args.job_name, [args.config])
     import importlib
 
     trainer_cls = getattr(importlib.import_module(tmod), tcls)

@@ -192,6 +192,17 @@ def host_request(cfgs: list) -> dict[str, float]:
     return out | {k: v * FRAGMENTATION / GiB for k, v in phases.items()}
 
 
+def host_join(cfgs: list, cfg) -> dict[str, float]:
+    """GiB a LoRA host's leases grow by when job `cfg` joins its jobs `cfgs` (rlcu.sched.host): the
+    joined job's adapter parts (host_request's resident, which the scheduler fixed at the host's
+    registration, so added to every phase the host holds) and any phase the job makes larger
+    (its update: the phases are the largest of the jobs'); the rollout's pool does not grow (the
+    running engine's is fixed)."""
+    before, after = host_request(cfgs), host_request([*cfgs, cfg])
+    res = max(0.0, after["resident"] - before["resident"])
+    return {k: res + (0.0 if k == "rollout" else max(0.0, after[k] - before[k])) for k in after if k != "resident"}
+
+
 def config_adapter(section) -> AdapterShape | None:
     """The adapters a `lora:` section makes (lora.path: its adapter_config.json's), None when off."""
     if not section.enabled:
@@ -218,13 +229,14 @@ def run_shape(model, opt, *, micro_batch_tokens: int, fused_head: bool, release_
     layers it will become (`auto_layers`). With adapters attached the optimizer's state and the
     gradient are theirs (the base frozen), and a LoRA run's reference is the base itself."""
     trained = getattr(opt, "model", model)  # FlatAdamW's: the adapters with LoRA
+    runner = getattr(llm, "runner", None)  # none yet: a LoRA host's job before the shared engine starts
     grad_dtype = getattr(opt, "grad_dtype", getattr(trained, "grad_dtype", torch.float32))
     shape = JobShape(model.cfg, weight_bytes=model.flat.element_size(),
                      master=getattr(opt, "master", None) is not None and not getattr(opt, "master_is_model", True),
                      state_bytes=opt.m.element_size(), grad_bytes=dtype_bytes(grad_dtype), world_size=world().size,
                      overlap=getattr(opt, "sink", None) is not None, micro_batch_tokens=micro_batch_tokens,
                      fused_head=fused_head, release_grads=release_grads, reference=reference, critic=critic,
-                     engine=llm.runner.memory_shape().engine if llm is not None else None, adapter=adapter_shape(model),
+                     engine=runner.memory_shape().engine if runner is not None else None, adapter=adapter_shape(model),
                      reward_models=tuple(reward_models))
     mode = model.gradient_checkpointing
     k = auto_layers(shape, model.device)[0] if mode == "auto" else checkpointing_name(mode)
