@@ -6,7 +6,7 @@ bf16 weights. The number that matters is the ratio of their model tokens per sec
 >= 0.8): the engine keeps decoding the other episodes while one waits for its tool, and a
 resumed episode prefills its 64 new tokens only.
 
-    python bench/episodes.py [--quick] [--episodes 256] [--start 256] [--turn-tokens 128]
+    python bench/episodes.py [--quick | --tiny] [--episodes 256] [--start 256] [--turn-tokens 128]
                              [--turns 4] [--tool-tokens 64] [--tool-sleep 0.05] [--out-dir DIR]
 
 --quick: a CPU smoke run (a tiny model, 8 episodes; the JSON episodes_quick.json); the JSON goes to
@@ -89,7 +89,8 @@ def run_single(llm, starts, sp, args, vocab) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="a CPU smoke run (a tiny model, 8 episodes)")
+    p.add_argument("--quick", "--tiny", action="store_true", dest="quick",
+                   help="a CPU smoke run (a tiny model, 8 episodes)")
     p.add_argument("--episodes", type=int, default=256)
     p.add_argument("--start", type=int, default=256, help="tokens of each episode's start")
     p.add_argument("--turn-tokens", type=int, default=128, help="tokens the model samples a turn")

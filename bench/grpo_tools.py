@@ -203,12 +203,35 @@ def _scripted_parse():
     return parse
 
 
+# what the TRL side scripts and bounds TRL's tool loop with (TRL 1.16): without any of them the
+# run would measure something else, or loop on the scripted calls without max_tool_calling_iterations
+TRL_NEEDS = ("trl.trainer.grpo_trainer.parse_response", "GRPOTrainer(tools=...)",
+             "GRPOConfig.max_tool_calling_iterations", "GRPOConfig.generation_kwargs")
+
+
+def trl_api_gaps(trl, grpo_trainer) -> list[str]:
+    """What of TRL_NEEDS this TRL lacks (empty: the bench can run it)."""
+    import dataclasses
+    import inspect
+
+    fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    have = (callable(getattr(grpo_trainer, "parse_response", None)),
+            "tools" in inspect.signature(trl.GRPOTrainer.__init__).parameters,
+            "max_tool_calling_iterations" in fields, "generation_kwargs" in fields)
+    return [need for need, ok in zip(TRL_NEEDS, have) if not ok]
+
+
 def bench_trl(shape: dict, steps: int, warmup: int, tiny: bool) -> dict:
     try:
         import datasets  # noqa: F401
+        import trl
         from trl.trainer import grpo_trainer
     except ImportError as e:
         return {"error": f"TRL side skipped: {e} (install trl, datasets)"}
+    gaps = trl_api_gaps(trl, grpo_trainer)
+    if gaps:
+        return {"error": f"TRL {trl.__version__} lacks {', '.join(gaps)}: this bench scripts TRL 1.16's tool loop "
+                         f"(module docstring), so its TRL side does not run", "trl": trl.__version__}
     kept, grpo_trainer.parse_response = grpo_trainer.parse_response, _scripted_parse()
     try:
         return _trl_steps(shape, steps, warmup, tiny)
@@ -281,11 +304,16 @@ def _trl_steps(shape: dict, steps: int, warmup: int, tiny: bool) -> dict:
            "logged": {k: v for k, v in last.items() if k.startswith(("tools/", "completions/", "num_tokens"))}}
     # TRL logs the model's tokens only (completions/mean_length); a trajectory adds turns-1 tool
     # suffixes, each as TRL's own _get_tool_suffix_ids renders it
-    suffix = len(trainer._get_tool_suffix_ids([{"role": "tool", "name": "lookup", "content": lookup("t1")}]))
-    res["trajectory_tokens_per_step"] = P * G * (turns * T + (turns - 1) * suffix)
+    if not callable(getattr(trainer, "_get_tool_suffix_ids", None)):  # private in 1.16: the figure, not the run
+        res["error_trajectory_tokens"] = f"TRL {trl.__version__} has no GRPOTrainer._get_tool_suffix_ids"
+        suffix = None
+    else:
+        suffix = len(trainer._get_tool_suffix_ids([{"role": "tool", "name": "lookup", "content": lookup("t1")}]))
+        res["trajectory_tokens_per_step"] = P * G * (turns * T + (turns - 1) * suffix)
     if sps:
         res["model_tokens_per_s"] = _expected_tokens(shape) / sps
-        res["trajectory_tokens_per_s"] = res["trajectory_tokens_per_step"] / sps
+        if suffix is not None:
+            res["trajectory_tokens_per_s"] = res["trajectory_tokens_per_step"] / sps
     if cuda:
         res["peak_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     return res
@@ -312,6 +340,19 @@ def _row(side: str, r: dict, res: dict) -> str:
             f"{r.get('trajectory_tokens_per_s', 0):>10,.0f} {pk:>9} {f'{sp:.1f}x' if sp and side != 'trl' else '':>7}")
 
 
+def _write(a, res: dict) -> Path:
+    """The run's JSON, its own name: grpo_tools.json, or grpo_tools_quick.json for a tiny model."""
+    name = "grpo_tools_quick.json" if a.tiny else "grpo_tools.json"
+    if a.out_dir is None:
+        return write_json(name, res)
+    from bench.common import meta
+
+    a.out_dir.mkdir(parents=True, exist_ok=True)
+    path = a.out_dir / name
+    path.write_text(json.dumps({"meta": meta(), **res}, indent=2, default=float))
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sides", default="rlcu,trl", help="rlcu, rlcu_bf16, trl (comma-separated)")
@@ -321,9 +362,10 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="rlcu's micro-batch")
     ap.add_argument("--quick", action="store_true", help="a tiny model and a short shape, 1 warm-up + 1 timed step "
                                                          "(a CPU smoke run of both sides)")
-    ap.add_argument("--timeout", type=int, default=1800, help="seconds per side")
+    ap.add_argument("--timeout", type=int, default=280, help="seconds per side (killed past it, its error in the "
+                                                             "JSON; the default fits both in a 10-minute call)")
     ap.add_argument("--out-dir", type=Path, default=None, help="write the JSON here (default bench/results/)")
-    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and the short shape, the full steps (CPU)")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.quick:
@@ -349,8 +391,10 @@ def main(argv=None) -> int:
                                 env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
             line = [x for x in pr.stdout.splitlines() if x.startswith("RESULT ")]
             res[side] = json.loads(line[-1][7:]) if line else {"error": (pr.stderr or pr.stdout)[-1500:]}
-        except subprocess.TimeoutExpired:
-            res[side] = {"error": f"timed out after {a.timeout} s"}
+        except subprocess.TimeoutExpired as e:  # run() killed the side: its output so far says where it was
+            tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            res[side] = {"error": f"timed out after {a.timeout} s (--timeout); its last output: {tail[-800:]}"}
+        _write(a, res)  # after each side: a run cut short keeps the sides it finished
     t = res.get("trl", {})
     for side, suffix in (("rlcu", ""), ("rlcu_bf16", "_bf16")):
         r = res.get(side, {})
@@ -359,15 +403,7 @@ def main(argv=None) -> int:
             if r.get("peak_GiB") and t.get("peak_GiB"):
                 res["memory_ratio_vs_trl" + suffix] = r["peak_GiB"] / t["peak_GiB"]
     res["wall_s"] = time.time() - t0
-    name = "grpo_tools_quick.json" if a.tiny else "grpo_tools.json"
-    if a.out_dir is not None:
-        from bench.common import meta
-
-        a.out_dir.mkdir(parents=True, exist_ok=True)
-        path = a.out_dir / name
-        path.write_text(json.dumps({"meta": meta(), **res}, indent=2, default=float))
-    else:
-        path = write_json(name, res)
+    path = _write(a, res)
     print(f"\n{'multi-turn':<10} {'s/step':>8} {'model t/s':>10} {'traj t/s':>10} {'peak GiB':>9} {'vs TRL':>7}")
     for side in sides:
         print(_row(side, res.get(side, {}), res))

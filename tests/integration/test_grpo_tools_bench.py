@@ -41,3 +41,31 @@ def test_trl_side_runs_the_same_episodes():
     # TRL's tool suffix takes the assistant's close as sampled: one token fewer than rlcu's per tool turn
     T, turns = q["turn_tokens"], q["turns"]
     assert r["trajectory_tokens_per_step"] == n * (turns * T + (turns - 1) * (q["tool_tokens"] + 5))
+
+
+def test_a_trl_without_the_tool_loop_it_scripts_is_named_and_a_side_past_its_time_is_an_error(tmp_path):
+    """The bench refuses a TRL whose tool API differs (it would measure something else, or loop on
+    the scripted calls) by what it lacks, and a side that runs past --timeout is killed, its error
+    in the bench's own JSON, which is written all the same."""
+    import dataclasses
+    import json
+    import types
+
+    @dataclasses.dataclass
+    class GRPOConfig:
+        generation_kwargs: dict | None = None
+
+    class GRPOTrainer:
+        def __init__(self, model, reward_funcs, args=None):
+            pass
+
+    fake = types.SimpleNamespace(GRPOConfig=GRPOConfig, GRPOTrainer=GRPOTrainer)
+    assert gt.trl_api_gaps(fake, types.SimpleNamespace()) == [
+        "trl.trainer.grpo_trainer.parse_response", "GRPOTrainer(tools=...)", "GRPOConfig.max_tool_calling_iterations"]
+    trl = pytest.importorskip("trl")
+    from trl.trainer import grpo_trainer
+
+    assert gt.trl_api_gaps(trl, grpo_trainer) == []  # the TRL the tests install (1.16) runs
+    assert gt.main(["--quick", "--sides", "rlcu", "--timeout", "1", "--out-dir", str(tmp_path)]) == 1
+    r = json.loads((tmp_path / "grpo_tools_quick.json").read_text())
+    assert r["rlcu"]["error"].startswith("timed out after 1 s (--timeout)")
