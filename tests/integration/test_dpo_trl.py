@@ -1,8 +1,8 @@
 """rlcu's DPO step against TRL 1.16's DPOTrainer on the same batch: a tiny random Qwen3 made with
 transformers (the reference) and a perturbed copy (the policy), TRL's own tokenisation, collator
 and compute_loss with autograd on one side; rlcu.DPOTrainer with ref_model= on the other, fed
-TRL's token ids. The loss, every parameter's gradient and TRL's reward metrics agree, for the
-sigmoid and IPO losses. Skipped where TRL is not installed."""
+TRL's token ids (and TRL's text rows, which it tokenises alike). The loss, every parameter's
+gradient and TRL's reward metrics agree, for the sigmoid and IPO losses. Skipped where TRL is not installed."""
 
 import pytest
 import torch
@@ -59,8 +59,9 @@ def test_dpo_step_equals_trl(tmp_path, loss_type):
     beta = 0.5
     args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), loss_type=[loss_type], beta=beta, report_to=[],
                          use_cpu=True, bf16=False, per_device_train_batch_size=len(ROWS), logging_steps=1)
+    tok = _tokenizer()
     t = trl.DPOTrainer(model=pol, ref_model=ref, args=args, train_dataset=datasets.Dataset.from_list(ROWS),
-                       processing_class=_tokenizer())
+                       processing_class=tok)
     ds = t.train_dataset
     batch = t.data_collator([ds[i] for i in range(len(ROWS))])
     t.model.train()
@@ -69,7 +70,7 @@ def test_dpo_step_equals_trl(tmp_path, loss_type):
     grads = {n: p.grad for n, p in t.model.named_parameters()}
     theirs = {k: v[-1] for k, v in t._metrics["train"].items()}
 
-    rows = [{k: ds[i][k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for i in range(len(ROWS))]
+    rows = [{f"{k}_token_ids": ds[i][f"{k}_ids"] for k in ("prompt", "chosen", "rejected")} for i in range(len(ROWS))]
     cfg = load_config(DPOConfig, None, [f"log.out_dir={tmp_path / 'run'}", f"ref_model={ref_dir}", "steps=1",
                                         f"loss_type={loss_type}", f"beta={beta}", "optim.max_grad_norm=0",
                                         "batch_tokens=4096", "data.shuffle=false", "log.progress=false"])
@@ -81,3 +82,5 @@ def test_dpo_step_equals_trl(tmp_path, loss_type):
         assert m[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
     for name, g in ours.model.grads.items():
         assert rel_err(g, grads[name]) < 1e-4, name
+    text = rlcu.DPOTrainer(cfg, dataset=ROWS, model=rlcu.CausalLM.from_pretrained(pol_dir), tokenizer=tok)
+    assert text.pairs == ours.pairs  # TRL's text rows tokenised by rlcu.data.preference as TRL does

@@ -108,10 +108,13 @@ HUB_MODELS = ("Qwen/Qwen3-0.6B",)
 HUB_DATASETS = {
     "trl-lib/DeepMath-103K": ("train", "test", "math"),  # prompt (chat messages), solution
     "trl-lib/Capybara": ("train", "test", "chat"),  # source, messages
+    "trl-lib/ultrafeedback_binarized": ("train", "test", "preference"),  # chosen, rejected, score_*
 }
 # what makes a run of each example one short step of a tiny model on the CPU
 TINY_RUN = {
     "sft": ["steps=1", "batch_tokens=256", "grad_accum=1", "optim.warmup_steps=0"],
+    "dpo": ["steps=1", "batch_tokens=512", "grad_accum=1", "optim.warmup_steps=0", "data.eval_split=test",
+            "eval_every=0"],
     "grpo": ["steps=1", "prompts_per_step=2", "group_size=2", "max_new_tokens=4", "overlong_buffer=2",
              "eval_every=0", "eval_max_prompts=2", "micro_batch_tokens=256", "dynamic_sampling_max_rounds=1"],
     "ppo": ["steps=1", "prompts_per_step=2", "max_new_tokens=4", "eval_every=0", "eval_max_prompts=2",
@@ -124,7 +127,7 @@ _COMMON = ["log.tensorboard=false", "log.plot=false", "log.progress=false", "che
 
 
 def _hub_for(cfg, hub):
-    from support.hub_util import CHAT_ROWS, MATH_ROWS, add_dataset, add_model
+    from support.hub_util import CHAT_ROWS, MATH_ROWS, PREFERENCE_ROWS, add_dataset, add_model
 
     critic = getattr(getattr(cfg, "critic", None), "path", None)
     for name in filter(None, [cfg.model.path, cfg.model.tokenizer, critic]):
@@ -135,7 +138,8 @@ def _hub_for(cfg, hub):
         assert name in HUB_DATASETS or Path(name).exists(), f"names data {name!r}: add its layout to HUB_DATASETS"
         if name in HUB_DATASETS:
             *splits, kind = HUB_DATASETS[name]
-            add_dataset(hub, name, dict.fromkeys(splits, MATH_ROWS if kind == "math" else CHAT_ROWS))
+            rows = {"math": MATH_ROWS, "chat": CHAT_ROWS, "preference": PREFERENCE_ROWS}[kind]
+            add_dataset(hub, name, dict.fromkeys(splits, rows))
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)

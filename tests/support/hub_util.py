@@ -16,6 +16,14 @@ MATH_ROWS = [{"prompt": [{"role": "user", "content": f"what is {a} add {b} ?"}],
 CHAT_ROWS = [{"source": "toy", "messages": [{"role": "user", "content": f"what is {a} add {b} ?"},
                                             {"role": "assistant", "content": f"the answer is {int(a) + int(b)}"}]}
              for a, b in [("2", "3"), ("4", "5"), ("1", "1"), ("3", "3")]]
+# preference pairs as trl-lib/ultrafeedback_binarized holds them: chosen / rejected conversations (the prompt
+# implicit: the user turn both share), their scores
+PREFERENCE_ROWS = [{"score_chosen": 8.0, "score_rejected": 3.0,
+                    "chosen": [{"role": "user", "content": f"what is {a} add {b} ?"},
+                               {"role": "assistant", "content": f"the answer is {int(a) + int(b)}"}],
+                    "rejected": [{"role": "user", "content": f"what is {a} add {b} ?"},
+                                 {"role": "assistant", "content": f"the answer is {int(a) + int(b) + 1}"}]}
+                   for a, b in [("2", "3"), ("4", "5"), ("1", "1"), ("3", "3")]]
 
 
 def hub_env(monkeypatch, root: Path) -> Path:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from rlcu.config import DPOConfig
+from rlcu.data.preference import check_preference_row, encode_preference_row, load_preference_items
 from rlcu.data.prompt_check import shown_rows
 from rlcu.model.causal_lm import CausalLM
 from rlcu.parallel import batch as dp
@@ -32,7 +33,7 @@ from rlcu.parallel.comm import all_sum, world
 from rlcu.parallel.zero import make_optimizer
 from rlcu.train import dpo_ref, sizing
 from rlcu.train.checkpoint import build_model
-from rlcu.train.core import Hooks, Trainer
+from rlcu.train.core import Hooks, Trainer, load_tokenizer
 from rlcu.train.dpo_loss import PAIR_STATS, pair_loss, pair_stats, token_grads
 from rlcu.train.pair_batch import Pair, greedy_batches, pack_pairs, pair_len, seq_logprobs
 from rlcu.train.rows import load_rows
@@ -45,7 +46,9 @@ class DPOTrainer(Trainer):
     core (the loop, checkpoints, resume, signals, logging).
 
     dataset, eval_dataset: lists of rows or a path (None: config.data.path / eval_path) in TRL's
-    preference format. model: a CausalLM, or None to build one from `config.model`.
+    preference format (rlcu.data.preference: prompt / chosen / rejected as text or messages, or
+    token ids; a margin is read and not used, as TRL's DPO). model: a CausalLM, or None to build
+    one from `config.model`.
     tokenizer: for text rows (None: loaded from model.tokenizer / model.path when required).
     hooks: rlcu.train.core.Hooks (phases "ref_logprobs", "actor_train", "eval")."""
 
@@ -71,34 +74,33 @@ class DPOTrainer(Trainer):
 
     # ---------------------------------------------------------------- data
     def _load(self, source, name, **where) -> list[tuple[str, dict]]:
-        """Rows with their locations ('file:line', 'dataset[i]'), which the messages name."""
-        from rlcu.data.datasets import load_rows as read_rows
-
+        """Checked preference rows with their locations ('file:line', 'dataset[i]'), which the
+        messages name (rlcu.data.preference)."""
         if isinstance(source, (str, Path)):
-            return [(f"{source}:row {i + 1}", r) for i, r in enumerate(read_rows(source, **where))]
+            return load_preference_items(source, **where)
         items = [(f"{name}[{i}]", r) for i, r in enumerate(source)]
         for at, r in items:
             if not isinstance(r, dict):
                 raise ValueError(f"{at}: a row must be a dict, got {type(r).__name__}")
+            check_preference_row(r, at)
         return items
-
-    def _encode_row(self, row: dict, where: str) -> Pair:
-        keys = ("prompt_ids", "chosen_ids", "rejected_ids")
-        missing = [k for k in keys if k not in row]
-        if missing:
-            raise ValueError(f"{where}: missing field {missing[0]!r} (fields: {', '.join(row) or 'none'})")
-        return tuple(list(row[k]) for k in keys)
 
     def _encode(self, rows: list[tuple[str, dict]], src: str) -> list[Pair]:
         """Tokenised pairs, dropping those too long for max_seq_len (or the context) and those
         with an empty side: counted, and named by row in the log."""
         if not rows:
             raise ValueError(f"{src}: no rows (an empty data set); DPO needs at least one pair")
+        if self.tokenizer is None and any("chosen_token_ids" not in r for _, r in rows):
+            self.tokenizer = load_tokenizer(self.cfg.model, "text preference rows")
         V = self.model.cfg.vocab_size
         limit = min(self.cfg.max_seq_len, self.model.cfg.max_position_embeddings)
         out, long, empty = [], [], []
         for where, r in rows:
-            pair = self._encode_row(r, where)
+            try:
+                e = encode_preference_row(r, self.tokenizer, **self.cfg.data.chat_template_kwargs)
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+            pair = (e.prompt_ids, e.chosen_ids, e.rejected_ids)
             bad = next((t for ids in pair for t in ids if isinstance(t, bool) or not 0 <= t < V), None)
             if bad is not None:
                 raise ValueError(f"{where}: token id {bad} outside the model's vocabulary [0, {V})")
