@@ -2,8 +2,9 @@
 sequence ratio, RLOO, REINFORCE++ with its KL in the reward and its baseline flavour, Dr.
 GRPO's advantage and constant normaliser) raises the reward of the tiny 'start with 7' task
 from random weights, and logs its metrics finite. GSPO-token at ratio 1 is the token ratio's
-update through the trainer (the model's forward and backward against the fused head sweep), and
-GSPO runs under PPO's critic. Each run is a few seconds."""
+update through the trainer (the model's forward and backward against the fused head sweep);
+GSPO runs under PPO's critic, in exact mode (the engine's logprobs bit for bit) and at 2 ranks
+as one process. Each run is a few seconds."""
 
 from __future__ import annotations
 
@@ -44,15 +45,16 @@ def test_estimator_raises_the_reward(tmp_path, name):
 
 def test_gspo_token_at_ratio_one_is_the_token_update(tmp_path):
     """old_logprobs: recompute and one update: every ratio is 1, so GSPO-token's gradient is the
-    token-level one (KL and entropy included) and one step moves the weights alike, though its
-    update runs model.forward then model.backward where the token loss rides the fused sweep."""
-    kw = dict(rewards=[first_is_even], steps=1, old_logprobs="recompute", kl_coef=0.05, entropy_coef=0.01)
+    token-level one (KL and entropy included), though its update runs model.forward then
+    model.backward where the token loss rides the fused head sweep. (So is GSPO's here: each
+    sequence's mean of a gradient that is constant along it.)"""
+    kw = dict(rewards=[first_is_even], steps=1, old_logprobs="recompute", kl_coef=0.05, entropy_coef=0.01,
+              optim=dict(release_grads=False, max_grad_norm=0.0))  # the step's gradient kept, unclipped
     a = grpo_trainer(tmp_path / "a", **kw)
     b = grpo_trainer(tmp_path / "b", importance_sampling_level="sequence_token", **kw)
-    w0 = a.model.flat.clone()
     ha, hb = a.train()[0], b.train()[0]
     assert ha["reward"] == hb["reward"] and hb["clip_frac"] == 0
-    assert rel_err(b.model.flat - w0, a.model.flat - w0) < 1e-4
+    assert rel_err(b.model.grad_flat, a.model.grad_flat) < 1e-5
     assert hb["loss"] == pytest.approx(ha["loss"], rel=1e-5, abs=1e-7)
 
 
@@ -89,3 +91,11 @@ def test_estimators_two_ranks_equal_one_process(tmp_path):
     for a, b in zip(h0, h):
         assert a["reward"] == b["reward"] and a["kl_penalty"] == pytest.approx(b["kl_penalty"], rel=1e-5)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_gspo_in_exact_mode_sees_the_engines_logprobs(tmp_path):
+    """Exact mode through the sequence-level pass: its forward's logprobs are the engine's bit for
+    bit (the mismatch metric reads them), so the first update's sequence ratios are exactly 1."""
+    tr = grpo_trainer(tmp_path, rewards=[first_is_even], steps=1, exact=True, importance_sampling_level="sequence")
+    h = tr.train()[0]
+    assert h["mismatch/exact_frac"] == 1.0 and h["ratio"] == 1.0 and h["clip_frac"] == 0
