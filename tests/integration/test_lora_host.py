@@ -217,8 +217,9 @@ def test_a_job_joins_a_running_host_and_equals_itself_alone(tmp_path):
     join raises HostClosed."""
     from rlcu.train.lora_host import HostClosed
 
-    a, tok = job(tmp_path, 0, "j", exact=True, steps=4)
-    b, _ = job(tmp_path, 1, "j", exact=True, steps=2)
+    small = dict(exact=True, prompts_per_step=2, group_size=2)
+    a, tok = job(tmp_path, 0, "j", steps=3, **small)
+    b, _ = job(tmp_path, 1, "j", steps=2, **small)
     bad, _ = job(tmp_path, 2, "j", steps=2)  # another exact mode: refused
     ended, calls = [], [0]
 
@@ -238,6 +239,6 @@ def test_a_job_joins_a_running_host_and_equals_itself_alone(tmp_path):
     with pytest.raises(HostClosed):
         host.join(b, name="late")
     for i, j in enumerate(jobs):
-        tr, _ = alone(tmp_path, i, exact=True, steps=4 if i == 0 else 2)
+        tr, _ = alone(tmp_path, i, steps=3 if i == 0 else 2, **small)
         assert torch.equal(j.trainer.model.lora.flat, tr.model.lora.flat), j.name
         assert losses(j.history) == losses(tr.history), j.name

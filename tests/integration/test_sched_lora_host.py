@@ -67,7 +67,9 @@ def test_a_job_submitted_later_joins_the_running_host(tmp_path):
     the host in the scheduler's status by its base's key, joins it over the host's join channel
     (the token's proofs), runs its steps there and gets its exit status back; the scheduler sees
     one job (the host), whose phases grew by b's share; b's adapter equals b run alone, bit for
-    bit (exact mode). The host is then cancelled (a stops after its step)."""
+    bit (exact mode). The host is then cancelled (a stops after its step). About 10 s on an idle
+    machine, most of it the second process's start-up (its imports): what a test of two processes
+    costs."""
     import json
     import os
     import subprocess
