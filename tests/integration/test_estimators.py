@@ -4,7 +4,7 @@ GRPO's advantage and constant normaliser) raises the reward of the tiny 'start w
 from random weights, and logs its metrics finite. GSPO-token at ratio 1 is the token ratio's
 update through the trainer (the model's forward and backward against the fused head sweep);
 GSPO runs under PPO's critic, in exact mode (the engine's logprobs bit for bit) and at 2 ranks
-as one process. Each run is a few seconds."""
+as one process. Each run is a few seconds (the 2-rank one ~25 s)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _est_run(rank, out):
 def test_estimators_two_ranks_equal_one_process(tmp_path):
     """REINFORCE++ (whitened over the whole batch, its KL reward from each rank's reference
     logprobs summed), GSPO's sequence ratio and Dr. GRPO's normaliser at 2 ranks (gloo) end with
-    one process's weights. Two spawned ranks cost ~15 s; one run covers the three."""
+    one process's weights. Two spawned ranks cost ~25 s on 2 loaded cores; one run covers the three."""
     from support.parallel_util import ok, run_ranks
 
     d, _ = run_ranks(_est_run, 2, tmp_path, tmp_path / "two", timeout=240)
