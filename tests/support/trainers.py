@@ -41,6 +41,31 @@ def sft_config(out, *sets):
                                          "optim.lr=1e-3", *sets])
 
 
+def preference_rows(n, seed):
+    """n pre-tokenised preference pairs: 2 to 6 random prompt ids, chosen completions of even ids,
+    rejected of odd ones (what a policy can learn to prefer, and generalise to held-out pairs)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        lp, lc, lr = torch.randint(2, 7, (3,), generator=g).tolist()
+        out.append({"prompt_token_ids": torch.randint(0, V, (lp,), generator=g).tolist(),
+                    "chosen_token_ids": (2 * torch.randint(0, V // 2, (lc,), generator=g)).tolist(),
+                    "rejected_token_ids": (2 * torch.randint(0, V // 2, (lr,), generator=g) + 1).tolist()})
+    return out
+
+
+def dpo_trainer(out, *sets, model=None, n=16):
+    """A DPOTrainer over n preference_rows (n // 2 held out) logging to `out`: 4 steps of 250 tokens
+    at lr 2e-2; `sets` as `--set` takes them."""
+    from rlcu.config import DPOConfig
+
+    cfg = load_config(DPOConfig, None, [f"log.out_dir={out}", "log.progress=false", "log.plot=false",
+                                        "log.tensorboard=false", "optim.lr=2e-2", "steps=4", "batch_tokens=250",
+                                        *sets])
+    return rlcu.DPOTrainer(cfg, dataset=preference_rows(n, 0), eval_dataset=preference_rows(n // 2, 1),
+                           model=model if model is not None else tiny())
+
+
 # ---------------------------------------------------------------- GRPO and PPO on the sort task
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=32, tie_word_embeddings=True,
