@@ -68,6 +68,8 @@ def test_estimator_config():
         _cfg(advantage="rloo", scale_rewards=True)
     with pytest.raises(ConfigError, match="group_size"):
         _cfg(advantage="rloo", group_size=1)
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        _cfg(advantage="reinforce++", group_size=1, dynamic_sampling=True)
     with pytest.raises(ConfigError, match="advantage"):
         _cfg(advantage="gae")
     with pytest.raises(ConfigError, match="importance_sampling_level"):

@@ -234,6 +234,9 @@ class GRPOConfig(RLConfig):
         if self.group_size < 2 and self.advantage != "reinforce++":
             raise ConfigError("group_size", f"must be >= 2 for advantage {self.advantage} (advantages are "
                                             f"relative to the group), got {self.group_size}")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ConfigError("dynamic_sampling", f"keeps groups whose rewards differ, which needs group_size >= 2, "
+                                                  f"got {self.group_size}")
         if self.scale_rewards and self.advantage != "grpo":
             raise ConfigError("scale_rewards", f"true is GRPO's std scaling; advantage {self.advantage} scales "
                                                f"by nothing (rloo) or whitens over the batch (reinforce++): "
