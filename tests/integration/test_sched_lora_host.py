@@ -133,3 +133,57 @@ def test_a_job_submitted_later_joins_the_running_host(tmp_path):
     GRPOTrainer(cfg).train()
     got, want = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors") for d in ("b", "alone"))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_join_channel_proofs_and_answers(tmp_path):
+    """rlcu.sched.join against a stand-in host: a joiner without the scheduler's token is refused
+    before its config is read (and learns nothing: the host's proof fails on its side); a host
+    with no room (admit) or one that has ended (HostClosed) answers that the job runs elsewhere
+    (None); a taken job's status comes back when its on_end fires."""
+    import threading
+
+    from rlcu.sched.client import SchedError
+    from rlcu.sched.join import JoinServer, join
+    from rlcu.train.lora_host import HostClosed
+
+    class Host:
+        def __init__(self):
+            self.taken, self.closed = [], False
+
+        def join(self, cfg, name=None, source=None, on_end=None):
+            if self.closed:
+                raise HostClosed("ended")
+            job = type("Job", (), {"name": name, "status": 0, "error": None})()
+            self.taken.append(cfg)
+            threading.Timer(0.05, on_end, args=(job,)).start()
+            return job
+
+    from rlcu.config import config_to_dict
+
+    cfg = config_to_dict(lora_job(tmp_path, 0))
+    host, srv = Host(), JoinServer("tok").start()
+    try:
+        srv.bind(host)
+        with pytest.raises(SchedError, match="did not prove"):
+            join(srv.address, "wrong", cfg, name="x")
+        import json
+        import socket
+
+        with socket.socket(socket.AF_UNIX) as raw:  # one that goes on regardless, with a made-up proof
+            raw.connect(str(srv.path))
+            f = raw.makefile("rwb")
+            f.write(b'{"nonce": "' + b"ab" * 16 + b'"}\n')
+            f.flush()
+            f.readline()
+            f.write(json.dumps({"proof": "0" * 64, "config": cfg, "name": "x"}).encode() + b"\n")
+            f.flush()
+            assert json.loads(f.readline()) == {"error": "auth"}
+        assert host.taken == []
+        assert join(srv.address, "tok", cfg, name="b") == (0, None) and len(host.taken) == 1
+        srv.admit = lambda c: False
+        assert join(srv.address, "tok", cfg, name="c") is None
+        srv.admit, host.closed = None, True
+        assert join(srv.address, "tok", cfg, name="d") is None and len(host.taken) == 1
+    finally:
+        srv.close()
+    assert join(srv.address, "tok", cfg) is None  # gone: run elsewhere

@@ -32,6 +32,7 @@ import hashlib
 import json
 import secrets
 import sys
+import threading
 from pathlib import Path
 
 from rlcu.config import GRPOConfig, config_to_dict
@@ -101,8 +102,8 @@ def run_host(configs: list, addr: str | None = None, name: str | None = None, *,
             _use_device(lease)
             host = LoraHost(cfgs, sources=sources, names=names, hooks=hooks, **host_kw)
         if server is not None:
-            peak, joined = clusters[CLUSTER]["peak"], list(cfgs)
-            server.admit = lambda cfg: _admit(hooks, joined, cfg, peak)
+            peak, joined, lock = clusters[CLUSTER]["peak"], list(cfgs), threading.Lock()
+            server.admit = lambda cfg: _admit(hooks, joined, cfg, peak, lock)
             server.bind(host)
         host.train()
         ok = all(j.status in (0, None) for j in host.jobs)
@@ -118,17 +119,19 @@ def run_host(configs: list, addr: str | None = None, name: str | None = None, *,
         handle.close()
 
 
-def _admit(hooks: JobHooks, joined: list, cfg: GRPOConfig, peak: float) -> bool:
+def _admit(hooks: JobHooks, joined: list, cfg: GRPOConfig, peak: float, lock: threading.Lock) -> bool:
     """Whether a joining job fits the host's declared peak; if so its memory (sizing.host_join)
     is added to every phase the host asks for from now on (the leases grow; they do not shrink
-    when it leaves, as the host's request keeps every job it started with)."""
-    add = sizing.host_join(joined, cfg)
-    grown = {k: hooks.mem.get(k, 0.0) + v for k, v in add.items()}
-    if max(grown.values()) > peak + 1e-9:
-        return False
-    hooks.mem.update(grown)
-    joined.append(cfg)
-    return True
+    when it leaves, as the host's request keeps every job it started with). One join at a time
+    (`lock`: each connection has a thread of its own)."""
+    with lock:
+        add = sizing.host_join(joined, cfg)
+        grown = {k: hooks.mem.get(k, 0.0) + v for k, v in add.items()}
+        if max(grown.values()) > peak + 1e-9:
+            return False
+        hooks.mem.update(grown)
+        joined.append(cfg)
+        return True
 
 
 def submit_lora(config, addr: str | None = None, name: str | None = None, *, overrides=(), token: str | None = None,

@@ -34,7 +34,7 @@ from pathlib import Path
 from rlcu.sched import auth
 from rlcu.sched.protocol import MAX_BODY, SchedError
 
-CONNECT_S = 10.0  # the handshake and the queueing; the status may take the job's whole run
+CONNECT_S = 10.0  # the handshake; the host's answer may wait for its first jobs' build, the status for the run
 
 
 def _send(f, msg: dict) -> None:
@@ -111,7 +111,7 @@ class JoinServer:
         from rlcu.train.lora_host import HostClosed
 
         f = conn.makefile("rwb")
-        keep = False
+        keep, order = False, threading.Lock()
         try:
             conn.settimeout(CONNECT_S)
             hi = _recv(f)
@@ -136,17 +136,20 @@ class JoinServer:
                 if self.admit is not None and not self.admit(cfg):
                     _send(f, {"closed": True, "full": True})  # no room left under the host's declared peak
                     return
-                job = self.host.join(cfg, name=req.get("name"), source=req.get("source"),
-                                     on_end=lambda j: self._ended(conn, f, j))
+                with order:  # "joined" goes out before the job's status (a refusal can be quick)
+                    job = self.host.join(cfg, name=req.get("name"), source=req.get("source"),
+                                         on_end=lambda j: self._ended(conn, f, j, order))
+                    conn.settimeout(None)
+                    _send(f, {"joined": job.name})
+                    keep = True  # open until the job ends: _ended closes it
             except HostClosed:
                 _send(f, {"closed": True})
                 return
-            except Exception as e:  # noqa: BLE001 (a config that does not build one: the job's error, status 2)
+            except Exception as e:  # noqa: BLE001 (a config that does not make a job: its error, status 2)
+                if keep:
+                    return
                 _send(f, {"status": 2, "error": f"{type(e).__name__}: {e}" if not str(e) else str(e)})
                 return
-            conn.settimeout(None)
-            _send(f, {"joined": job.name})
-            keep = True  # open until the job ends: _ended closes it
         except OSError:
             return
         finally:
@@ -155,7 +158,9 @@ class JoinServer:
                 conn.close()
 
     @staticmethod
-    def _ended(conn, f, job) -> None:
+    def _ended(conn, f, job, order: threading.Lock) -> None:
+        with order:
+            pass
         try:
             _send(f, {"status": int(job.status if job.status is not None else 1),
                       "error": None if job.error is None else str(job.error)})
@@ -188,6 +193,7 @@ def join(address: str, token: str, config: dict, *, name: str | None = None, sou
             raise SchedError(f"the LoRA host at {address} did not prove the scheduler's token")
         _send(f, {"proof": auth.proof(token, "client", hi["nonce"], c), "config": config, "name": name,
                   "source": source, "import_dir": import_dir})
+        conn.settimeout(None)  # a host still building its first jobs answers once it can take this one
         first = _recv(f)
         if first is None or first.get("closed"):
             return None
@@ -197,7 +203,6 @@ def join(address: str, token: str, config: dict, *, name: str | None = None, sou
             return int(first["status"]), first.get("error")
         if on_joined is not None:
             on_joined(first.get("joined"))
-        conn.settimeout(None)
         end = _recv(f)
         if end is None or "status" not in end:  # queued, maybe trained: not run again elsewhere
             return 1, f"the LoRA host at {address} went away before the job ended"
