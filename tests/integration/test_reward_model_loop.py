@@ -1,5 +1,6 @@
 """A reward model in the RL loop on the CPU twins: PPO's four models in one process (policy,
-frozen reference, reward model, critic) scoring with the reward model beside a function reward."""
+frozen reference, reward model, critic) scoring with the reward model beside a function reward,
+and multi-turn episodes scored whole."""
 
 from __future__ import annotations
 
@@ -53,3 +54,27 @@ def test_ppo_four_models_in_one_process(tmp_path):
     want = rm.rm.score([s.prompt_ids + s.completion_ids for s in samples])
     fn = syn.partial_match_reward(None, [s.completion_text for s in samples], [s.row["answer"] for s in samples])
     torch.testing.assert_close(torch.tensor([s.reward for s in samples]), 2.0 * want + torch.tensor(fn))
+
+
+def test_episodes_are_scored_whole(tmp_path):
+    """Multi-turn episodes: a reward model reading the policy's ids scores prompt + every token of
+    the episode (the environment's included); one with a tokenizer of its own scores the whole
+    conversation rendered by its chat template (the prompt's messages, then the episode's)."""
+    from support.episode_trainer import chat_tokenizer, trainer
+
+    from rlcu.rewards.model_reward import ModelReward
+
+    tok = chat_tokenizer()
+    lm = CausalLM.from_config(CausalLMConfig(**dict(TINY, vocab_size=tok.vocab_size, max_position_embeddings=96)),
+                              seed=2)
+    rm = RewardModel.from_causal_lm(lm, head_init_std=1.0, seed=2)
+    tr, _ = trainer(tmp_path, rewards=[{"model": ModelReward(rm), "name": "ids", "weight": 1.0},
+                                       {"model": ModelReward(rm, tokenizer=tok), "name": "chat", "weight": 0.5}],
+                    eos_digits=True, steps=1, max_new_tokens=3)
+    samples = tr._engine_phase(lambda: tr.rollout(tr.rows[:2], 2, seed=3))
+    assert any(m["role"] == "user" for s in samples for m in s.messages)  # the environment spoke
+    tr.score(samples)
+    ids = rm.score([s.prompt_ids + s.completion_ids for s in samples])
+    chat = rm.score([tok.apply_chat_template(s.prompt_messages + s.messages, tokenize=True) for s in samples])
+    env = torch.tensor([s.episode["env_reward"] for s in samples])
+    torch.testing.assert_close(torch.tensor([s.reward for s in samples]), ids + 0.5 * chat + env)
