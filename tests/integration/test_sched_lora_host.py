@@ -61,7 +61,7 @@ def test_same_base_jobs_placed_in_one_host(tmp_path, service):
         assert torch.equal(a.trainer.model.lora.flat, b.trainer.model.lora.flat)
 
 
-def test_a_job_submitted_later_joins_the_running_host(tmp_path):
+def test_a_job_submitted_later_joins_the_running_host(tmp_path, monkeypatch):
     """Two processes: `rlcu grpo a.yaml --scheduler ADDR` starts a host (nothing runs on its base
     yet) and steps job a; job b, submitted from this process while a steps (submit_lora), finds
     the host in the scheduler's status by its base's key, joins it over the host's join channel
@@ -75,6 +75,7 @@ def test_a_job_submitted_later_joins_the_running_host(tmp_path):
     import subprocess
     import sys
     import time
+    from pathlib import Path
 
     import yaml
     from safetensors.torch import load_file
@@ -91,22 +92,25 @@ def test_a_job_submitted_later_joins_the_running_host(tmp_path):
         for r in syn.sort_rows(16, "train", min_len=2, max_len=3):
             f.write(json.dumps(r) + "\n")
 
-    def write(name, steps, seed):
+    def write(name, steps, seed, here=tmp_path):  # b's paths relative to this process's directory
         cfg = {"model": {"tiny": dict(TINY, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_id),
-                         "tokenizer": str(tmp_path / "tok")},
-               "data": {"path": str(tmp_path / "train.jsonl")}, "steps": steps, "prompts_per_step": 2,
+                         "tokenizer": str(here / "tok")},
+               "data": {"path": str(here / "train.jsonl")}, "steps": steps, "prompts_per_step": 2,
                "group_size": 2, "max_new_tokens": 3, "exact": True, "seed": seed,
                "rewards": [{"fn": "rlcu.data.synthetic:partial_match_reward"}], "lora": {"r": 4, "seed": seed},
-               "log": {"out_dir": str(tmp_path / name), "progress": False, "plot": False, "tensorboard": False}}
+               "log": {"out_dir": str(here / name), "progress": False, "plot": False, "tensorboard": False}}
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
         return str(tmp_path / f"{name}.yaml")
 
-    a, b = write("a", 400, 1), write("b", 2, 2)
+    a, b = write("a", 400, 1), write("b", 2, 2, here=Path("."))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()  # the host's directory: b's relative paths are not its
     core = Core([1000.0], state=tmp_path / "s.db", heartbeat_timeout=30)
     srv = SchedServer(core, f"unix:{tmp_path / 's.sock'}", "tok", tick_s=0.05).start()
     env = dict(os.environ, RLCU_SCHED_TOKEN="tok", PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-m", "rlcu", "grpo", a, "--scheduler", srv.address, "--job-name", "a"],
-                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, cwd=tmp_path / "elsewhere", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     try:
         client = SchedClient(srv.address, "tok")
         deadline = time.monotonic() + 120

@@ -22,8 +22,9 @@ the channel; the host takes the job between two steps (LoraHost.join), grows its
 job's adapter parts (rlcu.train.sizing.host_join: every phase it asks for from then on, since the
 scheduler fixed its resident at registration), and answers the job's exit status once it ends.
 With no such host (or one that ended meanwhile) the job runs as a host of its own, which later
-jobs join in turn. The joined job's files (data.path, reward modules, the tokenizer) are read by
-the host's process: absolute paths, or the config's folder (sent along) for reward modules.
+jobs join in turn. The joined job's files are read and written by the host's process: its
+config goes with its file fields made absolute (`absolute_paths`), and the config's folder, where
+reward modules are looked for, goes along.
 """
 
 from __future__ import annotations
@@ -64,7 +65,32 @@ def base_key(cfg: GRPOConfig) -> str:
     """What a host's jobs share (check_jobs: model.path, revision, tiny, init_seed, dtype, device;
     exact; the engine section) as a hash: a job joins only a host of its own key."""
     d = {f: getattr(cfg.model, f) for f in BASE_FIELDS} | {"exact": cfg.exact, "engine": config_to_dict(cfg)["engine"]}
+    d["path"] = _local(d["path"])  # one folder, however a config names it
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+# the fields a joined job's process reads or writes, made absolute before its config is sent
+# (the host's working directory is not the submitter's); the read ones only where they exist here
+WRITTEN = (("log", "out_dir"), ("checkpoint", "dir"))
+READ = (("model", "path"), ("model", "tokenizer"), ("data", "path"), ("data", "eval_path"), ("lora", "path"),
+        ("checkpoint", "resume"))
+
+
+def _local(v):
+    """A path that exists here, made absolute; anything else (a Hub id, None, 'auto') as given."""
+    return str(Path(v).expanduser().resolve()) if isinstance(v, str) and v and Path(v).expanduser().exists() else v
+
+
+def absolute_paths(cfg: GRPOConfig) -> GRPOConfig:
+    """`cfg` with its file fields (WRITTEN, READ) absolute, for a host in another directory."""
+    for sec, f in WRITTEN + READ:
+        part = getattr(cfg, sec)
+        v = getattr(part, f)
+        if isinstance(v, str) and v and (sec, f) in WRITTEN:
+            setattr(part, f, str(Path(v).expanduser().resolve()))
+        elif (sec, f) in READ:
+            setattr(part, f, _local(v))
+    return cfg
 
 
 def run_host(configs: list, addr: str | None = None, name: str | None = None, *, overrides=(), mem: dict | None = None,
@@ -139,7 +165,7 @@ def submit_lora(config, addr: str | None = None, name: str | None = None, *, ove
     """A LoRA GRPO job under the scheduler: joined into a running host of its base (module
     docstring), else run as a host of its own that later jobs join; returns (its exit status as
     `rlcu grpo` gives it alone, its error or None). host_kw go to run_host (mem, datasets, ...)."""
-    cfg = grpo_config(config, overrides)
+    cfg = absolute_paths(grpo_config(config, overrides))
     source = source or (str(config) if isinstance(config, (str, Path)) else None)
     c = client or SchedClient(addr, token)
     key, mine = getattr(c.transport, "token", None), base_key(cfg)
