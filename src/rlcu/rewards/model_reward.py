@@ -123,13 +123,16 @@ class ModelReward:
 
     @classmethod
     def load(cls, source, field: str, *, device, dtype, policy_tokenizer=None, **kw) -> ModelReward:
-        """From a folder (checked: `check_folder`) or a RewardModel; its tokenizer from the folder's
-        tokenizer.json when there is one."""
+        """From a folder (or a Hub id, fetched) checked by `check_folder`, its tokenizer from the
+        folder's tokenizer.json when there is one; or from a RewardModel, which reads the policy's ids."""
         from rlcu.data.tokenizer import Tokenizer
+        from rlcu.hub import hub_id, model_folder
         from rlcu.model.reward_model import RewardModel
 
         tok = None
         if isinstance(source, (str, Path)):
+            if not Path(str(source)).expanduser().exists() and hub_id(str(source)) is not None:
+                source = model_folder(str(source), None, field)
             folder = check_folder(source, field)
             rm = RewardModel.from_pretrained(folder, device=device, dtype=dtype)
             if (folder / "tokenizer.json").is_file():
