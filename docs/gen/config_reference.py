@@ -16,6 +16,7 @@ from rlcu.config import (
     DPOConfig,
     GRPOConfig,
     PPOConfig,
+    RMConfig,
     Section,
     SFTConfig,
     default_text,
@@ -24,8 +25,8 @@ from rlcu.config import (
 )
 
 # (command, config class): the order of the page
-COMMANDS = (("rlcu sft", SFTConfig), ("rlcu dpo", DPOConfig),
-            ("rlcu grpo", GRPOConfig), ("rlcu ppo", PPOConfig), ("rlcu demo", DemoConfig))
+COMMANDS = (("rlcu sft", SFTConfig), ("rlcu dpo", DPOConfig), ("rlcu grpo", GRPOConfig), ("rlcu ppo", PPOConfig),
+            ("rlcu rm", RMConfig), ("rlcu demo", DemoConfig))
 
 
 def _is_section(tp) -> bool:

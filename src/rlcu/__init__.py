@@ -19,6 +19,7 @@ from_pretrained = CausalLM.from_pretrained  # the family from config.json's arch
 _LAZY = {
     "LLM": "rlcu.engine", "SamplingParams": "rlcu.engine",
     "SFTTrainer": "rlcu.train", "DPOTrainer": "rlcu.train", "GRPOTrainer": "rlcu.train", "PPOTrainer": "rlcu.train",
+    "RewardTrainer": "rlcu.train", "RewardModel": "rlcu.model.reward_model",
     "Tokenizer": "rlcu.data.tokenizer",
 }
 

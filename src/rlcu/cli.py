@@ -27,11 +27,12 @@ COMMANDS = {
     "dpo": ("rlcu.train.cli", "DPO (sigmoid or IPO loss) on preference pairs from a YAML config"),
     "grpo": ("rlcu.train.cli", "GRPO from a YAML config"),
     "ppo": ("rlcu.train.cli", "PPO (actor + critic) from a YAML config"),
+    "rm": ("rlcu.train.cli", "reward-model training (Bradley-Terry on preference pairs) from a YAML config"),
     "merge": ("rlcu.model.merge_cli", "merge a PEFT LoRA adapter into its base: a full HF folder"),
     "sched": ("rlcu.sched.cli", "phase-aware multi-job GPU scheduler: serve, submit, status, cancel, simulate"),
 }
 # commands that compute with a model, which a stale RLCU_EXACT would have switched to exact mode
-_MODEL_COMMANDS = ("demo", "generate", "sft", "dpo", "grpo", "ppo")
+_MODEL_COMMANDS = ("demo", "generate", "sft", "dpo", "grpo", "ppo", "rm")
 
 
 def info_main(argv: list[str]) -> int:

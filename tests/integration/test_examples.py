@@ -119,6 +119,7 @@ TINY_RUN = {
              "eval_every=0", "eval_max_prompts=2", "micro_batch_tokens=256", "dynamic_sampling_max_rounds=1"],
     "ppo": ["steps=1", "prompts_per_step=2", "max_new_tokens=4", "eval_every=0", "eval_max_prompts=2",
             "micro_batch_tokens=256"],
+    "rm": ["steps=1", "batch_pairs=2", "batch_tokens=512", "optim.warmup_steps=0", "eval_every=0"],
     "demo": ["sft_steps=1", "grpo_steps=1", "task.n_train=32", "task.n_eval=4", "prompts_per_step=2",
              "group_size=2"],
 }

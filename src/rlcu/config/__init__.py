@@ -2,8 +2,8 @@
 
 One concept a module: fields.py (`opt`, `Section`, `ConfigError`: how a field is declared,
 coerced and checked), sections.py (model, data, optim, checkpoint, log, engine, and
-`RunConfig`, the sections every trainer's config begins with), sft.py, dpo.py, rl.py (GRPO, PPO and
-the critic), demo.py, load.py (YAML + overrides, back to data, `config_help`). This face
+`RunConfig`, the sections every trainer's config begins with), sft.py, dpo.py, rm.py (reward
+models), rl.py (GRPO, PPO and the critic), demo.py, load.py (YAML + overrides, back to data, `config_help`). This face
 re-exports them: `from rlcu.config import GRPOConfig`. The package sits below the engine and
 the trainers (it imports the model's config only).
 """
@@ -36,6 +36,7 @@ from rlcu.config.load import (
 )
 from rlcu.config.lora import LoraSection
 from rlcu.config.rl import CriticConfig, GRPOConfig, MultiTurnConfig, PPOConfig, RLConfig
+from rlcu.config.rm import RMConfig
 from rlcu.config.sections import (
     CHECKPOINTING_MODES,
     GPU_MEMORY_UTILIZATION,
@@ -54,7 +55,7 @@ __all__ = [
     "CHECKPOINTING_MODES", "CheckpointConfig", "ConfigError", "CriticConfig", "DPO_LOSSES", "DPOConfig", "DataConfig",
     "DemoConfig",
     "DemoTaskConfig", "EngineConfig", "GPU_MEMORY_UTILIZATION", "GRPOConfig", "LogConfig", "LoraSection", "MODEL",
-    "ModelConfig", "MultiTurnConfig", "OptimConfig", "PPOConfig", "RLConfig", "RunConfig", "SFTConfig", "Section",
-    "UnknownOption", "check_device", "command_config", "config_from_dict", "config_help", "config_to_dict",
+    "ModelConfig", "MultiTurnConfig", "OptimConfig", "PPOConfig", "RLConfig", "RMConfig", "RunConfig", "SFTConfig",
+    "Section", "UnknownOption", "check_device", "command_config", "config_from_dict", "config_help", "config_to_dict",
     "default_text", "field_types", "load_config", "opt", "parse_override", "save_config", "type_name"
 ]

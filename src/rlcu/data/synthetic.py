@@ -10,6 +10,10 @@ vocabulary (`make_tokenizer`), so the model needs no subword machinery.
 
 Train and held-out prompts come from disjoint sets (split by a hash of the digits), so
 held-out accuracy measures the learned procedure, not memorised pairs.
+
+`sort_preference_rows`: the same prompts as preference pairs for reward models and DPO, the
+chosen answer sorted, the rejected one the same digits out of order, so that a reward model
+learns "ascending" (and a policy scored by it learns to sort).
 """
 
 from __future__ import annotations
@@ -63,6 +67,31 @@ def sort_rows(n: int, split: str = "train", seed: int = 0, min_len: int = 3, max
         rows.append({"prompt": "sort " + " ".join(str(x) for x in d) + " :", "completion": " " + demo,
                      "answer": ans})
     return rows
+
+
+def sort_preference_rows(n: int, split: str = "train", seed: int = 0, min_len: int = 3, max_len: int = 6,
+                         eval_frac: float = 0.2) -> list[dict]:
+    """n rows {prompt, chosen, rejected} (TRL's preference format) of the sort task's `split`:
+    chosen is the sorted answer; rejected the same digits descending or in another order that is
+    not ascending (drawn half and half)."""
+    rng = random.Random(f"sort-pref-{split}-{seed}")
+    rows = []
+    for r in sort_rows(4 * n + 64, split, seed, max(min_len, 2), max_len, eval_frac):
+        d = [int(x) for x in r["answer"].split()]
+        if len(set(d)) < 2:
+            continue  # every order of one repeated digit is sorted
+        bad = desc = sorted(d, reverse=True)
+        if rng.random() < 0.5:
+            for _ in range(20):  # another order, where there is one (else descending)
+                bad = rng.sample(d, len(d))
+                if bad not in (sorted(d), desc):
+                    break
+            else:
+                bad = desc
+        rows.append({"prompt": r["prompt"], "chosen": " " + r["answer"], "rejected": " " + " ".join(map(str, bad))})
+        if len(rows) == n:
+            return rows
+    raise ValueError(f"could not draw {n} preference rows of the sort task; raise max_len")
 
 
 def normalise(text: str) -> str:

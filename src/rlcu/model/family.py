@@ -56,7 +56,8 @@ def family_of(d: dict, source: str) -> Family:
     archs = d.get("architectures") or []
     if not isinstance(archs, list):
         raise ValueError(f"{source}: architectures must be a list, got {archs!r}")
-    for a in archs:
+    for a in archs:  # a reward model's ...ForSequenceClassification is its family's trunk
+        a = a.replace("ForSequenceClassification", "ForCausalLM") if isinstance(a, str) else a
         if a in BY_ARCHITECTURE:
             return BY_ARCHITECTURE[a]
     mt = d.get("model_type")

@@ -42,8 +42,17 @@ class RewardModel(ScalarHeadModel):
             raise ValueError(f"a reward model on {cfg.fam.architecture} is not supported (dense families only)")
         super().__init__(_headless(cfg), flat)
         self.pad_token_id = pad_token_id
-        self.tie_word_embeddings = tie_word_embeddings  # the source's, written back to config.json
+        self.tie_word_embeddings = tie_word_embeddings
         self.source: Path | None = None
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """The source's (config.json's, written back); `cfg` says it and the trunk's is always tied."""
+        return self.cfg.tie_word_embeddings
+
+    @tie_word_embeddings.setter
+    def tie_word_embeddings(self, on: bool) -> None:
+        self.cfg = dataclasses.replace(self.cfg, tie_word_embeddings=bool(on))
 
     # ---------------------------------------------------------------- construction / I/O
     @classmethod
@@ -64,13 +73,19 @@ class RewardModel(ScalarHeadModel):
         if arch not in BY_ARCHITECTURE:
             raise ValueError(f"{folder}/config.json: unsupported architecture {archs[0]!r}; rlcu reads "
                              + ", ".join(a.replace(_CAUSAL, _SEQ_CLS) for a in BY_ARCHITECTURE))
-        cfg = CausalLMConfig.from_hf_dict({**d, "architectures": [arch]}, str(folder / "config.json"))
+        cfg = CausalLMConfig.from_hf_dict(d, str(folder / "config.json"))
         m = cls(cfg, torch.zeros(HeadLayout(_headless(cfg)).numel, device=device, dtype=dtype),
                 d.get("pad_token_id"), cfg.tie_word_embeddings)
-        io.load_into(folder, m.trunk.layout, m.flat[: m.layout.head_offset], skip=frozenset({SCORE}))
-        m.head_w.copy_(_read_score(folder, cfg.hidden_size))
+        m.load_pretrained(folder)
         m.source = folder
         return m
+
+    def load_pretrained(self, folder) -> None:
+        """This model's weights, in place, from an HF sequence-classification folder of its shape
+        (a checkpoint's model/ on resume)."""
+        folder = Path(folder)
+        io.load_into(folder, self.trunk.layout, self.flat[: self.layout.head_offset], skip=frozenset({SCORE}))
+        self.head_w.copy_(_read_score(folder, self.cfg.hidden_size))
 
     @classmethod
     def from_causal_lm(cls, path_or_model, device="cpu", dtype=torch.float32, head_init_std: float = 0.02,
@@ -92,7 +107,7 @@ class RewardModel(ScalarHeadModel):
         """The config.json of the HF folder: the family's, as `...ForSequenceClassification` with
         one label and `pad_token_id` (the end of sequence when none was given: HF needs one to
         score a padded batch)."""
-        d = dataclasses.replace(self.cfg, tie_word_embeddings=self.tie_word_embeddings).to_hf_dict()
+        d = self.cfg.to_hf_dict()
         pad = self.pad_token_id if self.pad_token_id is not None else (self.cfg.eos_token_ids or [None])[0]
         d.update(architectures=[self.cfg.fam.architecture.replace(_CAUSAL, _SEQ_CLS)], num_labels=1,
                  id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, pad_token_id=pad)

@@ -1,4 +1,4 @@
-"""Trainers (SFT, DPO, GRPO, PPO) and their shared pieces: the lr schedule, checkpoints and run
+"""Trainers (SFT, DPO, GRPO, PPO, reward models) and their shared pieces: the lr schedule, checkpoints and run
 logging; FlatAdamW (rlcu.optim, which rlcu.parallel shares) and the errors a run raises
 (rlcu.errors) are named here too. Submodules are imported on first use so that
 `import rlcu.train` stays light."""
@@ -20,6 +20,7 @@ _LAZY = {
     "latest_checkpoint": "rlcu.train.checkpoint",
     "GRPOTrainer": "rlcu.train.grpo",
     "PPOTrainer": "rlcu.train.ppo",
+    "RewardTrainer": "rlcu.train.reward_trainer",
 }
 
 

@@ -1,8 +1,8 @@
-"""`rlcu sft | dpo | grpo | ppo CONFIG.yaml [--set a.b=c ...] [--resume DIR|auto] [--overwrite]
+"""`rlcu sft | dpo | grpo | ppo | rm CONFIG.yaml [--set a.b=c ...] [--resume DIR|auto] [--overwrite]
 [--allow-config-change]`.
 
 The YAML file and the overrides build the run's config (rlcu.config: SFTConfig,
-DPOConfig, GRPOConfig, PPOConfig); `--help` lists every option with its
+DPOConfig, GRPOConfig, PPOConfig, RMConfig); `--help` lists every option with its
 default. Exit status: 0 done; 1 aborted after too many non-finite steps; 2 a run that cannot
 start as asked, with one line naming why (a bad option with its dotted name and where it came
 from, a log.out_dir that holds another run or cannot be written, a checkpoint that does not
@@ -21,6 +21,7 @@ COMMANDS = {
     "dpo": ("rlcu.config", "DPOConfig", "rlcu.train.dpo", "DPOTrainer", "DPO on preference pairs"),
     "grpo": ("rlcu.config", "GRPOConfig", "rlcu.train.grpo", "GRPOTrainer", "GRPO"),
     "ppo": ("rlcu.config", "PPOConfig", "rlcu.train.ppo", "PPOTrainer", "PPO with a critic"),
+    "rm": ("rlcu.config", "RMConfig", "rlcu.train.reward_trainer", "RewardTrainer", "reward-model training"),
 }
 
 
