@@ -139,3 +139,21 @@ def test_config_errors_name_the_field(rm, tmp_path):
         with pytest.raises(ConfigError, match=words) as e:
             cfg(spec)
         assert e.value.path.endswith(field), (e.value.path, field)
+
+
+def test_policy_ids_get_the_templates_turn_end(rm):
+    """Reading the policy's ids, a chat sample that ends at the end-of-turn token is scored with
+    what the chat template renders after it (as the conversations a reward model trains on end);
+    a cut one (no end-of-turn) and a text sample are scored as they are."""
+    _, folder = rm
+    tok = make_word_tokenizer(WORDS, ["<|im_start|>", "<|im_end|>", "<|sep|>"],
+                              chat_template=TEMPLATE.replace("<|im_end|>", "<|im_end|><|sep|>"))
+    end, sep = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|sep|>")
+    m = ModelReward.load(str(folder), "m", device="cpu", dtype=torch.float32, policy_tokenizer=tok)
+    m.tokenizer = None  # read the policy's ids
+    assert m.turn_end == (end, [sep])
+    chat = [{"role": "user", "content": "hi"}]
+    seqs = [[5, 6, end], [5, 6, 7], [5, 6, end]]
+    got, _ = m([chat, chat, "text"], ["", "", ""], seqs)
+    want = m.rm.score([[5, 6, end, sep], [5, 6, 7], [5, 6, end]])
+    torch.testing.assert_close(torch.tensor(got), want)

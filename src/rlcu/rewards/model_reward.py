@@ -5,7 +5,9 @@ rlcu runs), in the trainer's process and on its device, beside the function rewa
 What the model reads is what it was trained on:
 - the policy's own token ids (prompt + completion, or an episode's whole conversation, the
   environment's tokens included), with no re-tokenisation, when the folder has no tokenizer of its
-  own or its tokenizer is the policy's (the same vocabulary and chat template);
+  own or its tokenizer is the policy's (the same vocabulary and chat template); a chat sample that
+  ends at the end-of-turn token gets what the template renders after it (ChatML's newline,
+  `turn_end`), as the conversations the model was trained on (data/preference.py) end;
 - else the sample rendered by its own tokenizer: a chat prompt's messages with the completion as
   an assistant turn (an episode's messages after its prompt) through its chat template (`kwargs`
   are the template's variables, e.g. enable_thinking), a text prompt and completion as one text
@@ -104,6 +106,26 @@ def same_tokenizer(a, b) -> bool:
         a.backend.get_vocab(with_added_tokens=True) == b.backend.get_vocab(with_added_tokens=True)
 
 
+def _is_chat(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], dict))
+
+
+def turn_end(tok) -> tuple[int | None, list[int]]:
+    """(the end-of-turn token, the ids a chat template renders after it when an assistant turn
+    closes a conversation), e.g. (<|im_end|>, ["\\n"]) for ChatML: what a reward model trained on
+    rendered conversations saw after a completion that the policy's sampled ids end at its EOS.
+    (None, []) without a chat template."""
+    if tok is None or tok.chat_template is None or tok.eos_token_id is None:
+        return None, []
+    try:
+        ids = list(tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                                           tokenize=True))
+    except Exception:  # noqa: BLE001 - a template that needs more than this probe: no tail
+        return None, []
+    at = max((i for i, t in enumerate(ids) if t == tok.eos_token_id), default=None)
+    return (None, []) if at is None else (tok.eos_token_id, ids[at + 1:])
+
+
 class ModelReward:
     """A reward model as a reward: `rm` a RewardModel (rlcu.model.reward_model: `score(sequences)`,
     `cfg`, `flat`); `tokenizer` its own (None: it reads the policy's ids); `policy_tokenizer` the
@@ -120,6 +142,7 @@ class ModelReward:
         self._host: torch.Tensor | None = None  # the weights' host copy (offload), made once
         self._asleep = False
         self.scored_tokens = 0  # tokens of the last call's sequences
+        self.turn_end = turn_end(policy_tokenizer)
 
     @classmethod
     def load(cls, source, field: str, *, device, dtype, policy_tokenizer=None, **kw) -> ModelReward:
@@ -175,12 +198,14 @@ class ModelReward:
         if self.tokenizer is None:
             if sequence_ids is None:
                 return ["no token ids were given for the reward model (it reads the policy's)"] * len(prompts)
-            return [list(map(int, s)) for s in sequence_ids]
+            end, tail = self.turn_end
+            return [list(map(int, s)) + (tail if end is not None and _is_chat(p) and s and int(s[-1]) == end else [])
+                    for p, s in zip(prompts, sequence_ids)]
         return [self._render_one(p, c) for p, c in zip(prompts, completions)]
 
     def _render_one(self, prompt, completion) -> list[int] | str:
         tok = self.tokenizer
-        chat = isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], dict))
+        chat = _is_chat(prompt)
         try:
             if chat:
                 if tok.chat_template is None:
