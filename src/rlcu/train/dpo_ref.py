@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from array import array
 from pathlib import Path
 
 import torch
@@ -45,9 +46,7 @@ def fingerprint(sets: dict[str, list[Pair]], source: str, model) -> str:
     for name in sorted(sets):
         h.update(name.encode())
         for p, c, r in sets[name]:
-            for ids in (p, c, r):
-                h.update(len(ids).to_bytes(4, "little"))
-                h.update(torch.tensor(ids, dtype=torch.int32).numpy().tobytes())
+            h.update(array("q", (len(p), len(c), len(r), *p, *c, *r)).tobytes())
     return h.hexdigest()
 
 
@@ -65,12 +64,18 @@ def compute(model, sets: dict[str, list[Pair]], budget: int) -> dict[str, torch.
 
 
 def load(path: Path, fp: str) -> dict[str, torch.Tensor] | None:
-    """The sets stored at `path` when its fingerprint is `fp`, else None (absent, another, unreadable)."""
+    """The sets stored at `path` when its fingerprint is `fp` on every rank, else None (absent,
+    another, unreadable on any rank: then every rank computes them, as the pass is collective)."""
+    got = _read(path, fp)
+    return got if all_sum(0 if got is None else 1) == world().size else None
+
+
+def _read(path: Path, fp: str) -> dict[str, torch.Tensor] | None:
     if not path.is_file():
         return None
     try:
         d = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError, EOFError):
+    except Exception:  # a cache: a file that cannot be read (truncated, not torch's) is computed afresh
         return None
     if not isinstance(d, dict) or d.get("fingerprint") != fp:
         return None
