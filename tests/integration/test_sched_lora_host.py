@@ -133,6 +133,7 @@ def test_a_job_submitted_later_joins_the_running_host(tmp_path, monkeypatch):
             proc.kill()
         srv.stop()
     assert "rlcu grpo [b]" not in out, out  # b's steps went well
+    assert proc.returncode == 3, out  # a: cancelled after its step, as a scheduled job's status
     cfg = grpo_config(b, [f"log.out_dir={tmp_path / 'alone'}"])
     GRPOTrainer(cfg).train()
     got, want = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors") for d in ("b", "alone"))

@@ -32,7 +32,9 @@ HostClosed) once its last job ended and none is queued.
 A job that ends (done, or failed: a reward that raises, too many non-finite steps, an error)
 leaves; the others go on. Its status is the one `rlcu grpo` gives alone (rlcu.train.core
 exit_status: 0, 1, 2, 74, 128 + N) and the host's is the worst (the largest) of them. A signal
-to the host stops every job after its step in flight, with a checkpoint, as it stops one run.
+to the host stops every job after its step in flight, with a checkpoint, as it stops one run;
+so does a scheduler's graceful cancel of the host, each job's status then 3 as a cancelled
+scheduled job's.
 
 Refused by name (ConfigError naming the file and the field) before anything runs: a config
 without `lora:`, one naming another base (model.path, revision, tiny, init_seed, dtype, device)
@@ -308,8 +310,8 @@ class LoraHost:
             torch.cuda.set_device(self.base.device)
         try:
             job.status = exit_status(f"rlcu grpo [{job.name}]", job.trainer.train)
-        except TrainingStopped as e:  # the host's signal: stopped after its step, with a checkpoint
-            job.status, job.error = 128 + (self.signum or 15), e
+        except TrainingStopped as e:  # after its step, with a checkpoint: the host's signal, or its scheduler's cancel
+            job.status, job.error = (128 + self.signum) if self.signum else 3, e
             print(f"rlcu grpo [{job.name}]: {e}", file=sys.stderr)
         except BaseException as e:  # noqa: BLE001 (a job's failure is its own: the others go on)
             job.status, job.error = 1, e
