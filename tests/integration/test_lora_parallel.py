@@ -1,7 +1,8 @@
 """LoRA at 2 ranks (gloo, CPU) equals one process (issue 35): the adapters' gradient reduced over
 the ranks at the step and their optimizer state in 1/N shards (ShardedAdamW over the adapters'
 flat buffer), the base frozen on every rank; SFT with a sharded checkpoint resumed in one
-process, and GRPO (its rollouts through the merged stand-in engine, support.lora_engine)."""
+process, GRPO (its rollouts through the merged stand-in engine, support.lora_engine), and PPO's
+LoRA critic (its adapter and head reduced and sharded as the policy's adapters)."""
 
 from __future__ import annotations
 
@@ -41,11 +42,22 @@ def _grpo(out):
     return tr, tr.train()
 
 
+def _ppo(out):
+    """One PPO step with LoRA: the critic an adapter and head on the policy's base (train/lora_critic.py)."""
+    from support.trainers import ppo_trainer
+
+    tr = ppo_trainer(out, steps=1, lora=dict(r=4, alpha=8), critic=dict(optim=dict(lr=3e-3), head_init_std=0.1))
+    tr.train()
+    return tr
+
+
 def _ranks(rank, tmp):
     a = _sft(tmp / "sft2")
     g, hist = _grpo(tmp / "grpo2")
+    p = _ppo(tmp / "ppo2")
     return {"sft": a.model.lora.flat.clone(), "base": a.model.flat.clone(), "opt": type(a.optimizer).__name__,
-            "grpo": g.model.lora.flat.clone(), "grpo_hist": hist}
+            "grpo": g.model.lora.flat.clone(), "grpo_hist": hist, "critic": p.critic.flat.clone(),
+            "critic_opt": type(p.critic_opt).__name__}
 
 
 def _rel(a, b):
@@ -82,3 +94,6 @@ def test_lora_two_ranks_equal_one_process(tmp_path, monkeypatch):
     for a, b in zip(r0["grpo_hist"], hist):  # the same samples, rewards and global statistics
         assert a["reward"] == b["reward"] and a["completion_len"] == b["completion_len"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # PPO's LoRA critic across ranks: its adapter and head's gradient reduced, its state sharded
+    assert r0["critic_opt"] == "ShardedAdamW" and torch.equal(r0["critic"], r1["critic"])
+    assert _rel(r0["critic"], _ppo(tmp_path / "ppo1").critic.flat) < TOL
