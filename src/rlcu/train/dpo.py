@@ -69,8 +69,11 @@ class DPOTrainer(Trainer):
         self.eval_pairs = self._encode(eval_rows, cfg.data.eval_path or f"{src} (held out)") if eval_rows else []
         self.stream = PackedStream([pair_len(p) for p in self.pairs], cfg.batch_tokens, cfg.data.shuffle,
                                    cfg.data.seed)
-        self.optimizer = make_optimizer(trained, cfg.optim)  # ShardedAdamW across ranks
         self.ref_lp: dict[str, torch.Tensor] | None = None  # {"train", "eval"}: [P, 2] (chosen, rejected)
+        self._ref_fresh: str | None = None  # the fingerprint of logprobs computed here, not yet saved
+        if cfg.ref_model is not None:  # its weights live for the pass only, before the optimizer's state exists
+            self.reference_logprobs()
+        self.optimizer = make_optimizer(trained, cfg.optim)  # ShardedAdamW across ranks
 
     # ---------------------------------------------------------------- data
     def _load(self, source, name, **where) -> list[tuple[str, dict]]:
@@ -135,7 +138,7 @@ class DPOTrainer(Trainer):
             if ref.cfg.vocab_size != self.model.cfg.vocab_size:
                 raise ValueError(f"ref_model {cfg.ref_model}: vocabulary of {ref.cfg.vocab_size} tokens, the policy "
                                  f"has {self.model.cfg.vocab_size}")
-            return ref, f"ref_model:{cfg.ref_model}"
+            return ref, f"ref_model:{cfg.ref_model}"  # (the trainer's constructor runs its pass, then drops it)
         if self.model.lora is not None:
             return CausalLM(self.model.cfg, self.model.flat, self.model.exact), "base (adapters off)"
         return self.model, "initial policy"
@@ -166,11 +169,11 @@ class DPOTrainer(Trainer):
     def _open_run(self) -> bool:
         """The reference pass first (the model is still the initial policy: a resume loads its
         checkpoint inside the core's _open_run), its file written once the folder is claimed."""
-        self._ref_fresh = None
         self.reference_logprobs()
         resumed = super()._open_run()
         if self._ref_fresh is not None:
             dpo_ref.save(self.out_dir / dpo_ref.FILE, self._ref_fresh, self.ref_lp)
+            self._ref_fresh = None
         return resumed
 
     # ---------------------------------------------------------------- checkpoints
