@@ -171,7 +171,6 @@ class LoraHost:
         self._jlock = threading.Lock()
         self._joins: list[tuple[HostedJob, tuple]] = []  # jobs queued by join, taken between steps
         self.closed = False  # no more joins: the last job ended
-        self.on_join = None  # called with a joined job once built (rlcu.sched.host grows the host's lease)
         c0 = self.jobs[0].cfg
         self.base = build_model(c0.model)
         self.base.exact = c0.exact
@@ -240,7 +239,7 @@ class LoraHost:
         out = []
         for job, (dataset, reward_fns, tokenizer) in todo:
             if self.stop is not None:
-                job.status, job.error = 128 + (self.signum or 15), HostClosed(f"the host {self.stop}")
+                job.status, job.error = (128 + self.signum) if self.signum else 3, HostClosed(f"the host {self.stop}")
                 self._ended(job)
                 continue
             try:
@@ -259,8 +258,6 @@ class LoraHost:
             if job.trainer is None:
                 self._ended(job)
                 continue
-            if self.on_join is not None:
-                self.on_join(job)
             self._start(job)
             out.append(job)
         return out
