@@ -127,3 +127,35 @@ def test_preference_example_is_the_sort_task():
     cfg = load_config(RMConfig, ex / "rm.yaml")
     tok = make_tokenizer()
     assert cfg.model.tiny["vocab_size"] == tok.vocab_size and cfg.model.tiny["eos_token_id"] == tok.eos_token_id
+
+
+def test_lora_trunk_full_head_merged_folder_and_resume(tmp_path):
+    """lora: the trunk's base stays frozen while its adapters and the head train; the final folder
+    (adapters merged) loads into transformers with the live model's scores, the PEFT adapter is
+    written beside it, and a run resumed from its step-2 checkpoint ends where the whole run does."""
+    _, folder = make_seq_cls_model(tmp_path, "qwen3", seed=2)
+    pairs = _pairs(12)
+    rows = [{"chosen_token_ids": c, "rejected_token_ids": r, "margin": m} for c, r, m in pairs]
+
+    def run(out, **ck):
+        cfg = {"model": {"path": str(folder)}, "steps": 4, "batch_pairs": 4, "optim": {"lr": 1e-2},
+               "lora": {"r": 4, "alpha": 8, "init": "gaussian"}, "checkpoint": {"every": 2, **ck},
+               "log": {"out_dir": str(tmp_path / out), "tensorboard": False, "plot": False, "progress": False}}
+        t = RewardTrainer(cfg, dataset=rows)
+        return t, t.train()
+
+    t, _ = run("a")
+    rm0 = RewardModel.from_pretrained(folder)
+    o = rm0.layout.head_offset
+    assert torch.equal(t.model.flat[:o], rm0.flat[:o])  # the base is frozen
+    assert not torch.equal(t.model.head_w, rm0.head_w) and float(t.lora.flat.abs().sum()) > 0
+    seqs = [c for c, _, _ in pairs[:3]] + [r for _, r, _ in pairs[:3]]
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "a" / "reward_model")
+    with torch.no_grad():
+        ref = torch.stack([back(torch.tensor([s])).logits[0, 0] for s in seqs])
+    assert rel_err(t.model.score(seqs), ref) < 1e-5
+    assert (tmp_path / "a" / "adapter" / "adapter_config.json").is_file()
+
+    t2, _ = run("b", resume=str(tmp_path / "a" / "checkpoints" / "step-000002"))
+    assert t2.resumed_from is not None
+    assert torch.equal(t2.lora.flat, t.lora.flat) and torch.equal(t2.model.head_w, t.model.head_w)

@@ -7,7 +7,7 @@ Flat layout: [trunk (ParamLayout of `cfg`) | head w [H] | bias b], so FlatAdamW 
 treat it as a policy. The trunk is a CausalLM whose flat buffer (and, in training, gradient buffer)
 is a view of this one, so every trunk op and its gradient checkpointing is the policy's own code
 (`hidden_forward` / `hidden_backward`). With LoRA adapters on the trunk (`trunk.lora`), the trunk's
-gradient goes to the adapters and only the head's slots of `grad_flat` are written.
+gradient goes to the adapters and `grad_flat` holds the head's slots alone.
 
 For the rows r read and an upstream gradient dv on their scores v_r = w . h_r + b:
     dw = sum_r dv_r h_r,  db = sum_r dv_r (bias only),  dh_r = dv_r w,  then the trunk's backward.
@@ -94,16 +94,20 @@ class ScalarHeadModel:
 
     # ---------------------------------------------------------------- gradients
     def _ensure_grads(self) -> None:
+        """`grad_flat`: the whole layout's gradient, or with adapters on the trunk (whose gradient is
+        theirs) the head's slots alone, [numel - head_offset]."""
         if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.layout.numel, device=self.device, dtype=self.grad_dtype)
-            o, H = self.layout.head_offset, self.cfg.hidden_size
-            t = self.trunk
-            if t.lora is None:  # with adapters the trunk's gradient is theirs
+            o, H, t = self.layout.head_offset, self.cfg.hidden_size, self.trunk
+            if t.lora is None:
+                self.grad_flat = torch.zeros(self.layout.numel, device=self.device, dtype=self.grad_dtype)
                 t.grad_flat = self.grad_flat[:o]
                 t._g = t.layout.views(t.grad_flat)
                 t.grads = t.layout.hf_views(t.grad_flat)
-            self.dhead_w = self.grad_flat[o : o + H]
-            self.dhead_b = self.grad_flat[o + H : o + H + 1]
+                head = self.grad_flat[o:]
+            else:
+                head = self.grad_flat = torch.zeros(self.layout.numel - o, device=self.device, dtype=self.grad_dtype)
+            self.dhead_w = head[:H]
+            self.dhead_b = head[H : H + 1]
 
     def zero_grad(self) -> None:
         self._ensure_grads()

@@ -14,6 +14,11 @@ the whole batch's. The backward is ours: the head's, then the trunk's hidden_bac
 machinery PPO's critic shares, model/scalar_head.py). Across ranks each takes a block of the
 step's pairs by tokens and the optimizer (ShardedAdamW) reduces the gradient at the step.
 
+With `lora:` the trunk's base is frozen and adapters train on it (model/lora.py), the head fully:
+two optimizers, the adapters' and the head's (`HeadParams`), each clipping its own gradient norm;
+a checkpoint holds the adapters (PEFT), the head and both optimizers; the final folder has the
+adapters merged into the trunk (and the PEFT adapter is written beside it, <log.out_dir>/adapter).
+
 Metrics: loss, accuracy (the share of pairs with r_c > r_r), margin (mean r_c - r_r), the mean
 chosen and rejected rewards; the same on the held-out pairs as eval/*. The trained model is saved
 as an HF `...ForSequenceClassification` folder in every checkpoint's model/ and, at the end, in
@@ -28,17 +33,19 @@ from pathlib import Path
 
 import torch
 
-from rlcu.config import ConfigError, RMConfig
+from rlcu.config import RMConfig
 from rlcu.data.preference import PreferencePair, check_preference_row, encode_preference_row, load_preference_items
 from rlcu.data.prompt_check import shown_rows
 from rlcu.hub import model_folder
 from rlcu.model.causal_lm import CausalLM
+from rlcu.model.lora_peft import merge_into
 from rlcu.model.reward_model import RewardModel
 from rlcu.parallel import batch as dp
 from rlcu.parallel.comm import all_sum, world
 from rlcu.parallel.zero import make_optimizer
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer
+from rlcu.train.lora import LoraCheckpoint, save_final
 from rlcu.train.rows import EpochOrder, load_rows
 from rlcu.train.schedule import lr_at
 
@@ -94,6 +101,42 @@ def pack_pairs(idx: list[int], lengths: list[int], budget: int) -> list[list[int
     return out
 
 
+class HeadParams:
+    """A reward model's head slots (w, and the unused bias) as an optimizer's model, when adapters
+    train the trunk: `flat` a view of the model's, `grad_flat` the model's head-only gradient."""
+
+    def __init__(self, rm: RewardModel):
+        self.rm = rm
+        self.flat = rm.flat[rm.layout.head_offset :]
+        self.layout = type("HeadLayout", (), {"numel": self.flat.numel()})()
+
+    @property
+    def grad_flat(self):
+        return self.rm.grad_flat
+
+    @property
+    def grad_dtype(self):
+        return self.rm.grad_dtype
+
+    @grad_dtype.setter
+    def grad_dtype(self, dt) -> None:
+        self.rm.grad_dtype = dt
+
+    def zero_grad(self) -> None:
+        self.rm.zero_grad()
+
+    def release_grads(self) -> None:
+        self.rm.release_grads()
+
+    def state_dict(self) -> dict:
+        return {"flat": self.flat.detach().cpu().clone()}
+
+    def load_state_dict(self, d: dict) -> None:
+        if d["flat"].shape != self.flat.shape:
+            raise ValueError(f"head state has {d['flat'].numel()} elements, this model's head {self.flat.numel()}")
+        self.flat.copy_(d["flat"])
+
+
 def build_reward_model(cfg: RMConfig) -> RewardModel:
     """model.path as a sequence-classification folder (its head kept) or a causal LM (a fresh
     head), or model.tiny from scratch (a fresh head)."""
@@ -127,9 +170,6 @@ class RewardTrainer(Trainer):
                  model=None, tokenizer=None, hooks: Hooks | None = None):
         super().__init__(config, hooks)
         cfg = self.cfg
-        if cfg.lora.enabled:
-            raise ConfigError("lora", "is not supported by reward-model training yet (the head and the whole trunk "
-                                      "are trained)")
         self._refuse_unfit(model)
         if isinstance(model, CausalLM):
             model = RewardModel.from_causal_lm(model, head_init_std=cfg.head_init_std, seed=cfg.seed)
@@ -156,7 +196,12 @@ class RewardTrainer(Trainer):
         self.eval_pairs = self._encode(eval_rows, cfg.data.eval_path or f"{src} (held out)") if eval_rows else []
         self.lengths = [len(p.chosen) + len(p.rejected) for p in self.pairs]
         self.stream = PairStream(len(self.pairs), cfg.data.shuffle, cfg.data.seed)
-        self.optimizer = make_optimizer(self.model, cfg.optim)  # ShardedAdamW across ranks
+        ad = self._attach_lora(self.model.trunk)  # the adapters with lora:, else the trunk
+        self.lora = None if ad is self.model.trunk else ad
+        # ShardedAdamW across ranks; with adapters, theirs and the head's
+        self.optimizer = make_optimizer(self.lora or self.model, cfg.optim)
+        self.head = HeadParams(self.model) if self.lora is not None else None
+        self.head_optimizer = make_optimizer(self.head, cfg.optim) if self.head is not None else None
 
     def _encode(self, rows: list[tuple[str, dict]], src: str) -> list[PreferencePair]:
         """Tokenise (location, row) pairs, dropping (counted, named in the log) those too long."""
@@ -214,11 +259,18 @@ class RewardTrainer(Trainer):
         self.history = list(state.get("metrics_tail", []))
 
     def _checkpoint_objects(self, loading: bool = False) -> tuple:
-        return self.model, self.optimizer, {}
+        if self.lora is None:
+            return self.model, self.optimizer, {}
+        return (LoraCheckpoint(self.model.trunk, self.cfg.model.path), self.optimizer,
+                {"head": self.head, "head_optim": self.head_optimizer})
+
+    def _finite_tensors(self) -> list[torch.Tensor]:
+        out = super()._finite_tensors()
+        return out if self.head is None else [*out, self.head.flat]
 
     def _start_message(self) -> str:
-        n = self.model.trunk.num_params() + self.model.cfg.hidden_size
-        return f"reward model: {len(self.pairs)} pairs, {n:,} parameters, {self.cfg.steps} steps on {self.device}"
+        return (f"reward model: {len(self.pairs)} pairs, {self._trainable_note(self.model.trunk)} and a head of "
+                f"{self.model.cfg.hidden_size}, {self.cfg.steps} steps on {self.device}")
 
     # ---------------------------------------------------------------- training
     def train_step(self, step: int | None = None) -> dict:
@@ -238,6 +290,8 @@ class RewardTrainer(Trainer):
             sums += self._pass(idx, self.pairs, P, grad=True)
         s = all_sum(sums.cpu().double()) / P
         info = self.optimizer.step(lr, float(s[0]))  # may raise NonFiniteError
+        if self.head_optimizer is not None:
+            info["head_grad_norm"] = self.head_optimizer.step(lr, float(s[0]))["grad_norm"]
         dt = time.perf_counter() - t0
         n_tok = sum(self.lengths[i] for i in drawn)
         return {"loss": float(s[0]), "accuracy": float(s[1]), "margin": float(s[2]), "reward_chosen": float(s[3]),
@@ -274,8 +328,13 @@ class RewardTrainer(Trainer):
         if self.step == start or not world().is_main:
             return
         if self._state_finite():
-            out = self.out_dir / "reward_model"
-            self.model.save_pretrained(out)
+            out, rm = self.out_dir / "reward_model", self.model
+            if self.lora is not None:
+                self.logger.info(f"LoRA adapter: {save_final(rm.trunk, self.out_dir, self.cfg.model.path)}")
+                rm = RewardModel(rm.cfg, rm.flat.clone(), rm.pad_token_id, rm.tie_word_embeddings)
+                rm.source = self.model.source
+                merge_into(rm.trunk, self.lora)  # a copy: the live trunk keeps its adapters
+            rm.save_pretrained(out)
             if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(out)
             self.logger.info(f"reward model: {out}")
