@@ -117,6 +117,12 @@ def test_config_errors_name_the_field(rm, tmp_path):
 
     cfg({"model": str(folder), "weight": 0.5, "batch_size": 8, "max_tokens": 4096, "offload": True,
          "kwargs": {"enable_thinking": False}})
+    # the Python API: a folder (a string naming one, or a Path) or a model object is a reward model
+    from rlcu.rewards.loader import reward_specs
+
+    m = ModelReward.load(str(folder), "m", device="cpu", dtype=torch.float32)
+    assert reward_specs([str(folder), folder, m.rm, m, "math"], []) == [
+        {"model": str(folder)}, {"model": folder}, {"model": m.rm}, {"model": m}, {"name": "math"}]
     # the memory model reads it from the config (the scheduler's request: auto kept; the fit check: offloaded)
     from rlcu.train.sizing import config_shape, train_shape
 
