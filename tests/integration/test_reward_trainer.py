@@ -130,7 +130,8 @@ def test_preference_example_is_the_sort_task():
 
 
 def test_lora_trunk_full_head_merged_folder_and_resume(tmp_path):
-    """lora: the trunk's base stays frozen while its adapters and the head train; the final folder
+    """lora: the trunk's base stays frozen while its adapters and the head train (gradient
+    checkpointing auto resolved by the memory model); the final folder
     (adapters merged) loads into transformers with the live model's scores, the PEFT adapter is
     written beside it, and a run resumed from its step-2 checkpoint ends where the whole run does."""
     _, folder = make_seq_cls_model(tmp_path, "qwen3", seed=2)
@@ -138,13 +139,15 @@ def test_lora_trunk_full_head_merged_folder_and_resume(tmp_path):
     rows = [{"chosen_token_ids": c, "rejected_token_ids": r, "margin": m} for c, r, m in pairs]
 
     def run(out, **ck):
-        cfg = {"model": {"path": str(folder)}, "steps": 4, "batch_pairs": 4, "optim": {"lr": 1e-2},
+        cfg = {"model": {"path": str(folder), "gradient_checkpointing": "auto"}, "steps": 4, "batch_pairs": 4,
+               "optim": {"lr": 1e-2},
                "lora": {"r": 4, "alpha": 8, "init": "gaussian"}, "checkpoint": {"every": 2, **ck},
                "log": {"out_dir": str(tmp_path / out), "tensorboard": False, "plot": False, "progress": False}}
         t = RewardTrainer(cfg, dataset=rows)
         return t, t.train()
 
     t, _ = run("a")
+    assert t.model.gradient_checkpointing == 2  # auto: every layer on the CPU (the memory model's answer)
     rm0 = RewardModel.from_pretrained(folder)
     o = rm0.layout.head_offset
     assert torch.equal(t.model.flat[:o], rm0.flat[:o])  # the base is frozen

@@ -43,6 +43,7 @@ from rlcu.model.reward_model import RewardModel
 from rlcu.parallel import batch as dp
 from rlcu.parallel.comm import all_sum, world
 from rlcu.parallel.zero import make_optimizer
+from rlcu.train import sizing
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer
 from rlcu.train.lora import LoraCheckpoint, save_final
@@ -280,6 +281,8 @@ class RewardTrainer(Trainer):
     def _step(self, step: int) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
+        if self.model.gradient_checkpointing == "auto":  # a number of layers from the memory model
+            self._log_info(sizing.resolve_auto(self.model.trunk, self._memory_shape()))
         lr = lr_at(step, cfg.optim, cfg.steps)
         drawn = self.stream.next(cfg.batch_pairs)  # the global batch
         P = len(drawn)
@@ -321,6 +324,16 @@ class RewardTrainer(Trainer):
     def evaluate(self) -> dict:
         """The held-out metrics now (eval_metrics)."""
         return self.eval_metrics()
+
+    def _memory_shape(self):
+        """This rank's job as the memory model sees it (rlcu.train.sizing.run_shape): the trunk (no
+        LM head slot) and its optimizer with a micro-batch of batch_tokens; the model counts an LM
+        head's chunked work where the scalar head has next to none, so it errs high."""
+        return sizing.run_shape(self.model.trunk, self.optimizer, micro_batch_tokens=self.cfg.batch_tokens,
+                                fused_head=False)
+
+    def _log_estimate(self) -> None:
+        sizing.log_estimate(self.logger, self._memory_shape(), self.device)
 
     def _save_adapter(self, start: int) -> None:
         """At the end of a run that trained: the reward model as an HF sequence-classification folder
