@@ -127,6 +127,7 @@ def test_grpo_learns_from_a_moe_folder(tmp_path):
     before = {k: tr.model.w[k].clone() for k in ("layers.0.router", "layers.0.experts_gate_up")}
     hist = tr.train()
     assert tr.model.cfg.family == "qwen3_moe" and tr.model.aux_loss is not None
+    assert all(h["moe/aux_loss"] > 0 for h in hist)  # train/moe_aux.py's, logged every step
     assert all(not torch.equal(tr.model.w[k], v) for k, v in before.items())
     r = [round(h["reward"], 3) for h in hist]
     assert r[0] < 0.3 and sum(r[-3:]) / 3 > 0.7, r

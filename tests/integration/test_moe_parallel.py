@@ -63,7 +63,10 @@ def test_moe_grpo_two_ranks_equal_one_process(tmp_path):
         init = rlcu.CausalLM.from_config(g.model.cfg, seed=3)  # model.init_seed
         for k in ("layers.0.router", "layers.0.experts_gate_up"):  # trained
             assert _rel(g.model.w[k], init.w[k]) > 1e-3, k
-        assert _rel(a["flat"], g.model.flat) < 1e-5, (case, _rel(a["flat"], g.model.flat))
+        # the aux loss's share (its micro-batch's tokens over the batch's) leaves some attention
+        # gradients near Adam's eps, whose update then magnifies the ranks' order of sums (9e-5)
+        tol = 2e-4 if CASES[case]["output_router_logits"] else 1e-5
+        assert _rel(a["flat"], g.model.flat) < tol, (case, _rel(a["flat"], g.model.flat))
         for x, y in zip(a["hist"], hist):  # the same samples, rewards and global statistics
             assert x["reward"] == y["reward"] and x["completion_len"] == y["completion_len"]
             assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)

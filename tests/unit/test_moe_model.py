@@ -253,3 +253,42 @@ def test_memory_model_counts_the_experts(pair, keep):
         aux = 2 * 4 * E if c.sparse_layer(i) else 0  # the layer's aux stats, not per token
         assert want <= sum(seen.values()) - aux <= want + pad, (i, sum(seen.values()) - aux, want)
 
+
+
+def _aux_step(m, seqs, splits):
+    """The aux loss's gradient alone (zero logprob weights) over seqs run as the micro-batches of
+    `splits` (lists of indices), each weighted by its token share (train/moe_aux.py) -> (the flat
+    gradient, the logged aux loss)."""
+    from rlcu.train.moe_aux import AuxShare
+
+    m.zero_grad()
+    share = AuxShare(m, sum(s.numel() for s in seqs))
+    for idx in splits:
+        tokens = torch.cat([seqs[i] for i in idx])
+        cu = torch.tensor([0, *torch.tensor([seqs[i].numel() for i in idx]).cumsum(0).tolist()], dtype=torch.int32)
+        m.forward(tokens, cu)
+        share.add(tokens.numel())
+        share.weigh(tokens.numel())
+        m.backward(torch.zeros(tokens.numel()))
+    share.done()
+    return m.grad_flat.clone(), share.metrics()["moe/aux_loss"]
+
+
+def test_aux_loss_over_micro_batches_weighs_each_by_its_token_share(tmp_path):
+    """A batch as 1 or 3 micro-batches (train/moe_aux.py): with equal loads (one sequence three
+    times) the aux gradient and the logged loss are the one batch's (not 3 times); an uneven
+    split's (loads differ: the documented approximation) stays of the one batch's size; the
+    model's own weight is back after the step."""
+    _, folder = make_moe_model(tmp_path, output_router_logits=True, router_aux_loss_coef=0.05)
+    m = rlcu.from_pretrained(folder)
+    g = torch.Generator().manual_seed(2)
+    s = torch.randint(0, 333, (17,), generator=g)
+    one, l1 = _aux_step(m, [s, s, s], [[0, 1, 2]])
+    three, l3 = _aux_step(m, [s, s, s], [[0], [1], [2]])
+    assert one.norm() > 0 and rel_err(three, one) < 1e-5 and l3 == pytest.approx(l1, rel=1e-6)
+    assert m.aux_weight is None
+    seqs = [torch.randint(0, 333, (n,), generator=g) for n in (23, 9, 14)]
+    whole, _ = _aux_step(m, seqs, [[0, 1, 2]])
+    split, _ = _aux_step(m, seqs, [[0], [1], [2]])
+    ratio = float(split.norm() / whole.norm())
+    assert 0.5 < ratio < 2, ratio  # the unweighted sum was about 3 times

@@ -39,6 +39,7 @@ from rlcu.train.critic import Critic
 from rlcu.train.episodes import overlong_lengths
 from rlcu.train.lora_critic import LoraCritic
 from rlcu.train.mismatch import StepCorrection
+from rlcu.train.moe_aux import AuxShare
 from rlcu.train.rl_trainer import RLTrainer, _mean_update_metrics
 
 
@@ -133,6 +134,7 @@ class PPOTrainer(RLTrainer):
         c = self.cfg
         n_tok = float(batch.mask.sum())  # of the global batch
         n_seq = batch.num_masked_in_seqs()
+        aux = AuxShare(self.critic.trunk, batch.num_tokens)  # a MoE trunk's load-balancing loss, by token share
         batch = batch.view(*dp.rank_seq_range(batch.num_seqs, c.group_size))  # the groups this rank trains on
         clip = c.critic.value_clip if c.critic.value_clip > 0 else math.inf
         self._resolve_checkpointing()
@@ -144,8 +146,10 @@ class PPOTrainer(RLTrainer):
                                      horizon=c.sequence_new_tokens())
             v = self.critic.forward(mb.tokens, mb.cu_seqlens)
             _, dv, st = value_loss(v, mb.fields["values"], mb.fields["returns"], w, clip=clip)
+            aux.weigh(mb.num_tokens)
             self.critic.backward(dv)
             stats += st.double().cpu()
+        aux.done()
         stats = dp.all_sum(stats)
         info = self.critic_opt.step(self._lr(update, total, c.critic.optim), loss=float(stats[0]))
         s = dict(zip(VALUE_STATS, stats.tolist()))

@@ -45,6 +45,7 @@ from rlcu.train import rollout as ro
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer, nanmean
 from rlcu.train.episodes import make_runner
+from rlcu.train.moe_aux import AuxShare
 from rlcu.train.policy_pass import policy_pass
 from rlcu.train.rows import PromptSampler, load_rows
 from rlcu.train.schedule import lr_at
@@ -351,6 +352,7 @@ class RLTrainer(Trainer):
         c, model = self.cfg, self.model
         n_tok = float(batch.mask.sum())  # of the global batch: every rank holds all of it
         n_seq = batch.num_masked_in_seqs()
+        aux = AuxShare(model, batch.tokens.numel())  # a MoE policy's load-balancing loss, by token share
         s0, s1 = dp.rank_seq_range(batch.num_seqs, c.group_size)
         batch = batch.view(s0, s1)  # the groups this rank trains on
         model.zero_grad()
@@ -363,12 +365,15 @@ class RLTrainer(Trainer):
             w = losses.token_weights(mb.cu_seqlens, mb.mask, agg, n_seqs=n_seq, n_tokens=n_tok,
                                      horizon=c.sequence_new_tokens())
             routes = moe_routes.routes_for(model, mb)  # a MoE policy's record (and replay) of its experts
+            aux.weigh(mb.tokens.numel())
             lp_mb, st = policy_pass(model, c, mb, w, kl_coef, routes)
+            aux.add(mb.tokens.numel())
             if record is not None:
                 record(a + s0, b + s0, lp_mb)  # in the global batch's numbering
                 if self.route_mismatch is not None:
                     self.route_mismatch.record(mb, routes)
             stats += st.double().cpu()
+        aux.done()
         stats = dp.all_sum(stats)
         info = self.opt.step(self._lr(update, total_updates), loss=float(stats[0]))
         s = dict(zip(POLICY_STATS, stats.tolist()))
@@ -376,7 +381,7 @@ class RLTrainer(Trainer):
         out = {"loss": s.pop("loss")}
         out.update({k: v / wsum for k, v in s.items()})
         out["clip_frac"] = out["clip_low"] + out["clip_high"]
-        out.update(grad_norm=info["grad_norm"], lr=info["lr"], skipped=info["skipped"])
+        out.update(grad_norm=info["grad_norm"], lr=info["lr"], skipped=info["skipped"], **aux.metrics())
         return out
 
 

@@ -32,6 +32,7 @@ from rlcu.parallel.zero import make_optimizer
 from rlcu.train import sizing
 from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, Trainer, load_tokenizer
+from rlcu.train.moe_aux import AuxShare
 from rlcu.train.rows import EpochOrder, load_rows
 from rlcu.train.schedule import lr_at
 from rlcu.train.static_batch import misfit, pack, slot_bucket
@@ -223,23 +224,29 @@ class SFTTrainer(Trainer):
         else:
             if graph:
                 batches = [(t.to(self.device), c.to(self.device), m.to(self.device), n) for t, c, m, n in batches]
-            loss, info = self._eager_step(batches, n_tok, lr)
+            loss, info = self._eager_step(batches, n_tok, lr, n_all)
         dt = time.perf_counter() - t0
         return {"loss": loss, **info, "tokens": n_all, "completion_tokens": n_tok,
                 "sequences": n_seq, "epoch": self.stream.epoch,
                 "tokens_per_s": n_all / dt, "step_seconds": dt}
 
-    def _eager_step(self, batches, n_tok: int, lr: float) -> tuple[float, dict]:
+    def _eager_step(self, batches, n_tok: int, lr: float, n_all: int) -> tuple[float, dict]:
+        """n_tok: the global batch's loss tokens (the loss's mean), n_all: all its tokens (a MoE
+        model's load-balancing loss weighs each micro-batch by its share: train/moe_aux.py)."""
         self.model.zero_grad()
         for _ in range(dp.equal_passes(len(batches)) - len(batches)):
             dp.dummy_backward(self.model)  # overlapped reduce-scatters: as many backward passes as every rank
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        aux = AuxShare(self.model, n_all)
         for tokens, cu, mask, _ in batches:
             lp = self.model.forward(tokens, cu)
+            aux.add(tokens.numel())
             loss_sum += -(lp * mask).sum()
+            aux.weigh(tokens.numel())
             self.model.backward(mask * (-1.0 / n_tok))
+        aux.done()
         loss = all_sum(float(loss_sum)) / n_tok
-        return loss, self.optimizer.step(lr, loss)  # may raise NonFiniteError
+        return loss, {**self.optimizer.step(lr, loss), **aux.metrics()}  # may raise NonFiniteError
 
     def _graph_batches(self, batches, n_tok: int) -> list[dict] | None:
         """The step's micro-batches packed for the step graph (host tensors), or None when one

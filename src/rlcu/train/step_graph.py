@@ -71,6 +71,9 @@ def why_not(model, optimizer=None) -> str | None:
         return "the ops run their PyTorch twins here (RLCU_BACKEND=torch)"
     if t.exact:
         return "exact mode is on (its batch-invariant kernels are not captured)"
+    if t.cfg.aux_coef:
+        return ("a MoE model's load-balancing loss is on (its weight by each micro-batch's tokens and the "
+                "budget's padding rows are not captured)")
     if getattr(t, "lora", None) is not None and t is not model:
         return "the critic's trunk has adapters (only a policy's adapters are captured)"
     if t.grad_sink is not None:
