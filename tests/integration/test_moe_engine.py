@@ -68,6 +68,29 @@ def test_exact_engine_equals_trainer_bit_for_bit(pair, monkeypatch):
     assert engine_routes and engine_routes <= trainer_routes  # every route the engine took, bit for bit
 
 
+def test_exact_engine_with_expert_adapters_equals_trainer(pair):
+    """LoRA on the experts in the engine (one adapter, read in place, chunked prefill and decode):
+    exact mode's logprobs are the trainer's forward with the adapter for its requests and without it
+    for the base's, in one batch; two adapters with expert targets are refused by name."""
+    from rlcu.model.lora import LoraAdapters, LoraConfig
+
+    _, folder = pair
+    m = rlcu.from_pretrained(folder, exact=True)
+    ad = LoraAdapters.create(m.cfg, LoraConfig(r=3, alpha=5, target_modules="all-linear"))
+    ad.flat.copy_(torch.randn(ad.flat.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
+    ad.attach(m)
+    sp = SamplingParams(n=2, temperature=0.8, max_tokens=5, ignore_eos=True, seed=3, logprobs=True)
+    llm = LLM(m, enforce_eager=True, num_kv_blocks=80, block_size=4, max_num_batched_tokens=7)
+    names = [("model", "base")[j % 2] for j in range(len(PROMPTS))]
+    outs = llm.generate(_toks(PROMPTS), sp, use_tqdm=False, lora=names)
+    for p, name, o in zip(PROMPTS, names, outs):
+        m.lora = ad if name == "model" else None
+        assert_engine_is_trainer(m, [(p, c.token_ids, c.logprobs) for c in o.outputs], sp.temperature)
+    m.lora = ad
+    with pytest.raises(ValueError, match="one per engine"):
+        LLM(m, enforce_eager=True, num_kv_blocks=80, lora={"other": LoraAdapters.create(m.cfg, ad.cfg)})
+
+
 @pytest.mark.parametrize("exact", [True, False])
 def test_completions_carry_the_engine_routes(pair, exact):
     """Each completion's routes (engine/routes.py: the experts by kv slot, copied out as it

@@ -22,6 +22,11 @@ the adapter's own (unpadded).
 -1 for the base): the decode and prefill graphs keep it among their static inputs, so a replay
 with other sequences' adapters needs only their new idx.
 
+A Qwen3-MoE's expert adapters (model/lora.py `ExpertSpec`) are served for one adapter, read in
+place: `LoraStep.experts` hands the layer its A_e, B_e with a per-token switch (idx -1: the base
+request's tokens take none), which ops/moe.py applies through the grouped expert GEMMs; several
+adapters with expert targets are refused by name (the grouped GEMMs take one A_e, B_e an expert).
+
 `resolve` turns `LLM(lora=...)` (a PEFT folder, a LoraAdapters, or a dict of names to either)
 into named adapters on the model's device, refusing by name one that does not fit the base.
 """
@@ -33,6 +38,7 @@ from pathlib import Path
 import torch
 
 from rlcu.model.lora import HF_TARGETS, LoraAdapters, LoraConfig, LoraLayout
+from rlcu.model.lora_run import expert_lora
 from rlcu.ops.lora import lora_apply
 
 BASE = "base"  # the request-level name of "no adapter"
@@ -63,6 +69,11 @@ class LoraSlots:
         one = self.sources[0]
         self.in_place = (len(adapters) == 1 and one.cfg.r == r and one.cfg.target_modules == targets
                          and one.flat.device == dev and one.flat.dtype == model.dtype)
+        self.experts, self.dtype = self.layout.experts, model.dtype
+        if self.experts and not self.in_place:
+            raise ValueError(f"LLM.lora: adapters on a Qwen3-MoE's experts are served one at a time, read in place "
+                             f"(the model's dtype and device); got {len(adapters)} adapter(s) "
+                             f"({', '.join(self.names)}): serve one per engine")
         if self.in_place:  # views of the adapter's own buffer
             self.flat = None
             self.a = {k: one.w[sp.A.name][None] for k, sp in self.layout.specs.items()}
@@ -144,6 +155,18 @@ class LoraStep:
         self.slots, self.idx = slots, idx
         multi = slots.scale.numel() > 1  # fixed while the slots are: new slots drop the graphs
         self.order = torch.argsort(idx, stable=True).to(torch.int32) if multi and idx.numel() > 1 else None
+        self.keep = None  # the expert adapters' per-token switch, made at the first sparse layer
+
+    def experts(self, i: int):
+        """Sparse layer i's expert adapters (the one slot's, read in place) for the tokens whose
+        idx is not -1, or None (model/lora_run.py `experts`)."""
+        s = self.slots
+        if i not in s.experts:
+            return None
+        if self.keep is None:
+            self.keep = (self.idx >= 0).to(s.dtype)  # once a step, on the device (inside the graphs)
+        one = s.sources[0]  # its own layout: the slots' is laid out with alpha = r (scales per slot)
+        return expert_lora(one.layout.experts[i], one.w, self.keep)
 
     def apply(self, i: int, module: str, x: torch.Tensor, y: torch.Tensor) -> None:
         s, key = self.slots, (i, module)

@@ -91,10 +91,16 @@ def gradients(s: JobShape) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _adapter_layout(dims: tuple, r: int, targets: tuple[str, ...]) -> tuple[int, int, int]:
-    """(elements, the widest stacked rank S r, the widest input K) of the adapters' layout."""
-    lay = LoraLayout(_cfg(dims), LoraConfig(r=r, target_modules=targets))
-    return (lay.numel, max(len(sp.slices) * r for sp in lay.specs.values()),
-            max(sp.K for sp in lay.specs.values()))
+    """(elements, the widest stacked rank S r, the widest input K) of the adapters' layout; a
+    MoE's expert adapters (their A_e, B_e counted in the elements) at k rows a token, gate_up's
+    rank 2r."""
+    cfg = _cfg(dims)
+    lay = LoraLayout(cfg, LoraConfig(r=r, target_modules=targets))
+    ex = [cfg.num_experts_per_tok * s.shape[1] for e in lay.experts.values() for s in e.slots()
+          if s.name.endswith(".A")]
+    return (lay.numel, max([len(sp.slices) * r for sp in lay.specs.values()] + ex, default=0),
+            max([sp.K for sp in lay.specs.values()] + [s.shape[2] for e in lay.experts.values()
+                                                        for s in e.slots() if s.name.endswith(".A")], default=0))
 
 
 def adapter_params(s: JobShape) -> int:

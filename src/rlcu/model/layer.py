@@ -130,7 +130,7 @@ def layer_fwd(model, i: int, x: torch.Tensor, pos: torch.Tensor, kv, ops, keep: 
     h2, r2 = ops.norm(x2, w[p + "post_norm"], eps)
     gu = a = mk = None
     if c.sparse_layer(i):
-        y, mk = moe.mlp_fwd(model, i, h2, x2, ops, keep, router_logits, routes)
+        y, mk = moe.mlp_fwd(model, i, h2, x2, ops, keep, router_logits, routes, lora)
     else:
         gu = ops.linear(h2, w[p + "gate_up"])  # [N, 2I]
         if lora is not None:
@@ -171,7 +171,7 @@ def layer_bwd(model, i: int, dy: torch.Tensor, s: dict, pos, cu, max_seqlen: int
     g = model._g if model.trains_base else None
     N, Hq, Hk, D = dy.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
     if c.sparse_layer(i):  # y = x2 + moe(h2); daux: the load-balancing loss's, set by the trunk
-        dh2 = moe.mlp_bwd(model, i, dy, s, g, s.get("daux"))
+        dh2 = moe.mlp_bwd(model, i, dy, s, g, s.get("daux"), lora)
     else:  # y = x2 + swiglu(h2 Wgu^T) Wd^T
         _wgrad(g, p + "down", dy, s["a"])
         da = _lora_dx(lora, i, "down", s["a"], dy, dy @ w[p + "down"])

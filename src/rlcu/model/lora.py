@@ -15,11 +15,13 @@ dtype), with one flat gradient buffer of the same layout: the optimizer (optim.F
 any object with flat, grad_flat, grad_dtype and release_grads) keeps its fp32 master and
 moments over that buffer alone, and the base, frozen, has neither gradients nor optimizer state.
 
-Qwen3-MoE: the attention of every layer and the MLP of its dense layers (mlp_only_layers) are
-adapted; a sparse layer's experts are not. PEFT (0.21) reaches fused expert tensors only through
-`target_parameters` (a ParamWrapper of one [r] pair over the whole 3-D gate_up_proj / down_proj,
-not an adapter per expert), and rlcu's grouped expert GEMMs (ops/moe_gemm.py) take no adapter
-yet; `gate_proj` / `up_proj` / `down_proj` in target_modules name the dense layers' MLPs only.
+Qwen3-MoE: the attention of every layer, and each sparse layer's experts, one adapter an expert,
+as PEFT (0.21) gives a transformers-5 user: gate_proj and up_proj name the fused gate_up_proj
+(both or neither), adapted at rank 2r and alpha 2 alpha (PEFT's conversion of the two rank-r
+modules), down_proj the experts' down_proj at rank r; slots A [E, R, K] and B [E, N, R]
+(`ExpertSpec`, ops/moe.py `ExpertLora`). The router is not adapted, nor the MLP of the dense
+layers (mlp_only_layers), which PEFT's conversion of those names to the experts leaves out too.
+PEFT's expert adapters take no dropout.
 """
 
 from __future__ import annotations
@@ -94,6 +96,20 @@ class ModuleSpec:
     B: Slot
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertSpec:
+    """A sparse layer's expert adapters: gate_up (A [E, Rg, H], B [E, 2I, Rg]) and down (A [E, r,
+    I], B [E, H, r]) slot pairs, None where not targeted; their scales."""
+
+    gate_up: tuple[Slot, Slot] | None
+    down: tuple[Slot, Slot] | None
+    scale_gu: float
+    scale_d: float
+
+    def slots(self) -> list[Slot]:
+        return [t for pair in (self.gate_up, self.down) if pair is not None for t in pair]
+
+
 def module_slices(cfg: CausalLMConfig) -> dict[str, tuple[int, tuple[tuple[int, int], ...]]]:
     """Each fused module -> (its input width K, the output columns of each of its slices)."""
     H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
@@ -110,10 +126,14 @@ class LoraLayout:
         r, dims = cfg.r, module_slices(model_cfg)
         self.specs: dict[tuple[int, str], ModuleSpec] = {}
         off = 0
+        self.experts: dict[int, ExpertSpec] = {}
+        moe = model_cfg.fam.moe
         for i in range(model_cfg.num_hidden_layers):
+            if moe and model_cfg.sparse_layer(i):
+                off = self._experts(i, off)
             for module in MODULES:
-                if module in ("gate_up", "down") and model_cfg.sparse_layer(i):
-                    continue  # a MoE layer's experts take no adapter (module docstring)
+                if module in ("gate_up", "down") and moe:
+                    continue  # a MoE's MLP names are its experts' (module docstring)
                 picked = [(n, j) for n, (m, j) in HF_TARGETS.items() if m == module and n in cfg.target_modules]
                 if not picked:
                     continue
@@ -126,19 +146,49 @@ class LoraLayout:
                 self.specs[(i, module)] = ModuleSpec(module, K, slices, tuple(n for n, _ in picked), A, B)
         self.numel = off
 
+    def _experts(self, i: int, off: int) -> int:
+        """Layer i's ExpertSpec (module docstring) from offset off -> the next offset."""
+        c, t, mc = self.cfg, self.cfg.target_modules, self.model_cfg
+        if ("gate_proj" in t) != ("up_proj" in t):
+            raise ValueError("lora.target_modules: gate_proj and up_proj are one fused tensor in a Qwen3-MoE's "
+                             "experts (gate_up_proj): target both or neither, as PEFT requires")
+        E, H, I = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size
+        pairs = {}
+        for name, R, K, N in (("gate_up", 2 * c.r, H, 2 * I), ("down", c.r, I, H)):
+            if name == "gate_up" and "gate_proj" not in t or name == "down" and "down_proj" not in t:
+                pairs[name] = None
+                continue
+            A = Slot(f"layers.{i}.experts_{name}.A", (E, R, K), off)
+            off += -(-A.numel // ALIGN) * ALIGN
+            B = Slot(f"layers.{i}.experts_{name}.B", (E, N, R), off)
+            off += -(-B.numel // ALIGN) * ALIGN
+            pairs[name] = (A, B)
+        if any(pairs.values()):
+            if c.dropout:
+                raise ValueError(f"lora.dropout must be 0 with adapters on a Qwen3-MoE's experts (PEFT's expert "
+                                 f"adapters take none), got {c.dropout}")
+            # gate_up: rank 2r, alpha 2 alpha (PEFT's rank_pattern and alpha_pattern for the fused pair)
+            gu = 2 * c.alpha / (math.sqrt(2 * c.r) if c.rslora else 2 * c.r)
+            self.experts[i] = ExpertSpec(pairs["gate_up"], pairs["down"], gu, c.scale)
+        return off
+
     def spec(self, i: int, module: str) -> ModuleSpec | None:
         return self.specs.get((i, module))
+
+    def all_slots(self) -> list[Slot]:
+        return [s for sp in self.specs.values() for s in (sp.A, sp.B)] + \
+            [s for ex in self.experts.values() for s in ex.slots()]
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Slot name ('layers.3.qkv.A') -> view of `buf`."""
         if buf.numel() != self.numel:
             raise ValueError(f"adapter buffer has {buf.numel()} elements, this LoRA layout needs {self.numel}")
-        return {s.name: buf[s.offset : s.offset + s.numel].view(s.shape)
-                for sp in self.specs.values() for s in (sp.A, sp.B)}
+        return {s.name: buf[s.offset : s.offset + s.numel].view(s.shape) for s in self.all_slots()}
 
     def num_params(self) -> int:
         """The adapter's parameters as PEFT counts them: A, and B's rows of targeted slices."""
-        return sum(sp.A.numel + sum(c1 - c0 for c0, c1 in sp.slices) * self.cfg.r for sp in self.specs.values())
+        return (sum(sp.A.numel + sum(c1 - c0 for c0, c1 in sp.slices) * self.cfg.r for sp in self.specs.values())
+                + sum(s.numel for ex in self.experts.values() for s in ex.slots()))
 
 
 class LoraAdapters:
@@ -163,12 +213,15 @@ class LoraAdapters:
         lay = LoraLayout(model_cfg, cfg)
         flat = torch.zeros(lay.numel, dtype=torch.float32)
         gen = torch.Generator().manual_seed(cfg.seed)
-        for sp in lay.specs.values():
-            a = flat[sp.A.offset : sp.A.offset + sp.A.numel]
+        As = [(sp.A, sp.K, cfg.r) for sp in lay.specs.values()]
+        As += [(pair[0], pair[0].shape[2], pair[0].shape[1]) for ex in lay.experts.values()
+               for pair in (ex.gate_up, ex.down) if pair is not None]
+        for A, K, R in As:
+            a = flat[A.offset : A.offset + A.numel]
             if cfg.init == "default":  # kaiming_uniform_(a=sqrt(5)): bound = sqrt(6 / (1 + 5) / fan_in)
-                a.uniform_(-1 / math.sqrt(sp.K), 1 / math.sqrt(sp.K), generator=gen)
+                a.uniform_(-1 / math.sqrt(K), 1 / math.sqrt(K), generator=gen)
             else:
-                a.normal_(0.0, 1 / cfg.r, generator=gen)
+                a.normal_(0.0, 1 / R, generator=gen)
         return cls(model_cfg, cfg, flat.to(device=device, dtype=dtype))
 
     @property

@@ -25,10 +25,20 @@ from __future__ import annotations
 
 import torch
 
-from rlcu.model.lora import MODULES, LoraAdapters, ModuleSpec
+from rlcu.model.lora import MODULES, ExpertSpec, LoraAdapters, ModuleSpec
 from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.dropout import dropout_mask
 from rlcu.ops.lora import lora_apply
+from rlcu.ops.moe import ExpertLora
+
+
+def expert_lora(ex: ExpertSpec | None, views: dict, keep: torch.Tensor | None = None) -> ExpertLora | None:
+    """An ExpertSpec's tensors among `views` (weights or gradients) as ops/moe.py's ExpertLora."""
+    if ex is None:
+        return None
+    gu = (views[ex.gate_up[0].name], views[ex.gate_up[1].name]) if ex.gate_up else (None, None)
+    d = (views[ex.down[0].name], views[ex.down[1].name]) if ex.down else (None, None)
+    return ExpertLora(*gu, *d, ex.scale_gu, ex.scale_d, keep)
 
 
 class LoraRun:
@@ -69,6 +79,16 @@ class LoraRun:
         h, r = self._shrink(sp, i, x, A), self.r
         for j, (c0, c1) in enumerate(sp.slices):
             y[:, c0:c1].addmm_(h[:, j * r : (j + 1) * r], B[c0:c1].t(), alpha=self.scale)
+
+    def experts(self, i: int) -> ExpertLora | None:
+        """Sparse layer i's expert adapters for ops/moe.py experts_fwd (every token adapted),
+        or None where the layer has none."""
+        return expert_lora(self.ad.layout.experts.get(i), self.ad.w)
+
+    def expert_grads(self, i: int) -> ExpertLora | None:
+        """Their gradient buffers (experts_bwd's lora_grads)."""
+        self.ad.ensure_grads()
+        return expert_lora(self.ad.layout.experts.get(i), self.ad.g)
 
     def backward(self, i: int, module: str, x: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
         """dA and dB of layer i's `module` += from its input x [N, K] and output gradient dy

@@ -26,17 +26,21 @@ from rlcu.ops._matmul import acc_wgrad
 from rlcu.ops.moe import aux_loss, aux_stats, experts_bwd, experts_fwd, route_bwd, route_fwd
 
 
-def mlp_fwd(model, i: int, h2: torch.Tensor, x2: torch.Tensor, ops, keep: str, router_logits=None, routes=None):
+def mlp_fwd(model, i: int, h2: torch.Tensor, x2: torch.Tensor, ops, keep: str, router_logits=None, routes=None,
+            lora=None):
     """Sparse layer i's MLP on the post-normed h2 [N, H] with the residual x2 [N, H] -> (y [N, H],
     kept: None for keep 'none', else {router_logits, aux} and, for 'all', what `mlp_bwd` reads).
     router_logits: the forward's (a checkpointed layer's recompute), else the router GEMM's.
     routes: who chooses the experts from the logits (model/routes.py `Routes`, the engine's
-    engine/routes.py `RouteLog`: `route(i, logits, k, norm) -> (ids, weights, probs)`), None: route_fwd."""
+    engine/routes.py `RouteLog`: `route(i, logits, k, norm) -> (ids, weights, probs)`), None: route_fwd.
+    lora: the layer's adapters (model/lora_run.py LoraRun, engine/lora.py LoraStep), whose
+    `experts(i)` gives the experts' (ops/moe.py ExpertLora) or None."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
     logits = ops.linear(h2, w[p + "router"]) if router_logits is None else router_logits  # [N, E]
     route = route_fwd if routes is None else (lambda *a: routes.route(i, *a))
     ids, wts, probs = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
-    out, saved = experts_fwd(h2, ids, wts, w[p + "experts_gate_up"], w[p + "experts_down"], exact=ops.exact)
+    el = lora.experts(i) if lora is not None else None
+    out, saved = experts_fwd(h2, ids, wts, w[p + "experts_gate_up"], w[p + "experts_down"], exact=ops.exact, lora=el)
     y = x2.add_(out) if ops.in_place else x2 + out
     if keep == "none":
         return y, None
@@ -46,15 +50,18 @@ def mlp_fwd(model, i: int, h2: torch.Tensor, x2: torch.Tensor, ops, keep: str, r
     return y, kept
 
 
-def mlp_bwd(model, i: int, dy: torch.Tensor, s: dict, g: dict | None, daux: torch.Tensor | None) -> torch.Tensor:
+def mlp_bwd(model, i: int, dy: torch.Tensor, s: dict, g: dict | None, daux: torch.Tensor | None,
+            lora=None) -> torch.Tensor:
     """dy [N, H] (the gradient of y, which is also x2's through the residual) -> dh2 [N, H];
     the experts' and the router's weight gradients accumulated into g (None: a frozen base, none).
     daux [E] fp32: the load-balancing loss's gradient at each row's probabilities (ops/moe_route.py
-    aux_dprobs), None without it. s: `mlp_fwd`'s kept activations of keep 'all', with h2."""
+    aux_dprobs), None without it. s: `mlp_fwd`'s kept activations of keep 'all', with h2. lora:
+    the trainer's LoraRun, whose `expert_grads(i)` take the expert adapters' gradients."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
     wgu, wd = w[p + "experts_gate_up"], w[p + "experts_down"]
     dgu, dd = (g[p + "experts_gate_up"], g[p + "experts_down"]) if g is not None else (None, None)
-    dh2, dweights = experts_bwd(dy, s["h2"], s["wts"], wgu, wd, s["moe"], dgu, dd)
+    lg = lora.expert_grads(i) if lora is not None and s["moe"].lora is not None else None
+    dh2, dweights = experts_bwd(dy, s["h2"], s["wts"], wgu, wd, s["moe"], dgu, dd, lg)
     dlogits = route_bwd(dweights, s["probs"], s["ids"], s["wts"], c.norm_topk_prob, daux)  # [N, E] fp32
     dlogits = dlogits.to(dy.dtype)  # the logits are the GEMM's output, in the activations' dtype
     if g is not None:
