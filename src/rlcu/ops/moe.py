@@ -118,12 +118,14 @@ def experts_fwd(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w_gat
     """x [T, H], ids [T, k] int32 and weights [T, k] fp32 (route_fwd's), w_gate_up [E, 2I, H],
     w_down [E, H, I] -> (out [T, H] in x's dtype, MoeSaved):
     out[t] = sum_{s} weights[t, s] down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, s]; with
-    `lora`, each W_e is W_e + scale B_e A_e (computed unmerged, module docstring). The adapters'
-    ranks join the regime's K (a rank's K tail then keeps one tiling for every T: exact mode)."""
+    `lora`, each W_e is W_e + scale B_e A_e (computed unmerged, module docstring). In exact mode
+    the adapters' ranks join the regime's K (a rank's K tail then keeps one tiling for every T, so
+    the engine's decode steps and the trainer's forward agree); the default mode keeps the base's
+    regime (prefill's tiles for training)."""
     _check(x, ids, weights, w_gate_up, w_down)
     T, k = ids.shape
     E, H = w_gate_up.shape[0], x.shape[1]
-    cfg = regime(T, k, E, math.gcd(H, w_down.shape[2], *_ranks(lora)))
+    cfg = regime(T, k, E, math.gcd(H, w_down.shape[2], *(_ranks(lora) if exact else ())))
     layout = moe_sort(ids, E, gemm_config(cfg)[0])
     rowmask = None
     if lora is not None and lora.keep is not None:  # a sorted row's token's keep, 0 in padding
