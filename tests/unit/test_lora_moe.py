@@ -57,11 +57,12 @@ def test_expert_adapters_match_peft_logits_and_grads(tmp_path):
 
 def test_peft_expert_adapter_loads_into_rlcu_and_back(tmp_path):
     """A PEFT user's adapter (v4 names, which PEFT 0.21 turns into target_parameters gate_up_proj at
-    rank 2r, alpha 2 alpha, and down_proj) loads with PEFT's logits and saves back bit for bit;
+    rank 2r, alpha 2 alpha, and down_proj; rslora, whose scale then differs between the two) loads
+    with PEFT's logits and saves back bit for bit;
     PEFT's all-linear, which adds the router (gate.weight), is refused by name."""
     hf, folder = make_moe_model(tmp_path, seed=4)
     torch.manual_seed(5)
-    pcfg = peft.LoraConfig(r=2, lora_alpha=3, init_lora_weights=False, task_type="CAUSAL_LM",
+    pcfg = peft.LoraConfig(r=2, lora_alpha=3, init_lora_weights=False, task_type="CAUSAL_LM", use_rslora=True,
                            target_modules=["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     pm = peft.get_peft_model(hf, pcfg).eval()
     with torch.no_grad():
