@@ -78,7 +78,8 @@ def test_exact_engine_with_expert_adapters_equals_trainer(pair, monkeypatch):
 
     _, folder = pair
     m = rlcu.from_pretrained(folder, exact=True)
-    ad = LoraAdapters.create(m.cfg, LoraConfig(r=3, alpha=5, target_modules="all-linear"))
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate"]  # router too
+    ad = LoraAdapters.create(m.cfg, LoraConfig(r=3, alpha=5, target_modules=names))
     ad.flat.copy_(torch.randn(ad.flat.shape, generator=torch.Generator().manual_seed(2)) * 0.3)
     ad.attach(m)
     sp = SamplingParams(n=2, temperature=0.8, max_tokens=5, ignore_eos=True, seed=3, logprobs=True)

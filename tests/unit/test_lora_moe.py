@@ -26,9 +26,10 @@ def _named(ad: LoraAdapters) -> dict:
 def test_expert_adapters_match_peft_logits_and_grads(tmp_path):
     hf, folder = make_moe_model(tmp_path, seed=3)
     m = rlcu.from_pretrained(folder)
-    ad = random_adapter(m, LoraConfig(r=3, alpha=5, target_modules="all-linear"))
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate"]
+    ad = random_adapter(m, LoraConfig(r=3, alpha=5, target_modules=names))  # PEFT's all-linear: the router too
     ex = ad.layout.experts
-    assert sorted(ex) == [0, 2] and {m_ for (i, m_) in ad.layout.specs} == {"qkv", "o"}  # layer 1 dense: PEFT's
+    assert sorted(ex) == [0, 2] and {m_ for (i, m_) in ad.layout.specs} == {"qkv", "o", "router"}  # 1: dense
     assert ex[0].gate_up[0].shape == (5, 6, 96) and ex[0].down[1].shape == (5, 96, 3)
     pm = peft_twin(hf, ad, tmp_path / "adapter")
     assert ad.num_params() == sum(p.numel() for n, p in pm.named_parameters() if "lora_" in n)
@@ -47,6 +48,7 @@ def test_expert_adapters_match_peft_logits_and_grads(tmp_path):
         m.backward(w)
         got = _named(LoraAdapters(ad.layout.model_cfg, ad.cfg, ad.grad_flat))
         assert sorted(got) == sorted(want) and any("experts.base_layer" in k for k in got)
+        assert any(".mlp.gate.lora_B" in k for k in got)
         for k, g in want.items():
             assert rel_err(got[k], g) < 1e-4, (ckpt, k)
     assert m.grad_flat is None  # the base frozen
@@ -58,8 +60,8 @@ def test_expert_adapters_match_peft_logits_and_grads(tmp_path):
 def test_peft_expert_adapter_loads_into_rlcu_and_back(tmp_path):
     """A PEFT user's adapter (v4 names, which PEFT 0.21 turns into target_parameters gate_up_proj at
     rank 2r, alpha 2 alpha, and down_proj; rslora, whose scale then differs between the two) loads
-    with PEFT's logits and saves back bit for bit;
-    PEFT's all-linear, which adds the router (gate.weight), is refused by name."""
+    with PEFT's logits and saves back bit for bit; so does PEFT's all-linear, which adds the router
+    (target_parameters gate.weight: rlcu's "gate"); refusals by name."""
     hf, folder = make_moe_model(tmp_path, seed=4)
     torch.manual_seed(5)
     pcfg = peft.LoraConfig(r=2, lora_alpha=3, init_lora_weights=False, task_type="CAUSAL_LM", use_rslora=True,
@@ -80,9 +82,20 @@ def test_peft_expert_adapter_loads_into_rlcu_and_back(tmp_path):
     save_adapter(ad, tmp_path / "resaved")
     assert torch.equal(load_adapter(tmp_path / "resaved", m.cfg).flat, ad.flat)
     hf2, _ = make_moe_model(tmp_path, seed=4, name="moe2")
-    peft.get_peft_model(hf2, peft.LoraConfig(r=2, target_modules="all-linear")).save_pretrained(tmp_path / "all")
-    with pytest.raises(ValueError, match="gate.weight"):
-        load_adapter(tmp_path / "all", m.cfg)
+    pa = peft.get_peft_model(hf2, peft.LoraConfig(r=2, lora_alpha=5, init_lora_weights=False,
+                                                 target_modules="all-linear")).eval()
+    pa.save_pretrained(tmp_path / "all")
+    m.lora = None
+    ad = load_adapter(tmp_path / "all", m.cfg).attach(m)  # PEFT's all-linear: attention, experts, router
+    assert ad.cfg.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                     "gate")
+    with torch.no_grad():
+        assert rel_err(m.logits(ids), pa(ids).logits) < 1e-5
+    with pytest.raises(ValueError, match="'gate' names"):
+        LoraAdapters.create(rlcu.CausalLMConfig(**{k: v for k, v in MOE_CASE.items() if k not in
+                                                   ("attn_implementation", "num_experts", "num_experts_per_tok",
+                                                    "norm_topk_prob", "mlp_only_layers", "moe_intermediate_size")}),
+                            LoraConfig(r=2, target_modules=["gate"]))
     with pytest.raises(ValueError, match="gate_proj and up_proj"):
         LoraAdapters.create(m.cfg, LoraConfig(r=2, target_modules=["gate_proj"]))
     with pytest.raises(ValueError, match="lora.dropout"):

@@ -24,8 +24,8 @@ class LoraSection(Section):
     alpha: float = opt(32.0, "the adapters' scale is alpha / r (alpha / sqrt(r) with rslora)", gt=0)
     rslora: bool = opt(False, "rank-stabilised scale alpha / sqrt(r) (PEFT's use_rslora)")
     target_modules: list[str] | str = opt("all-linear", "the adapted linears by HF name ("
-                                          + ", ".join(HF_TARGETS) + ") or all-linear (all seven; never the LM "
-                                          "head)")
+                                          + ", ".join(HF_TARGETS) + "; gate: a Qwen3-MoE's router) or all-linear (the "
+                                          "seven linears; never the LM head nor the router)")
     dropout: float = opt(0.0, "dropout on the adapters' input while training (never in the engine)", ge=0, lt=1)
     init: str = opt("default", "A's initialisation (B is zero, so training starts at the base): default (PEFT's "
                                "kaiming-uniform) or gaussian (normal, std 1/r)", choices=INITS)

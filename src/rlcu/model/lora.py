@@ -19,9 +19,11 @@ Qwen3-MoE: the attention of every layer, and each sparse layer's experts, one ad
 as PEFT (0.21) gives a transformers-5 user: gate_proj and up_proj name the fused gate_up_proj
 (both or neither), adapted at rank 2r and alpha 2 alpha (PEFT's conversion of the two rank-r
 modules), down_proj the experts' down_proj at rank r; slots A [E, R, K] and B [E, N, R]
-(`ExpertSpec`, ops/moe.py `ExpertLora`). The router is not adapted, nor the MLP of the dense
-layers (mlp_only_layers), which PEFT's conversion of those names to the experts leaves out too.
-PEFT's expert adapters take no dropout.
+(`ExpertSpec`, ops/moe.py `ExpertLora`). The MLP of the dense layers (mlp_only_layers) is
+not adapted: PEFT's conversion of those names to the experts leaves it out too. The router takes
+an adapter when named ("gate": a plain [E, H] linear; PEFT's all-linear on such a model adds it
+as target_parameters gate.weight), never through all-linear here, which keeps it frozen as load
+balancing was trained. PEFT's adapters of parameters (experts, router) take no dropout.
 """
 
 from __future__ import annotations
@@ -34,21 +36,23 @@ import torch
 from rlcu.model.config import CausalLMConfig
 from rlcu.model.layout import ALIGN, Slot
 
-# HF module name -> (rlcu's fused module, the slice of it), in HF's order
+# HF module name -> (rlcu's fused module, the slice of it), in HF's order; "gate" is a Qwen3-MoE's
+# router (named, never in all-linear: module docstring)
 HF_TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
-              "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
-MODULES = ("qkv", "o", "gate_up", "down")  # the layer's linears, in its order
+              "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0), "gate": ("router", 0)}
+LINEAR = tuple(n for n in HF_TARGETS if n != "gate")  # all-linear: the decoder layer's seven linears
+MODULES = ("qkv", "o", "gate_up", "down", "router")  # the layer's linears, in its order (the router last)
 INITS = ("default", "gaussian")  # PEFT's init_lora_weights true / "gaussian": B zero either way
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """r: the rank; alpha: scale = alpha / r (alpha / sqrt(r) with rslora); target_modules: HF
-    names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj) or 'all-linear' (all seven,
-    never the LM head: PEFT's meaning), kept as a tuple in HF's order; dropout: on the adapter's
-    input while training (never in the engine); init: 'default' (PEFT's: A kaiming-uniform with
-    a = sqrt(5), i.e. U(-1/sqrt(K), 1/sqrt(K)), B zero) or 'gaussian' (A normal, std 1/r, B zero);
-    seed: A's draw and the dropout masks'."""
+    names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, and a Qwen3-MoE's router gate)
+    or 'all-linear' (the seven linears, never the LM head nor the router), kept as a tuple in
+    HF's order; dropout: on the adapter's input while training (never in the engine); init:
+    'default' (PEFT's: A kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(K), 1/sqrt(K)), B
+    zero) or 'gaussian' (A normal, std 1/r, B zero); seed: A's draw and the dropout masks'."""
 
     r: int = 16
     alpha: float = 32.0
@@ -68,7 +72,7 @@ class LoraConfig:
         if self.init not in INITS:
             raise ValueError(f"lora.init must be one of {', '.join(INITS)}, got {self.init!r}")
         t = self.target_modules
-        names = tuple(HF_TARGETS) if t == "all-linear" else (t,) if isinstance(t, str) else tuple(t or ())
+        names = LINEAR if t == "all-linear" else (t,) if isinstance(t, str) else tuple(t or ())
         bad = [n for n in names if n not in HF_TARGETS]
         if bad or not names:
             raise ValueError(f"lora.target_modules must be 'all-linear' or a list of {', '.join(HF_TARGETS)}; "
@@ -114,7 +118,7 @@ def module_slices(cfg: CausalLMConfig) -> dict[str, tuple[int, tuple[tuple[int, 
     """Each fused module -> (its input width K, the output columns of each of its slices)."""
     H, q, kv, I = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     return {"qkv": (H, ((0, q), (q, q + kv), (q + kv, q + 2 * kv))), "o": (q, ((0, H),)),
-            "gate_up": (H, ((0, I), (I, 2 * I))), "down": (I, ((0, H),))}
+            "gate_up": (H, ((0, I), (I, 2 * I))), "down": (I, ((0, H),)), "router": (H, ((0, cfg.num_experts),))}
 
 
 class LoraLayout:
@@ -134,6 +138,8 @@ class LoraLayout:
             for module in MODULES:
                 if module in ("gate_up", "down") and moe:
                     continue  # a MoE's MLP names are its experts' (module docstring)
+                if module == "router" and not (moe and model_cfg.sparse_layer(i)):
+                    continue
                 picked = [(n, j) for n, (m, j) in HF_TARGETS.items() if m == module and n in cfg.target_modules]
                 if not picked:
                     continue
@@ -145,6 +151,11 @@ class LoraLayout:
                 off += -(-B.numel // ALIGN) * ALIGN
                 self.specs[(i, module)] = ModuleSpec(module, K, slices, tuple(n for n, _ in picked), A, B)
         self.numel = off
+        if "gate" in cfg.target_modules and not moe:
+            raise ValueError("lora.target_modules: 'gate' names a Qwen3-MoE's router; this model has none")
+        if cfg.dropout and any(m == "router" for _, m in self.specs):
+            raise ValueError(f"lora.dropout must be 0 with an adapter on the router (PEFT's adapters of parameters "
+                             f"take none), got {cfg.dropout}")
 
     def _experts(self, i: int, off: int) -> int:
         """Layer i's ExpertSpec (module docstring) from offset off -> the next offset."""

@@ -12,9 +12,10 @@ A Qwen3-MoE's expert adapters are PEFT's (0.21) over transformers 5's fused expe
 rank_pattern and alpha_pattern of 2r and 2 alpha), saved as `...mlp.experts.lora_A.weight`
 [E R, K] (expert e's A_e in rows e R:(e+1) R) and `lora_B.weight` [N, R E] (B_e in the columns j E
 + e: rank-major), gate_up_proj's under `experts.base_layer.` when both are adapted (the inner
-wrapper). PEFT's all-linear on such a model also adapts the router (`gate.weight`), which rlcu
-does not compute: refused by name, as is a transformers-4 adapter of per-expert modules (load it
-in PEFT on transformers 5 and save it again: PEFT converts it to this form).
+wrapper). PEFT's all-linear on such a model also adapts the router (target_parameters
+`gate.weight`, `mlp.gate.lora_A.weight` [r, H] and `lora_B.weight` [E, r]): rlcu's target
+"gate". A transformers-4 adapter of per-expert modules is refused by name (load it in PEFT on
+transformers 5 and save it again: PEFT converts it to this form).
 
 Loading refuses, naming the field, what rlcu does not compute: DoRA, biases, modules_to_save,
 per-module ranks or alphas, a subset of layers, fan_in_fan_out, a regex target, targets beside
@@ -37,14 +38,14 @@ from rlcu.model.lora import HF_TARGETS, LoraAdapters, LoraConfig, LoraLayout
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "gate": "mlp"}
 # fields whose values other than these change what the adapter computes
 _MUST_BE = (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False), ("lora_bias", False))
 _MUST_BE_EMPTY = ("modules_to_save", "layers_to_transform", "layers_pattern", "exclude_modules",
                   "trainable_token_indices")
-EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+EXPERT_PARAMS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",), "gate.weight": ("gate",)}
 _GU_PATTERN = r".*\.gate_up_proj"  # PEFT's key for the fused pair's rank and alpha
-_MLP = ("gate_proj", "up_proj", "down_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj", "gate")  # a MoE's names of parameters in transformers 5
 
 
 def peft_key(i: int, name: str, ab: str) -> str:
@@ -104,7 +105,7 @@ def save_adapter(ad: LoraAdapters, path, base_model: str | None = None, dtype: t
     modules, extra = list(c.target_modules), {}
     if ad.layout.model_cfg.fam.moe:  # the MLP names are the experts', PEFT's target_parameters
         modules = [n for n in modules if n not in _MLP] or None
-        params = [p for p, names in EXPERT_PARAMS.items() if names[0] in c.target_modules]
+        params = [p for p, names in EXPERT_PARAMS.items() if names[0] in c.target_modules]  # router: gate.weight
         extra = {"target_parameters": params or None}
         if "gate_up_proj" in params:
             extra.update(rank_pattern={_GU_PATTERN: 2 * c.r}, alpha_pattern={_GU_PATTERN: 2 * alpha})
@@ -167,12 +168,10 @@ def _expert_targets(d: dict, f) -> tuple[str, ...]:
     tp, r, alpha = d.get("target_parameters") or [], d.get("r", 8), d.get("lora_alpha", 8)
     names = []
     for p in tp:
-        leaf = p.rpartition(".")[2] if p.endswith("_proj") else p
+        leaf = p.rpartition(".")[2] if p.endswith("_proj") else p.rpartition(".mlp.")[2]
         if leaf not in EXPERT_PARAMS:
-            why = " (the router's adapter, which PEFT's all-linear adds: rlcu does not adapt the router; target " \
-                  "the others by name)" if p == "gate.weight" else ""
-            raise ValueError(f"{f}: target_parameters {p!r} is not supported{why}; rlcu adapts "
-                             f"{', '.join(EXPERT_PARAMS)} of a Qwen3-MoE's experts")
+            raise ValueError(f"{f}: target_parameters {p!r} is not supported; rlcu adapts a Qwen3-MoE's "
+                             f"{', '.join(EXPERT_PARAMS)}")
         names += EXPERT_PARAMS[leaf]
     gu = "gate_proj" in names
     for k, exp in (("rank_pattern", {_GU_PATTERN: 2 * r} if gu else {}),
@@ -197,7 +196,7 @@ def load_adapter(path, model_cfg: CausalLMConfig, device="cpu", dtype=torch.floa
         raise FileNotFoundError(f"{path}: no {WEIGHTS} ({found})")
     if ad.layout.experts and not model_cfg.fam.moe:
         raise ValueError(f"{path}: target_parameters name experts, and the base model has none")
-    if model_cfg.fam.moe and not ad.layout.experts and any(n in _MLP for n in cfg.target_modules):
+    if model_cfg.fam.moe and not ad.layout.experts and any(n in _MLP[:3] for n in cfg.target_modules):
         raise ValueError(f"{path}: target_modules {list(cfg.target_modules)} name per-expert modules (a "
                          f"transformers-4 adapter): load it in PEFT on transformers 5 and save it again")
     want = {peft_key(i, n, ab): t for (i, n), AB in peft_tensors(ad).items() for ab, t in zip("AB", AB)}

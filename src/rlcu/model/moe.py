@@ -34,9 +34,15 @@ def mlp_fwd(model, i: int, h2: torch.Tensor, x2: torch.Tensor, ops, keep: str, r
     routes: who chooses the experts from the logits (model/routes.py `Routes`, the engine's
     engine/routes.py `RouteLog`: `route(i, logits, k, norm) -> (ids, weights, probs)`), None: route_fwd.
     lora: the layer's adapters (model/lora_run.py LoraRun, engine/lora.py LoraStep), whose
-    `experts(i)` gives the experts' (ops/moe.py ExpertLora) or None."""
+    `experts(i)` gives the experts' (ops/moe.py ExpertLora) or None, and `apply(i, "router", ...)`
+    adds the router's, where targeted."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
-    logits = ops.linear(h2, w[p + "router"]) if router_logits is None else router_logits  # [N, E]
+    if router_logits is None:
+        logits = ops.linear(h2, w[p + "router"])  # [N, E]
+        if lora is not None:  # the router's adapter, where targeted (a kept recompute's logits hold it)
+            lora.apply(i, "router", h2, logits)
+    else:
+        logits = router_logits
     route = route_fwd if routes is None else (lambda *a: routes.route(i, *a))
     ids, wts, probs = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
     el = lora.experts(i) if lora is not None else None
@@ -56,7 +62,8 @@ def mlp_bwd(model, i: int, dy: torch.Tensor, s: dict, g: dict | None, daux: torc
     the experts' and the router's weight gradients accumulated into g (None: a frozen base, none).
     daux [E] fp32: the load-balancing loss's gradient at each row's probabilities (ops/moe_route.py
     aux_dprobs), None without it. s: `mlp_fwd`'s kept activations of keep 'all', with h2. lora:
-    the trainer's LoraRun, whose `expert_grads(i)` take the expert adapters' gradients."""
+    the trainer's LoraRun, whose `expert_grads(i)` take the expert adapters' gradients and
+    `backward(i, "router", ...)` the router adapter's."""
     c, w, p = model.cfg, model.w, f"layers.{i}."
     wgu, wd = w[p + "experts_gate_up"], w[p + "experts_down"]
     dgu, dd = (g[p + "experts_gate_up"], g[p + "experts_down"]) if g is not None else (None, None)
@@ -66,7 +73,8 @@ def mlp_bwd(model, i: int, dy: torch.Tensor, s: dict, g: dict | None, daux: torc
     dlogits = dlogits.to(dy.dtype)  # the logits are the GEMM's output, in the activations' dtype
     if g is not None:
         acc_wgrad(g[p + "router"], dlogits, s["h2"])
-    return dh2.addmm_(dlogits, w[p + "router"])
+    dh2 = dh2.addmm_(dlogits, w[p + "router"])
+    return dh2 if lora is None else lora.backward(i, "router", s["h2"], dlogits, dh2)
 
 
 def trunk_aux(saved: list[dict], N: int):
