@@ -18,9 +18,10 @@ checkpointed, no cap). A MoE shape records the rollout-against-training route di
 (moe/route_mismatch*, rlcu.train.moe_routes); `--exact` runs the job in exact mode (0 expected).
 
 --shape qwen3-30b-a3b (issue 37): the lora row alone by default (full fine-tuning of 30B-A3B does
-not fit one H200: the trainer refuses it at setup, rlcu.train.sizing.refuse_unfit); all-linear
-adapts the attention of every layer and the experts not (model/lora.py), the bf16 base of 61 GB
-frozen. With --tiny a small model of the shape's family (a MoE: 8 experts, top 2).
+not fit one H200: the trainer refuses it at setup, rlcu.train.sizing.refuse_unfit); its adapters
+are the attention's by default (--targets: the recorded rows' protocol; all-linear would add one
+adapter an expert, 3.9B parameters at r = 64, model/lora.py), the bf16 base of 61 GB frozen.
+With --tiny a small model of the shape's family (a MoE: 8 experts, top 2).
 
     python bench/lora_grpo.py                 # on the H200: lora and full rows, JSON lora_grpo_8b_r64.json
     python bench/lora_grpo.py --shape qwen3-30b-a3b   # lora_grpo_qwen3-30b-a3b_r64.json
@@ -86,7 +87,8 @@ def bench_side(side: str, a) -> dict:
     model = random_model(cfg, dev) if cuda else Qwen3.from_config(cfg, device=dev, dtype=dtype, seed=0)
     block = 16
     kv_blocks = P * G * (-(-(Lp + Lc + 1) // block)) + 64
-    lora = dict(r=a.lora, alpha=2 * a.lora, target_modules="all-linear") if side == "lora" else {}
+    lora = dict(r=a.lora, alpha=2 * a.lora, target_modules=a.targets.split(",") if "," in a.targets
+                else a.targets) if side == "lora" else {}
     gcfg = _build(GRPOConfig, dict(
         steps=total, prompts_per_step=P, group_size=G, max_new_tokens=Lc, temperature=1.0, stop_at_eos=False, mu=1,
         micro_batch_tokens=mbt, lora=lora,
@@ -133,6 +135,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lora", type=int, default=64, help="the adapters' rank r (all linear)")
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES), help="the model shape (bench/common.py)")
+    ap.add_argument("--targets", default=None, help="the adapters' target_modules, comma-separated or all-linear "
+                    "(default: all-linear; a MoE shape's attention)")
     ap.add_argument("--sides", default=None, help="rows (default: lora,full; lora for a MoE shape)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -151,18 +155,21 @@ def main():
         a.steps, a.warmup = 1, 1
     if a.sides is None:
         a.sides = "lora" if is_moe(a.shape) else ",".join(ROWS)
+    if a.targets is None:
+        a.targets = "q_proj,k_proj,v_proj,o_proj" if is_moe(a.shape) else "all-linear"
     if a.side:
         print("RESULT " + json.dumps(bench_side(a.side, a)))
         return
     t0 = time.time()
-    res = {"protocol": PROTOCOL, "shape": a.shape, "lora_r": a.lora, "tiny": a.tiny, "exact": a.exact,
+    res = {"protocol": PROTOCOL, "shape": a.shape, "lora_r": a.lora, "target_modules": a.targets, "tiny": a.tiny,
+           "exact": a.exact,
            "ckpt": a.ckpt, "lora_budget_GiB": a.lora_budget_gib,
            "method": __doc__.split("\n\n")[0].replace("\n", " "), "timed_steps": a.steps, "warmup_steps": a.warmup}
     for side in a.sides.split(","):
         cmd = [sys.executable, __file__, "--side", side, "--lora", str(a.lora), "--shape", a.shape, "--steps",
                str(a.steps), "--warmup", str(a.warmup), "--micro-batch-tokens", str(a.micro_batch_tokens),
                "--lora-micro-batch-tokens", str(a.lora_micro_batch_tokens), "--ckpt", a.ckpt,
-               "--lora-budget-gib", str(a.lora_budget_gib)] + (["--exact"] if a.exact else [])
+               "--lora-budget-gib", str(a.lora_budget_gib), "--targets", a.targets] + (["--exact"] if a.exact else [])
         cmd += ["--tiny"] if a.tiny else []
         try:
             pr = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
