@@ -72,7 +72,7 @@ def test_exact_engine_with_expert_adapters_equals_trainer(pair, monkeypatch):
     """LoRA on the experts in the engine (one adapter, read in place, chunked prefill and decode):
     exact mode's logprobs are the trainer's forward with the adapter for its requests and without it
     for the base's, in one batch; the engine on the Triton kernels (interpreted) gives the twins';
-    two adapters with expert targets are refused by name. About 12 s on the CPU, half of it the
+    two adapters with expert targets are refused by name. 12-18 s on a loaded CPU, half of it the
     interpreted kernels: the one check of the expert adapters through the engine on Triton."""
     from rlcu.model.lora import LoraAdapters, LoraConfig
 
