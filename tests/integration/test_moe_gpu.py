@@ -44,3 +44,29 @@ def test_exact_engine_equals_trainer_bit_for_bit(pair):
     gens = sample(llm, prompts, sp)
     assert llm.runner.use_graphs
     assert_engine_is_trainer(m, gens, sp.temperature)
+
+
+def test_exact_engine_with_expert_adapters_equals_trainer(pair):
+    """LoRA on the attention, the experts and the router in the engine on the GPU (the decode graphs,
+    chunked prefill, one adapter read in place beside base requests in the same batch): exact mode's
+    logprobs equal the trainer's forward with the adapter for its requests and without it for the
+    base's, bit for bit."""
+    from rlcu.model.lora import LoraAdapters, LoraConfig
+
+    _, folder = pair
+    m = rlcu.from_pretrained(folder, device="cuda", dtype=torch.bfloat16, exact=True)
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate"]
+    ad = LoraAdapters.create(m.cfg, LoraConfig(r=5, alpha=7, target_modules=names), m.device, m.dtype)
+    g = torch.Generator().manual_seed(3)
+    ad.flat.copy_((torch.randn(ad.flat.shape, generator=g) * 0.05).to(ad.flat.device, ad.flat.dtype))
+    ad.attach(m)
+    prompts = [torch.randint(3, SHAPE["vocab_size"], (int(L),), generator=g).tolist()
+               for L in torch.randint(5, 90, (8,), generator=g)]
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=32, ignore_eos=True, seed=5, logprobs=True)
+    llm = LLM(m, num_kv_blocks=512, max_num_batched_tokens=64)
+    which = [("model", "base")[j % 2] for j in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, lora=which)
+    assert llm.runner.use_graphs
+    for p, name, o in zip(prompts, which, outs):
+        m.lora = ad if name == "model" else None
+        assert_engine_is_trainer(m, [(p, c.token_ids, c.logprobs) for c in o.outputs], sp.temperature)
