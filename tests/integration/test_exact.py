@@ -223,7 +223,7 @@ def test_grpo_exact_config_first_ratio_is_one(tmp_path, monkeypatch):
     """`exact: true` in a GRPO config: at the first update (the policy that sampled) the
     trainer's logprob of every completion token is the engine's sampling logprob, bit for bit,
     so the PPO ratio is exactly 1; in the default mode it is not."""
-    import rlcu.train.rl_trainer as rt
+    import rlcu.train.policy_pass as rt  # the micro-batch pass calls the fused policy loss
     from rlcu.config import GRPOConfig, _build
     from rlcu.data import synthetic as syn
     from rlcu.train.grpo import GRPOTrainer

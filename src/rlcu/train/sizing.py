@@ -270,13 +270,21 @@ def settle_offload(rewards, shape: JobShape, device: torch.device) -> list[str]:
 
 def auto_layers(shape: JobShape, device: torch.device) -> tuple[int, int]:
     """(k, the budget): the fewest checkpointed layers whose peak fits what this process may hold
-    on its GPU (the free memory and what it has reserved already); every layer on the CPU
-    (budget 0)."""
+    on its GPU (the free memory and what it has reserved already, within the caching allocator's
+    per-process cap, `torch.cuda.set_per_process_memory_fraction`, which fails any allocation past it);
+    every layer on the CPU (budget 0)."""
     if device.type != "cuda":
         return shape.cfg.num_hidden_layers, 0
-    free, _ = torch.cuda.mem_get_info(device)
-    budget = free + torch.cuda.memory_reserved(device)
+    free, total = torch.cuda.mem_get_info(device)
+    budget = min(free + torch.cuda.memory_reserved(device), process_cap(device, total))
     return fit_checkpointing(budget, shape), budget
+
+
+def process_cap(device: torch.device, total: int) -> int:
+    """The bytes this process's caching allocator may hold on `device`: its per-process memory
+    fraction of the device's total (the whole device unless a caller set one)."""
+    frac = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return int(total * frac(device)) if frac is not None else total
 
 
 def resolve_auto(model, shape: JobShape) -> str:
