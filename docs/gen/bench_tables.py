@@ -12,6 +12,7 @@ when the build runs in a clone, and "not recorded" otherwise.
 from __future__ import annotations
 
 import tables_models
+import tables_rlhf
 from results import RESULTS, _k, _pct, _table, device, load, source
 
 __all__ = ["RESULTS", "IMAGES", "TABLES", "render"]
@@ -220,7 +221,7 @@ TABLES = {
     "generation": generation, "generation-peers": generation_peers, "cold-start": cold_start,
     "training": training, "train-graph": train_graph, "grpo": grpo, "grpo-8b": grpo_8b, "exact": exact,
     "mismatch": mismatch, "learning": learning, "scheduler": scheduler, "sched-service": sched_service,
-    "kernels": kernels, **tables_models.TABLES,
+    "kernels": kernels, **tables_models.TABLES, **tables_rlhf.TABLES,
 }
 
 # the figures the page shows beside the tables (copied into the site by the build)
