@@ -14,7 +14,11 @@ For a MoE (--shape qwen3-30b-a3b) the weight bytes are attention's, the routers'
 parts' and only the experts the step's tokens are routed to (`step_weight_bytes`: the expected
 distinct experts under uniform routing), and the matmul params the active ones (the router and
 k experts a token).
-and the achieved fraction is sum(bound) / wall. The per-phase host timings (schedule, launch,
+and the achieved fraction is sum(bound) / wall. Beside it (JSON bound_split_s / bound_split_fraction,
+total and decode) a per-kernel-class roofline that does not let the GEMMs' FLOPs hide attention's
+K/V reads: per step max(GEMM weight bytes / bandwidth, GEMM FLOPs / peak) + context K/V bytes /
+bandwidth (`split_step_seconds`; bench/bound_replay.py computes both from a CPU replay of the
+protocol's steps). The per-phase host timings (schedule, launch,
 wait for the device, postprocess) and the prefill/decode split say where the rest goes.
 
     python bench/generate.py [--quick] [--no-hf] [--bandwidth 4.3e12 | --measure] [--shape 8b]
@@ -122,6 +126,38 @@ def bound_seconds(stats, cfg, weight_bytes, bandwidth):
     return tot, dec, dec_t, pre_t
 
 
+def split_step_seconds(cfg, weight_bytes, ntok, nseq, ctx, bandwidth, peak=MATMUL_PEAK) -> tuple[float, float]:
+    """One step's per-kernel-class roofline -> (GEMM seconds, attention seconds); the step's split
+    bound is their sum. Unlike `bound_seconds`, the GEMMs' FLOPs cannot hide attention's K/V
+    reads (at 256 decode rows a GEMM's ~256 FLOP/byte is past the H200's ridge of ~200, so a
+    decode step's GEMMs are compute-bound and attention runs after them, not under them):
+    - GEMM class (the projections, the MLP or the routed experts, the LM head, the sampler):
+      max(bytes / bandwidth, FLOPs / peak), where bytes are the weights the step reads (every one
+      but an untied embedding table, of which only the step's rows are gathered; a MoE's routed
+      experts as `step_weight_bytes`) plus the bf16 logits the head writes and the sampler reads
+      (nseq x vocab x 4), and FLOPs are 2 x the matmul params but the head's x ntok plus the
+      head's 2 x vocab x hidden x nseq (the engine takes logits of each sequence's last row only;
+      nseq errs high by a prefill chunk that is not a prompt's last, at most one a step);
+    - attention: the context's K/V bytes / bandwidth (its FLOPs, ~2% of a prefill step's at
+      these lengths, left out, so the split bound stays a lower bound)."""
+    head = cfg.vocab_size * cfg.hidden_size
+    embed = 0 if cfg.tie_word_embeddings else 2 * head  # gathered by rows, not read whole
+    kv_tok = 2 * cfg.num_hidden_layers * cfg.kv_size * 2
+    read = step_weight_bytes(cfg, weight_bytes, ntok) - embed + 4 * cfg.vocab_size * nseq
+    flops = 2 * (matmul_params(cfg) - head) * ntok + 2 * head * nseq
+    return max(read / bandwidth, flops / peak), ctx * kv_tok / bandwidth
+
+
+def bound_split_seconds(stats, cfg, weight_bytes, bandwidth, peak=MATMUL_PEAK) -> tuple[float, float]:
+    """The split roofline (`split_step_seconds`) summed over a step log -> (all steps, decode steps)."""
+    tot = dec = 0.0
+    for ntok, nseq, ctx, _graph, _dt in stats["step_log"]:
+        b = sum(split_step_seconds(cfg, weight_bytes, ntok, nseq, ctx, bandwidth, peak))
+        tot += b
+        dec += b if ntok == nseq else 0.0
+    return tot, dec
+
+
 def run_rlcu(llm, prompts, params, cfg, weight_bytes, bandwidth, name):
     sync()
     t = time.perf_counter()
@@ -131,19 +167,23 @@ def run_rlcu(llm, prompts, params, cfg, weight_bytes, bandwidth, name):
     st = llm.stats
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     bound, dec_bound, dec_t, pre_t = bound_seconds(st, cfg, weight_bytes, bandwidth)
+    split, dec_split = bound_split_seconds(st, cfg, weight_bytes, bandwidth)
     r = {
         "case": name, "requests": len(prompts), "prompt_tokens": int(sum(map(len, prompts))),
         "output_tokens": n_out, "wall_s": wall, "tok_per_s": n_out / wall,
         "steps": st["steps"], "graph_steps": st["graph_steps"], "preemptions": st["preemptions"],
         "bound_s": bound, "bound_fraction": bound / wall,
-        "decode": {"time_s": dec_t, "bound_s": dec_bound, "bound_fraction": dec_bound / max(dec_t, 1e-9)},
+        "bound_split_s": split, "bound_split_fraction": split / wall,
+        "decode": {"time_s": dec_t, "bound_s": dec_bound, "bound_fraction": dec_bound / max(dec_t, 1e-9),
+                   "bound_split_s": dec_split, "bound_split_fraction": dec_split / max(dec_t, 1e-9)},
         "prefill_time_s": pre_t,
         "prefill_steps_ms": [round(1e3 * dt, 1) for ntok, nseq, _c, _g, dt in st["step_log"] if ntok != nseq],
         "host_s": {k[2:]: st[k] for k in ("t_schedule", "t_launch", "t_wait", "t_postprocess")},
     }
     h = r["host_s"]
     print(f"rlcu {name:<22} {n_out:>8} tok {wall:7.2f} s {r['tok_per_s']:>9,.0f} tok/s   bound {bound:6.2f} s "
-          f"({100 * r['bound_fraction']:.0f}%; decode {100 * r['decode']['bound_fraction']:.0f}%)   "
+          f"({100 * r['bound_fraction']:.0f}%; decode {100 * r['decode']['bound_fraction']:.0f}%; split "
+          f"{100 * r['bound_split_fraction']:.0f}%)   "
           f"steps {st['steps']} (graph {st['graph_steps']}), prefill {pre_t:.2f} s, decode {dec_t:.2f} s; "
           f"host: schedule {h['schedule']:.2f} launch {h['launch']:.2f} wait {h['wait']:.2f} "
           f"post {h['postprocess']:.2f} s", flush=True)
