@@ -57,8 +57,14 @@ def rank_micro_batches(batches: list[list[int]], lengths, budget: int, w=None) -
         return batches
     items = [i for b in batches for i in b]
     lo, hi = token_block([lengths[i] for i in items], w)
+    return greedy_batches(lengths, items[lo:hi], budget)
+
+
+def greedy_batches(lengths, idx: list[int], budget: int) -> list[list[int]]:
+    """`idx` in order, cut into runs of at most `budget` tokens (item i is lengths[i] tokens; a
+    longer item alone): a rank's block here, a step's pairs and held-out sets in the trainers."""
     out, tok = [], 0
-    for i in items[lo:hi]:
+    for i in idx:
         if not out or tok + lengths[i] > budget:
             out.append([])
             tok = 0

@@ -11,7 +11,8 @@ rank takes a block of the step's pairs by tokens, as SFT's examples).
 
 The reference's sequence logprobs are computed once, before the first update, and kept in
 log.out_dir/ref_logprobs.pt with the data's fingerprint (rlcu.train.dpo_ref): a resume reads
-them back, so no reference model is held while training. The metrics are TRL's
+them back, so no reference model is held while training (16 bytes a pair, which the memory
+model leaves out: SFT's shape, rlcu.train.data_trainer). The metrics are TRL's
 (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
 logps/rejected), on the held-out pairs too (eval/...).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,19 +33,23 @@ from rlcu.model.causal_lm import CausalLM
 from rlcu.parallel import batch as dp
 from rlcu.parallel.comm import all_sum, world
 from rlcu.parallel.zero import make_optimizer
-from rlcu.train import dpo_ref, sizing
+from rlcu.train import dpo_ref
 from rlcu.train.checkpoint import build_model
-from rlcu.train.core import Hooks, Trainer, load_tokenizer
+from rlcu.train.core import Hooks
+from rlcu.train.data_trainer import DataTrainer, row_items
 from rlcu.train.dpo_loss import PAIR_STATS, pair_loss, pair_stats, token_grads
-from rlcu.train.pair_batch import Pair, greedy_batches, pack_pairs, pair_len, seq_logprobs
+from rlcu.train.pair_batch import Pair, pack_pairs, pair_len, seq_logprobs
 from rlcu.train.rows import load_rows
-from rlcu.train.schedule import lr_at
 from rlcu.train.sft import PackedStream
 
+# Checked preference rows with their locations ('file:line', 'dataset[i]'), which the messages
+# name (rlcu.data.preference); the reward trainer reads the same rows.
+load_preference_rows = partial(row_items, load_file=load_preference_items, check=check_preference_row)
 
-class DPOTrainer(Trainer):
+
+class DPOTrainer(DataTrainer):
     """`DPOTrainer(config, dataset=None, model=None, tokenizer=None).train()` on the trainer
-    core (the loop, checkpoints, resume, signals, logging).
+    core (the loop, checkpoints, resume, signals, logging; rlcu.train.data_trainer).
 
     dataset, eval_dataset: lists of rows or a path (None: config.data.path / eval_path) in TRL's
     preference format (rlcu.data.preference: prompt / chosen / rejected as text or messages, or
@@ -57,14 +63,11 @@ class DPOTrainer(Trainer):
 
     def __init__(self, config: DPOConfig | dict | str | Path | None = None, dataset=None, model=None,
                  tokenizer=None, eval_dataset=None, hooks: Hooks | None = None):
-        super().__init__(config, hooks)
+        super().__init__(config, hooks, model)
         cfg = self.cfg
-        self._refuse_unfit(model)
-        self.model = model if model is not None else build_model(cfg.model)
-        self.device = self.model.device
         trained = self._attach_lora(self.model)  # the adapters with lora:, else the model
         self.tokenizer = tokenizer
-        rows, eval_rows, src = load_rows(cfg.data, dataset, eval_dataset, self._load, "DPO")
+        rows, eval_rows, src = load_rows(cfg.data, dataset, eval_dataset, load_preference_rows, "DPO")
         self.pairs = self._encode(rows, src)
         self.eval_pairs = self._encode(eval_rows, cfg.data.eval_path or f"{src} (held out)") if eval_rows else []
         self.stream = PackedStream([pair_len(p) for p in self.pairs], cfg.batch_tokens, cfg.data.shuffle,
@@ -76,25 +79,12 @@ class DPOTrainer(Trainer):
         self.optimizer = make_optimizer(trained, cfg.optim)  # ShardedAdamW across ranks
 
     # ---------------------------------------------------------------- data
-    def _load(self, source, name, **where) -> list[tuple[str, dict]]:
-        """Checked preference rows with their locations ('file:line', 'dataset[i]'), which the
-        messages name (rlcu.data.preference)."""
-        if isinstance(source, (str, Path)):
-            return load_preference_items(source, **where)
-        items = [(f"{name}[{i}]", r) for i, r in enumerate(source)]
-        for at, r in items:
-            if not isinstance(r, dict):
-                raise ValueError(f"{at}: a row must be a dict, got {type(r).__name__}")
-            check_preference_row(r, at)
-        return items
-
     def _encode(self, rows: list[tuple[str, dict]], src: str) -> list[Pair]:
         """Tokenised pairs, dropping those too long for max_seq_len (or the context) and those
         with an empty side: counted, and named by row in the log."""
         if not rows:
             raise ValueError(f"{src}: no rows (an empty data set); DPO needs at least one pair")
-        if self.tokenizer is None and any("chosen_token_ids" not in r for _, r in rows):
-            self.tokenizer = load_tokenizer(self.cfg.model, "text preference rows")
+        self._need_tokenizer(rows, "chosen_token_ids", "text preference rows")
         V = self.model.cfg.vocab_size
         limit = min(self.cfg.max_seq_len, self.model.cfg.max_position_embeddings)
         out, long, empty = [], [], []
@@ -176,17 +166,6 @@ class DPOTrainer(Trainer):
             self._ref_fresh = None
         return resumed
 
-    # ---------------------------------------------------------------- checkpoints
-    def _trainer_state(self) -> dict:
-        return {"data": self.stream.state_dict(), "metrics_tail": self.history[-20:]}
-
-    def _load_state(self, state: dict) -> None:
-        self.stream.load_state_dict(state["data"])
-        self.history = list(state.get("metrics_tail", []))
-
-    def _checkpoint_objects(self, loading: bool = False) -> tuple:
-        return self._ckpt_model(self.model), self.optimizer, {}
-
     def _start_message(self) -> str:
         return (f"DPO ({self.cfg.loss_type}, beta {self.cfg.beta}): {len(self.pairs)} pairs, "
                 f"{len(self.eval_pairs)} held out, {self._trainable_note(self.model)}, {self.cfg.steps} steps on "
@@ -209,23 +188,17 @@ class DPOTrainer(Trainer):
     # ---------------------------------------------------------------- training
     def train_step(self, step: int | None = None) -> dict:
         self.reference_logprobs()  # (a library caller stepping without train(): taken now)
-        with self.hooks.phase("actor_train"):
-            return self._step(self.step if step is None else step)
+        return super().train_step(step)
 
     def _step(self, step: int) -> dict:
         cfg = self.cfg
-        t0 = time.perf_counter()
-        if self.model.gradient_checkpointing == "auto":  # a number of layers from the memory model
-            self._log_info(sizing.resolve_auto(self.model, self._memory_shape()))
-        lr = lr_at(step, cfg.optim, cfg.steps)
+        t0, lr = self._begin_step(step)
         drawn = [self.stream.next_batch() for _ in range(cfg.grad_accum)]  # the global batch
         P = sum(len(b) for b in drawn)
         n_all = sum(self.stream.lengths[i] for b in drawn for i in b)
         mine = dp.rank_micro_batches(drawn, self.stream.lengths, cfg.batch_tokens)  # this rank's, by tokens
         ref = self.ref_lp["train"]
-        self.model.zero_grad()
-        for _ in range(dp.equal_passes(len(mine)) - len(mine)):
-            dp.dummy_backward(self.model)  # overlapped reduce-scatters: as many backward passes as every rank
+        self._zero_grad(len(mine))
         stats = torch.zeros(len(PAIR_STATS), dtype=torch.float64)
         for idx in mine:
             b = pack_pairs(self.pairs, idx, self.device)
@@ -254,7 +227,7 @@ class DPOTrainer(Trainer):
         ref = self.reference_logprobs()["eval"]
         with self.hooks.phase("eval"):
             lengths = [pair_len(p) for p in self.eval_pairs]
-            runs = greedy_batches(lengths, list(range(len(self.eval_pairs))), self.cfg.batch_tokens)
+            runs = dp.greedy_batches(lengths, list(range(len(self.eval_pairs))), self.cfg.batch_tokens)
             stats = torch.zeros(len(PAIR_STATS), dtype=torch.float64)
             for k, idx in enumerate(runs):
                 if k % world().size != world().rank:  # sharded over the ranks, the sums gathered
@@ -264,15 +237,3 @@ class DPOTrainer(Trainer):
                 stats += self._pair_terms(b, lp, ref[idx], 1.0)[0]
         stats = all_sum(stats) / len(self.eval_pairs)
         return dict(zip(PAIR_STATS, stats.tolist()))
-
-    def _memory_shape(self):
-        """This rank's job as the memory model sees it: SFT's (a micro-batch of batch_tokens, the
-        head's forward and backward apart); the stored reference logprobs are 16 bytes a pair."""
-        return sizing.run_shape(self.model, self.optimizer, micro_batch_tokens=self.cfg.batch_tokens, fused_head=False)
-
-    def _log_estimate(self) -> None:
-        sizing.log_estimate(self.logger, self._memory_shape(), self.device)
-
-    def _result(self) -> dict:
-        """DPO's train() returns the last step's metrics."""
-        return {k: v for k, v in self.history[-1].items() if k != "step"} if self.history else {}

@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from rlcu.parallel.batch import greedy_batches
 from rlcu.train.dpo_loss import seq_sums
 
 Pair = tuple[list[int], list[int], list[int]]  # prompt_ids, chosen_ids, rejected_ids
@@ -61,18 +62,6 @@ def pack_pairs(pairs: list[Pair], idx: list[int], device) -> PairBatch:
                      mask=torch.tensor(mask, dtype=torch.float32, device=device),
                      seq=torch.repeat_interleave(torch.arange(len(lens)), lt).to(device),
                      n_completion=torch.tensor(counts, dtype=torch.float64, device=device).view(-1, 2))
-
-
-def greedy_batches(lengths: list[int], idx: list[int], budget: int) -> list[list[int]]:
-    """`idx` in order, cut into runs of at most `budget` tokens (a longer item alone)."""
-    out, cur, tok = [], [], 0
-    for i in idx:
-        if cur and tok + lengths[i] > budget:
-            out.append(cur)
-            cur, tok = [], 0
-        cur.append(i)
-        tok += lengths[i]
-    return out + ([cur] if cur else [])
 
 
 def seq_logprobs(b: PairBatch, lp: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -43,12 +44,11 @@ from rlcu.model.reward_model import RewardModel
 from rlcu.parallel import batch as dp
 from rlcu.parallel.comm import all_sum, world
 from rlcu.parallel.zero import make_optimizer
-from rlcu.train import sizing
 from rlcu.train.checkpoint import build_model
-from rlcu.train.core import Hooks, Trainer, load_tokenizer
+from rlcu.train.core import Hooks
+from rlcu.train.data_trainer import DataTrainer, row_items
 from rlcu.train.lora import LoraCheckpoint, save_final
 from rlcu.train.rows import EpochOrder, load_rows
-from rlcu.train.schedule import lr_at
 
 
 def bt_loss(rc: torch.Tensor, rr: torch.Tensor, margin: torch.Tensor, n_pairs: int, center: float | None = None):
@@ -88,18 +88,6 @@ class PairStream:
 
     def load_state_dict(self, d: dict) -> None:
         self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
-
-
-def pack_pairs(idx: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """Greedy micro-batches of pair indices, at most `budget` tokens each (a longer pair alone)."""
-    out, tok = [], 0
-    for i in idx:
-        if not out or tok + lengths[i] > budget:
-            out.append([])
-            tok = 0
-        out[-1].append(i)
-        tok += lengths[i]
-    return out
 
 
 class HeadParams:
@@ -154,7 +142,7 @@ def build_reward_model(cfg: RMConfig) -> RewardModel:
     return RewardModel.from_causal_lm(build_model(m, device, dtype), head_init_std=cfg.head_init_std, seed=cfg.seed)
 
 
-class RewardTrainer(Trainer):
+class RewardTrainer(DataTrainer):
     """`RewardTrainer(config, dataset=None, eval_dataset=None, model=None, tokenizer=None).train()`
     on the trainer core (the loop, checkpoints, resume, signals, logging).
 
@@ -166,31 +154,16 @@ class RewardTrainer(Trainer):
 
     config_cls = RMConfig
     kind = "rm"
+    step_phase = "rm_train"
 
     def __init__(self, config: RMConfig | dict | str | Path | None = None, dataset=None, eval_dataset=None,
                  model=None, tokenizer=None, hooks: Hooks | None = None):
-        super().__init__(config, hooks)
+        super().__init__(config, hooks, model)
         cfg = self.cfg
-        self._refuse_unfit(model)
-        if isinstance(model, CausalLM):
-            model = RewardModel.from_causal_lm(model, head_init_std=cfg.head_init_std, seed=cfg.seed)
-        self.model = model if model is not None else build_reward_model(cfg)
-        self.device = self.model.device
-
-        def load(source, name, **where):
-            if isinstance(source, (str, Path)):
-                return load_preference_items(source, **where)
-            items = [(f"{name}[{i}]", r) for i, r in enumerate(source)]
-            for at, r in items:
-                if not isinstance(r, dict):
-                    raise ValueError(f"{at}: a row must be a dict, got {type(r).__name__}")
-                check_preference_row(r, at)
-            return items
-
+        load = partial(row_items, load_file=load_preference_items, check=check_preference_row)
         rows, eval_rows, src = load_rows(cfg.data, dataset, eval_dataset, load, "reward-model training")
         self.tokenizer = tokenizer
-        if self.tokenizer is None and any("chosen_token_ids" not in r for _, r in rows + eval_rows):
-            self.tokenizer = load_tokenizer(cfg.model, "text preference rows")
+        self._need_tokenizer(rows + eval_rows, "chosen_token_ids", "text preference rows")
         if self.model.pad_token_id is None and getattr(self.tokenizer, "pad_token_id", None) is not None:
             self.model.pad_token_id = self.tokenizer.pad_token_id  # what HF pads a batch with when it scores
         self.pairs = self._encode(rows, src)
@@ -203,6 +176,18 @@ class RewardTrainer(Trainer):
         self.optimizer = make_optimizer(self.lora or self.model, cfg.optim)
         self.head = HeadParams(self.model) if self.lora is not None else None
         self.head_optimizer = make_optimizer(self.head, cfg.optim) if self.head is not None else None
+
+    def _build_model(self, model) -> RewardModel:
+        """The reward model given; a CausalLM given gets a fresh head; None: build_reward_model."""
+        cfg = self.cfg
+        if isinstance(model, CausalLM):
+            return RewardModel.from_causal_lm(model, head_init_std=cfg.head_init_std, seed=cfg.seed)
+        return model if model is not None else build_reward_model(cfg)
+
+    def _sized_model(self):
+        """The trunk (no LM head slot): the memory model counts an LM head's chunked work where the
+        scalar head has next to none, so it errs high."""
+        return self.model.trunk
 
     def _encode(self, rows: list[tuple[str, dict]], src: str) -> list[PreferencePair]:
         """Tokenise (location, row) pairs, dropping (counted, named in the log) those too long."""
@@ -252,13 +237,6 @@ class RewardTrainer(Trainer):
         return torch.stack([loss * n_pairs, (rc > rr).float().sum(), (rc - rr).sum(), rc.sum(), rr.sum()]).detach()
 
     # ---------------------------------------------------------------- checkpoints
-    def _trainer_state(self) -> dict:
-        return {"data": self.stream.state_dict(), "metrics_tail": self.history[-20:]}
-
-    def _load_state(self, state: dict) -> None:
-        self.stream.load_state_dict(state["data"])
-        self.history = list(state.get("metrics_tail", []))
-
     def _checkpoint_objects(self, loading: bool = False) -> tuple:
         if self.lora is None:
             return self.model, self.optimizer, {}
@@ -274,19 +252,13 @@ class RewardTrainer(Trainer):
                 f"{self.model.cfg.hidden_size}, {self.cfg.steps} steps on {self.device}")
 
     # ---------------------------------------------------------------- training
-    def train_step(self, step: int | None = None) -> dict:
-        with self.hooks.phase("rm_train"):
-            return self._step(self.step if step is None else step)
-
     def _step(self, step: int) -> dict:
         cfg = self.cfg
-        t0 = time.perf_counter()
-        if self.model.gradient_checkpointing == "auto":  # a number of layers from the memory model
-            self._log_info(sizing.resolve_auto(self.model.trunk, self._memory_shape()))
-        lr = lr_at(step, cfg.optim, cfg.steps)
+        t0, lr = self._begin_step(step)
         drawn = self.stream.next(cfg.batch_pairs)  # the global batch
         P = len(drawn)
-        mine = dp.rank_micro_batches(pack_pairs(drawn, self.lengths, cfg.batch_tokens), self.lengths, cfg.batch_tokens)
+        mine = dp.rank_micro_batches(dp.greedy_batches(self.lengths, drawn, cfg.batch_tokens), self.lengths,
+                                     cfg.batch_tokens)
         self.model.zero_grad()
         sums = torch.zeros(5, dtype=torch.float32, device=self.device)
         for idx in mine:
@@ -314,7 +286,8 @@ class RewardTrainer(Trainer):
             lengths = [len(p.chosen) + len(p.rejected) for p in self.eval_pairs]
             sums = torch.zeros(5, dtype=torch.float64)
             w = world()
-            for k, idx in enumerate(pack_pairs(list(range(len(self.eval_pairs))), lengths, self.cfg.batch_tokens)):
+            runs = dp.greedy_batches(lengths, list(range(len(self.eval_pairs))), self.cfg.batch_tokens)
+            for k, idx in enumerate(runs):
                 if k % w.size == w.rank:
                     sums += self._pass(idx, self.eval_pairs, 1, grad=False).cpu().double()
             s = all_sum(sums) / len(self.eval_pairs)
@@ -324,16 +297,6 @@ class RewardTrainer(Trainer):
     def evaluate(self) -> dict:
         """The held-out metrics now (eval_metrics)."""
         return self.eval_metrics()
-
-    def _memory_shape(self):
-        """This rank's job as the memory model sees it (rlcu.train.sizing.run_shape): the trunk (no
-        LM head slot) and its optimizer with a micro-batch of batch_tokens; the model counts an LM
-        head's chunked work where the scalar head has next to none, so it errs high."""
-        return sizing.run_shape(self.model.trunk, self.optimizer, micro_batch_tokens=self.cfg.batch_tokens,
-                                fused_head=False)
-
-    def _log_estimate(self) -> None:
-        sizing.log_estimate(self.logger, self._memory_shape(), self.device)
 
     def _save_adapter(self, start: int) -> None:
         """At the end of a run that trained: the reward model as an HF sequence-classification folder
@@ -351,7 +314,3 @@ class RewardTrainer(Trainer):
             if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
                 self.tokenizer.save_pretrained(out)
             self.logger.info(f"reward model: {out}")
-
-    def _result(self) -> dict:
-        """train() returns the last step's metrics."""
-        return {k: v for k, v in self.history[-1].items() if k != "step"} if self.history else {}

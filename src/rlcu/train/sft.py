@@ -19,6 +19,7 @@ checkpoint replays the remaining steps bit for bit.
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,12 +30,10 @@ from rlcu.data.prompt_check import shown_rows
 from rlcu.parallel import batch as dp
 from rlcu.parallel.comm import all_sum, world
 from rlcu.parallel.zero import make_optimizer
-from rlcu.train import sizing
-from rlcu.train.checkpoint import build_model
-from rlcu.train.core import Hooks, Trainer, load_tokenizer
+from rlcu.train.core import Hooks
+from rlcu.train.data_trainer import DataTrainer, row_items
 from rlcu.train.moe_aux import AuxShare
 from rlcu.train.rows import EpochOrder, load_rows
-from rlcu.train.schedule import lr_at
 from rlcu.train.static_batch import misfit, pack, slot_bucket
 from rlcu.train.step_graph import StepGraph, why_not
 
@@ -75,9 +74,10 @@ class PackedStream:
         self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(DataTrainer):
     """`SFTTrainer(config, dataset=None, model=None, tokenizer=None).train()` on the trainer
-    core (rlcu.train.core.Trainer: the loop, checkpoints, resume, signals, logging).
+    core (rlcu.train.core.Trainer: the loop, checkpoints, resume, signals, logging; what the
+    trainers of a data set share: rlcu.train.data_trainer).
 
     dataset: a list of rows, a file path, or None for `config.data.path`. model: a Qwen3,
     or None to build one from `config.model`. tokenizer: needed for text rows (None: loaded
@@ -89,31 +89,17 @@ class SFTTrainer(Trainer):
 
     def __init__(self, config: SFTConfig | dict | str | Path | None = None, dataset=None, model=None,
                  tokenizer=None, hooks: Hooks | None = None):
-        super().__init__(config, hooks)
+        super().__init__(config, hooks, model)
         cfg = self.cfg
-        self._refuse_unfit(model)
-        self.model = model if model is not None else build_model(cfg.model)
-        self.device = self.model.device
         trained = self._attach_lora(self.model)  # the adapters with lora:, else the model
         d = cfg.data
         fields = dict(prompt_field=d.prompt_field, completion_field=d.completion_field,
                       messages_field=d.messages_field)
-
-        def load(source, name, **where):
-            """Rows with their locations ('file:line', 'dataset[i]'), which the messages name."""
-            if isinstance(source, (str, Path)):
-                return load_sft_items(source, **fields, **where)
-            items = [(f"{name}[{i}]", r) for i, r in enumerate(source)]
-            for at, r in items:
-                if not isinstance(r, dict):
-                    raise ValueError(f"{at}: a row must be a dict, got {type(r).__name__}")
-                check_sft_row(r, at, **fields)
-            return items
-
+        load = partial(row_items, load_file=partial(load_sft_items, **fields),
+                       check=lambda r, at: check_sft_row(r, at, **fields))
         rows, eval_rows, src = load_rows(d, dataset, None, load, "SFT")
         self.tokenizer = tokenizer
-        if self.tokenizer is None and any("prompt_token_ids" not in r for _, r in rows + eval_rows):
-            self.tokenizer = load_tokenizer(cfg.model, "text SFT rows")
+        self._need_tokenizer(rows + eval_rows, "prompt_token_ids", "text SFT rows")
         self.examples = self._encode(rows, src, fields)
         self.eval_examples = self._encode(eval_rows, d.eval_path or f"{src} (held out)", fields) if eval_rows else []
         self.stream = PackedStream([len(e[0]) for e in self.examples], cfg.batch_tokens, d.shuffle, d.seed)
@@ -184,32 +170,14 @@ class SFTTrainer(Trainer):
         cu = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
         return tokens, cu, torch.tensor(mask, dtype=torch.float32, device=dev), sum(mask)
 
-    # ---------------------------------------------------------------- checkpoints
-    def _trainer_state(self) -> dict:
-        return {"data": self.stream.state_dict(), "metrics_tail": self.history[-20:]}
-
-    def _load_state(self, state: dict) -> None:
-        self.stream.load_state_dict(state["data"])
-        self.history = list(state.get("metrics_tail", []))
-
-    def _checkpoint_objects(self, loading: bool = False) -> tuple:
-        return self._ckpt_model(self.model), self.optimizer, {}
-
     def _start_message(self) -> str:
         return (f"SFT: {len(self.examples)} examples, {self._trainable_note(self.model)}, "
                 f"{self.cfg.steps} steps on {self.device}")
 
     # ---------------------------------------------------------------- training
-    def train_step(self, step: int | None = None) -> dict:
-        with self.hooks.phase("actor_train"):
-            return self._step(self.step if step is None else step)
-
     def _step(self, step: int) -> dict:
         cfg = self.cfg
-        t0 = time.perf_counter()
-        if self.model.gradient_checkpointing == "auto":  # a number of layers from the memory model
-            self._log_info(sizing.resolve_auto(self.model, self._memory_shape()))
-        lr = lr_at(step, cfg.optim, cfg.steps)
+        t0, lr = self._begin_step(step)
         graph = self.step_graph
         drawn = [self.stream.next_batch() for _ in range(cfg.grad_accum)]  # the global batch
         items = [i for b in drawn for i in b]
@@ -233,9 +201,7 @@ class SFTTrainer(Trainer):
     def _eager_step(self, batches, n_tok: int, lr: float, n_all: int) -> tuple[float, dict]:
         """n_tok: the global batch's loss tokens (the loss's mean), n_all: all its tokens (a MoE
         model's load-balancing loss weighs each micro-batch by its share: train/moe_aux.py)."""
-        self.model.zero_grad()
-        for _ in range(dp.equal_passes(len(batches)) - len(batches)):
-            dp.dummy_backward(self.model)  # overlapped reduce-scatters: as many backward passes as every rank
+        self._zero_grad(len(batches))
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         aux = AuxShare(self.model, n_all)
         for tokens, cu, mask, _ in batches:
@@ -287,15 +253,3 @@ class SFTTrainer(Trainer):
                 total += float(-(lp * mask).sum())
                 n += n_mask
         return all_sum(total) / all_sum(n)
-
-    def _memory_shape(self):
-        """This rank's job as the memory model sees it: a micro-batch of batch_tokens, the head's
-        forward and backward apart (rlcu.train.sizing.run_shape)."""
-        return sizing.run_shape(self.model, self.optimizer, micro_batch_tokens=self.cfg.batch_tokens, fused_head=False)
-
-    def _log_estimate(self) -> None:
-        sizing.log_estimate(self.logger, self._memory_shape(), self.device)
-
-    def _result(self) -> dict:
-        """SFT's train() returns the last step's metrics."""
-        return {k: v for k, v in self.history[-1].items() if k != "step"} if self.history else {}
