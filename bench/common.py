@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -243,3 +244,34 @@ def overriding(configs: dict, **updates):
                 configs[k] = saved[k]
             else:
                 del configs[k]
+
+
+def sync() -> None:
+    """Wait for the GPU (nothing on the CPU): a step's wall time must hold its kernels."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def trl_step_timer(times: list[float], warmup: int, cuda: bool, logged: list[dict] | None = None):
+    """A transformers TrainerCallback that appends each step's seconds after `warmup` steps to
+    `times` (the peak memory counter reset as the first timed step begins) and, given `logged`,
+    each log line the trainer writes to it: how the benches time a TRL trainer's own loop."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            sync()
+            self.t0 = time.perf_counter()
+            if state.global_step == warmup and cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, a, state, control, **kw):
+            sync()
+            if state.global_step > warmup:
+                times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logged is not None:
+                logged.append(dict(logs or {}))
+
+    return StepTimer()

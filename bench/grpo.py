@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import MEMORY_MODES, qwen3_06b_config, write_json  # noqa: E402
+from bench.common import MEMORY_MODES, qwen3_06b_config, trl_step_timer, write_json  # noqa: E402
 
 PROTOCOLS = {"A": dict(prompts=8, group=8, prompt_len=128, completion_len=256),
              "B": dict(prompts=8, group=8, prompt_len=128, completion_len=2048)}
@@ -204,7 +204,7 @@ def bench_trl(proto: dict, steps: int, warmup: int, tiny: bool) -> dict:
     try:
         import datasets
         import trl
-        from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM, TrainerCallback
+        from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
         from transformers import Qwen3Config as HFConfig
     except ImportError as e:
         return {"error": f"TRL side skipped: {e} (install trl, datasets, dill, multiprocess)"}
@@ -239,20 +239,10 @@ def bench_trl(proto: dict, steps: int, warmup: int, tiny: bool) -> dict:
     args = trl.GRPOConfig(**{k: v for k, v in want.items() if k in names})
     times: list[float] = []
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            _sync()
-            self.t0 = time.perf_counter()
-            if state.global_step == warmup and cuda:
-                torch.cuda.reset_peak_memory_stats()
-
-        def on_step_end(self, a, state, control, **kw):
-            _sync()
-            if state.global_step > warmup:
-                times.append(time.perf_counter() - self.t0)
+    timer = trl_step_timer(times, warmup, cuda)
 
     trainer = trl.GRPOTrainer(model=model, reward_funcs=[hash_reward], args=args, train_dataset=ds,
-                              processing_class=tok, callbacks=[Timer()])
+                              processing_class=tok, callbacks=[timer])
     trainer.train()
     res = {"s_per_step": statistics.median(times) if times else None, "steps": times, "trl": trl.__version__,
            "config_fields_not_in_this_trl": dropped}

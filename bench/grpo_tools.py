@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import MEMORY_MODES, write_json  # noqa: E402
+from bench.common import MEMORY_MODES, trl_step_timer, write_json  # noqa: E402
 from bench.grpo import _buffer_arithmetic, _model_cfg, _PhasePeaks, _sync, hash_reward  # noqa: E402
 
 SHAPE = dict(prompts=8, group=8, prompt_len=128, turns=4, turn_tokens=128, tool_tokens=64, tool_sleep=0.05)
@@ -244,7 +244,7 @@ def _trl_steps(shape: dict, steps: int, warmup: int, tiny: bool) -> dict:
 
     import datasets
     import trl
-    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM, TrainerCallback
+    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
     from transformers import Qwen3Config as HFConfig
 
     from rlcu.data.tokenizer import make_word_tokenizer
@@ -278,23 +278,10 @@ def _trl_steps(shape: dict, steps: int, warmup: int, tiny: bool) -> dict:
     times: list[float] = []
     logged: list[dict] = []
 
-    class Timer(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            _sync()
-            self.t0 = time.perf_counter()
-            if state.global_step == warmup and cuda:
-                torch.cuda.reset_peak_memory_stats()
-
-        def on_step_end(self, a, state, control, **kw):
-            _sync()
-            if state.global_step > warmup:
-                times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            logged.append(dict(logs or {}))
+    timer = trl_step_timer(times, warmup, cuda, logged)
 
     trainer = trl.GRPOTrainer(model=model, reward_funcs=[hash_reward], args=args, train_dataset=ds,
-                              processing_class=tok, callbacks=[Timer()], tools=[lookup])
+                              processing_class=tok, callbacks=[timer], tools=[lookup])
     trainer.train()
     sps = statistics.median(times) if times else None
     last = next((x for x in reversed(logged) if "tools/call_frequency" in x), logged[-1] if logged else {})
