@@ -619,7 +619,8 @@ def run_one(policy: str, mode: str, a, gpus: list[int], caps: list[float], sampl
            "jobs_progress": progress, "jobs_per_hour_by_steps": progress / max(t_end - t_launch, 1e-9) * 3600.0,
            "yields": yields, "mem_per_job_gib": mem, "startup_s": first - t_launch,
            "exit_s": t_exit - t_end, "steady": steady, "spans": [s.to_dict() for s in spans],
-           "gpu_samples": sampler.series(t_launch, t_exit), "t_launch": t_launch}
+           "gpu_samples": sampler.series(t_launch, t_exit), "t_launch": t_launch,
+           "work": str(work)}
     if any(rcs) or not complete:
         res["logs"] = logs
     out = os.environ.get("OUT")

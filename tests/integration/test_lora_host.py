@@ -242,3 +242,22 @@ def test_a_job_joins_a_running_host_and_equals_itself_alone(tmp_path):
         tr, _ = alone(tmp_path, i, steps=3 if i == 0 else 2, **small)
         assert torch.equal(j.trainer.model.lora.flat, tr.model.lora.flat), j.name
         assert losses(j.history) == losses(tr.history), j.name
+
+
+def test_host_loads_a_tokenizer_once_and_times_its_phases(tmp_path):
+    """Jobs naming one tokenizer folder share one load (a job whose folder holds none ends with
+    status 2, the others go on); the timeline holds each build and one round per step plus the
+    last (the final updates), each with every live job's turn."""
+    syn.make_tokenizer().save_pretrained(tmp_path / "tok")
+    (tmp_path / "none").mkdir()
+    cfgs = [job(tmp_path, i, "t", steps=2, model={"tokenizer": str(tmp_path / t)})[0]
+            for i, t in enumerate(["tok", "tok", "none"])]
+    host = LoraHost(cfgs, [ROWS] * 3, [[first_is_even]] * 3)
+    a, b, bad = host.jobs
+    assert a.trainer.tokenizer is b.trainer.tokenizer and bad.trainer is None and bad.status == 2
+    assert "tokenizer.json" in str(bad.error)
+    host.train()
+    assert [j.status for j in host.jobs] == [0, 0, 2]
+    tl = host.timeline
+    assert set(tl["builds_s"]) == {"job0", "job1", "job2"} and tl["base_s"] >= 0 and tl["engine_start_s"] >= 0
+    assert len(tl["rounds"]) == 3 and all(set(r["turns_s"]) == {"job0", "job1"} for r in tl["rounds"])

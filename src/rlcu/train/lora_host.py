@@ -36,6 +36,10 @@ to the host stops every job after its step in flight, with a checkpoint, as it s
 so does a scheduler's graceful cancel of the host, each job's status then 3 as a cancelled
 scheduled job's.
 
+Where the wall time goes: `timeline` (seconds, perf_counter) holds the base's load, each job's
+trainer build, the engine's start, and per round each job's turn and the shared serve; a bench
+(bench/lora_host.py) reads it to split start-up from the steady state.
+
 Refused by name (ConfigError naming the file and the field) before anything runs: a config
 without `lora:`, one naming another base (model.path, revision, tiny, init_seed, dtype, device)
 or another exact mode or engine section than the first, and two jobs writing one log.out_dir.
@@ -47,6 +51,7 @@ import contextlib
 import dataclasses
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -57,7 +62,7 @@ from rlcu.errors import SetupError
 from rlcu.model.causal_lm import Qwen3
 from rlcu.train import sizing
 from rlcu.train.checkpoint import build_model
-from rlcu.train.core import Hooks, TrainingStopped, coerce_config, exit_status
+from rlcu.train.core import Hooks, TrainingStopped, coerce_config, exit_status, load_tokenizer
 from rlcu.train.grpo import GRPOTrainer
 from rlcu.train.host_engine import HostEngine, JobEngine
 from rlcu.train.signals import SignalGuard
@@ -170,16 +175,22 @@ class LoraHost:
         self._turn: str | None = None
         self._jlock = threading.Lock()
         self._joins: list[tuple[HostedJob, tuple]] = []  # jobs queued by join, taken between steps
+        self._tokenizers: dict[tuple, object] = {}  # loaded once per source (_tokenizer)
         self.closed = False  # no more joins: the last job ended
+        self.timeline: dict = {"builds_s": {}, "rounds": []}  # see the module docstring
         c0 = self.jobs[0].cfg
+        t = time.perf_counter()
         self.base = build_model(c0.model)
         self.base.exact = c0.exact
+        self.timeline["base_s"] = time.perf_counter() - t
         self.engine = HostEngine(self.base, [j.name for j in self.jobs], [_lora_cfg(j.cfg) for j in self.jobs])
         for i, job in enumerate(self.jobs):
             self._build(job, _at(datasets, i), _at(reward_fns, i), _at(tokenizers, i))
         built = [j for j in self.jobs if j.trainer is not None]
+        t = time.perf_counter()
         if built:
             self.engine.start(self._engine_kwargs(built))
+        self.timeline["engine_start_s"] = time.perf_counter() - t
 
     # ---------------------------------------------------------------- setup
     def _view(self, cfg: GRPOConfig) -> Qwen3:
@@ -192,12 +203,27 @@ class LoraHost:
 
     def _build(self, job: HostedJob, dataset, reward_fns, tokenizer) -> None:
         """The job's trainer; one that cannot be built ends with status 2 and its reason."""
+        t = time.perf_counter()
         try:
+            tokenizer = tokenizer if tokenizer is not None else self._tokenizer(job.cfg)
             job.trainer = GRPOTrainer(job.cfg, dataset, reward_fns, model=self._view(job.cfg), tokenizer=tokenizer,
                                       hooks=_HostHooks(self), llm=JobEngine(self, self.engine, job.name))
         except (SetupError, ConfigError, ValueError, FileNotFoundError) as e:
             job.status, job.error = 2, e
             print(f"rlcu grpo [{job.name}]: {e}", file=sys.stderr)
+        self.timeline["builds_s"][job.name] = time.perf_counter() - t
+
+    def _tokenizer(self, cfg: GRPOConfig):
+        """The job's tokenizer, loaded once for every job naming the same one (a tokenizer is read,
+        never changed, and a large one's load is most of a job's build); None when it does not load,
+        so that the job's trainer loads it and fails with its own error."""
+        key = (cfg.model.tokenizer, cfg.model.path, cfg.model.revision)
+        if key not in self._tokenizers:
+            try:
+                self._tokenizers[key] = load_tokenizer(cfg.model, "RL prompts")
+            except Exception:  # noqa: BLE001 (the trainer's own load raises it, for that job only)
+                return None
+        return self._tokenizers[key]
 
     @staticmethod
     def _engine_kwargs(jobs: list[HostedJob]) -> dict:
@@ -347,8 +373,11 @@ class LoraHost:
                     if self._close():
                         break
                     continue
+                turns = {}
                 for j in live:
+                    t = time.perf_counter()
                     self._give_turn(j)
+                    turns[j.name] = time.perf_counter() - t
                     if sig.signum and self.stop is None:
                         self.stop, self.signum = f"received {sig.name}", sig.signum
                 for j in live:
@@ -356,8 +385,10 @@ class LoraHost:
                         self._ended(j)
                 live = [j for j in live if not j.done]
                 waiting = [j for j in live if j.pending is not None]
+                t = time.perf_counter()
                 if waiting:
                     self._serve(waiting)
+                self.timeline["rounds"].append({"turns_s": turns, "serve_s": time.perf_counter() - t})
         for j in self.jobs:
             if j.thread is not None:
                 j.thread.join()
