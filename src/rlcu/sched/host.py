@@ -44,7 +44,8 @@ from rlcu.sched.job import _use_device, grpo_config
 from rlcu.sched.join import JoinServer, join
 from rlcu.train import sizing
 from rlcu.train.core import coerce_config, exit_status
-from rlcu.train.lora_host import BASE_FIELDS, HostedJob, LoraHost, check_jobs
+from rlcu.train.host_jobs import BASE_FIELDS, HostedJob, check_jobs
+from rlcu.train.lora_host import LoraHost
 
 JOIN_ROOM = 7  # a joinable host's declared peak leaves room for this many more jobs like its first
 

@@ -36,6 +36,11 @@ to the host stops every job after its step in flight, with a checkpoint, as it s
 so does a scheduler's graceful cancel of the host, each job's status then 3 as a cancelled
 scheduled job's.
 
+Memory between turns: a hosted job's freed gradients and activations stay in the allocator's
+cache for the next job's turn (which takes blocks of the same sizes) and go back to the device
+once a round, before the shared rollout, where a job alone gives them back after each update: an
+empty_cache waits for the device and the next job's allocations would go to the driver again.
+
 Where the wall time goes: `timeline` (seconds, perf_counter) holds the base's load, each job's
 trainer build, the engine's start, and per round each job's turn and the shared serve; a bench
 (bench/lora_host.py) reads it to split start-up from the steady state.
@@ -48,7 +53,6 @@ or another exact mode or engine section than the first, and two jobs writing one
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import threading
 import time
@@ -57,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from rlcu.config import ConfigError, GRPOConfig, config_to_dict
+from rlcu.config import ConfigError, GRPOConfig
 from rlcu.errors import SetupError
 from rlcu.model.causal_lm import Qwen3
 from rlcu.train import sizing
@@ -65,64 +69,8 @@ from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks, TrainingStopped, coerce_config, exit_status, load_tokenizer
 from rlcu.train.grpo import GRPOTrainer
 from rlcu.train.host_engine import HostEngine, JobEngine
+from rlcu.train.host_jobs import HostedJob, check_jobs, job_names
 from rlcu.train.signals import SignalGuard
-
-BASE_FIELDS = ("path", "revision", "tiny", "init_seed", "dtype", "device")  # model.* that make the base
-
-
-@dataclasses.dataclass
-class HostedJob:
-    """One job of a host: its name, config (and the file it came from), trainer, and once it
-    ended its exit status, metrics history and error (None when it ran to its end)."""
-
-    name: str
-    cfg: GRPOConfig
-    source: str | None = None
-    trainer: GRPOTrainer | None = None
-    status: int | None = None
-    error: BaseException | None = None
-    history: list = dataclasses.field(default_factory=list)
-    pending: tuple | None = None  # ("generate" | "episodes", arguments) it waits on the engine for
-    result: object = None
-    thread: threading.Thread | None = None
-    on_end: object = None  # a joined job's callback, called with the job once it ended (LoraHost.join)
-
-    @property
-    def done(self) -> bool:
-        return self.status is not None
-
-
-def _where(job: HostedJob) -> str:
-    return job.source or f"job {job.name!r}"
-
-
-def check_jobs(jobs: list[HostedJob]) -> None:
-    """The refusals of the module docstring, each a ConfigError naming the field and the file."""
-    first = jobs[0]
-    outs = {}
-    for job in jobs:
-        c = job.cfg
-        if not c.lora.enabled:
-            raise ConfigError("lora", "must be set in every job of a LoRA host (lora.r > 0 or lora.path): the base "
-                                      "is shared and frozen", _where(job))
-        for f in BASE_FIELDS:
-            if getattr(c.model, f) != getattr(first.cfg.model, f):
-                raise ConfigError(f"model.{f}", f"is {getattr(c.model, f)!r}, and {_where(first)} has "
-                                                f"{getattr(first.cfg.model, f)!r}: a LoRA host's jobs name one base",
-                                  _where(job))
-        if c.exact != first.cfg.exact:
-            raise ConfigError("exact", f"is {c.exact}, {_where(first)}'s {first.cfg.exact}: the shared engine runs "
-                                       f"in one mode", _where(job))
-        mine, theirs = config_to_dict(c)["engine"], config_to_dict(first.cfg)["engine"]
-        diff = next((k for k in mine if mine[k] != theirs.get(k)), None)
-        if diff is not None:
-            raise ConfigError(f"engine.{diff}", f"is {mine[diff]!r}, {_where(first)}'s {theirs.get(diff)!r}: the "
-                                                f"jobs share one engine", _where(job))
-        out = Path(c.log.out_dir).expanduser().resolve()
-        if out in outs:
-            raise ConfigError("log.out_dir", f"{out} is also {_where(outs[out])}'s: each job needs a run folder "
-                                             f"of its own", _where(job))
-        outs[out] = job
 
 
 class HostClosed(RuntimeError):
@@ -208,6 +156,7 @@ class LoraHost:
             tokenizer = tokenizer if tokenizer is not None else self._tokenizer(job.cfg)
             job.trainer = GRPOTrainer(job.cfg, dataset, reward_fns, model=self._view(job.cfg), tokenizer=tokenizer,
                                       hooks=_HostHooks(self), llm=JobEngine(self, self.engine, job.name))
+            job.trainer.give_back_memory = False  # the next job takes the same blocks: _serve gives them back
         except (SetupError, ConfigError, ValueError, FileNotFoundError) as e:
             job.status, job.error = 2, e
             print(f"rlcu grpo [{job.name}]: {e}", file=sys.stderr)
@@ -351,6 +300,8 @@ class LoraHost:
         h = self.hooks
         kw = dict(yield_check=h.yield_check, on_yield=h.on_yield, on_done=h.on_generate_done) if h.preemptible else {}
         work = float(sum(sp.n * sp.max_tokens for _, _, args in reqs for sp in args[1]))
+        if self.base.device.type == "cuda":  # the turns' freed gradients and activations, once, not after each job
+            torch.cuda.empty_cache()
         try:
             with h.phase("rollout", work=work):
                 got = self.engine.serve(reqs, kw)
@@ -402,12 +353,6 @@ class LoraHost:
     def status(self) -> int:
         """The host's exit status: the worst (largest) of its jobs'."""
         return max((j.status or 0) for j in self.jobs)
-
-
-def job_names(configs: list) -> list[str]:
-    """Each config file's stem (a stem two files share gets the file's index), else job<i>."""
-    stems = [Path(c).stem if isinstance(c, (str, Path)) else None for c in configs]
-    return [f"job{i}" if s is None else s if stems.count(s) == 1 else f"{s}{i}" for i, s in enumerate(stems)]
 
 
 def _source(config) -> str | None:

@@ -63,6 +63,7 @@ class RLTrainer(Trainer):
 
     config_cls = RLConfig
     kind = "rl"
+    give_back_memory = True  # _end_train_phase's empty_cache; a LoRA host does it once a round instead
 
     def __init__(self, config, dataset=None, reward_fns=None, *, model=None, tokenizer=None, eval_dataset=None,
                  hooks: Hooks | None = None, environment=None, tools=None, llm=None):
@@ -246,7 +247,7 @@ class RLTrainer(Trainer):
             if oc.release_grads and any(g is not None for g in held):
                 model.release_grads()
                 freed = True
-        if freed and self.device.type == "cuda":
+        if freed and self.device.type == "cuda" and self.give_back_memory:
             torch.cuda.empty_cache()
 
     def _engine_phase(self, fn, phase: str = "rollout", work: float | None = None):
