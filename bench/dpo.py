@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import sync  # noqa: E402
-from bench.preference import hf_word_tokenizer, main, model_cfg, release, summary, time_rlcu_steps  # noqa: E402
+from bench.preference import hf_peer, hf_word_tokenizer, main, model_cfg, release, summary, time_rlcu_steps, trl_missing  # noqa: E402
 
 PROTOCOL = dict(pairs=16, prompt_len=256, chosen_len=256, rejected_len=256, beta=0.1)
 TINY_PROTOCOL = dict(pairs=4, prompt_len=12, chosen_len=8, rejected_len=6, beta=0.1)
@@ -87,19 +87,15 @@ def bench_rlcu(shape: str, p: dict, steps: int, warmup: int, tiny: bool) -> dict
 
 # ---------------------------------------------------------------- TRL
 def bench_trl(shape: str, p: dict, steps: int, warmup: int, tiny: bool) -> dict:
-    try:
-        import datasets
-        import transformers  # noqa: F401
-        import trl
-    except ImportError as e:
-        return {"error": f"TRL side skipped: {e} (install trl, datasets)"}
+    if (missing := trl_missing()) is not None:
+        return missing
+    import datasets
+    import trl
+
     from bench.common import hf_model, trl_step_timer
 
-    cuda = torch.cuda.is_available()
     cfg = model_cfg(shape, tiny)
-    base = torch.cuda.memory_allocated() if cuda else 0
-    torch.manual_seed(0)
-    model = hf_model(cfg).to("cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+    cuda, base, model = hf_peer(hf_model, cfg)
     V = cfg.vocab_size
     tok = hf_word_tokenizer([f"t{i}" for i in range(1, V - 1)])
     total = warmup + steps

@@ -69,6 +69,26 @@ def release(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def trl_missing() -> dict | None:
+    """The TRL side's row when TRL, datasets or transformers cannot be imported, else None."""
+    try:
+        import datasets  # noqa: F401
+        import transformers  # noqa: F401
+        import trl  # noqa: F401
+    except ImportError as e:
+        return {"error": f"TRL side skipped: {e} (install trl, datasets)"}
+    return None
+
+
+def hf_peer(make: Callable, cfg) -> tuple[bool, int, object]:
+    """(cuda, the bytes held before the model, `make(cfg)` seeded and on the side's device and
+    dtype: bf16 on the GPU, fp32 on the CPU): the TRL side's model, made as rlcu's is."""
+    cuda = torch.cuda.is_available()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    torch.manual_seed(0)
+    return cuda, base, make(cfg).to("cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+
+
 def hf_word_tokenizer(words: list[str]):
     """transformers' fast tokenizer over rlcu's word-level one (<unk> 0 pads, <eos> the last id)."""
     from transformers import PreTrainedTokenizerFast

@@ -48,7 +48,7 @@ from rlcu.train.checkpoint import build_model
 from rlcu.train.core import Hooks
 from rlcu.train.data_trainer import DataTrainer, row_items
 from rlcu.train.lora import LoraCheckpoint, save_final
-from rlcu.train.rows import EpochOrder, load_rows
+from rlcu.train.rows import EpochCursor, load_rows
 
 
 def bt_loss(rc: torch.Tensor, rr: torch.Tensor, margin: torch.Tensor, n_pairs: int, center: float | None = None):
@@ -66,13 +66,13 @@ def bt_loss(rc: torch.Tensor, rr: torch.Tensor, margin: torch.Tensor, n_pairs: i
     return loss.sum() / n_pairs, drc / n_pairs, drr / n_pairs
 
 
-class PairStream:
+class PairStream(EpochCursor):
     """Pairs in a seeded per-epoch order, `batch_pairs` at a time (a step may cross an epoch's
     end); the state is (epoch, cursor)."""
 
     def __init__(self, n: int, shuffle: bool, seed: int):
-        self.n, self.epoch, self.cursor = n, 0, 0
-        self._order = EpochOrder(n, seed, shuffle)
+        super().__init__(n, seed, shuffle)
+        self.n = n
 
     def next(self, k: int) -> list[int]:
         out = []
@@ -82,12 +82,6 @@ class PairStream:
             if self.cursor == self.n:
                 self.epoch, self.cursor = self.epoch + 1, 0
         return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
 
 
 class HeadParams:

@@ -38,6 +38,21 @@ class EpochOrder:
         return self._order
 
 
+class EpochCursor:
+    """A data position, (epoch, cursor) into that epoch's `EpochOrder` of n rows: the whole state
+    of a stream that draws rows by it (SFT's packed examples, the reward trainer's pairs)."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool):
+        self.epoch, self.cursor = 0, 0
+        self._order = EpochOrder(n, seed, shuffle)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
+
+
 class PromptSampler:
     """Rows in a seeded random order, epoch after epoch; the state is one integer."""
 

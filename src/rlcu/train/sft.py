@@ -33,12 +33,12 @@ from rlcu.parallel.zero import make_optimizer
 from rlcu.train.core import Hooks
 from rlcu.train.data_trainer import DataTrainer, row_items
 from rlcu.train.moe_aux import AuxShare
-from rlcu.train.rows import EpochOrder, load_rows
+from rlcu.train.rows import EpochCursor, load_rows
 from rlcu.train.static_batch import misfit, pack, slot_bucket
 from rlcu.train.step_graph import StepGraph, why_not
 
 
-class PackedStream:
+class PackedStream(EpochCursor):
     """Greedy packing of examples (in a seeded per-epoch order) into micro-batches of at
     most `batch_tokens` tokens; an example longer than that is a micro-batch alone. A
     micro-batch never spans two epochs."""
@@ -46,9 +46,8 @@ class PackedStream:
     def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool, seed: int):
         if not lengths:
             raise ValueError("no training examples left to pack")
+        super().__init__(len(lengths), seed, shuffle)
         self.lengths, self.batch_tokens = lengths, batch_tokens
-        self.epoch, self.cursor = 0, 0
-        self._order = EpochOrder(len(lengths), seed, shuffle)
 
     def order(self) -> list[int]:
         return self._order(self.epoch)
@@ -66,12 +65,6 @@ class PackedStream:
         if self.cursor >= len(order):
             self.epoch, self.cursor = self.epoch + 1, 0
         return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.epoch, self.cursor = int(d["epoch"]), int(d["cursor"])
 
 
 class SFTTrainer(DataTrainer):
