@@ -32,7 +32,7 @@ its decode graphs survived each sleep or were captured again).
     python bench/lora_host.py --shape 8b --jobs 8 --steps 3 --budget-s 560   # a large base
     python bench/lora_host.py --quick        # a CPU smoke run of both modes; measures nothing
 
-JSON: $OUT and bench/results/lora_host.json (GPU runs).
+JSON: $OUT and bench/results/lora_host.json (GPU runs; lora_host_<shape>.json with --shape).
 """
 
 from __future__ import annotations
@@ -266,9 +266,10 @@ def main() -> int:
     outs = [Path(os.environ["OUT"])] if os.environ.get("OUT") else []
     if not a.cpu:
         outs.append(RESULTS)
+    name = f"lora_host_{a.shape}.json" if a.shape else "lora_host.json"  # a shape's run keeps the default's file
     for d in outs:
         d.mkdir(parents=True, exist_ok=True)
-        (d / "lora_host.json").write_text(json.dumps(payload, indent=2, default=float))
+        (d / name).write_text(json.dumps(payload, indent=2, default=float))
     ok = host["return_codes"] == [0] and not any(sep["return_codes"])
     return 0 if ok else 1
 
