@@ -20,7 +20,16 @@ reports the peak of each phase (rollout: wake -> generate -> sleep; train: the u
 gradient buffer's release), what stays allocated between steps, and the arithmetic of the large
 buffers (weights, optimizer state, gradients, KV pool).
 
+LoRA (`--lora R`, issue 35): the same step with adapters of rank R, alpha 2R, on all linear layers
+(the LM head stays frozen): rlcu with its `lora:` section (the base frozen, the adapters' fp32
+master and moments: the default memory mode), TRL's GRPOTrainer with PEFT (peft_config=LoraConfig
+of the same r, alpha and target_modules="all-linear"; PEFT keeps the adapters in fp32 beside the
+bf16 base, torch AdamW's moments follow them). Protocol A by default; the JSON is
+grpo_lora_r<R>.json. Every row reports its trained parameters (both sides count the same
+adapters); the TRL row's phases are its `_generate` and the rest of its step.
+
     python bench/grpo.py                      # protocols A and B, rlcu (both modes) and (if installed) TRL
+    python bench/grpo.py --lora 16            # protocol A, LoRA r = 16: rlcu beside TRL + PEFT
     python bench/grpo.py --memory-mode bf16   # rlcu in one memory mode only
     python bench/grpo.py --quick              # protocol A, rlcu only, 1 warm-up + 2 timed steps
     python bench/grpo.py --quick --tiny       # a tiny model on whatever device (a CPU smoke test)
@@ -126,17 +135,19 @@ class _PhasePeaks:
 
 
 def _buffer_arithmetic(tr, kv_blocks: int, block: int) -> dict:
-    """GiB of the large buffers, from their shapes."""
+    """GiB of the large buffers, from their shapes (with LoRA: the optimizer's and gradients' are the adapters')."""
     m, c = tr.model, tr.model.cfg
     st = tr.opt.state_bytes()
     kv = 2 * c.num_hidden_layers * kv_blocks * block * c.num_key_value_heads * c.head_dim * m.flat.element_size()
+    lo = m.lora
+    grads = lo.num_params() * lo.grad_dtype.itemsize if lo is not None else m.layout.numel * m.grad_dtype.itemsize
     gib = {"weights": m.flat.numel() * m.flat.element_size(), "master": st["master"], "adam_m": st["m"],
-           "adam_v": st["v"], "grads": m.layout.numel * m.grad_dtype.itemsize, "kv_pool": kv}
+           "adam_v": st["v"], "grads": grads, "kv_pool": kv}
     return {k: v / 2**30 for k, v in gib.items()}
 
 
 def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tokens: int,
-               memory_mode: str = "default", exact: bool = False) -> dict:
+               memory_mode: str = "default", exact: bool = False, lora: int = 0) -> dict:
     from rlcu.config import GRPOConfig, _build
     from rlcu.model.causal_lm import Qwen3
     from rlcu.train.grpo import GRPOTrainer
@@ -158,7 +169,7 @@ def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tok
     kv_blocks = P * G * (-(-(Lp + Lc + 1) // block)) + 64  # the batch, nothing more (no prefix-sharing credit)
     gcfg = _build(GRPOConfig, dict(
         steps=total, prompts_per_step=P, group_size=G, max_new_tokens=Lc, temperature=1.0, stop_at_eos=False,
-        mu=1, micro_batch_tokens=micro_batch_tokens, exact=exact,
+        mu=1, micro_batch_tokens=micro_batch_tokens, exact=exact, lora=lora_section(lora),
         optim=dict(lr=1e-6, **MEMORY_MODES[memory_mode]),
         data=dict(shuffle=False),
         engine=dict(max_num_seqs=P * G, block_size=block, num_kv_blocks=kv_blocks,
@@ -187,6 +198,7 @@ def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tok
     res["micro_batch_tokens"] = gcfg.micro_batch_tokens
     res["graph_wakes"] = dict(tr.llm.runner.graph_wakes)
     res["buffers_GiB"] = _buffer_arithmetic(tr, kv_blocks, block)
+    res["trained_params"] = model.lora.num_params() if model.lora is not None else model.num_params()
     if cuda:
         res["peak_GiB"] = (pp.peak() - base) / 2**30
         res["phase_peak_GiB"] = {k: (v - base) / 2**30 for k, v in pp.peaks.items()}
@@ -199,8 +211,27 @@ def bench_rlcu(proto: dict, steps: int, warmup: int, tiny: bool, micro_batch_tok
     return res
 
 
+def lora_section(r: int) -> dict:
+    """rlcu's `lora:` section of --lora r (empty: full fine-tuning); TRL's LoraConfig matches it."""
+    return dict(r=r, alpha=2 * r, target_modules="all-linear") if r else {}
+
+
 # ---------------------------------------------------------------- TRL
-def bench_trl(proto: dict, steps: int, warmup: int, tiny: bool) -> dict:
+def _timed(fn, times: list[float]):
+    """fn, appending the seconds of each call (the device waited for at both ends) to times."""
+    def run(*a, **k):
+        _sync()
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            _sync()
+            times.append(time.perf_counter() - t0)
+
+    return run
+
+
+def bench_trl(proto: dict, steps: int, warmup: int, tiny: bool, lora: int = 0) -> dict:
     try:
         import datasets
         import trl
@@ -241,11 +272,26 @@ def bench_trl(proto: dict, steps: int, warmup: int, tiny: bool) -> dict:
 
     timer = trl_step_timer(times, warmup, cuda)
 
+    peft_config = None
+    if lora:
+        import peft
+
+        peft_config = peft.LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear", lora_dropout=0.0,
+                                      task_type="CAUSAL_LM")
     trainer = trl.GRPOTrainer(model=model, reward_funcs=[hash_reward], args=args, train_dataset=ds,
-                              processing_class=tok, callbacks=[timer])
+                              processing_class=tok, callbacks=[timer], peft_config=peft_config)
+    gen: list[float] = []
+    trainer._generate = _timed(trainer._generate, gen)  # one call a step (steps_per_generation=1)
     trainer.train()
     res = {"s_per_step": statistics.median(times) if times else None, "steps": times, "trl": trl.__version__,
-           "config_fields_not_in_this_trl": dropped}
+           "config_fields_not_in_this_trl": dropped,
+           "trained_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
+    if lora:
+        res["peft"] = peft.__version__
+    if times and len(gen) >= len(times):
+        g = gen[-len(times):]
+        res["phases_s"] = {"generate": statistics.median(g),
+                           "train": statistics.median(t - x for t, x in zip(times, g))}
     if cuda:
         res["peak_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     return res
@@ -259,8 +305,8 @@ def run_side(side: str, a) -> dict:
     if side.startswith("rlcu"):
         mode = "bf16" if side == "rlcu_bf16" else "default"
         mbt = a.bf16_micro_batch_tokens if mode == "bf16" else a.micro_batch_tokens
-        return bench_rlcu(proto, a.steps, a.warmup, a.tiny, mbt, mode)
-    return bench_trl(proto, a.steps, a.warmup, a.tiny)
+        return bench_rlcu(proto, a.steps, a.warmup, a.tiny, mbt, mode, lora=a.lora)
+    return bench_trl(proto, a.steps, a.warmup, a.tiny, lora=a.lora)
 
 
 def _expand_sides(sides: str, memory_mode: str) -> list[str]:
@@ -274,7 +320,7 @@ def _expand_sides(sides: str, memory_mode: str) -> list[str]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--protocols", default="A,B")
+    ap.add_argument("--protocols", default=None, help="default A,B (A with --lora)")
     ap.add_argument("--sides", default="rlcu,trl")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -282,15 +328,19 @@ def main():
     ap.add_argument("--b-warmup", type=int, default=None, help="warm-up steps of protocol B (default --warmup)")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="rlcu's micro-batch (default mode)")
     ap.add_argument("--bf16-micro-batch-tokens", type=int, default=12288, help="rlcu's micro-batch in the bf16 mode")
-    ap.add_argument("--memory-mode", choices=("default", "bf16", "both"), default="both",
+    ap.add_argument("--lora", type=int, default=0, help="LoRA of rank R (alpha 2R, all linear) on both sides")
+    ap.add_argument("--memory-mode", choices=("default", "bf16", "both"), default=None,
                     help="rlcu's optimizer precision: default (fp32 master + fp32 m, v), "
-                         "bf16 (no master, bf16 m, v and gradients, stochastic rounding), or both (two rows)")
+                         "bf16 (no master, bf16 m, v and gradients, stochastic rounding), or both (two rows; the "
+                         "default without --lora)")
     ap.add_argument("--quick", action="store_true", help="protocol A, rlcu only, 1 warm-up + 2 timed steps")
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short sequences (CPU smoke test)")
     ap.add_argument("--timeout", type=int, default=1200, help="seconds per side and protocol")
     ap.add_argument("--side", help=argparse.SUPPRESS)
     ap.add_argument("--protocol", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.protocols = a.protocols or ("A" if a.lora else "A,B")
+    a.memory_mode = a.memory_mode or ("default" if a.lora else "both")
     if a.quick:
         a.protocols, a.sides, a.steps, a.warmup = "A", "rlcu", 2, 1
     if a.side:
@@ -302,6 +352,9 @@ def main():
                      "one optimizer step per batch, no KL; median s/step after warm-up; each side in its own process",
            "tiny": a.tiny, "memory_modes": {m: MEMORY_NOTES[m] for m in MEMORY_NOTES
                                             if a.memory_mode in (m, "both")}}
+    if a.lora:
+        res["lora"] = dict(lora_section(a.lora), peer="TRL GRPOTrainer + PEFT LoraConfig (same r, lora_alpha, "
+                           "target_modules='all-linear')")
     sides = _expand_sides(a.sides, a.memory_mode)
     for p in a.protocols.split(","):
         res[p] = {}
@@ -312,7 +365,7 @@ def main():
         for side in sides:
             cmd = [sys.executable, __file__, "--side", side, "--protocol", p, "--steps", str(steps),
                    "--warmup", str(warmup), "--micro-batch-tokens", str(a.micro_batch_tokens),
-                   "--bf16-micro-batch-tokens", str(a.bf16_micro_batch_tokens)]
+                   "--bf16-micro-batch-tokens", str(a.bf16_micro_batch_tokens), "--lora", str(a.lora)]
             if a.tiny:
                 cmd.append("--tiny")
             try:
@@ -330,9 +383,10 @@ def main():
                 if r.get("peak_GiB") and t.get("peak_GiB"):
                     res[p]["memory_ratio_vs_trl" + suffix] = r["peak_GiB"] / t["peak_GiB"]
     res["wall_s"] = time.time() - t0
-    write_json("grpo_tiny.json" if a.tiny else "grpo.json", res)
+    name = f"grpo_lora_r{a.lora}" if a.lora else "grpo"
+    write_json(f"{name}_tiny.json" if a.tiny else f"{name}.json", res)
     print(f"\n{'GRPO step':<16} {'s/step':>8} {'gen':>7} {'lp':>6} {'train':>7} {'peak GiB':>9} {'rollout':>8} "
-          f"{'train':>6} {'vs TRL':>7}")
+          f"{'train':>6} {'vs TRL':>7} {'trained':>11}")
     for p in a.protocols.split(","):
         for side in sides:
             r = res[p].get(side, {})
@@ -344,7 +398,8 @@ def main():
                 pr = f"{pp['rollout']:.2f}" if "rollout" in pp else "-"
                 pt = f"{pp['train']:.2f}" if "train" in pp else "-"
                 print(f"{p + ' ' + side:<16} {r['s_per_step']:>8.2f} {ph.get('generate', 0):>7.2f} "
-                      f"{ph.get('logprobs', 0):>6.2f} {ph.get('train', 0):>7.2f} {pk:>9} {pr:>8} {pt:>6} {sp:>7}")
+                      f"{ph.get('logprobs', 0):>6.2f} {ph.get('train', 0):>7.2f} {pk:>9} {pr:>8} {pt:>6} {sp:>7} "
+                      f"{r.get('trained_params', 0):>11,}")
             else:
                 print(f"{p + ' ' + side:<16} {str(r.get('error', 'no result'))[-300:]}")
 
