@@ -14,11 +14,25 @@ median step time after warm-up, each phase's time and peak allocated memory (rol
 score, the reward model's own time apart; ref_logprobs; critic_values; actor_train; critic_train),
 the run's peak, and the memory model's estimate of it (rlcu.memory).
 
-Peer: none run. TRL's PPOTrainer (trl.experimental in TRL 1.x) builds the same four models, but
-generates through transformers' generate and holds fp32 Adam state of two models; it is not
-measured here yet.
+Peer, in the same call and its own process: TRL's PPOTrainer (trl.experimental.ppo; TRL 1.13
+removed it, huggingface/trl#7020, so TRL 1.16 has none and its row is an error naming that; pass
+--trl-path DIR with trl 1.12.0 installed there by `pip install --no-deps --target DIR
+trl==1.12.0` to run it) with the same four models as transformers' classes at the same shape:
+Qwen3ForCausalLM policy and reference, one-label Qwen3ForSequenceClassification reward and value
+models, random bf16 weights, the same 64 prompts of 128 ids (in [2, V): TRL's pad id 0 nowhere),
+response_length 256 with no stop token (its generation ignores EOS, so every completion is 256
+tokens; checked), temperature 1, kl_coef 0.05, one PPO epoch of one mini-batch a step (one
+optimizer step), gradient checkpointing on the policy and the value model, all 64 prompts in one
+generate call (local_rollout_forward_batch_size 64) made in eval mode (so that transformers 5.17
+keeps the KV cache of a checkpointed model: TRL generates in train mode, where 5.17 drops it and
+recomputes every sequence at each token), micro-batches of --trl-micro-batch
+sequences. Its torch AdamW over bf16 parameters holds bf16 moments and gradients, as rlcu's bf16
+memory mode. TRL trains policy and value in one backward (PolicyAndValueWrapper); its step is
+timed between on_step_end callbacks (PPOTrainer calls no on_step_begin), its peak is the timed
+steps' max_memory_allocated, as rlcu's.
 
-    python bench/ppo_rm.py                 # the 4B shape on the GPU -> bench/results/ppo_rm.json
+    python bench/ppo_rm.py --trl-path DIR  # the 4B shape on the GPU, both sides -> bench/results/ppo_rm.json
+    python bench/ppo_rm.py --offload true  # rlcu alone, the reward model offloaded -> ppo_rm_offload.json
     python bench/ppo_rm.py --tiny          # tiny shapes on whatever device (a CPU smoke test)
 """
 
@@ -26,7 +40,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -162,6 +179,171 @@ def run(tiny: bool, offload: bool, steps: int, warmup: int, micro_batch_tokens: 
     return res
 
 
+# ---------------------------------------------------------------- TRL
+def _trl_ppo():
+    """(trl, PPOConfig, PPOTrainer) from wherever this TRL keeps its PPO trainer, or an error row."""
+    try:
+        import datasets  # noqa: F401
+        import trl
+    except ImportError as e:
+        return {"error": f"TRL side skipped: {e} (install trl, datasets)"}
+    if hasattr(trl, "PPOTrainer"):
+        return trl, trl.PPOConfig, trl.PPOTrainer
+    try:
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+    except ImportError:
+        return {"error": f"TRL {trl.__version__} has no PPO trainer (neither trl.PPOTrainer nor "
+                         "trl.experimental.ppo: TRL 1.13 removed it, huggingface/trl#7020); trl 1.12.0 is the last "
+                         "with it: pip install --no-deps --target DIR trl==1.12.0, then --trl-path DIR",
+                "trl": trl.__version__}
+    return trl, PPOConfig, PPOTrainer
+
+
+def _hf_models(cfg, cuda: bool):
+    """transformers' policy, reference (a copy), reward and value models (one label, pad id 0) of
+    cfg's shape, random weights, bf16 on the GPU (fp32 on the CPU)."""
+    import copy
+
+    import transformers
+
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "torch_dtype")}
+    kind, arch = d.pop("model_type"), cfg.fam.architecture
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+
+    def make(seed, cls, **kw):
+        hcfg = transformers.AutoConfig.for_model(kind, pad_token_id=0, **kw, **d)
+        hcfg._attn_implementation = "sdpa"
+        torch.manual_seed(seed)
+        return getattr(transformers, cls)(hcfg).to(dev, dtype)
+
+    policy = make(0, arch)
+    seq = arch.replace("ForCausalLM", "ForSequenceClassification")
+    return policy, copy.deepcopy(policy), make(1, seq, num_labels=1), make(2, seq, num_labels=1)
+
+
+def _trl_timer(times: list[float], warmup: int, cuda: bool):
+    """A TrainerCallback timing each PPO step from the previous on_step_end (or on_train_begin)
+    to its own: TRL's PPOTrainer calls no on_step_begin. The peak counter resets as the first
+    timed step begins."""
+    from transformers import TrainerCallback
+
+    from bench.common import sync
+
+    class PPOStepTimer(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            sync()
+            self.t0 = time.perf_counter()
+            if warmup == 0 and cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, a, state, control, **kw):
+            sync()
+            if state.global_step > warmup:
+                times.append(time.perf_counter() - self.t0)
+            if state.global_step == warmup and cuda:
+                torch.cuda.reset_peak_memory_stats()
+            self.t0 = time.perf_counter()
+
+    return PPOStepTimer()
+
+
+def run_trl(tiny: bool, steps: int, warmup: int, micro_batch: int) -> dict:
+    """TRL's PPOTrainer on the protocol (the docstring's Peer): its row, or an error naming why not."""
+    got = _trl_ppo()
+    if isinstance(got, dict):
+        return got
+    trl, PPOConfig, PPOTrainer = got
+    import datasets
+    import transformers
+
+    from bench.preference import hf_word_tokenizer
+    from rlcu.memory import GiB
+    from rlcu.model.config import CausalLMConfig
+
+    cuda = torch.cuda.is_available()
+    cfg = CausalLMConfig(**(TINY if tiny else SHAPES["4b"]), eos_token_id=1, bos_token_id=None)
+    proto = TINY_PROTOCOL if tiny else PROTOCOL
+    P, Lp, Lc = proto["prompts"], proto["prompt_len"], proto["completion_len"]
+    if P % micro_batch:
+        return {"error": f"--trl-micro-batch {micro_batch} does not divide the {P} prompts of a step"}
+    policy, ref, rm, value = _hf_models(cfg, cuda)
+    for m in (policy, value):
+        m.gradient_checkpointing_enable()
+    tok = hf_word_tokenizer(["a"])  # its pad id 0 (no prompt holds it) and eos id
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, cfg.vocab_size, (P * (warmup + steps), Lp), generator=g)  # rlcu's prompts
+    rows = [{"input_ids": p} for p in ids.tolist()]
+    lens: list[int] = []
+    generate = policy.generate
+
+    def counted(*a, **kw):
+        """generate in eval mode (TRL turns dropout off, so only the cache changes: transformers 5.17
+        drops the KV cache of a checkpointed model in train mode even without gradients, 5.24 keeps
+        it), the completions' length kept to check that every one runs to response_length."""
+        policy.eval()
+        try:
+            out = generate(*a, **kw)
+        finally:
+            policy.train()
+        lens.append(out.sequences.shape[1] - kw["input_ids"].shape[1])
+        return out
+
+    policy.generate = counted
+    try:
+        args = PPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-ppo-"), per_device_train_batch_size=micro_batch,
+                         gradient_accumulation_steps=P // micro_batch, num_mini_batches=1, num_ppo_epochs=1,
+                         total_episodes=P * (warmup + steps), local_rollout_forward_batch_size=P, response_length=Lc,
+                         stop_token=None, stop_token_id=None, temperature=1.0, kl_coef=0.05, learning_rate=1e-6,
+                         bf16=cuda, use_cpu=not cuda, num_sample_generations=0, logging_steps=1, report_to=[],
+                         save_strategy="no", seed=0)
+        times: list[float] = []
+        trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=rm,
+                             train_dataset=datasets.Dataset.from_list(rows), value_model=value,
+                             callbacks=[_trl_timer(times, warmup, cuda)])
+        trainer.train()
+    except (TypeError, ValueError, AttributeError) as e:
+        return {"error": f"TRL {trl.__version__}'s PPOTrainer API differs from the one this bench drives "
+                         f"(trl.experimental.ppo of 1.10-1.12): {type(e).__name__}: {e}", "trl": trl.__version__}
+    if not times or set(lens) != {Lc}:
+        return {"error": f"TRL ran {len(times)} timed steps with completions of {sorted(set(lens))} tokens, "
+                         f"not {steps} of {Lc}", "trl": trl.__version__}
+    res = {"protocol": proto, "trl": trl.__version__, "s_per_step": statistics.median(times), "steps": times,
+           "tokens_per_step": P * (Lp + Lc), "micro_batch": micro_batch, "rollout_batch": P,
+           "transformers": transformers.__version__, "generate_in_eval_mode": True,
+           "optimizer": "torch AdamW on bf16 parameters (bf16 m, v and gradients), policy and value together"}
+    if cuda:
+        res["peak_GiB"] = torch.cuda.max_memory_allocated() / GiB
+    return res
+
+
+# ---------------------------------------------------------------- driver
+def run_sides(a) -> dict:
+    """Each side in its own process (this script with --side S), its RESULT line read back; the
+    speed-up and memory ratio against TRL where both ran."""
+    res = {}
+    for side in a.sides.split(","):
+        cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
+               "--micro-batch-tokens", str(a.micro_batch_tokens), "--offload", a.offload,
+               "--trl-micro-batch", str(a.trl_micro_batch)] + (["--tiny"] if a.tiny else [])
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        if side == "trl" and a.trl_path:
+            first = str(Path(a.trl_path).resolve())
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (first, env.get("PYTHONPATH")) if x)
+        try:
+            pr = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
+            line = [x for x in pr.stdout.splitlines() if x.startswith("RESULT ")]
+            res[side] = json.loads(line[-1][7:]) if line else {"error": (pr.stderr or pr.stdout)[-1500:]}
+        except subprocess.TimeoutExpired:
+            res[side] = {"error": f"timed out after {a.timeout} s"}
+    r, t = res.get("rlcu", {}), res.get("trl", {})
+    if r.get("s_per_step") and t.get("s_per_step"):
+        res["speedup_vs_trl"] = t["s_per_step"] / r["s_per_step"]
+        if r.get("peak_GiB") and t.get("peak_GiB"):
+            res["memory_ratio_vs_trl"] = r["peak_GiB"] / t["peak_GiB"]
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
@@ -169,13 +351,36 @@ def main():
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--offload", choices=("false", "true"), default="false",
                     help="the reward model's weights in host memory between scorings")
+    ap.add_argument("--sides", help="rlcu,trl (default), or one; rlcu alone with --offload true")
+    ap.add_argument("--trl-path", help="a folder put first on the TRL side's PYTHONPATH (trl 1.12.0 installed there)")
+    ap.add_argument("--trl-micro-batch", type=int, default=16, help="TRL's per_device_train_batch_size (sequences)")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per side")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and sequences (a CPU smoke test)")
+    ap.add_argument("--side", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    res = run(a.tiny, a.offload == "true", a.steps, a.warmup, a.micro_batch_tokens)
+    if a.tiny:
+        a.trl_micro_batch = min(a.trl_micro_batch, TINY_PROTOCOL["prompts"])
+    if a.side:
+        res = (run(a.tiny, a.offload == "true", a.steps, a.warmup, a.micro_batch_tokens) if a.side == "rlcu" else
+               run_trl(a.tiny, a.steps, a.warmup, a.trl_micro_batch))
+        print("RESULT " + json.dumps(res, default=float))
+        return
+    a.sides = a.sides or ("rlcu" if a.offload == "true" else "rlcu,trl")
+    res = run_sides(a)
     suffix = "_offload" if a.offload == "true" else ""
-    path = write_json(f"ppo_rm_tiny{suffix}.json" if a.tiny else f"ppo_rm{suffix}.json", {"rlcu": res})
-    print(f"{res['s_per_step']:.3f} s/step, phases {res['phases_s']}, peak {res.get('peak_GiB', 0):.1f} GiB "
-          f"(estimate {res['estimate_peak_GiB']:.1f}) -> {path}")
+    path = write_json(f"ppo_rm_tiny{suffix}.json" if a.tiny else f"ppo_rm{suffix}.json", res)
+    for side in a.sides.split(","):
+        r = res[side]
+        if "s_per_step" not in r:
+            print(f"{side}: {r.get('error', 'no result')}")
+            continue
+        est = f" (estimate {r['estimate_peak_GiB']:.1f})" if "estimate_peak_GiB" in r else ""
+        print(f"{side}: {r['s_per_step']:.3f} s/step, peak {r.get('peak_GiB', 0):.1f} GiB{est}"
+              + (f", phases {r['phases_s']}" if "phases_s" in r else ""))
+    if "speedup_vs_trl" in res:
+        mem = f", {res['memory_ratio_vs_trl']:.2f}x the memory" if "memory_ratio_vs_trl" in res else ""
+        print(f"rlcu vs TRL: {res['speedup_vs_trl']:.2f}x faster{mem}")
+    print(path)
 
 
 if __name__ == "__main__":

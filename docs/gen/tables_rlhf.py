@@ -15,6 +15,11 @@ def ppo_rm() -> str:
                      f"{p['ref_logprobs']:.2f}", f"{p['critic_values']:.2f}", f"{p['actor_train']:.2f}",
                      f"{p['critic_train']:.2f}", f"{r['peak_GiB']:.1f} ({r['estimate_peak_GiB']:.1f})",
                      source(name, d)])
+        t = d.get("trl", {})
+        if "s_per_step" in t:  # the peer, where it ran (TRL 1.12's PPOTrainer: TRL 1.13 removed it)
+            peak = f"{t['peak_GiB']:.1f}" if "peak_GiB" in t else "-"
+            rows.append([f"TRL {t['trl']} PPOTrainer (the peer)", f"{t['s_per_step']:.2f}", "-", "-", "-", "-", "-",
+                         peak, source(name, d)])
     return _table(["reward model", "s/step", "rollout (of it: scoring)", "ref logprobs", "critic values",
                    "actor train", "critic train", "peak GiB (estimate)", "file, tree, device"], rows)
 
