@@ -23,13 +23,14 @@ models, random bf16 weights, the same 64 prompts of 128 ids (in [2, V): TRL's pa
 response_length 256 with no stop token (its generation ignores EOS, so every completion is 256
 tokens; checked), temperature 1, kl_coef 0.05, one PPO epoch of one mini-batch a step (one
 optimizer step), gradient checkpointing on the policy and the value model, all 64 prompts in one
-generate call (local_rollout_forward_batch_size 64) made in eval mode (so that transformers 5.17
-keeps the KV cache of a checkpointed model: TRL generates in train mode, where 5.17 drops it and
-recomputes every sequence at each token), micro-batches of --trl-micro-batch
-sequences. Its torch AdamW over bf16 parameters holds bf16 moments and gradients, as rlcu's bf16
-memory mode. TRL trains policy and value in one backward (PolicyAndValueWrapper); its step is
-timed between on_step_end callbacks (PPOTrainer calls no on_step_begin), its peak is the timed
-steps' max_memory_allocated, as rlcu's.
+generate call (local_rollout_forward_batch_size 64; --trl-rollout-batch lowers it) made in eval
+mode (so that transformers 5.17 keeps the KV cache of a checkpointed model: TRL generates in train
+mode, where 5.17 drops it and recomputes every sequence at each token), micro-batches of
+--trl-micro-batch sequences (16: 4 accumulated a step). Its torch AdamW over bf16 parameters
+holds bf16 moments and gradients, as rlcu's bf16 memory mode. TRL trains policy and value in
+one backward (PolicyAndValueWrapper); its step is timed between on_step_end callbacks
+(PPOTrainer calls no on_step_begin), its peak is the timed steps' max_memory_allocated, as
+rlcu's.
 
     python bench/ppo_rm.py --trl-path DIR  # the 4B shape on the GPU, both sides -> bench/results/ppo_rm.json
     python bench/ppo_rm.py --offload true  # rlcu alone, the reward model offloaded -> ppo_rm_offload.json
@@ -248,7 +249,7 @@ def _trl_timer(times: list[float], warmup: int, cuda: bool):
     return PPOStepTimer()
 
 
-def run_trl(tiny: bool, steps: int, warmup: int, micro_batch: int) -> dict:
+def run_trl(tiny: bool, steps: int, warmup: int, micro_batch: int, rollout_batch: int = 0) -> dict:
     """TRL's PPOTrainer on the protocol (the docstring's Peer): its row, or an error naming why not."""
     got = _trl_ppo()
     if isinstance(got, dict):
@@ -265,8 +266,10 @@ def run_trl(tiny: bool, steps: int, warmup: int, micro_batch: int) -> dict:
     cfg = CausalLMConfig(**(TINY if tiny else SHAPES["4b"]), eos_token_id=1, bos_token_id=None)
     proto = TINY_PROTOCOL if tiny else PROTOCOL
     P, Lp, Lc = proto["prompts"], proto["prompt_len"], proto["completion_len"]
-    if P % micro_batch:
-        return {"error": f"--trl-micro-batch {micro_batch} does not divide the {P} prompts of a step"}
+    rollout_batch = rollout_batch or P
+    if P % micro_batch or P % rollout_batch:
+        return {"error": f"--trl-micro-batch {micro_batch} or --trl-rollout-batch {rollout_batch} does not divide "
+                         f"the {P} prompts of a step"}
     policy, ref, rm, value = _hf_models(cfg, cuda)
     for m in (policy, value):
         m.gradient_checkpointing_enable()
@@ -293,7 +296,8 @@ def run_trl(tiny: bool, steps: int, warmup: int, micro_batch: int) -> dict:
     try:
         args = PPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-ppo-"), per_device_train_batch_size=micro_batch,
                          gradient_accumulation_steps=P // micro_batch, num_mini_batches=1, num_ppo_epochs=1,
-                         total_episodes=P * (warmup + steps), local_rollout_forward_batch_size=P, response_length=Lc,
+                         total_episodes=P * (warmup + steps), local_rollout_forward_batch_size=rollout_batch,
+                         response_length=Lc,
                          stop_token=None, stop_token_id=None, temperature=1.0, kl_coef=0.05, learning_rate=1e-6,
                          bf16=cuda, use_cpu=not cuda, num_sample_generations=0, logging_steps=1, report_to=[],
                          save_strategy="no", seed=0)
@@ -309,7 +313,7 @@ def run_trl(tiny: bool, steps: int, warmup: int, micro_batch: int) -> dict:
         return {"error": f"TRL ran {len(times)} timed steps with completions of {sorted(set(lens))} tokens, "
                          f"not {steps} of {Lc}", "trl": trl.__version__}
     res = {"protocol": proto, "trl": trl.__version__, "s_per_step": statistics.median(times), "steps": times,
-           "tokens_per_step": P * (Lp + Lc), "micro_batch": micro_batch, "rollout_batch": P,
+           "tokens_per_step": P * (Lp + Lc), "micro_batch": micro_batch, "rollout_batch": rollout_batch,
            "transformers": transformers.__version__, "generate_in_eval_mode": True,
            "optimizer": "torch AdamW on bf16 parameters (bf16 m, v and gradients), policy and value together"}
     if cuda:
@@ -325,7 +329,8 @@ def run_sides(a) -> dict:
     for side in a.sides.split(","):
         cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
                "--micro-batch-tokens", str(a.micro_batch_tokens), "--offload", a.offload,
-               "--trl-micro-batch", str(a.trl_micro_batch)] + (["--tiny"] if a.tiny else [])
+               "--trl-micro-batch", str(a.trl_micro_batch), "--trl-rollout-batch", str(a.trl_rollout_batch)]
+        cmd += ["--tiny"] if a.tiny else []
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
         if side == "trl" and a.trl_path:
             first = str(Path(a.trl_path).resolve())
@@ -354,6 +359,8 @@ def main():
     ap.add_argument("--sides", help="rlcu,trl (default), or one; rlcu alone with --offload true")
     ap.add_argument("--trl-path", help="a folder put first on the TRL side's PYTHONPATH (trl 1.12.0 installed there)")
     ap.add_argument("--trl-micro-batch", type=int, default=16, help="TRL's per_device_train_batch_size (sequences)")
+    ap.add_argument("--trl-rollout-batch", type=int, default=0,
+                    help="TRL's local_rollout_forward_batch_size: prompts a generate call (0: all of a step's)")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per side")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and sequences (a CPU smoke test)")
     ap.add_argument("--side", help=argparse.SUPPRESS)
@@ -362,7 +369,7 @@ def main():
         a.trl_micro_batch = min(a.trl_micro_batch, TINY_PROTOCOL["prompts"])
     if a.side:
         res = (run(a.tiny, a.offload == "true", a.steps, a.warmup, a.micro_batch_tokens) if a.side == "rlcu" else
-               run_trl(a.tiny, a.steps, a.warmup, a.trl_micro_batch))
+               run_trl(a.tiny, a.steps, a.warmup, a.trl_micro_batch, a.trl_rollout_batch))
         print("RESULT " + json.dumps(res, default=float))
         return
     a.sides = a.sides or ("rlcu" if a.offload == "true" else "rlcu,trl")
