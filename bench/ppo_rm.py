@@ -193,7 +193,10 @@ def _trl_ppo():
     try:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.ppo import PPOConfig, PPOTrainer
-    except ImportError:
+    except ImportError as e:
+        if e.name != "trl.experimental.ppo":  # it is there but does not import beside this transformers, say
+            return {"error": f"TRL {trl.__version__}'s trl.experimental.ppo does not import: {e}",
+                    "trl": trl.__version__}
         return {"error": f"TRL {trl.__version__} has no PPO trainer (neither trl.PPOTrainer nor "
                          "trl.experimental.ppo: TRL 1.13 removed it, huggingface/trl#7020); trl 1.12.0 is the last "
                          "with it: pip install --no-deps --target DIR trl==1.12.0, then --trl-path DIR",
@@ -216,7 +219,8 @@ def _hf_models(cfg, cuda: bool):
         hcfg = transformers.AutoConfig.for_model(kind, pad_token_id=0, **kw, **d)
         hcfg._attn_implementation = "sdpa"
         torch.manual_seed(seed)
-        return getattr(transformers, cls)(hcfg).to(dev, dtype)
+        with torch.device(dev):  # initialised on the device: a 4B model's random init on the CPU takes minutes
+            return getattr(transformers, cls)(hcfg).to(dtype)
 
     policy = make(0, arch)
     seq = arch.replace("ForCausalLM", "ForSequenceClassification")
