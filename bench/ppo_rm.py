@@ -55,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import MEMORY_MODES, SHAPES, write_json  # noqa: E402
+from rlcu.train.core import Hooks  # noqa: E402
 
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
@@ -62,10 +63,8 @@ PROTOCOL = dict(prompts=64, prompt_len=128, completion_len=256)
 TINY_PROTOCOL = dict(prompts=4, prompt_len=8, completion_len=8)
 
 
-class PhaseMeter:
+class PhaseMeter(Hooks):
     """rlcu.train.core.Hooks that time each phase of a step and record its peak allocated memory."""
-
-    preemptible = False
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
@@ -88,21 +87,6 @@ class PhaseMeter:
 
     def reset(self):
         self.seconds, self.peaks = {}, {}
-
-    def yield_check(self) -> bool:
-        return False
-
-    def on_yield(self, tokens_left: int) -> None:
-        pass
-
-    def on_generate_done(self) -> None:
-        pass
-
-    def metrics(self) -> dict:
-        return {}
-
-    def stop_reason(self):
-        return None
 
 
 def build(tiny: bool, offload: bool, micro_batch_tokens: int, steps: int):
