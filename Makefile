@@ -23,7 +23,7 @@ lint:
 
 test: install-test
 	$(PY) -m ruff check src tests bench
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # On the device machine: GPU-marked tests, then the benchmarks, a table last, JSON under $$OUT.
 gpu-check:
