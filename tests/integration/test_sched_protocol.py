@@ -35,7 +35,10 @@ class Raw:
         self.f = self.s.makefile("rb")
 
     def send(self, data: bytes) -> dict:
-        self.s.sendall(data)
+        try:
+            self.s.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the service refused a frame mid-way and closed; its error reply is already in our buffer
         line = self.f.readline()
         return json.loads(line) if line else None
 
