@@ -38,12 +38,12 @@ from pathlib import Path
 
 from rlcu.config import GRPOConfig, config_to_dict
 from rlcu.errors import SetupError
-from rlcu.sched.client import JobEnded, SchedClient, SchedError
+from rlcu.sched.client import SchedClient, SchedError
 from rlcu.sched.hooks import CLUSTER, JobHooks
-from rlcu.sched.job import _use_device, grpo_config
+from rlcu.sched.job import _use_device, grpo_config, sched_exit_status
 from rlcu.sched.join import JoinServer, join
 from rlcu.train import sizing
-from rlcu.train.core import coerce_config, exit_status
+from rlcu.train.core import coerce_config
 from rlcu.train.host_jobs import BASE_FIELDS, HostedJob, check_jobs
 from rlcu.train.lora_host import LoraHost
 
@@ -191,19 +191,12 @@ def submit_lora_exit_code(prog: str, *args, **kw) -> int:
     ended the host it ran in, 2 on a scheduler error."""
 
     def run() -> int:
-        try:
-            status, err = submit_lora(*args, **kw)
-        except JobEnded as e:
-            print(f"{prog}: the scheduler ended the host: {e}", file=sys.stderr)
-            return 3
-        except SchedError as e:
-            print(f"{prog}: scheduler error: {e}", file=sys.stderr)
-            return 2
+        status, err = submit_lora(*args, **kw)
         if status and err:
             print(f"{prog}: {err}", file=sys.stderr)
         return status
 
-    return exit_status(prog, run)
+    return sched_exit_status(prog, run, "host")
 
 
 def run_host_exit_code(prog: str, *args, **kw) -> int:
@@ -211,14 +204,4 @@ def run_host_exit_code(prog: str, *args, **kw) -> int:
     alone), 3 when the scheduler ended the host, 2 on a scheduler error or configs that cannot
     share a host (one line naming the file and the field)."""
 
-    def run() -> int:
-        try:
-            return run_host(*args, **kw).status
-        except JobEnded as e:
-            print(f"{prog}: the scheduler ended the host: {e}", file=sys.stderr)
-            return 3
-        except SchedError as e:
-            print(f"{prog}: scheduler error: {e}", file=sys.stderr)
-            return 2
-
-    return exit_status(prog, run)
+    return sched_exit_status(prog, lambda: run_host(*args, **kw).status, "host")

@@ -242,20 +242,31 @@ def run_grpo_exit_code(prog: str, *args, **kw) -> int:
     (train.core.exit_status: 1, 2, 128 + N); the reason goes to stderr."""
 
     def run() -> int:
+        run_grpo(*args, **kw)
+        return 0
+
+    return sched_exit_status(prog, run, "job")
+
+
+def sched_exit_status(prog: str, run, what: str) -> int:
+    """`run()`'s status for a command line under the scheduler (train.core.exit_status around
+    it): 3 when the run was stopped or the scheduler ended it (`what`: the job, or the host it
+    runs in), 2 on a scheduler error; the reason as one line on stderr."""
+
+    def guarded() -> int:
         try:
-            run_grpo(*args, **kw)
+            return run()
         except TrainingStopped as e:
             print(f"{prog}: {e}", file=sys.stderr)
             return 3
         except JobEnded as e:
-            print(f"{prog}: the scheduler ended the job: {e}", file=sys.stderr)
+            print(f"{prog}: the scheduler ended the {what}: {e}", file=sys.stderr)
             return 3
         except SchedError as e:
             print(f"{prog}: scheduler error: {e}", file=sys.stderr)
             return 2
-        return 0
 
-    return exit_status(prog, run)
+    return exit_status(prog, guarded)
 
 
 def main(argv: list[str] | None = None) -> int:
