@@ -5,7 +5,7 @@ T tokens packed (B*T = 16k). SDPA gets the same tokens as [B, H, T, D] views of 
 memory (flash's native layout) and GQA natively where the backend takes it. Causal FLOPs are
 counted as half: fwd = 2 * 2 * B * Hq * T^2 * D / 2, bwd = 2.5 * fwd.
 
-    python bench/kernels.py --only attention          # the suite
+    python bench/kernel_bench.py --only attention          # the suite
     python bench/kernel_suites/attention.py --sweep   # time block sizes / warps / stages per kernel
     python bench/kernel_suites/attention.py --static  # no GPU needed: compile for sm_90, print
                                                       # registers, spills and shared memory

@@ -6,7 +6,7 @@ GB/s counts the minimal traffic: every input read once, every output written onc
 embedding touches only the rows of the distinct ids: read them in the forward, read and write
 them in fp32 in the backward). Times are medians of `triton.testing.do_bench` after warm-up.
 
-    python bench/kernels.py --only elementwise
+    python bench/kernel_bench.py --only elementwise
     python bench/kernel_suites/elementwise.py          # this suite alone, a table
     python bench/kernel_suites/elementwise.py --static # no GPU: rmsnorm backward registers
 """

@@ -13,7 +13,7 @@
   logits; peer: the usual torch eager sampler (softmax, exponential noise, argmax of p / E);
   and how many of the 256 tokens differ from the twin's (0 or 1: near-ties of the noise).
 
-    python bench/kernels.py --only engine_ops
+    python bench/kernel_bench.py --only engine_ops
     python bench/kernel_suites/engine_ops.py            # this suite alone
     python bench/kernel_suites/engine_ops.py --sweep    # tiles / warps / stages per kernel
     python bench/kernel_suites/engine_ops.py --static   # no GPU: registers, spills, shared

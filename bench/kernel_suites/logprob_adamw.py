@@ -18,7 +18,7 @@ also with the bf16 copy the peer would need. Bytes per element: ours reads p, g,
 writes p, m, v, p_out (30), the peer 28 (+6 for its copy). Also grad_norm against
 torch.linalg.vector_norm.
 
-    python bench/kernels.py --only logprob_adamw
+    python bench/kernel_bench.py --only logprob_adamw
     python bench/kernel_suites/logprob_adamw.py
     python bench/kernel_suites/logprob_adamw.py --sweep   # the bf16 mode's step per launch config
 """

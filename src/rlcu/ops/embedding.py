@@ -18,7 +18,7 @@ through an fp32 scratch of its touched rows (see `embedding_bwd`).
 Backward traffic: dx once (N * D bf16, gathered in sorted order), each touched row of dW read
 and written once in fp32, plus the sort of the N ids and 2 / BN of dx's rows in fp32 for the
 next round (3 rounds at N = 32768). An earlier version added with fp32 atomics (16-byte
-red.global.add.v4.f32 a thread); it was replaced for the determinism (bench/kernels.py
+red.global.add.v4.f32 a thread); it was replaced for the determinism (bench/kernel_bench.py
 measures the kernel).
 """
 

@@ -23,7 +23,7 @@ warps (64 registers) fit 4 programs an SM, 64 KB of loads in flight. Programs ta
 tiles pid, pid + P, pid + 2P, ... rather than a contiguous run of rows each: contiguous runs
 put the programs' streams a power of two apart for the hidden norm (the same DRAM channels,
 in lock step), which held its backward far below copy bandwidth whatever the pipelining
-(bench/kernels.py, bench/results/kernels.json).
+(bench/kernel_bench.py, bench/results/kernels.json).
 """
 
 from __future__ import annotations

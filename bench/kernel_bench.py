@@ -1,7 +1,7 @@
 """Kernel benchmarks (BENCHMARKS.md section 4): each rlcu kernel against its PyTorch
 equivalent and against the ceilings measured in the same run.
 
-    python bench/kernels.py [--only attention,elementwise]
+    python bench/kernel_bench.py [--only attention,elementwise]
 """
 
 from __future__ import annotations
