@@ -45,9 +45,9 @@ else:  # pragma: no cover - the kernels are never launched without triton
 # <regime>_dx: the backward's dA = dY W GEMMs' (BM the regime's); bench/kernel_tune.py sweeps them
 CONFIGS = {
     "decode": (16, 64, 128, 4, 4, 0),
-    "prefill": (64, 128, 64, 4, 3, 0),
+    "prefill": (128, 256, 64, 8, 4, 8),
     "decode_dx": (16, 64, 128, 4, 4, 0),
-    "prefill_dx": (64, 128, 64, 4, 3, 0),
+    "prefill_dx": (128, 256, 64, 8, 4, 8),
     "dw": (64, 64, 64, 4, 3),  # (BM: rows a step, BN, BK, warps, stages) of the weight gradient
     "decode_pairs": 32,  # pairs an expert on average at most, for decode's tiles
     "combine_bn": 1024,
