@@ -71,6 +71,9 @@ MOE = {  # (BM, BN, BK, warps, stages, GROUP)
     "dw": [(64, 128, 128, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 8, 3),  # (BM, BN, BK,
            (64, 128, 128, 8, 4), (128, 128, 64, 8, 4), (64, 64, 128, 4, 4), (128, 128, 128, 8, 2),  # warps, stages)
            (64, 128, 64, 8, 4)],
+    "dw_long": [(128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (128, 128, 256, 8, 2), (64, 256, 128, 8, 2),
+                (128, 128, 128, 4, 2), (64, 128, 128, 8, 2), (128, 256, 64, 8, 3), (64, 128, 256, 8, 3),
+                (128, 128, 64, 8, 3), (64, 64, 64, 4, 3)],
 }
 LORA = {  # T -> shrink's (BK, BM, BR, warps, stages), expand's (BM, BN, warps, stages)
     1: ([(128, 16, 16, 4, 2), (128, 16, 16, 2, 4), (64, 16, 16, 4, 4), (128, 16, 32, 4, 4), (128, 16, 16, 8, 4),
@@ -86,7 +89,8 @@ LORA = {  # T -> shrink's (BK, BM, BR, warps, stages), expand's (BM, BN, warps, 
 # every candidate above compiles for sm_90 without spilling (ptxas -v, as tests/support/sm90_launches.py reads it)
 # the same under the interpreter (--quick): tiny tiles, one candidate a case that keeps the bits
 # and one that changes BK (dropped where bits are required)
-MOE_QUICK = {"prefill": [(32, 16, 32, 4, 1, 2)], "dx": [(16, 32, 4, 1, 1)], "dw": [(16, 16, 32, 4, 1)]}
+MOE_QUICK = {"prefill": [(32, 16, 32, 4, 1, 2)], "dx": [(16, 32, 4, 1, 1)], "dw": [(16, 16, 32, 4, 1)],
+             "dw_long": [(16, 16, 32, 4, 1)]}
 LORA_QUICK = {1: ([(16, 16, 16, 4, 1)], [(16, 32, 4, 1)]), 24: ([(32, 32, 16, 4, 1)], [(32, 16, 4, 1)])}
 QUICK_MODULES = lora_kernel.modules(128, 128, 2, 1, 32)
 # shares of the budget: the families', then their cases' (MoE: prefill, dx, dw; LoRA per T:
@@ -184,8 +188,11 @@ def fwd_out(res) -> list:
     return [out, sv.gu[sv.layout.pos.long()]]  # gate_up's rows by pair: the same whatever the layout's BM
 
 
-def moe_cases(quick: bool, dev: str, clock: Clock, cuda: bool, share: float) -> list[dict]:
-    s, T = (dict(E=2, k=2, H=128, I=128), 40) if quick else (moe_kernel.A3B, 8192)  # quick: prefill's too
+def moe_cases(quick: bool, dev: str, clock: Clock, cuda: bool, share: float, tokens: int = 8192,
+              dw_only: bool = False) -> list[dict]:
+    """The MoE sweeps at `tokens` tokens; dw_only: the weight gradient's alone, on the current
+    forward and dA tiles (the sweep of the train step's micro-batch, deeper K sums)."""
+    s, T = (dict(E=2, k=2, H=128, I=128), 40) if quick else (moe_kernel.A3B, tokens)  # quick: prefill's too
     E, k, H, I = s["E"], s["k"], s["H"], s["I"]
     g = torch.Generator(dev).manual_seed(0)
     wgu, wd = randn(g, E, 2 * I, H) / H**0.5, randn(g, E, H, I) / I**0.5
@@ -196,10 +203,11 @@ def moe_cases(quick: bool, dev: str, clock: Clock, cuda: bool, share: float) -> 
     cands = MOE_QUICK if quick else MOE
     ends = clock.family(share, CASE_WEIGHTS["moe"])
     src = "src/rlcu/ops/moe_gemm.py CONFIGS"
-    out = [sweep(f"moe {regime}", f"{src}[{regime!r}]", table[regime], cands["prefill"],
-                 lambda c: overriding(table, **{regime: c}), lambda: fwd_out(experts_fwd(x, ids, w, wgu, wd)),
-                 lambda: [lambda: experts_fwd(x, ids, w, wgu, wd)], True, ends[0], cuda)]
-    fwd = out[0]["best"]["config"]
+    out = [] if dw_only else [sweep(
+        f"moe {regime}", f"{src}[{regime!r}]", table[regime], cands["prefill"],
+        lambda c: overriding(table, **{regime: c}), lambda: fwd_out(experts_fwd(x, ids, w, wgu, wd)),
+        lambda: [lambda: experts_fwd(x, ids, w, wgu, wd)], True, ends[0], cuda)]
+    fwd = table[regime] if dw_only else out[0]["best"]["config"]
     saved = {}
 
     def fwd_saved():  # the forward's saved tensors at the winner's layout (BM)
@@ -212,10 +220,12 @@ def moe_cases(quick: bool, dev: str, clock: Clock, cuda: bool, share: float) -> 
     bm = fwd[0]
     cur_dx = table[dx_key] if table[dx_key][0] == bm else (bm, *table[dx_key][1:])
     bwd = lambda: experts_bwd(dout, x, w, wgu, wd, fwd_saved(), None, None)  # noqa: E731
-    out.append(sweep(f"moe {dx_key}", f"{src}[{dx_key!r}] (BM = {regime}'s)", cur_dx,
-                     [(bm, *c) for c in cands["dx"]], lambda c: overriding(table, **{regime: fwd, dx_key: c}),
-                     lambda: list(bwd()), lambda: [bwd], False, ends[1], cuda))
-    with overriding(table, **{regime: fwd, dx_key: out[1]["best"]["config"]}):
+    if not dw_only:
+        out.append(sweep(f"moe {dx_key}", f"{src}[{dx_key!r}] (BM = {regime}'s)", cur_dx,
+                         [(bm, *c) for c in cands["dx"]], lambda c: overriding(table, **{regime: fwd, dx_key: c}),
+                         lambda: list(bwd()), lambda: [bwd], False, ends[1], cuda))
+    dx = cur_dx if dw_only else out[1]["best"]["config"]
+    with overriding(table, **{regime: fwd, dx_key: dx}):
         sv = fwd_saved()
         dy, _ = moe_combine_bwd(dout, sv.y, sv.layout.pos, w)
         dgu = swiglu_bwd(grouped_mm(dy, wd.transpose(1, 2), sv.layout, False, dx_key), sv.gu)
@@ -229,8 +239,11 @@ def moe_cases(quick: bool, dev: str, clock: Clock, cuda: bool, share: float) -> 
         grouped_dw(dgu, x, sv.layout, True, bufs[1])
         return [b.clone() for b in bufs] if zero else None
 
-    out.append(sweep("moe dw", f"{src}['dw']", table["dw"], cands["dw"], lambda c: overriding(table, dw=c),
-                     lambda: dw(True), lambda: [lambda: dw(False)], False, ends[2], cuda))
+    # the table's row grouped_dw takes at this depth (moe_gemm.grouped_dw_triton's rule)
+    key = "dw_long" if sv.layout.pairs.shape[0] > moe_gemm.CONFIGS["dw_long_rows"] * E else "dw"
+    out.append(sweep(f"moe {key} T={T}", f"{src}[{key!r}]", table[key], cands[key],
+                     lambda c: overriding(table, **{key: c}), lambda: dw(True), lambda: [lambda: dw(False)], False,
+                     ends[2], cuda))
     return out
 
 
@@ -324,7 +337,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes, Triton's interpreter (CPU), nothing written")
     ap.add_argument("--budget", type=float, help="seconds for the sweeps, compiles included (default 105; --quick 600)")
-    ap.add_argument("--only", choices=["moe", "lora"], help="one family")
+    ap.add_argument("--only", choices=["moe", "lora", "moe_dw"], help="one family (moe_dw: the weight gradient's)")
+    ap.add_argument("--moe-tokens", type=int, default=8192, help="the MoE sweeps' tokens (32768: the train step's)")
     ap.add_argument("--json", default="kernel_tune.json")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and not a.quick
@@ -334,8 +348,8 @@ def main():
     if cuda:
         SAVE = lambda: write_json(a.json, {"budget_s": budget, "elapsed_s": clock.elapsed(), "cases": DONE})  # noqa: E731
     if a.only != "lora":
-        moe_cases(a.quick, dev, clock, cuda, 1.0 if a.only else SHARES["moe"])
-    if a.only != "moe":
+        moe_cases(a.quick, dev, clock, cuda, 1.0 if a.only else SHARES["moe"], a.moe_tokens, a.only == "moe_dw")
+    if a.only not in ("moe", "moe_dw"):
         lora_cases(a.quick, dev, clock, cuda, 1.0 if a.only else SHARES["lora"])
     print("\nwinners (paste where `where` says; a config equal to the current one needs no change):")
     for c in DONE:

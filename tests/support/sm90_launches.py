@@ -286,6 +286,8 @@ def calls():
 
         with overriding(moe_gemm.CONFIGS, prefill=(*moe_gemm.CONFIGS["prefill"][:5], 8)):  # blocks in groups of 8
             experts_fwd(xm, ids, wts, wgu, wd)
+        with overriding(moe_gemm.CONFIGS, dw_long_rows=0):  # the weight gradient's tiles for deep K sums
+            experts_bwd(xm, xm, wts, wgu, wd, saved, torch.zeros(E, 2 * Im, Hm), torch.zeros(E, Hm, Im))
 
     yield "moe", moe
 

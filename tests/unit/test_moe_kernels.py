@@ -121,9 +121,13 @@ def _ref_experts(x, ids, w, wgu, wd):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("T", [1, 29])
-def test_experts_forward_and_backward_match_float64(monkeypatch, impl, T):
+@pytest.mark.parametrize("T,deep", [(1, False), (29, False), (29, True)])
+def test_experts_forward_and_backward_match_float64(monkeypatch, impl, T, deep):
+    """deep: the weight gradient on its deep-K tiles (CONFIGS['dw_long'], taken past dw_long_rows
+    rows an expert on average)."""
     _backend(monkeypatch, impl)
+    if deep:
+        monkeypatch.setitem(moe_gemm.CONFIGS, "dw_long_rows", 0)
     H, I, E, k = 72, 40, 5, 2  # H, I: K tails under every tile
     x, ids, w, wgu, wd = _experts(T, H, I, E, k)
     out, saved = experts_fwd(x, ids, w, wgu, wd)
@@ -294,6 +298,30 @@ def test_gpu_decode_tiles_give_prefill_bits():
         assert torch.equal(experts_fwd(x[s], i1, w1, wgu, wd)[0], out[s]), t
     for T in (7, 256, 300):
         assert torch.equal(experts_fwd(x[:T], ids[:T], w[:T], wgu, wd)[0], out[:T]), T
+
+
+@pytest.mark.gpu
+def test_gpu_deep_k_weight_gradient_tiles_match_float64(monkeypatch):
+    """On the device at Qwen3-30B-A3B's expert shape and the train step's depth (32768 tokens, 2048
+    rows an expert on average): grouped_dw on CONFIGS['dw_long'] against float64 for a few experts,
+    and against the shallow tiles (CONFIGS['dw']) for all."""
+    x, lg, wgu, wd, k = _a3b(32768, 2)
+    ids, w, _ = route_fwd(lg, k, True)
+    _, saved = experts_fwd(x, ids, w, wgu, wd)
+    lay = saved.layout
+    assert lay.pairs.shape[0] > moe_gemm.CONFIGS["dw_long_rows"] * 128  # the deep tiles are the ones run
+    g = torch.randn(lay.pairs.shape[0], 2 * wd.shape[2], device="cuda", generator=torch.Generator("cuda")
+                    .manual_seed(4)).to(BF)
+    deep = moe_gemm.grouped_dw(g, x, lay, True, torch.zeros(wgu.shape, device="cuda"))
+    with monkeypatch.context() as m:
+        m.setitem(moe_gemm.CONFIGS, "dw_long_rows", 10**9)
+        shallow = moe_gemm.grouped_dw(g, x, lay, True, torch.zeros(wgu.shape, device="cuda"))
+    assert _rel(deep, shallow) < 1e-5
+    for e in (0, 63, 127):
+        pairs = lay.pairs[int(lay.starts[e]):int(lay.starts[e + 1])].long()
+        valid = pairs >= 0
+        ref = g[int(lay.starts[e]):int(lay.starts[e + 1])][valid].double().T @ x[pairs[valid] // k].double()
+        assert _rel(deep[e], ref) < 1e-5, e
 
 
 @pytest.mark.gpu

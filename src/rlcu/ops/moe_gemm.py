@@ -49,11 +49,14 @@ CONFIGS = {
     "decode_dx": (16, 64, 128, 4, 4, 0),
     "prefill_dx": (128, 256, 64, 8, 4, 8),
     "dw": (64, 64, 64, 4, 3),  # (BM: rows a step, BN, BK, warps, stages) of the weight gradient
+    "dw_long": (128, 128, 256, 8, 2),  # the same where experts average more than dw_long_rows rows
+    "dw_long_rows": 1024,  # (deep K sums: larger tiles read the rows from L2 fewer times)
     "decode_pairs": 32,  # pairs an expert on average at most, for decode's tiles
     "combine_bn": 1024,
 }
 _INTERPRET = {"decode": (16, 16, 32, 4, 1, 0), "prefill": (32, 32, 32, 4, 1, 0), "decode_dx": (16, 16, 32, 4, 1, 0),
-              "prefill_dx": (32, 32, 32, 4, 1, 0), "dw": (16, 32, 32, 4, 1)}
+              "prefill_dx": (32, 32, 32, 4, 1, 0), "dw": (16, 32, 32, 4, 1),
+              "dw_long": (16, 32, 32, 4, 1)}
 
 
 def regime(T: int, k: int, E: int, K: int = 128) -> str:
@@ -215,7 +218,8 @@ def grouped_dw_triton(g, a, layout, gather, dw):
     if dw.stride(2) != 1:
         raise ValueError("grouped_dw: dw must have a unit last stride (it is updated in place)")
     g, a = _unit_rows(g), _unit_rows(a)
-    BM, BN, BK, warps, stages = gemm_config("dw")
+    long = layout.pairs.shape[0] > CONFIGS["dw_long_rows"] * E
+    BM, BN, BK, warps, stages = gemm_config("dw_long" if long else "dw")
     grid = (triton.cdiv(K, BK), triton.cdiv(N, BN), E)
     _grouped_dw_kernel[grid](g, a, layout.pairs, layout.starts, dw, g.stride(0), a.stride(0), dw.stride(0),
                              dw.stride(1), N=N, K=K, TOPK=layout.k, GATHER=bool(gather),
