@@ -130,6 +130,13 @@ def moe() -> str:
                      " / ".join(f"{dec[T]['rlcu_us']:.0f} us" for T in Ts),
                      " / ".join(_pct(dec[T]["bound_us"] / dec[T]["rlcu_us"]) for T in Ts) + " of the bound", "",
                      source("moe_kernel_after.json", k)])
+    for name in ("kernel_tune.json", "kernel_tune_dw_32k.json"):  # the tile sweeps whose winners the tables hold
+        d = load(name)
+        for c in d["cases"]:
+            if c["case"].startswith("moe"):
+                rows.append([f"expert GEMM tile sweep, {c['case'][4:]}: the current tiles -> the best",
+                             f"{c['current']['us'] / 1000:.2f} -> {c['best']['us'] / 1000:.2f} ms",
+                             f"x{c['speedup']:.2f}", "", source(name, d)])
     return _table(["Qwen3-30B-A3B shape, random bf16 weights", "figure", "against its bound", "target",
                    "file, tree, device"], rows)
 

@@ -24,4 +24,25 @@ def ppo_rm() -> str:
                    "actor train", "critic train", "peak GiB (estimate)", "file, tree, device"], rows)
 
 
-TABLES = {"ppo-rm": ppo_rm}
+def preference() -> str:
+    """Reward-model and DPO steps beside TRL's trainers: each shape's two sides ran in one call."""
+    rows = []
+    for name, what, peer in (("reward_model.json", "reward model", "RewardTrainer"), ("dpo.json", "DPO", "DPOTrainer")):
+        d = load(name)
+        for shape in ("0.6b", "4b"):
+            sides = d.get(shape, {})
+            r, t = sides.get("rlcu", {}), sides.get("trl", {})
+            for side, row, label in (("rlcu", r, "rlcu"), ("trl", t, f"TRL {peer}")):
+                if "s_per_step" not in row:
+                    rows.append([f"{what}, {shape.upper()}", label, f"not measured: {str(row.get('error', '-'))[:60]}",
+                                 "", "", "", "", source(name, d)])
+                    continue
+                ratio = f"{t['s_per_step'] / r['s_per_step']:.2f}x" if side == "rlcu" and "s_per_step" in t else ""
+                ref = f"{row['ref_s']:.1f}" if "ref_s" in row else "-"
+                rows.append([f"{what}, {shape.upper()}", label, f"{row['s_per_step']:.3f}", f"{row['pairs_per_s']:.1f}",
+                             f"{row['peak_GiB']:.1f}", ref, ratio, source(name, d)])
+    return _table(["step", "side", "s/step", "pairs/s", "peak GiB", "reference logprobs s", "speed vs TRL",
+                   "file, tree, device"], rows)
+
+
+TABLES = {"ppo-rm": ppo_rm, "preference": preference}
