@@ -49,7 +49,7 @@ CONFIGS = {
     "decode_dx": (16, 64, 128, 4, 4, 0),
     "prefill_dx": (128, 256, 64, 8, 4, 8),
     "dw": (64, 64, 64, 4, 3),  # (BM: rows a step, BN, BK, warps, stages) of the weight gradient
-    "dw_long": (128, 128, 256, 8, 2),  # the same where experts average more than dw_long_rows rows
+    "dw_long": (128, 128, 128, 8, 2),  # the same where experts average more than dw_long_rows rows
     "dw_long_rows": 1024,  # (deep K sums: larger tiles read the rows from L2 fewer times)
     "decode_pairs": 32,  # pairs an expert on average at most, for decode's tiles
     "combine_bn": 1024,
