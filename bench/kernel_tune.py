@@ -239,8 +239,7 @@ def moe_cases(quick: bool, dev: str, clock: Clock, cuda: bool, share: float, tok
         grouped_dw(dgu, x, sv.layout, True, bufs[1])
         return [b.clone() for b in bufs] if zero else None
 
-    # the table's row grouped_dw takes at this depth (moe_gemm.grouped_dw_triton's rule)
-    key = "dw_long" if sv.layout.pairs.shape[0] > moe_gemm.CONFIGS["dw_long_rows"] * E else "dw"
+    key = moe_gemm.dw_regime(sv.layout.pairs.shape[0], E)  # the table's row grouped_dw takes at this depth
     out.append(sweep(f"moe {key} T={T}", f"{src}[{key!r}]", table[key], cands[key],
                      lambda c: overriding(table, **{key: c}), lambda: dw(True), lambda: [lambda: dw(False)], False,
                      ends[2], cuda))

@@ -65,6 +65,12 @@ def regime(T: int, k: int, E: int, K: int = 128) -> str:
     return "decode" if T * k <= CONFIGS["decode_pairs"] * E or K % 128 else "prefill"
 
 
+def dw_regime(rows: int, E: int) -> str:
+    """'dw' or 'dw_long': the weight gradient's tiles for a layout of `rows` sorted rows over E
+    experts (deep K sums past dw_long_rows rows an expert on average)."""
+    return "dw_long" if rows > CONFIGS["dw_long_rows"] * E else "dw"
+
+
 def gemm_config(name: str) -> tuple:
     return (_INTERPRET if interpreting() else CONFIGS)[name]
 
@@ -218,8 +224,7 @@ def grouped_dw_triton(g, a, layout, gather, dw):
     if dw.stride(2) != 1:
         raise ValueError("grouped_dw: dw must have a unit last stride (it is updated in place)")
     g, a = _unit_rows(g), _unit_rows(a)
-    long = layout.pairs.shape[0] > CONFIGS["dw_long_rows"] * E
-    BM, BN, BK, warps, stages = gemm_config("dw_long" if long else "dw")
+    BM, BN, BK, warps, stages = gemm_config(dw_regime(layout.pairs.shape[0], E))
     grid = (triton.cdiv(K, BK), triton.cdiv(N, BN), E)
     _grouped_dw_kernel[grid](g, a, layout.pairs, layout.starts, dw, g.stride(0), a.stride(0), dw.stride(0),
                              dw.stride(1), N=N, K=K, TOPK=layout.k, GATHER=bool(gather),
